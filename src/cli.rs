@@ -1,0 +1,266 @@
+//! The command line: `serve`, `check-config`, `dev`. Every flag can also come from a `KCP_*`
+//! environment variable; flags and variables override the configuration file.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+
+use crate::config::{Config, ConfigError, LogFormat};
+
+#[derive(Debug, Parser)]
+#[command(name = "kube-cache-proxy", version, about = "A watch-aware caching proxy for kube-apiserver")]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Serve as a proxy in front of the apiserver named by kubeconfig or in-cluster config.
+    Serve(ServeArgs),
+    /// Validate a configuration file; prints each error with its field path, exits 1 on error.
+    CheckConfig {
+        /// The YAML file to check.
+        file: PathBuf,
+    },
+    /// Start a local kube-apiserver + etcd, the proxy in front of them, and write
+    /// ./kube-cache-proxy.kubeconfig and ./upstream.kubeconfig. Ctrl-C stops everything.
+    Dev(DevArgs),
+}
+
+#[derive(Debug, Args, Default)]
+pub struct ServeArgs {
+    /// YAML configuration file (see config/kube-cache-proxy.yaml).
+    #[arg(long, env = "KCP_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Kubeconfig of the upstream apiserver (default: in-cluster, else $KUBECONFIG or ~/.kube/config).
+    #[arg(long, env = "KCP_KUBECONFIG")]
+    pub kubeconfig: Option<PathBuf>,
+    /// Kubeconfig context.
+    #[arg(long, env = "KCP_CONTEXT")]
+    pub context: Option<String>,
+    /// TLS listen address (default 0.0.0.0:8443).
+    #[arg(long, env = "KCP_LISTEN")]
+    pub listen: Option<SocketAddr>,
+    #[arg(long, env = "KCP_TLS_CERT_FILE")]
+    pub tls_cert_file: Option<PathBuf>,
+    #[arg(long, env = "KCP_TLS_KEY_FILE")]
+    pub tls_key_file: Option<PathBuf>,
+    /// CA bundle for client certificates (mTLS).
+    #[arg(long, env = "KCP_CLIENT_CA_FILE")]
+    pub client_ca_file: Option<PathBuf>,
+    /// Plain-HTTP listen address for local use (loopback only unless allowed).
+    #[arg(long, env = "KCP_INSECURE_LISTEN")]
+    pub insecure_listen: Option<SocketAddr>,
+    #[arg(long, env = "KCP_ALLOW_INSECURE_NON_LOOPBACK")]
+    pub allow_insecure_non_loopback: bool,
+    /// Delay between failing /readyz and closing listeners on SIGTERM (e.g. 10s).
+    #[arg(long, env = "KCP_SHUTDOWN_DELAY", value_parser = humantime::parse_duration)]
+    pub shutdown_delay: Option<Duration>,
+    /// Log filter, e.g. info or kube_cache_proxy=debug.
+    #[arg(long, env = "KCP_LOG_LEVEL")]
+    pub log_level: Option<String>,
+    #[arg(long, env = "KCP_LOG_FORMAT")]
+    pub log_format: Option<LogFormat>,
+}
+
+#[derive(Debug, Args)]
+pub struct DevArgs {
+    /// Where the proxy listens (plain HTTP, loopback).
+    #[arg(long, env = "KCP_DEV_LISTEN", default_value = "127.0.0.1:8001")]
+    pub listen: SocketAddr,
+    /// Directory for the kubeconfigs written (default: the current directory).
+    #[arg(long, env = "KCP_DEV_OUT", default_value = ".")]
+    pub out: PathBuf,
+    #[arg(long, env = "KCP_LOG_LEVEL", default_value = "info")]
+    pub log_level: String,
+}
+
+impl ServeArgs {
+    /// The configuration file (or defaults) with flags and environment applied.
+    pub fn resolve(&self) -> Result<Config, ConfigError> {
+        let mut cfg = match &self.config {
+            Some(p) => Config::from_file(p)?,
+            None => Config::default(),
+        };
+        if let Some(v) = &self.kubeconfig {
+            cfg.upstream.kubeconfig = Some(v.clone());
+        }
+        if let Some(v) = &self.context {
+            cfg.upstream.context = Some(v.clone());
+        }
+        if let Some(v) = self.listen {
+            cfg.listen = v;
+        }
+        if let Some(v) = &self.tls_cert_file {
+            cfg.tls.cert_file = Some(v.clone());
+        }
+        if let Some(v) = &self.tls_key_file {
+            cfg.tls.key_file = Some(v.clone());
+        }
+        if let Some(v) = &self.client_ca_file {
+            cfg.tls.client_ca_file = Some(v.clone());
+        }
+        if let Some(v) = self.insecure_listen {
+            cfg.insecure_listen = Some(v);
+        }
+        if self.allow_insecure_non_loopback {
+            cfg.allow_insecure_non_loopback = true;
+        }
+        if let Some(v) = self.shutdown_delay {
+            cfg.shutdown.delay = v;
+        }
+        if let Some(v) = &self.log_level {
+            cfg.log.level = v.clone();
+        }
+        if let Some(v) = self.log_format {
+            cfg.log.format = v;
+        }
+        Ok(cfg)
+    }
+}
+
+/// Sets up tracing once per process.
+pub fn init_logging(level: &str, format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_new(level)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let _ = match format {
+        LogFormat::Json => b.json().flatten_event(true).try_init(),
+        LogFormat::Text => b.try_init(),
+    };
+}
+
+/// Resolves on SIGTERM or SIGINT.
+pub async fn termination_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(s) => s,
+            Err(_) => {
+                let _ = ctrl_c.await;
+                return;
+            }
+        };
+        tokio::select! {
+            _ = ctrl_c => {},
+            _ = term.recv() => {},
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}
+
+/// `check-config FILE`: the list of problems, empty when the file is valid.
+pub fn check_config(file: &std::path::Path) -> Vec<String> {
+    match Config::from_file(file).and_then(|c| c.validate().map(|_| c)) {
+        Ok(_) => Vec::new(),
+        Err(ConfigError::Invalid(errs)) => errs.iter().map(ToString::to_string).collect(),
+        Err(e) => vec![e.to_string()],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_override_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.yaml");
+        std::fs::write(&p, "shutdown:\n  delay: 3s\nlog:\n  level: debug\n").unwrap();
+        let args = ServeArgs {
+            config: Some(p),
+            shutdown_delay: Some(Duration::from_secs(7)),
+            insecure_listen: Some("127.0.0.1:9999".parse().unwrap()),
+            ..Default::default()
+        };
+        let cfg = args.resolve().unwrap();
+        assert_eq!(cfg.shutdown.delay, Duration::from_secs(7));
+        assert_eq!(cfg.log.level, "debug");
+        assert_eq!(cfg.insecure_listen, Some("127.0.0.1:9999".parse().unwrap()));
+    }
+
+    #[test]
+    fn check_config_reports_paths() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.yaml");
+        std::fs::write(&p, "server:\n  maxConnections: 0\ninsecureListen: 127.0.0.1:1\n").unwrap();
+        assert_eq!(check_config(&p), vec!["server.maxConnections: must be at least 1".to_string()]);
+        std::fs::write(&p, "insecureListen: 127.0.0.1:1\n").unwrap();
+        assert!(check_config(&p).is_empty());
+        assert_eq!(check_config(&dir.path().join("missing.yaml")).len(), 1);
+    }
+
+    #[test]
+    fn the_cli_definition_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+}
+
+/// `dev`: a real local control plane with the proxy in front of it, until Ctrl-C.
+///
+/// This is the proxy's default "embedded" upstream for someone without a cluster. The
+/// proxy's own identity (for impersonation and health probes) is the control plane's admin.
+pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
+    use anyhow::Context;
+
+    use crate::devcluster::{ControlPlane, ControlPlaneOptions};
+
+    init_logging(&args.log_level, LogFormat::Text);
+    crate::tls::install_crypto_provider();
+    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    let out = std::fs::canonicalize(&args.out)?;
+    eprintln!(">> preparing kube-apiserver, etcd and kubectl (cached after the first build)");
+    tokio::task::spawn_blocking(crate::devcluster::ensure_binaries)
+        .await?
+        .context("building the control plane")?;
+    let cp = ControlPlane::start(ControlPlaneOptions {
+        dir: None,
+        log_dir: Some(out.join(".dev").join("logs")),
+    })
+    .await
+    .context("starting kube-apiserver and etcd")?;
+    eprintln!(">> kube-apiserver ready at {} (logs in {})", cp.url, cp.log_dir.display());
+    cp.seed().await.context("seeding demo objects")?;
+
+    let upstream_kc = out.join("upstream.kubeconfig");
+    std::fs::write(&upstream_kc, cp.admin_kubeconfig_yaml())?;
+    let mut cfg = Config::default();
+    cfg.insecure_listen = Some(args.listen);
+    cfg.upstream.kubeconfig = Some(upstream_kc.clone());
+    cfg.log.level = args.log_level.clone();
+    let kube = crate::upstream::load_kube_config(&cfg.upstream).await?;
+    let running = crate::server::start(cfg, &kube).await?;
+    let addr = running.insecure_addr.context("the proxy has no listener")?;
+    let proxy_kc = out.join("kube-cache-proxy.kubeconfig");
+    std::fs::write(
+        &proxy_kc,
+        ControlPlane::kubeconfig_yaml(&format!("http://{addr}"), None, Some(cp.admin_token()), None),
+    )?;
+    let kubectl = cp.kubectl();
+    println!(
+        "\nkube-cache-proxy is serving http://{addr} in front of {upstream}\n\n\
+         Through the proxy:   kubectl --kubeconfig {pk} get pods -A -w\n\
+         Directly upstream:   kubectl --kubeconfig {uk} get ns\n\
+         kubectl built here:  {kubectl}\n\
+         Users (static tokens): {users}\n\n\
+         Ctrl-C stops the proxy, kube-apiserver and etcd.",
+        upstream = cp.url,
+        pk = proxy_kc.display(),
+        uk = upstream_kc.display(),
+        kubectl = kubectl.display(),
+        users = cp.users.iter().map(|u| u.name.as_str()).collect::<Vec<_>>().join(", "),
+    );
+    termination_signal().await;
+    eprintln!(">> stopping");
+    running.shutdown().await;
+    cp.stop().await;
+    Ok(())
+}

@@ -1,0 +1,419 @@
+//! Typed configuration: the YAML file, then `KCP_*` environment variables and flags on top.
+//!
+//! Every field has its default implemented once, here, with the reason for it. The commented
+//! example `config/kube-cache-proxy.yaml` lists the same fields; `check-config` validates a
+//! file and reports each problem with its field path.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+
+/// The whole configuration file.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct Config {
+    /// TLS listener (HTTP/1.1 and HTTP/2 by ALPN). Only started when `tls.certFile` and
+    /// `tls.keyFile` are set. Default `0.0.0.0:8443`: the Service maps 443 to it, and a
+    /// non-root container cannot bind 443.
+    pub listen: SocketAddr,
+    /// Plain-HTTP listener for local development (HTTP/1.1 and h2c prior knowledge). Off by
+    /// default. A non-loopback address is refused unless `allowInsecureNonLoopback` is set,
+    /// because callers' bearer tokens would cross the network in clear text.
+    pub insecure_listen: Option<SocketAddr>,
+    pub allow_insecure_non_loopback: bool,
+    pub tls: TlsConfig,
+    pub upstream: UpstreamConfig,
+    pub server: ServerConfig,
+    pub shutdown: ShutdownConfig,
+    pub log: LogConfig,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            listen: SocketAddr::from(([0, 0, 0, 0], 8443)),
+            insecure_listen: None,
+            allow_insecure_non_loopback: false,
+            tls: TlsConfig::default(),
+            upstream: UpstreamConfig::default(),
+            server: ServerConfig::default(),
+            shutdown: ShutdownConfig::default(),
+            log: LogConfig::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct TlsConfig {
+    /// PEM certificate chain served to clients. Reloaded when the file changes.
+    pub cert_file: Option<PathBuf>,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1). Reloaded with the certificate.
+    pub key_file: Option<PathBuf>,
+    /// PEM bundle of CAs whose client certificates identify callers (CN = user, O = groups),
+    /// as kube-apiserver's `--client-ca-file`. Callers without a certificate are still
+    /// accepted and authenticate by bearer token.
+    #[serde(rename = "clientCaFile")]
+    pub client_ca_file: Option<PathBuf>,
+    /// How often the certificate and key files are checked for changes. Polling (not inotify)
+    /// because Kubernetes updates mounted Secrets by swapping a symlink.
+    #[serde(with = "humantime_serde")]
+    pub reload_interval: Duration,
+    /// Bound on a TLS handshake, so half-open connections cannot pin resources.
+    #[serde(with = "humantime_serde")]
+    pub handshake_timeout: Duration,
+}
+
+impl Default for TlsConfig {
+    fn default() -> Self {
+        TlsConfig {
+            cert_file: None,
+            key_file: None,
+            client_ca_file: None,
+            reload_interval: Duration::from_secs(10),
+            handshake_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct UpstreamConfig {
+    /// Kubeconfig of the upstream apiserver. Unset: in-cluster config when running in a pod,
+    /// else `$KUBECONFIG`, else `~/.kube/config`.
+    pub kubeconfig: Option<PathBuf>,
+    /// Kubeconfig context; unset means the current context.
+    pub context: Option<String>,
+    /// TCP+TLS connect timeout to the apiserver.
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// How often `/readyz` of the upstream is probed for the proxy's own readiness.
+    #[serde(with = "humantime_serde")]
+    pub health_check_interval: Duration,
+    /// HTTP/2 keepalive ping interval on upstream connections: detects a dead apiserver
+    /// connection under a long watch (client-go uses 30 s for the same purpose).
+    #[serde(with = "humantime_serde")]
+    pub keepalive_interval: Duration,
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        UpstreamConfig {
+            kubeconfig: None,
+            context: None,
+            connect_timeout: Duration::from_secs(10),
+            health_check_interval: Duration::from_secs(5),
+            keepalive_interval: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Concurrent streams per HTTP/2 connection. kube-apiserver's default
+    /// `--http2-max-streams-per-connection` is 1000; informers multiplex every watch of a
+    /// process over one connection, so lower values stall controllers.
+    pub http2_max_concurrent_streams: u32,
+    /// Server-initiated HTTP/2 PING interval; dead clients are dropped after the timeout.
+    #[serde(with = "humantime_serde")]
+    pub http2_keepalive_interval: Duration,
+    #[serde(with = "humantime_serde")]
+    pub http2_keepalive_timeout: Duration,
+    /// Streams a client may open and reset before the server accepts them (CVE-2023-44487
+    /// "rapid reset"); hyper's default is 20.
+    pub http2_max_pending_accept_reset_streams: usize,
+    /// Streams the server may reset for protocol errors before closing the connection
+    /// (CVE-2024-27316-class floods); hyper's default is 1024.
+    pub http2_max_local_error_reset_streams: usize,
+    /// Largest request head (all header names and values) accepted; larger gets 431.
+    /// Go's net/http, and so kube-apiserver, allows 1 MiB; 256 KiB is ample for any token.
+    pub max_header_bytes: usize,
+    /// Largest body of a non-streaming request (create/update/patch); larger gets 413.
+    /// kube-apiserver's own limit is 3 MiB (`MaxRequestBodyBytes`).
+    pub max_request_body_bytes: u64,
+    /// Concurrent downstream connections; further connections wait in the accept backlog.
+    pub max_connections: usize,
+    /// Time allowed to receive a request head on HTTP/1.1 (slowloris protection).
+    #[serde(with = "humantime_serde")]
+    pub header_read_timeout: Duration,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        ServerConfig {
+            http2_max_concurrent_streams: 1000,
+            http2_keepalive_interval: Duration::from_secs(30),
+            http2_keepalive_timeout: Duration::from_secs(20),
+            http2_max_pending_accept_reset_streams: 20,
+            http2_max_local_error_reset_streams: 1024,
+            max_header_bytes: 256 * 1024,
+            max_request_body_bytes: 3 * 1024 * 1024,
+            max_connections: 10_000,
+            header_read_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct ShutdownConfig {
+    /// Time between failing `/readyz` and closing listeners, so load balancers and
+    /// Endpoints stop sending new connections first (kube-apiserver's
+    /// `--shutdown-delay-duration`). 0 for local use; the deploy manifests set 10 s.
+    #[serde(with = "humantime_serde")]
+    pub delay: Duration,
+    /// Bound on draining open requests and watch streams after the listeners close.
+    #[serde(with = "humantime_serde")]
+    pub drain_timeout: Duration,
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        ShutdownConfig {
+            delay: Duration::ZERO,
+            drain_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// A tracing filter: `info`, `debug`, or per-module `kube_cache_proxy=debug,hyper=info`.
+    pub level: String,
+    pub format: LogFormat,
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig {
+            level: "info".into(),
+            format: LogFormat::Text,
+        }
+    }
+}
+
+/// One problem in a configuration, with the path of the field it concerns.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FieldError {
+    pub path: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for FieldError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.path, self.message)
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}", .0.iter().map(ToString::to_string).collect::<Vec<_>>().join("; "))]
+    Invalid(Vec<FieldError>),
+}
+
+impl Config {
+    /// Parses YAML text into a config, reporting syntax and type errors with field paths.
+    pub fn from_yaml(text: &str) -> Result<Config, ConfigError> {
+        if text.trim().is_empty() {
+            return Ok(Config::default());
+        }
+        // Parse to a generic value first so serde_path_to_error can name the failing field.
+        let value: serde_json::Value = serde_saphyr::from_str(text).map_err(|e| {
+            ConfigError::Invalid(vec![FieldError {
+                path: "(document)".into(),
+                message: e.to_string(),
+            }])
+        })?;
+        if value.is_null() {
+            return Ok(Config::default());
+        }
+        serde_path_to_error::deserialize(value).map_err(|e| {
+            let path = e.path().to_string();
+            ConfigError::Invalid(vec![FieldError {
+                path: if path == "." { "(document)".into() } else { path },
+                message: e.into_inner().to_string(),
+            }])
+        })
+    }
+
+    pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Config::from_yaml(&text)
+    }
+
+    /// Checks the relations between fields that types cannot express.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let mut errs = Vec::new();
+        let mut err = |path: &str, message: String| {
+            errs.push(FieldError {
+                path: path.into(),
+                message,
+            })
+        };
+        match (&self.tls.cert_file, &self.tls.key_file) {
+            (Some(_), None) => err("tls.keyFile", "required when tls.certFile is set".into()),
+            (None, Some(_)) => err("tls.certFile", "required when tls.keyFile is set".into()),
+            _ => {}
+        }
+        if self.tls.cert_file.is_none() && self.insecure_listen.is_none() {
+            err(
+                "tls.certFile",
+                "no listener: set tls.certFile and tls.keyFile, or insecureListen for local use"
+                    .into(),
+            );
+        }
+        if self.tls.client_ca_file.is_some() && self.tls.cert_file.is_none() {
+            err(
+                "tls.clientCaFile",
+                "client certificates need the TLS listener (tls.certFile)".into(),
+            );
+        }
+        if let Some(addr) = self.insecure_listen
+            && !addr.ip().is_loopback()
+            && !self.allow_insecure_non_loopback
+        {
+            err(
+                "insecureListen",
+                format!(
+                    "{addr} is not a loopback address; plain HTTP would expose callers' tokens \
+                     (set allowInsecureNonLoopback to override)"
+                ),
+            );
+        }
+        if self.server.http2_max_concurrent_streams == 0 {
+            err(
+                "server.http2MaxConcurrentStreams",
+                "must be at least 1".into(),
+            );
+        }
+        if self.server.max_header_bytes < 4096 {
+            err(
+                "server.maxHeaderBytes",
+                "must be at least 4096 (a ServiceAccount token alone is ~1 KiB)".into(),
+            );
+        }
+        if self.server.max_connections == 0 {
+            err("server.maxConnections", "must be at least 1".into());
+        }
+        if self.tls.reload_interval.is_zero() {
+            err("tls.reloadInterval", "must be greater than 0".into());
+        }
+        if self.upstream.health_check_interval.is_zero() {
+            err(
+                "upstream.healthCheckInterval",
+                "must be greater than 0".into(),
+            );
+        }
+        if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
+            err("log.level", format!("invalid filter: {e}"));
+        }
+        if errs.is_empty() {
+            Ok(())
+        } else {
+            Err(ConfigError::Invalid(errs))
+        }
+    }
+}
+
+/// Durations as humantime strings ("10s", "1m30s") in the YAML file.
+mod humantime_serde {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&humantime::format_duration(*d).to_string())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        let s = String::deserialize(d)?;
+        humantime::parse_duration(&s).map_err(|e| {
+            serde::de::Error::custom(format!("invalid duration {s:?}: {e} (use e.g. \"10s\")"))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_gives_defaults() {
+        assert_eq!(Config::from_yaml("").unwrap(), Config::default());
+        assert_eq!(Config::from_yaml("# only a comment\n").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn the_example_file_documents_exactly_the_defaults() {
+        let text = include_str!("../config/kube-cache-proxy.yaml");
+        assert_eq!(Config::from_yaml(text).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn type_errors_name_the_field() {
+        let e = Config::from_yaml("server:\n  http2MaxConcurrentStreams: lots\n").unwrap_err();
+        let ConfigError::Invalid(errs) = e else { panic!() };
+        assert_eq!(errs[0].path, "server.http2MaxConcurrentStreams");
+    }
+
+    #[test]
+    fn unknown_fields_are_errors_with_their_path() {
+        let e = Config::from_yaml("shutdown:\n  dealy: 5s\n").unwrap_err();
+        let ConfigError::Invalid(errs) = e else { panic!() };
+        assert_eq!(errs[0].path, "shutdown");
+        assert!(errs[0].message.contains("dealy"), "{}", errs[0].message);
+    }
+
+    #[test]
+    fn bad_durations_are_explained() {
+        let e = Config::from_yaml("shutdown:\n  delay: soon\n").unwrap_err();
+        let ConfigError::Invalid(errs) = e else { panic!() };
+        assert_eq!(errs[0].path, "shutdown.delay");
+        assert!(errs[0].message.contains("invalid duration"));
+    }
+
+    #[test]
+    fn validation_reports_every_problem_with_a_path() {
+        let cfg = Config::from_yaml(
+            "insecureListen: 10.1.2.3:8080\ntls:\n  keyFile: /k\nserver:\n  http2MaxConcurrentStreams: 0\nlog:\n  level: 'a=b=c'\n",
+        )
+        .unwrap();
+        let ConfigError::Invalid(errs) = cfg.validate().unwrap_err() else { panic!() };
+        let paths: Vec<_> = errs.iter().map(|e| e.path.as_str()).collect();
+        assert!(paths.contains(&"tls.certFile"), "{paths:?}");
+        assert!(paths.contains(&"insecureListen"), "{paths:?}");
+        assert!(paths.contains(&"server.http2MaxConcurrentStreams"), "{paths:?}");
+        assert!(paths.contains(&"log.level"), "{paths:?}");
+    }
+
+    #[test]
+    fn non_loopback_insecure_listener_needs_the_explicit_override() {
+        let mut cfg = Config {
+            insecure_listen: Some("0.0.0.0:8080".parse().unwrap()),
+            ..Config::default()
+        };
+        assert!(cfg.validate().is_err());
+        cfg.allow_insecure_non_loopback = true;
+        cfg.validate().unwrap();
+    }
+}

@@ -1,0 +1,230 @@
+//! Response-body wrappers: clean ends of long-running streams at shutdown, and request
+//! accounting that lasts as long as the body does.
+
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+use std::time::Instant;
+
+use bytes::Bytes;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use tokio_util::sync::WaitForCancellationFutureOwned;
+
+use crate::body::BoxError;
+
+pin_project_lite::pin_project! {
+    /// Ends a streaming body cleanly when the drain token fires.
+    ///
+    /// For newline-delimited JSON (watch streams) the end falls on an event boundary: after
+    /// the signal, bytes up to the next `\n` are still forwarded, so the client reads whole
+    /// events and a clean EOF, and client-go's reflector re-watches from its last
+    /// resourceVersion instead of relisting. Other content types end at the next frame.
+    pub struct DrainBody<B> {
+        #[pin]
+        inner: B,
+        #[pin]
+        drain: WaitForCancellationFutureOwned,
+        line_framed: bool,
+        at_boundary: bool,
+        draining: bool,
+        done: bool,
+    }
+}
+
+impl<B> DrainBody<B> {
+    pub fn new(inner: B, drain: tokio_util::sync::CancellationToken, line_framed: bool) -> Self {
+        DrainBody {
+            inner,
+            drain: drain.cancelled_owned(),
+            line_framed,
+            at_boundary: true,
+            draining: false,
+            done: false,
+        }
+    }
+}
+
+impl<B> HttpBody for DrainBody<B>
+where
+    B: HttpBody<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let mut this = self.project();
+        if *this.done {
+            return Poll::Ready(None);
+        }
+        if !*this.draining && this.drain.as_mut().poll(cx).is_ready() {
+            *this.draining = true;
+        }
+        if *this.draining && (*this.at_boundary || !*this.line_framed) {
+            *this.done = true;
+            return Poll::Ready(None);
+        }
+        let frame = match ready!(this.inner.poll_frame(cx)) {
+            None => {
+                *this.done = true;
+                return Poll::Ready(None);
+            }
+            Some(Err(e)) => return Poll::Ready(Some(Err(e.into()))),
+            Some(Ok(f)) => f,
+        };
+        let Ok(mut data) = frame.into_data() else {
+            // Trailers pass through untouched.
+            return Poll::Ready(None);
+        };
+        if *this.line_framed && !data.is_empty() {
+            if *this.draining
+                && let Some(i) = data.iter().position(|b| *b == b'\n')
+            {
+                data.truncate(i + 1);
+                *this.done = true;
+                return Poll::Ready(Some(Ok(Frame::data(data))));
+            }
+            *this.at_boundary = data.last() == Some(&b'\n');
+        }
+        Poll::Ready(Some(Ok(Frame::data(data))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// Runs `on_end` when the body completes or is dropped (client gone), so request
+    /// durations and in-flight gauges cover the whole stream, not just the headers.
+    pub struct Tracked<B, F: FnOnce(Instant)> {
+        #[pin]
+        inner: B,
+        guard: Guard<F>,
+    }
+}
+
+pub struct Guard<F: FnOnce(Instant)> {
+    start: Instant,
+    on_end: Option<F>,
+}
+
+impl<F: FnOnce(Instant)> Drop for Guard<F> {
+    fn drop(&mut self) {
+        if let Some(f) = self.on_end.take() {
+            f(self.start);
+        }
+    }
+}
+
+impl<B, F: FnOnce(Instant)> Tracked<B, F> {
+    pub fn new(inner: B, start: Instant, on_end: F) -> Self {
+        Tracked {
+            inner,
+            guard: Guard {
+                start,
+                on_end: Some(on_end),
+            },
+        }
+    }
+}
+
+impl<B, F> HttpBody for Tracked<B, F>
+where
+    B: HttpBody<Data = Bytes>,
+    F: FnOnce(Instant),
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = self.project();
+        let r = ready!(this.inner.poll_frame(cx));
+        if r.is_none()
+            && let Some(f) = this.guard.on_end.take()
+        {
+            f(this.guard.start);
+        }
+        Poll::Ready(r)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures_util::stream;
+    use http_body_util::{BodyExt, StreamBody};
+    use tokio_util::sync::CancellationToken;
+
+    fn frames(parts: &[&'static str]) -> impl HttpBody<Data = Bytes, Error = BoxError> {
+        StreamBody::new(stream::iter(
+            parts
+                .iter()
+                .map(|p| Ok::<_, BoxError>(Frame::data(Bytes::from_static(p.as_bytes()))))
+                .collect::<Vec<_>>(),
+        ))
+    }
+
+    #[tokio::test]
+    async fn drain_ends_watch_streams_on_an_event_boundary() {
+        let token = CancellationToken::new();
+        let mut b = DrainBody::new(
+            frames(&["{\"a\":1}\n{\"b\"", ":2}\n{\"c\":3}\n", "{\"d\":4}\n"]),
+            token.clone(),
+            true,
+        );
+        let first = b.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(first, "{\"a\":1}\n{\"b\"");
+        token.cancel();
+        // Mid-event: the rest of event b is still delivered, then a clean end.
+        let second = b.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(second, ":2}\n");
+        assert!(b.frame().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn drain_at_a_boundary_ends_at_once() {
+        let token = CancellationToken::new();
+        let mut b = DrainBody::new(frames(&["{\"a\":1}\n", "{\"b\":2}\n"]), token.clone(), true);
+        b.frame().await.unwrap().unwrap();
+        token.cancel();
+        assert!(b.frame().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn without_drain_the_body_passes_through_whole() {
+        let token = CancellationToken::new();
+        let b = DrainBody::new(frames(&["x\n", "y", "z\n"]), token, true);
+        assert_eq!(b.collect().await.unwrap().to_bytes(), "x\nyz\n");
+    }
+
+    #[tokio::test]
+    async fn tracked_calls_back_once_at_end_or_drop() {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let tx2 = tx.clone();
+        let b = Tracked::new(frames(&["a", "b"]), Instant::now(), move |_| tx.send(1).unwrap());
+        assert_eq!(b.collect().await.unwrap().to_bytes(), "ab");
+        assert_eq!(rx.recv().await, Some(1));
+        let b = Tracked::new(frames(&["a"]), Instant::now(), move |_| tx2.send(2).unwrap());
+        drop(b);
+        assert_eq!(rx.recv().await, Some(2));
+        assert!(rx.try_recv().is_err());
+    }
+}

@@ -1,0 +1,310 @@
+//! `/livez`, `/readyz`, `/healthz` in kube-apiserver's format.
+//!
+//! Format as in k8s.io/apiserver `pkg/server/healthz`: `ok` on success; with `?verbose` one
+//! line per check (`[+]name ok`, `[-]name failed: reason withheld`) and a final
+//! `<endpoint> check passed|failed`; failure is HTTP 500 with the verbose listing.
+//! `/readyz/<name>` runs one check; `?exclude=name` skips one (repeatable).
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use http::{Response, StatusCode, header};
+use parking_lot_free::Slot;
+
+use crate::body::{self, Body};
+
+/// A named check's latest result, updated by whoever owns the condition.
+#[derive(Debug, Clone)]
+pub struct Check {
+    name: &'static str,
+    state: Arc<Slot>,
+}
+
+impl Check {
+    pub fn new(name: &'static str, ok: bool, why: &str) -> Check {
+        let c = Check {
+            name,
+            state: Arc::new(Slot::default()),
+        };
+        c.set(if ok { Ok(()) } else { Err(why.to_string()) });
+        c
+    }
+
+    pub fn set(&self, r: Result<(), String>) {
+        self.state.set(r);
+    }
+
+    pub fn get(&self) -> Result<(), String> {
+        self.state.get()
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+}
+
+/// Which endpoint a check belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    Livez,
+    Readyz,
+    Healthz,
+}
+
+impl Endpoint {
+    pub fn from_path(path: &str) -> Option<(Endpoint, Option<&str>)> {
+        let (ep, rest) = if let Some(r) = path.strip_prefix("/livez") {
+            (Endpoint::Livez, r)
+        } else if let Some(r) = path.strip_prefix("/readyz") {
+            (Endpoint::Readyz, r)
+        } else if let Some(r) = path.strip_prefix("/healthz") {
+            (Endpoint::Healthz, r)
+        } else {
+            return None;
+        };
+        match rest {
+            "" | "/" => Some((ep, None)),
+            r if r.starts_with('/') && !r[1..].contains('/') => Some((ep, Some(&r[1..]))),
+            _ => None,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Endpoint::Livez => "livez",
+            Endpoint::Readyz => "readyz",
+            Endpoint::Healthz => "healthz",
+        }
+    }
+}
+
+/// The proxy's health checks.
+#[derive(Debug, Clone)]
+pub struct Health {
+    pub ping: Check,
+    /// Fails from the moment shutdown starts, so endpoints drain before listeners close.
+    pub shutdown: Check,
+    /// The upstream apiserver's `/readyz`, probed periodically.
+    pub upstream: Check,
+    shutting_down: Arc<AtomicBool>,
+}
+
+impl Default for Health {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Health {
+    pub fn new() -> Health {
+        Health {
+            ping: Check::new("ping", true, ""),
+            shutdown: Check::new("shutdown", true, ""),
+            upstream: Check::new("upstream", false, "not probed yet"),
+            shutting_down: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    pub fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+        self.shutdown.set(Err("process is shutting down".into()));
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    fn checks(&self, ep: Endpoint) -> Vec<&Check> {
+        match ep {
+            // Liveness must not depend on the upstream: restarting the proxy does not fix an
+            // apiserver outage, it only adds relists.
+            Endpoint::Livez => vec![&self.ping],
+            Endpoint::Readyz => vec![&self.ping, &self.shutdown, &self.upstream],
+            Endpoint::Healthz => vec![&self.ping, &self.upstream],
+        }
+    }
+
+    /// Answers a health request. `path` is e.g. `/readyz` or `/readyz/upstream`.
+    pub fn respond(&self, path: &str, query: Option<&str>) -> Option<Response<Body>> {
+        let (ep, single) = Endpoint::from_path(path)?;
+        let checks = self.checks(ep);
+        if let Some(name) = single {
+            let Some(c) = checks.iter().find(|c| c.name() == name) else {
+                return Some(text(StatusCode::NOT_FOUND, "404 page not found\n".into()));
+            };
+            return Some(match c.get() {
+                Ok(()) => text(StatusCode::OK, "ok".into()),
+                Err(e) => text(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!("internal server error: {e}\n"),
+                ),
+            });
+        }
+        let params: Vec<(String, String)> = query
+            .unwrap_or("")
+            .split('&')
+            .filter(|p| !p.is_empty())
+            .map(|p| {
+                let (k, v) = p.split_once('=').unwrap_or((p, ""));
+                (k.to_string(), v.to_string())
+            })
+            .collect();
+        let verbose = params.iter().any(|(k, _)| k == "verbose");
+        let mut excluded: Vec<String> = params
+            .iter()
+            .filter(|(k, _)| k == "exclude")
+            .map(|(_, v)| v.clone())
+            .collect();
+        let mut out = String::new();
+        let mut failed = false;
+        for c in &checks {
+            if let Some(i) = excluded.iter().position(|e| e == c.name()) {
+                excluded.remove(i);
+                out.push_str(&format!("[+]{} excluded: ok\n", c.name()));
+                continue;
+            }
+            match c.get() {
+                Ok(()) => out.push_str(&format!("[+]{} ok\n", c.name())),
+                Err(_) => {
+                    failed = true;
+                    // The apiserver withholds reasons from this listing; /<endpoint>/<name>
+                    // and the logs have them.
+                    out.push_str(&format!("[-]{} failed: reason withheld\n", c.name()));
+                }
+            }
+        }
+        if !excluded.is_empty() {
+            out.push_str(&format!(
+                "warn: some health checks cannot be excluded: no matches for {}\n",
+                excluded
+                    .iter()
+                    .map(|e| format!("\"{e}\""))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            ));
+        }
+        Some(if failed {
+            text(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("{out}{} check failed\n", ep.name()),
+            )
+        } else if verbose {
+            text(StatusCode::OK, format!("{out}{} check passed\n", ep.name()))
+        } else {
+            text(StatusCode::OK, "ok".into())
+        })
+    }
+}
+
+fn text(code: StatusCode, s: String) -> Response<Body> {
+    let mut r = Response::new(body::full(s));
+    *r.status_mut() = code;
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        http::HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    r.headers_mut().insert(
+        "x-content-type-options",
+        http::HeaderValue::from_static("nosniff"),
+    );
+    r
+}
+
+/// A tiny lock-protected slot; checks are read per health request, written every few
+/// seconds, so a std mutex is ample.
+mod parking_lot_free {
+    use std::sync::Mutex;
+
+    #[derive(Debug, Default)]
+    pub struct Slot(Mutex<Option<String>>);
+
+    impl Slot {
+        pub fn set(&self, r: Result<(), String>) {
+            *self.0.lock().unwrap_or_else(|p| p.into_inner()) = r.err();
+        }
+
+        pub fn get(&self) -> Result<(), String> {
+            match &*self.0.lock().unwrap_or_else(|p| p.into_inner()) {
+                None => Ok(()),
+                Some(e) => Err(e.clone()),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http_body_util::BodyExt;
+
+    async fn get(h: &Health, path: &str, q: Option<&str>) -> (u16, String) {
+        let r = h.respond(path, q).expect("a health path");
+        let code = r.status().as_u16();
+        let b = r.into_body().collect().await.unwrap().to_bytes();
+        (code, String::from_utf8(b.to_vec()).unwrap())
+    }
+
+    #[tokio::test]
+    async fn healthy_endpoints_answer_ok_and_list_checks_when_verbose() {
+        let h = Health::new();
+        h.upstream.set(Ok(()));
+        assert_eq!(get(&h, "/readyz", None).await, (200, "ok".into()));
+        assert_eq!(
+            get(&h, "/readyz", Some("verbose")).await,
+            (200, "[+]ping ok\n[+]shutdown ok\n[+]upstream ok\nreadyz check passed\n".into())
+        );
+        assert_eq!(
+            get(&h, "/livez", Some("verbose=1")).await,
+            (200, "[+]ping ok\nlivez check passed\n".into())
+        );
+    }
+
+    #[tokio::test]
+    async fn a_failed_check_fails_the_endpoint_with_the_reason_withheld() {
+        let h = Health::new();
+        h.upstream.set(Err("connection refused".into()));
+        let (code, body) = get(&h, "/readyz", None).await;
+        assert_eq!(code, 500);
+        assert_eq!(
+            body,
+            "[+]ping ok\n[+]shutdown ok\n[-]upstream failed: reason withheld\nreadyz check failed\n"
+        );
+        assert_eq!(
+            get(&h, "/readyz/upstream", None).await,
+            (500, "internal server error: connection refused\n".into())
+        );
+        // Liveness does not follow the upstream.
+        assert_eq!(get(&h, "/livez", None).await.0, 200);
+    }
+
+    #[tokio::test]
+    async fn excluded_checks_are_skipped_and_unknown_exclusions_warned() {
+        let h = Health::new();
+        h.upstream.set(Err("down".into()));
+        let (code, body) = get(&h, "/readyz", Some("verbose&exclude=upstream&exclude=nope")).await;
+        assert_eq!(code, 200);
+        assert_eq!(
+            body,
+            "[+]ping ok\n[+]shutdown ok\n[+]upstream excluded: ok\nwarn: some health checks cannot be excluded: no matches for \"nope\"\nreadyz check passed\n"
+        );
+    }
+
+    #[tokio::test]
+    async fn shutdown_fails_readiness_only() {
+        let h = Health::new();
+        h.upstream.set(Ok(()));
+        h.begin_shutdown();
+        assert_eq!(get(&h, "/readyz", None).await.0, 500);
+        assert_eq!(get(&h, "/readyz/shutdown", None).await.0, 500);
+        assert_eq!(get(&h, "/livez", None).await.0, 200);
+        assert_eq!(get(&h, "/healthz", None).await.0, 200);
+    }
+
+    #[tokio::test]
+    async fn unknown_single_checks_are_404() {
+        let h = Health::new();
+        assert_eq!(get(&h, "/readyz/nope", None).await.0, 404);
+        assert!(h.respond("/readyzz", None).is_none());
+        assert!(h.respond("/readyz/a/b", None).is_none());
+    }
+}

@@ -1,0 +1,349 @@
+//! Who the caller is, and the headers that carry that identity upstream.
+//!
+//! The rules (all enforced by [`upstream_headers`], a pure function):
+//! - hop-by-hop headers (RFC 9110 §7.6.1) and every header named in `Connection` are dropped;
+//! - a caller's bearer token is forwarded unchanged, with any `Impersonate-*` headers it sent:
+//!   the apiserver then authenticates the token and authorizes the impersonation itself;
+//! - a client-certificate caller is impersonated (`Impersonate-User`/`-Group`) over the
+//!   proxy's own credentials; its own `Authorization`, `Impersonate-*` and `X-Remote-*`
+//!   headers are dropped;
+//! - an anonymous caller goes upstream anonymous, with those headers dropped too;
+//! - identity headers are set *after* `Connection`-named removal, so `Connection:
+//!   Impersonate-User` (or `Authorization`) can never strip what the proxy asserts.
+
+use std::net::IpAddr;
+
+use http::{HeaderMap, HeaderName, HeaderValue, header};
+
+use crate::upstream::As;
+
+/// A caller as identified by the listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Caller {
+    /// A client certificate verified against the client CA: CN is the user, O the groups
+    /// (kube-apiserver's x509 authenticator).
+    Certificate { user: String, groups: Vec<String> },
+    /// An `Authorization` header the proxy forwards unchanged.
+    Bearer(HeaderValue),
+    /// No credentials.
+    Anonymous,
+}
+
+impl Caller {
+    /// Identifies a caller from its connection's verified certificate (if any) and the
+    /// request headers. A certificate wins over a token, as in kube-apiserver's
+    /// authenticator union (x509 is consulted first).
+    pub fn identify(cert: Option<&CertIdentity>, headers: &HeaderMap) -> Caller {
+        if let Some(c) = cert {
+            return Caller::Certificate {
+                user: c.user.clone(),
+                groups: c.groups.clone(),
+            };
+        }
+        match headers.get(header::AUTHORIZATION) {
+            Some(v) if !v.is_empty() => Caller::Bearer(v.clone()),
+            _ => Caller::Anonymous,
+        }
+    }
+
+    /// Which upstream identity pool serves this caller.
+    pub fn upstream_as(&self) -> As {
+        match self {
+            Caller::Certificate { .. } => As::Proxy,
+            Caller::Bearer(_) | Caller::Anonymous => As::Caller,
+        }
+    }
+
+    /// A label for logs that never contains a credential.
+    pub fn describe(&self) -> String {
+        match self {
+            Caller::Certificate { user, .. } => format!("x509:{user}"),
+            Caller::Bearer(_) => "bearer".into(),
+            Caller::Anonymous => "anonymous".into(),
+        }
+    }
+}
+
+/// The identity in a verified client certificate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CertIdentity {
+    pub user: String,
+    pub groups: Vec<String>,
+}
+
+impl CertIdentity {
+    /// Reads CN and O from a DER certificate that rustls has already verified.
+    pub fn from_der(der: &[u8]) -> Option<CertIdentity> {
+        let (_, cert) = x509_parser::parse_x509_certificate(der).ok()?;
+        let subject = cert.subject();
+        let user = subject
+            .iter_common_name()
+            .next()
+            .and_then(|cn| cn.as_str().ok())?
+            .to_string();
+        if user.is_empty() {
+            return None;
+        }
+        let groups = subject
+            .iter_organization()
+            .filter_map(|o| o.as_str().ok().map(str::to_string))
+            .collect();
+        Some(CertIdentity { user, groups })
+    }
+}
+
+/// Headers that describe one connection hop, never forwarded (RFC 9110 §7.6.1, plus the
+/// legacy `Proxy-Connection` and `Keep-Alive`).
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// Drops hop-by-hop headers and those named in `Connection` (both directions).
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(&name);
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(*name);
+    }
+}
+
+fn is_identity_header(name: &HeaderName) -> bool {
+    let n = name.as_str();
+    n.starts_with("impersonate-") || n.starts_with("x-remote-")
+}
+
+/// Builds the headers of the upstream request from the inbound ones.
+///
+/// `upgrade` is the inbound `Upgrade` header value when this is a protocol upgrade, which is
+/// re-asserted after hop-by-hop removal. `peer` is appended to `X-Forwarded-For` (the
+/// apiserver records it in audit `sourceIPs`).
+pub fn upstream_headers(
+    inbound: &HeaderMap,
+    caller: &Caller,
+    upgrade: Option<&HeaderValue>,
+    peer: Option<IpAddr>,
+) -> HeaderMap {
+    let mut h = inbound.clone();
+    strip_hop_by_hop(&mut h);
+    h.remove(header::HOST);
+    match caller {
+        Caller::Bearer(token) => {
+            h.insert(header::AUTHORIZATION, token.clone());
+        }
+        Caller::Certificate { user, groups } => {
+            h.remove(header::AUTHORIZATION);
+            let names: Vec<HeaderName> =
+                h.keys().filter(|n| is_identity_header(n)).cloned().collect();
+            for n in names {
+                h.remove(n);
+            }
+            if let Ok(v) = HeaderValue::from_str(user) {
+                h.insert("impersonate-user", v);
+            }
+            for g in groups {
+                if let Ok(v) = HeaderValue::from_str(g) {
+                    h.append("impersonate-group", v);
+                }
+            }
+        }
+        Caller::Anonymous => {
+            h.remove(header::AUTHORIZATION);
+            let names: Vec<HeaderName> =
+                h.keys().filter(|n| is_identity_header(n)).cloned().collect();
+            for n in names {
+                h.remove(n);
+            }
+        }
+    }
+    if let Some(proto) = upgrade {
+        h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+        h.insert(header::UPGRADE, proto.clone());
+    }
+    if let Some(ip) = peer {
+        let xff = match h.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+            Some(prev) if !prev.is_empty() => format!("{prev}, {ip}"),
+            _ => ip.to_string(),
+        };
+        if let Ok(v) = HeaderValue::from_str(&xff) {
+            h.insert("x-forwarded-for", v);
+        }
+    }
+    h
+}
+
+/// The `Upgrade` protocol of an HTTP/1.1 upgrade request (`Connection: Upgrade` plus an
+/// `Upgrade` header), or `None`.
+pub fn upgrade_protocol(headers: &HeaderMap) -> Option<&HeaderValue> {
+    let conn_upgrade = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case("upgrade"));
+    if conn_upgrade {
+        headers.get(header::UPGRADE)
+    } else {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hm(pairs: &[(&str, &str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
+        }
+        h
+    }
+
+    fn cert_caller() -> Caller {
+        Caller::Certificate {
+            user: "jane".into(),
+            groups: vec!["dev".into(), "ops".into()],
+        }
+    }
+
+    #[test]
+    fn hop_by_hop_and_connection_named_headers_are_dropped() {
+        let inbound = hm(&[
+            ("connection", "keep-alive, x-secret-hop"),
+            ("keep-alive", "timeout=5"),
+            ("x-secret-hop", "1"),
+            ("te", "trailers"),
+            ("proxy-authorization", "Basic abc"),
+            ("accept", "application/json"),
+        ]);
+        let out = upstream_headers(&inbound, &Caller::Anonymous, None, None);
+        for gone in ["connection", "keep-alive", "x-secret-hop", "te", "proxy-authorization"] {
+            assert!(!out.contains_key(gone), "{gone} should be dropped");
+        }
+        assert_eq!(out["accept"], "application/json");
+    }
+
+    #[test]
+    fn connection_header_cannot_strip_the_impersonation_the_proxy_asserts() {
+        let inbound = hm(&[("connection", "Impersonate-User, Impersonate-Group, Authorization")]);
+        let out = upstream_headers(&inbound, &cert_caller(), None, None);
+        assert_eq!(out["impersonate-user"], "jane");
+        let groups: Vec<_> = out.get_all("impersonate-group").iter().collect();
+        assert_eq!(groups, ["dev", "ops"]);
+    }
+
+    #[test]
+    fn connection_header_cannot_strip_a_forwarded_bearer_token() {
+        let inbound = hm(&[("authorization", "Bearer t0k"), ("connection", "authorization")]);
+        let caller = Caller::identify(None, &inbound);
+        let out = upstream_headers(&inbound, &caller, None, None);
+        assert_eq!(out["authorization"], "Bearer t0k");
+    }
+
+    #[test]
+    fn certificate_callers_cannot_smuggle_identity_headers() {
+        let inbound = hm(&[
+            ("authorization", "Bearer someone-elses"),
+            ("impersonate-user", "system:admin"),
+            ("impersonate-group", "system:masters"),
+            ("impersonate-extra-scopes", "all"),
+            ("impersonate-uid", "0"),
+            ("x-remote-user", "root"),
+            ("x-remote-group", "system:masters"),
+        ]);
+        let out = upstream_headers(&inbound, &cert_caller(), None, None);
+        assert!(!out.contains_key("authorization"));
+        assert_eq!(out["impersonate-user"], "jane");
+        assert_eq!(out.get_all("impersonate-group").iter().count(), 2);
+        assert!(!out.contains_key("impersonate-extra-scopes"));
+        assert!(!out.contains_key("impersonate-uid"));
+        assert!(!out.contains_key("x-remote-user"));
+        assert!(!out.contains_key("x-remote-group"));
+    }
+
+    #[test]
+    fn anonymous_callers_go_upstream_without_any_identity() {
+        let inbound = hm(&[("impersonate-user", "system:admin"), ("x-remote-user", "root")]);
+        let caller = Caller::identify(None, &inbound);
+        assert_eq!(caller, Caller::Anonymous);
+        assert_eq!(caller.upstream_as(), As::Caller);
+        let out = upstream_headers(&inbound, &caller, None, None);
+        assert!(out.is_empty(), "{out:?}");
+    }
+
+    #[test]
+    fn bearer_callers_keep_their_impersonation_headers_for_the_apiserver_to_authorize() {
+        let inbound = hm(&[
+            ("authorization", "Bearer t0k"),
+            ("impersonate-user", "bob"),
+            ("impersonate-group", "viewers"),
+        ]);
+        let caller = Caller::identify(None, &inbound);
+        assert_eq!(caller.upstream_as(), As::Caller);
+        let out = upstream_headers(&inbound, &caller, None, None);
+        assert_eq!(out["authorization"], "Bearer t0k");
+        assert_eq!(out["impersonate-user"], "bob");
+        assert_eq!(out["impersonate-group"], "viewers");
+    }
+
+    #[test]
+    fn a_certificate_wins_over_a_token() {
+        let inbound = hm(&[("authorization", "Bearer t0k")]);
+        let id = CertIdentity {
+            user: "jane".into(),
+            groups: vec![],
+        };
+        let caller = Caller::identify(Some(&id), &inbound);
+        assert_eq!(caller.upstream_as(), As::Proxy);
+        assert!(matches!(caller, Caller::Certificate { .. }));
+    }
+
+    #[test]
+    fn upgrades_reassert_connection_and_upgrade() {
+        let inbound = hm(&[("connection", "Upgrade"), ("upgrade", "SPDY/3.1"), ("host", "proxy")]);
+        let proto = upgrade_protocol(&inbound).cloned();
+        assert_eq!(proto.as_ref().unwrap(), "SPDY/3.1");
+        let out = upstream_headers(&inbound, &Caller::Anonymous, proto.as_ref(), None);
+        assert_eq!(out["connection"], "Upgrade");
+        assert_eq!(out["upgrade"], "SPDY/3.1");
+        assert!(!out.contains_key("host"));
+    }
+
+    #[test]
+    fn forwarded_for_is_appended() {
+        let inbound = hm(&[("x-forwarded-for", "10.0.0.1")]);
+        let out = upstream_headers(&inbound, &Caller::Anonymous, None, Some("127.0.0.9".parse().unwrap()));
+        assert_eq!(out["x-forwarded-for"], "10.0.0.1, 127.0.0.9");
+    }
+
+    #[test]
+    fn certificate_subject_gives_user_and_groups() {
+        let mut params = rcgen::CertificateParams::new(vec![]).unwrap();
+        params.distinguished_name.push(rcgen::DnType::CommonName, "jane");
+        params.distinguished_name.push(rcgen::DnType::OrganizationName, "dev");
+        let key = rcgen::KeyPair::generate().unwrap();
+        let cert = params.self_signed(&key).unwrap();
+        let id = CertIdentity::from_der(cert.der()).unwrap();
+        assert_eq!(id.user, "jane");
+        assert_eq!(id.groups, vec!["dev".to_string()]);
+    }
+}

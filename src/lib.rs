@@ -1,0 +1,41 @@
+//! kube-cache-proxy: a watch-aware caching proxy between Kubernetes controllers and
+//! kube-apiserver.
+//!
+//! Controllers' kubeconfigs point at the proxy. Requests it does not serve from memory pass
+//! through to the apiserver with the caller's own identity; see `../shared/ARCHITECTURE.md`
+//! for the whole design.
+//!
+//! # Layout
+//!
+//! - [`config`]: the typed configuration file, defaults with their reasons, validation.
+//! - [`server`]: listeners (TLS with ALPN h2/http1.1, plain loopback), connection limits,
+//!   the per-request entry point, graceful drain.
+//! - [`tls`]: rustls server config, serving-certificate hot reload, client-CA verification.
+//! - [`identity`]: who the caller is, and the identity headers sent upstream (header hygiene).
+//! - [`request_info`]: path hygiene and the apiserver's `RequestInfo` (verb, resource, scope).
+//! - [`upstream`]: clients to kube-apiserver from kubeconfig / in-cluster config.
+//! - [`passthrough`]: streaming proxying of requests, watches and protocol upgrades.
+//! - [`drain`]: body wrappers ending watch streams cleanly at shutdown, request accounting.
+//! - [`health`]: `/livez`, `/readyz`, `/healthz` in the apiserver's format.
+//! - [`metrics`]: Prometheus metrics labelled like the apiserver's.
+//! - [`api`]: Kubernetes wire types the proxy writes itself (`Status`).
+//! - [`body`]: the streaming body type shared by all of the above.
+//! - [`devcluster`]: a real local kube-apiserver + etcd for end-to-end tests and `dev` mode.
+//! - [`cli`]: the `serve`, `check-config` and `dev` commands.
+
+#![forbid(unsafe_code)]
+
+pub mod api;
+pub mod body;
+pub mod cli;
+pub mod config;
+pub mod devcluster;
+pub mod drain;
+pub mod health;
+pub mod identity;
+pub mod metrics;
+pub mod passthrough;
+pub mod request_info;
+pub mod server;
+pub mod tls;
+pub mod upstream;

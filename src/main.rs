@@ -1,0 +1,41 @@
+//! The `kube-cache-proxy` binary; see the library docs for the design.
+
+use clap::Parser;
+use kube_cache_proxy::cli::{self, Cli, Command};
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::CheckConfig { file } => {
+            let errs = cli::check_config(&file);
+            if errs.is_empty() {
+                println!("{}: ok", file.display());
+                Ok(())
+            } else {
+                for e in &errs {
+                    eprintln!("{}: {e}", file.display());
+                }
+                std::process::exit(1);
+            }
+        }
+        Command::Serve(args) => {
+            let cfg = match args.resolve() {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("invalid configuration: {e}");
+                    std::process::exit(1);
+                }
+            };
+            cli::init_logging(&cfg.log.level, cfg.log.format);
+            kube_cache_proxy::tls::install_crypto_provider();
+            let kube = kube_cache_proxy::upstream::load_kube_config(&cfg.upstream).await?;
+            tracing::info!(upstream = %kube.cluster_url, "starting");
+            let running = kube_cache_proxy::server::start(cfg, &kube).await?;
+            cli::termination_signal().await;
+            running.shutdown().await;
+            Ok(())
+        }
+        Command::Dev(args) => cli::dev(args).await,
+    }
+}

@@ -1,0 +1,484 @@
+//! Listeners, connections and the per-request entry point.
+//!
+//! [`run`] serves until its `shutdown` future completes, then drains: readiness fails at once,
+//! listeners close after `shutdown.delay`, HTTP/2 connections get GOAWAY, idle HTTP/1.1
+//! connections close, watch streams end at an event boundary, and everything is bounded by
+//! `shutdown.drainTimeout`. Tests embed it on port 0.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::server::conn::auto;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+
+use crate::api::{Reason, Status};
+use crate::body::{self, Body};
+use crate::config::Config;
+use crate::drain::Tracked;
+use crate::health::Health;
+use crate::identity::CertIdentity;
+use crate::metrics::{DurationLabels, KindLabels, Metrics, RequestLabels};
+use crate::passthrough::{self, ConnInfo};
+use crate::request_info::{self, RequestInfo};
+use crate::upstream::{As, Upstream};
+
+/// Everything a request handler needs, shared by all connections.
+#[derive(Debug)]
+pub struct State {
+    pub config: Config,
+    pub upstream: Upstream,
+    pub metrics: Metrics,
+    pub health: Health,
+    /// Cancelled when draining starts: long-running responses end cleanly.
+    pub drain: CancellationToken,
+}
+
+impl State {
+    pub fn new(config: Config, upstream: Upstream) -> Arc<State> {
+        Arc::new(State {
+            config,
+            upstream,
+            metrics: Metrics::new(),
+            health: Health::new(),
+            drain: CancellationToken::new(),
+        })
+    }
+
+    /// Probes the upstream's `/readyz` with the proxy's own identity until draining starts.
+    pub fn spawn_upstream_probe(self: &Arc<Self>) {
+        let this = self.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(this.config.upstream.health_check_interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = this.drain.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                let r = this.probe_upstream().await;
+                if let Err(e) = &r {
+                    tracing::warn!(error = %e, "upstream apiserver is not ready");
+                }
+                this.health.upstream.set(r);
+            }
+        });
+    }
+
+    async fn probe_upstream(&self) -> Result<(), String> {
+        let mut req = Request::new(body::empty());
+        *req.uri_mut() = self.upstream.uri("/readyz");
+        let timeout = self.config.upstream.health_check_interval.max(Duration::from_secs(2));
+        match tokio::time::timeout(timeout, self.upstream.send(req, As::Proxy, false)).await {
+            Err(_) => Err(format!("GET /readyz timed out after {timeout:?}")),
+            Ok(Err(e)) => Err(format!("GET /readyz: {e}")),
+            Ok(Ok(r)) if r.status().is_success() => Ok(()),
+            Ok(Ok(r)) => Err(format!("GET /readyz returned {}", r.status())),
+        }
+    }
+}
+
+/// The sockets to serve on.
+pub struct Listeners {
+    pub tls: Option<(TcpListener, TlsAcceptor)>,
+    pub insecure: Option<TcpListener>,
+}
+
+fn connection_builder(cfg: &Config) -> auto::Builder<TokioExecutor> {
+    let s = &cfg.server;
+    let mut b = auto::Builder::new(TokioExecutor::new());
+    b.http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(s.header_read_timeout)
+        .max_headers(256)
+        // hyper refuses a head beyond its buffer with a bare 431; leave room above our own
+        // limit so oversized heads reach the handler and get a Status.
+        .max_buf_size((s.max_header_bytes + 64 * 1024).max(8192 + 4096));
+    b.http2()
+        .timer(TokioTimer::new())
+        .max_concurrent_streams(s.http2_max_concurrent_streams)
+        .keep_alive_interval(s.http2_keepalive_interval)
+        .keep_alive_timeout(s.http2_keepalive_timeout)
+        .max_pending_accept_reset_streams(s.http2_max_pending_accept_reset_streams)
+        .max_local_error_reset_streams(s.http2_max_local_error_reset_streams)
+        .max_header_list_size((s.max_header_bytes + 64 * 1024) as u32);
+    b
+}
+
+/// Serves until `shutdown` completes, then drains (see the module docs).
+pub async fn run(state: Arc<State>, listeners: Listeners, shutdown: impl Future<Output = ()>) {
+    let builder = Arc::new(connection_builder(&state.config));
+    let graceful = Arc::new(hyper_util::server::graceful::GracefulShutdown::new());
+    let stop_accepting = CancellationToken::new();
+    let permits = Arc::new(Semaphore::new(state.config.server.max_connections));
+    let mut accept_tasks = Vec::new();
+    if let Some((l, acceptor)) = listeners.tls {
+        accept_tasks.push(tokio::spawn(accept_loop(
+            state.clone(),
+            builder.clone(),
+            l,
+            Some(acceptor),
+            graceful.clone(),
+            stop_accepting.clone(),
+            permits.clone(),
+        )));
+    }
+    if let Some(l) = listeners.insecure {
+        accept_tasks.push(tokio::spawn(accept_loop(
+            state.clone(),
+            builder.clone(),
+            l,
+            None,
+            graceful.clone(),
+            stop_accepting.clone(),
+            permits.clone(),
+        )));
+    }
+
+    shutdown.await;
+    tracing::info!(delay = ?state.config.shutdown.delay, "shutting down: readiness now fails");
+    state.health.begin_shutdown();
+    tokio::time::sleep(state.config.shutdown.delay).await;
+    stop_accepting.cancel();
+    for t in accept_tasks {
+        let _ = t.await;
+    }
+    state.drain.cancel();
+    // The accept loops held the only other references.
+    let Ok(graceful) = Arc::try_unwrap(graceful) else {
+        tracing::error!("connection tracker still shared; cannot drain");
+        return;
+    };
+    tracing::info!(connections = graceful.count(), "listeners closed; draining connections");
+    let limit = state.config.shutdown.drain_timeout;
+    match tokio::time::timeout(limit, graceful.shutdown()).await {
+        Ok(()) => tracing::info!("all connections drained"),
+        Err(_) => tracing::warn!(?limit, "drain timeout reached; closing remaining connections"),
+    }
+}
+
+async fn accept_loop(
+    state: Arc<State>,
+    builder: Arc<auto::Builder<TokioExecutor>>,
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    graceful: Arc<hyper_util::server::graceful::GracefulShutdown>,
+    stop: CancellationToken,
+    permits: Arc<Semaphore>,
+) {
+    let kind = if tls.is_some() { "tls" } else { "insecure" };
+    loop {
+        let permit = tokio::select! {
+            _ = stop.cancelled() => return,
+            p = permits.clone().acquire_owned() => match p { Ok(p) => p, Err(_) => return },
+        };
+        let (stream, peer) = tokio::select! {
+            _ = stop.cancelled() => return,
+            r = listener.accept() => match r {
+                Ok(x) => x,
+                Err(e) => {
+                    // EMFILE and friends: back off briefly instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let _ = stream.set_nodelay(true);
+        let state = state.clone();
+        let builder = builder.clone();
+        let tls = tls.clone();
+        let watcher = graceful.watcher();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let gauge = state
+                .metrics
+                .connections
+                .get_or_create(&KindLabels { kind: kind.into() })
+                .clone();
+            gauge.inc();
+            serve_connection(state, &builder, stream, peer, tls, watcher).await;
+            gauge.dec();
+        });
+    }
+}
+
+async fn serve_connection(
+    state: Arc<State>,
+    builder: &auto::Builder<TokioExecutor>,
+    stream: TcpStream,
+    peer: SocketAddr,
+    tls: Option<TlsAcceptor>,
+    watcher: hyper_util::server::graceful::Watcher,
+) {
+    let Some(acceptor) = tls else {
+        let conn = ConnInfo { peer: Some(peer), cert: None };
+        return serve_io(state, builder, TokioIo::new(stream), conn, watcher).await;
+    };
+    let hs = tokio::time::timeout(state.config.tls.handshake_timeout, acceptor.accept(stream)).await;
+    let tls_stream = match hs {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            state.metrics.reject("tls_handshake");
+            tracing::info!(%peer, error = %e, "TLS handshake failed; connection closed");
+            return;
+        }
+        Err(_) => {
+            state.metrics.reject("tls_handshake_timeout");
+            tracing::info!(%peer, "TLS handshake timed out; connection closed");
+            return;
+        }
+    };
+    let cert = tls_stream
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .and_then(|c| CertIdentity::from_der(c))
+        .map(Arc::new);
+    let conn = ConnInfo { peer: Some(peer), cert };
+    serve_io(state, builder, TokioIo::new(tls_stream), conn, watcher).await
+}
+
+async fn serve_io<I>(
+    state: Arc<State>,
+    builder: &auto::Builder<TokioExecutor>,
+    io: I,
+    conn: ConnInfo,
+    watcher: hyper_util::server::graceful::Watcher,
+) where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let peer = conn.peer;
+    let conn = Arc::new(conn);
+    let svc = service_fn(move |req| {
+        let state = state.clone();
+        let conn = conn.clone();
+        async move { Ok::<_, Infallible>(handle(&state, &conn, req).await) }
+    });
+    let c = builder.serve_connection_with_upgrades(io, svc);
+    if let Err(e) = watcher.watch(c.into_owned()).await {
+        tracing::debug!(?peer, error = %e, "connection ended with an error");
+    }
+}
+
+/// Sum of header name and value lengths, as Go's `MaxHeaderBytes` roughly counts them.
+fn header_bytes(req: &Request<Incoming>) -> usize {
+    req.headers()
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum::<usize>()
+        + req.uri().to_string().len()
+}
+
+/// The entry point of every request: hygiene checks, local endpoints, passthrough, and the
+/// request's metrics and log line.
+pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> Response<Body> {
+    let start = Instant::now();
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let query = req.uri().query().map(str::to_string);
+    let content_type = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+
+    if let Err(e) = request_info::validate_path(&path) {
+        state.metrics.reject("bad_path");
+        return Status::bad_request(format!("invalid request path: {e}")).into_response();
+    }
+    if header_bytes(&req) > state.config.server.max_header_bytes {
+        state.metrics.reject("headers_too_large");
+        return Status::failure(
+            StatusCode::from_u16(431).unwrap_or(StatusCode::BAD_REQUEST),
+            Reason::Unknown,
+            format!(
+                "request headers exceed the limit of {} bytes",
+                state.config.server.max_header_bytes
+            ),
+        )
+        .into_response();
+    }
+
+    // Local endpoints. The proxy answers health for itself (its readiness includes the
+    // upstream's); `/metrics` is the proxy's own.
+    if method == Method::GET || method == Method::HEAD {
+        if let Some(r) = state.health.respond(&path, query.as_deref()) {
+            return r;
+        }
+        if path == "/metrics" {
+            let mut r = Response::new(body::full(state.metrics.encode()));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+            );
+            return r;
+        }
+    }
+
+    let info = RequestInfo::parse(&method, &path, query.as_deref());
+    let upgrade = crate::identity::upgrade_protocol(req.headers()).is_some();
+    let long_running = info.is_long_running(query.as_deref(), upgrade);
+    let verb = info.metrics_verb(&method, content_type.as_deref(), upgrade);
+    let kind = if upgrade {
+        "upgrade"
+    } else if info.verb == "watch" {
+        "watch"
+    } else if matches!(method, Method::GET | Method::HEAD | Method::OPTIONS) {
+        "readOnly"
+    } else {
+        "mutating"
+    };
+    let inflight = state
+        .metrics
+        .inflight
+        .get_or_create(&KindLabels { kind: kind.into() })
+        .clone();
+    inflight.inc();
+
+    let resp = passthrough::forward(state, conn, req, &info, long_running).await;
+
+    let code = resp.status();
+    let served_by = "upstream";
+    state
+        .metrics
+        .requests
+        .get_or_create(&RequestLabels {
+            verb: verb.clone(),
+            group: info.api_group.clone(),
+            version: info.api_version.clone(),
+            resource: info.resource.clone(),
+            subresource: info.subresource.clone(),
+            scope: info.metrics_scope().into(),
+            code: code.as_str().into(),
+            served_by: served_by.into(),
+        })
+        .inc();
+    tracing::debug!(
+        %method,
+        path = %path,
+        verb = %verb,
+        code = code.as_u16(),
+        latency_ms = start.elapsed().as_secs_f64() * 1e3,
+        peer = ?conn.peer,
+        "request"
+    );
+    let scope = info.metrics_scope().to_string();
+    let hist = state
+        .metrics
+        .request_duration
+        .get_or_create(&DurationLabels {
+            verb,
+            group: info.api_group,
+            version: info.api_version,
+            resource: info.resource,
+            subresource: info.subresource,
+            scope,
+            served_by: served_by.into(),
+        })
+        .clone();
+    let (parts, b) = resp.into_parts();
+    let b = Tracked::new(b, start, move |start| {
+        hist.observe(start.elapsed().as_secs_f64());
+        inflight.dec();
+    });
+    Response::from_parts(parts, body::boxed(b))
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("invalid configuration: {0}")]
+    Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Upstream(#[from] crate::upstream::UpstreamError),
+    #[error(transparent)]
+    Tls(#[from] crate::tls::TlsError),
+    #[error("binding {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A proxy serving in the background (used by the CLI, dev mode and tests).
+#[derive(Debug)]
+pub struct Running {
+    pub state: Arc<State>,
+    pub tls_addr: Option<SocketAddr>,
+    pub insecure_addr: Option<SocketAddr>,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// Begins graceful shutdown (as SIGTERM does) without waiting for it.
+    pub fn begin_shutdown(&self) {
+        self.stop.cancel();
+    }
+
+    /// Shuts down gracefully and waits for the drain to finish.
+    pub async fn shutdown(self) {
+        self.stop.cancel();
+        let _ = self.task.await;
+    }
+
+    /// Waits until the server has stopped (after a shutdown began).
+    pub async fn wait(self) {
+        let _ = self.task.await;
+    }
+}
+
+/// Validates `config`, binds its listeners and starts serving against `kube`'s apiserver.
+pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, StartError> {
+    config.validate()?;
+    crate::tls::install_crypto_provider();
+    let upstream = Upstream::new(kube, &config.upstream)?;
+    let tls = match (&config.tls.cert_file, &config.tls.key_file) {
+        (Some(cert), Some(key)) => {
+            let rc = crate::tls::ReloadingCert::load(cert, key)?;
+            rc.spawn_reloader(config.tls.reload_interval);
+            let sc = crate::tls::server_config(rc, config.tls.client_ca_file.as_deref())?;
+            let l = TcpListener::bind(config.listen)
+                .await
+                .map_err(|source| StartError::Bind { addr: config.listen, source })?;
+            Some((l, TlsAcceptor::from(Arc::new(sc))))
+        }
+        _ => None,
+    };
+    let insecure = match config.insecure_listen {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| StartError::Bind { addr, source })?,
+        ),
+        None => None,
+    };
+    let tls_addr = tls.as_ref().and_then(|(l, _)| l.local_addr().ok());
+    let insecure_addr = insecure.as_ref().and_then(|l| l.local_addr().ok());
+    let state = State::new(config, upstream);
+    state.spawn_upstream_probe();
+    let stop = CancellationToken::new();
+    let task = tokio::spawn(run(
+        state.clone(),
+        Listeners { tls, insecure },
+        stop.clone().cancelled_owned(),
+    ));
+    if let Some(a) = tls_addr {
+        tracing::info!(addr = %a, "serving TLS (HTTP/2 and HTTP/1.1)");
+    }
+    if let Some(a) = insecure_addr {
+        tracing::info!(addr = %a, "serving plain HTTP (HTTP/1.1 and h2c) for local use");
+    }
+    Ok(Running { state, tls_addr, insecure_addr, stop, task })
+}

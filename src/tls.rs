@@ -1,0 +1,175 @@
+//! Server-side TLS: rustls with ALPN h2 + http/1.1, certificate hot reload, optional mTLS.
+//!
+//! The serving certificate is held by [`ReloadingCert`], a `ResolvesServerCert` whose key
+//! pair is swapped in place when the files change, so rotation needs no restart and no new
+//! listener; connections already established keep the certificate they negotiated.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
+use rustls::sign::CertifiedKey;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use sha2::{Digest, Sha256};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: no PEM certificate found")]
+    NoCertificate { path: PathBuf },
+    #[error("{path}: no usable PEM private key: {detail}")]
+    BadKey { path: PathBuf, detail: String },
+    #[error("certificate and key do not form a usable pair: {0}")]
+    Pair(#[source] rustls::Error),
+    #[error("client CA bundle {path}: {detail}")]
+    ClientCa { path: PathBuf, detail: String },
+}
+
+/// Installs the ring crypto provider as the process default. The `kube` crate and our
+/// listener both build rustls configs from the default provider; with more than one provider
+/// compiled in and none installed, rustls panics at the first handshake.
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
+    std::fs::read(path).map_err(|source| TlsError::Read {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+fn load_certified_key(cert_path: &Path, key_path: &Path) -> Result<(CertifiedKey, [u8; 32]), TlsError> {
+    let cert_pem = read(cert_path)?;
+    let key_pem = read(key_path)?;
+    let digest: [u8; 32] = Sha256::new()
+        .chain_update(&cert_pem)
+        .chain_update(&key_pem)
+        .finalize()
+        .into();
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&cert_pem)
+        .filter_map(Result::ok)
+        .collect();
+    if certs.is_empty() {
+        return Err(TlsError::NoCertificate {
+            path: cert_path.to_owned(),
+        });
+    }
+    let key = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|e| TlsError::BadKey {
+        path: key_path.to_owned(),
+        detail: e.to_string(),
+    })?;
+    let provider = rustls::crypto::ring::default_provider();
+    let ck = CertifiedKey::from_der(certs, key, &provider).map_err(TlsError::Pair)?;
+    Ok((ck, digest))
+}
+
+/// The serving certificate, re-read from its files when they change.
+#[derive(Debug)]
+pub struct ReloadingCert {
+    cert_path: PathBuf,
+    key_path: PathBuf,
+    current: RwLock<(Arc<CertifiedKey>, [u8; 32])>,
+}
+
+impl ReloadingCert {
+    pub fn load(cert_path: &Path, key_path: &Path) -> Result<Arc<ReloadingCert>, TlsError> {
+        let (ck, digest) = load_certified_key(cert_path, key_path)?;
+        Ok(Arc::new(ReloadingCert {
+            cert_path: cert_path.to_owned(),
+            key_path: key_path.to_owned(),
+            current: RwLock::new((Arc::new(ck), digest)),
+        }))
+    }
+
+    /// Re-reads the files; swaps the key pair if they changed and form a valid pair.
+    /// Returns `Ok(true)` when a new certificate was installed. A broken intermediate state
+    /// (certificate written, key not yet) is reported and the old pair kept.
+    pub fn reload(&self) -> Result<bool, TlsError> {
+        let (ck, digest) = load_certified_key(&self.cert_path, &self.key_path)?;
+        let mut cur = self.current.write().unwrap_or_else(|p| p.into_inner());
+        if cur.1 == digest {
+            return Ok(false);
+        }
+        *cur = (Arc::new(ck), digest);
+        Ok(true)
+    }
+
+    /// Polls the files every `interval` until the process ends.
+    pub fn spawn_reloader(self: &Arc<Self>, interval: Duration) {
+        let this = Arc::downgrade(self);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(interval);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let Some(this) = this.upgrade() else { return };
+                match this.reload() {
+                    Ok(true) => tracing::info!(cert = %this.cert_path.display(), "serving certificate reloaded"),
+                    Ok(false) => {}
+                    Err(e) => tracing::warn!(error = %e, "serving certificate not reloaded; keeping the previous one"),
+                }
+            }
+        });
+    }
+}
+
+impl ResolvesServerCert for ReloadingCert {
+    fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.current.read().unwrap_or_else(|p| p.into_inner()).0.clone())
+    }
+}
+
+/// Builds the listener's rustls config: ALPN h2 then http/1.1, and, with a client CA,
+/// optional client-certificate verification (callers without one use bearer tokens).
+pub fn server_config(
+    cert: Arc<ReloadingCert>,
+    client_ca: Option<&Path>,
+) -> Result<rustls::ServerConfig, TlsError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(TlsError::Pair)?;
+    let builder = match client_ca {
+        Some(path) => {
+            let pem = read(path)?;
+            let mut roots = rustls::RootCertStore::empty();
+            for c in CertificateDer::pem_slice_iter(&pem) {
+                let c = c.map_err(|e| TlsError::ClientCa {
+                    path: path.to_owned(),
+                    detail: e.to_string(),
+                })?;
+                roots.add(c).map_err(|e| TlsError::ClientCa {
+                    path: path.to_owned(),
+                    detail: e.to_string(),
+                })?;
+            }
+            if roots.is_empty() {
+                return Err(TlsError::ClientCa {
+                    path: path.to_owned(),
+                    detail: "no certificates".into(),
+                });
+            }
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
+                .allow_unauthenticated()
+                .build()
+                .map_err(|e| TlsError::ClientCa {
+                    path: path.to_owned(),
+                    detail: e.to_string(),
+                })?;
+            builder.with_client_cert_verifier(verifier)
+        }
+        None => builder.with_no_client_auth(),
+    };
+    let mut cfg = builder.with_cert_resolver(cert);
+    cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    Ok(cfg)
+}

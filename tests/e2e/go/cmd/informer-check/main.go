@@ -1,0 +1,249 @@
+// Command informer-check runs one real client-go informer against a kubeconfig (usually one
+// pointing at kube-cache-proxy) and reports what the informer's cache holds, so end-to-end tests
+// can compare it with the apiserver's state.
+//
+// Modes (--mode):
+//
+//	legacy     typed SharedInformerFactory, WatchListClient feature OFF: paged LIST, then WATCH
+//	watchlist  typed SharedInformerFactory, WatchListClient feature ON: one WATCH with
+//	           sendInitialEvents=true, ended by the "k8s.io/initial-events-end" bookmark
+//	metadata   metadatainformer (PartialObjectMetadata); WatchListClient OFF unless --watch-list=true
+//
+// client-go reads its feature gates from KUBE_FEATURE_<name> environment variables on first use;
+// this program sets KUBE_FEATURE_WatchListClient itself before any informer exists (overriding
+// the caller's environment) and reports the effective state, read back from client-go.
+//
+// Protocol, one line per message:
+//
+//	stdout  MODE <mode> WatchListClient=<true|false>    at start
+//	stdout  SYNCED <lastSyncResourceVersion>            once the informer has synced (60 s bound)
+//	stdin   WAIT <rv>                                   wait (60 s bound) until the informer's
+//	                                                    LastSyncResourceVersion >= rv (numeric), then
+//	stdout  CACHE <json>                                the cache: a JSON array sorted by namespace,
+//	                                                    name of {namespace,name,uid,resourceVersion,labels}
+//	                                                    (labels always an object)
+//	stdin   EOF                                         exit 0
+//
+// Every HTTP request the informer makes is logged to stderr as "REQUEST <method> <url>", so a test
+// can check that watchlist mode really streamed (sendInitialEvents=true) rather than falling back
+// to LIST. Errors go to stderr; failures exit 1, bad usage 2.
+package main
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"net/http"
+	"os"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"k8s.io/apimachinery/pkg/api/meta"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	clientfeatures "k8s.io/client-go/features"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/metadata"
+	"k8s.io/client-go/metadata/metadatainformer"
+	"k8s.io/client-go/rest"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
+)
+
+// waitBound bounds both the initial sync and each WAIT.
+const waitBound = 60 * time.Second
+
+type entry struct {
+	Namespace       string            `json:"namespace"`
+	Name            string            `json:"name"`
+	UID             string            `json:"uid"`
+	ResourceVersion string            `json:"resourceVersion"`
+	Labels          map[string]string `json:"labels"`
+}
+
+func main() {
+	if err := run(); err != nil {
+		fmt.Fprintf(os.Stderr, "informer-check: %v\n", err)
+		os.Exit(1)
+	}
+}
+
+func run() error {
+	kubeconfig := flag.String("kubeconfig", "", "path of the kubeconfig to use (required)")
+	namespace := flag.String("namespace", "", "namespace to watch; empty for all namespaces")
+	mode := flag.String("mode", "legacy", "legacy | watchlist | metadata")
+	resource := flag.String("resource", "configmaps", "configmaps | pods")
+	watchList := flag.String("watch-list", "auto", "WatchListClient gate: auto (by mode) | true | false")
+	flag.Parse()
+	if *kubeconfig == "" {
+		usage("--kubeconfig is required")
+	}
+	if *resource != "configmaps" && *resource != "pods" {
+		usage("--resource must be configmaps or pods")
+	}
+	gate := ""
+	switch *watchList {
+	case "auto":
+		switch *mode {
+		case "legacy", "metadata":
+			gate = "false"
+		case "watchlist":
+			gate = "true"
+		}
+	case "true", "false":
+		gate = *watchList
+	default:
+		usage("--watch-list must be auto, true or false")
+	}
+	if gate == "" {
+		usage("--mode must be legacy, watchlist or metadata")
+	}
+	// Must happen before client-go first reads its gates (it caches the environment then).
+	if err := os.Setenv("KUBE_FEATURE_WatchListClient", gate); err != nil {
+		return err
+	}
+	enabled := clientfeatures.FeatureGates().Enabled(clientfeatures.WatchListClient)
+	if strconv.FormatBool(enabled) != gate {
+		return fmt.Errorf("WatchListClient is %v after setting it to %s", enabled, gate)
+	}
+	fmt.Printf("MODE %s WatchListClient=%v\n", *mode, enabled)
+
+	cfg, err := clientcmd.BuildConfigFromFlags("", *kubeconfig)
+	if err != nil {
+		return fmt.Errorf("loading kubeconfig: %w", err)
+	}
+	// The informer's own traffic is what is under test; no client-side throttling.
+	cfg.QPS, cfg.Burst = 1000, 1000
+	cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper { return logRequests{rt} })
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	informer, err := newInformer(cfg, *mode, *resource, *namespace)
+	if err != nil {
+		return err
+	}
+	if err := informer.SetWatchErrorHandlerWithContext(func(_ context.Context, _ *cache.Reflector, err error) {
+		fmt.Fprintf(os.Stderr, "informer-check: watch error: %v\n", err)
+	}); err != nil {
+		return err
+	}
+	go informer.RunWithContext(ctx)
+
+	syncCtx, syncCancel := context.WithTimeout(ctx, waitBound)
+	synced := cache.WaitForCacheSync(syncCtx.Done(), informer.HasSynced)
+	syncCancel()
+	if !synced {
+		return fmt.Errorf("informer did not sync within %v", waitBound)
+	}
+	fmt.Printf("SYNCED %s\n", informer.LastSyncResourceVersion())
+
+	in := bufio.NewScanner(os.Stdin)
+	for in.Scan() {
+		line := strings.TrimSpace(in.Text())
+		if line == "" {
+			continue
+		}
+		cmd, arg, _ := strings.Cut(line, " ")
+		switch cmd {
+		case "WAIT":
+			want, err := strconv.ParseUint(strings.TrimSpace(arg), 10, 64)
+			if err != nil {
+				return fmt.Errorf("WAIT %q: resource version is not a number", arg)
+			}
+			if err := waitFor(informer, want); err != nil {
+				return err
+			}
+			out, err := dump(informer.GetStore())
+			if err != nil {
+				return err
+			}
+			fmt.Printf("CACHE %s\n", out)
+		default:
+			return fmt.Errorf("unknown command %q", line)
+		}
+	}
+	return in.Err()
+}
+
+func usage(msg string) {
+	fmt.Fprintf(os.Stderr, "informer-check: %s\n", msg)
+	flag.Usage()
+	os.Exit(2)
+}
+
+func newInformer(cfg *rest.Config, mode, resource, ns string) (cache.SharedIndexInformer, error) {
+	if mode == "metadata" {
+		mc, err := metadata.NewForConfig(cfg)
+		if err != nil {
+			return nil, fmt.Errorf("metadata client: %w", err)
+		}
+		gvr := schema.GroupVersionResource{Version: "v1", Resource: resource}
+		f := metadatainformer.NewFilteredSharedInformerFactory(mc, 0, ns, nil)
+		return f.ForResource(gvr).Informer(), nil
+	}
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return nil, fmt.Errorf("clientset: %w", err)
+	}
+	f := informers.NewSharedInformerFactoryWithOptions(cs, 0, informers.WithNamespace(ns))
+	if resource == "pods" {
+		return f.Core().V1().Pods().Informer(), nil
+	}
+	return f.Core().V1().ConfigMaps().Informer(), nil
+}
+
+// waitFor polls until the informer has synced up to resource version want.
+func waitFor(informer cache.SharedIndexInformer, want uint64) error {
+	deadline := time.Now().Add(waitBound)
+	for {
+		last := informer.LastSyncResourceVersion()
+		if got, err := strconv.ParseUint(last, 10, 64); err == nil && got >= want {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("informer at resource version %q, not %d after %v", last, want, waitBound)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func dump(store cache.Store) ([]byte, error) {
+	items := store.List()
+	entries := make([]entry, 0, len(items))
+	for _, obj := range items {
+		m, err := meta.Accessor(obj)
+		if err != nil {
+			return nil, fmt.Errorf("cache holds %T: %w", obj, err)
+		}
+		labels := m.GetLabels()
+		if labels == nil {
+			labels = map[string]string{}
+		}
+		entries = append(entries, entry{
+			Namespace:       m.GetNamespace(),
+			Name:            m.GetName(),
+			UID:             string(m.GetUID()),
+			ResourceVersion: m.GetResourceVersion(),
+			Labels:          labels,
+		})
+	}
+	sort.Slice(entries, func(i, j int) bool {
+		if entries[i].Namespace != entries[j].Namespace {
+			return entries[i].Namespace < entries[j].Namespace
+		}
+		return entries[i].Name < entries[j].Name
+	})
+	return json.Marshal(entries)
+}
+
+// logRequests logs each request line to stderr.
+type logRequests struct{ next http.RoundTripper }
+
+func (l logRequests) RoundTrip(r *http.Request) (*http.Response, error) {
+	fmt.Fprintf(os.Stderr, "REQUEST %s %s\n", r.Method, r.URL.String())
+	return l.next.RoundTrip(r)
+}

@@ -1,0 +1,9 @@
+//go:build tools
+
+// Package tools pins the control-plane commands built by tests/e2e/build-control-plane.sh.
+package tools
+
+import (
+	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kubectl"
+)

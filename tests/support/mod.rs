@@ -1,0 +1,7 @@
+//! Shared harness for the integration tests in `tests/`.
+//!
+//! Each test binary declares `mod support;` and uses only part of this harness, so items unused by
+//! one binary are not dead code for the project as a whole.
+#![allow(dead_code)]
+
+pub mod fake_apiserver;

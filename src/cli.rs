@@ -68,8 +68,9 @@ pub struct ServeArgs {
 
 #[derive(Debug, Args)]
 pub struct DevArgs {
-    /// Where the proxy listens (plain HTTP, loopback).
-    #[arg(long, env = "KCP_DEV_LISTEN", default_value = "127.0.0.1:8001")]
+    /// Where the proxy listens (TLS with a generated certificate, loopback). client-go sends
+    /// bearer tokens only over TLS, so dev mode is TLS too.
+    #[arg(long, env = "KCP_DEV_LISTEN", default_value = "127.0.0.1:8443")]
     pub listen: SocketAddr,
     /// Directory for the kubeconfigs written (default: the current directory).
     #[arg(long, env = "KCP_DEV_OUT", default_value = ".")]
@@ -232,21 +233,37 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
 
     let upstream_kc = out.join("upstream.kubeconfig");
     std::fs::write(&upstream_kc, cp.admin_kubeconfig_yaml())?;
+    let tls_dir = out.join(".dev").join("proxy-tls");
+    std::fs::create_dir_all(&tls_dir)?;
+    let (ca_pem, cert_pem, key_pem) =
+        crate::tls::generate_serving_pair(&["127.0.0.1", "localhost"])?;
+    std::fs::write(tls_dir.join("tls.crt"), cert_pem)?;
+    std::fs::write(tls_dir.join("tls.key"), key_pem)?;
+    std::fs::write(tls_dir.join("client-ca.crt"), cp.client_ca().0)?;
     let mut cfg = Config::default();
-    cfg.insecure_listen = Some(args.listen);
+    cfg.listen = args.listen;
+    cfg.tls.cert_file = Some(tls_dir.join("tls.crt"));
+    cfg.tls.key_file = Some(tls_dir.join("tls.key"));
+    // Client certificates minted by the dev control plane's client CA work here too.
+    cfg.tls.client_ca_file = Some(tls_dir.join("client-ca.crt"));
     cfg.upstream.kubeconfig = Some(upstream_kc.clone());
     cfg.log.level = args.log_level.clone();
     let kube = crate::upstream::load_kube_config(&cfg.upstream).await?;
     let running = crate::server::start(cfg, &kube).await?;
-    let addr = running.insecure_addr.context("the proxy has no listener")?;
+    let addr = running.tls_addr.context("the proxy has no listener")?;
     let proxy_kc = out.join("kube-cache-proxy.kubeconfig");
     std::fs::write(
         &proxy_kc,
-        ControlPlane::kubeconfig_yaml(&format!("http://{addr}"), None, Some(cp.admin_token()), None),
+        ControlPlane::kubeconfig_yaml(
+            &format!("https://{addr}"),
+            Some(&ca_pem),
+            Some(cp.admin_token()),
+            None,
+        ),
     )?;
     let kubectl = cp.kubectl();
     println!(
-        "\nkube-cache-proxy is serving http://{addr} in front of {upstream}\n\n\
+        "\nkube-cache-proxy is serving https://{addr} in front of {upstream}\n\n\
          Through the proxy:   kubectl --kubeconfig {pk} get pods -A -w\n\
          Directly upstream:   kubectl --kubeconfig {uk} get ns\n\
          kubectl built here:  {kubectl}\n\

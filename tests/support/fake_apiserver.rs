@@ -394,6 +394,7 @@ struct HistEvent {
     prev: Option<Value>,
 }
 
+#[derive(Clone)]
 enum WatchMsg {
     Line(Bytes),
     End,
@@ -520,9 +521,9 @@ impl Store {
         map
     }
 
-    fn end_watchers(&mut self, msg: fn() -> WatchMsg) {
+    fn end_watchers(&mut self, msg: WatchMsg) {
         for w in self.watchers.drain(..) {
-            let _ = w.tx.send(msg());
+            let _ = w.tx.send(msg.clone());
         }
     }
 }
@@ -602,7 +603,7 @@ async fn handle(shared: Arc<Shared>, mut req: Request<Incoming>) -> Result<Respo
         return Ok(Status::injected(code).into_response());
     }
 
-    let req = Incoming_ {
+    let req = ReadRequest {
         method: parts.method,
         path: parts.uri.path().to_string(),
         query: Query::parse(parts.uri.query().unwrap_or("")),
@@ -615,9 +616,8 @@ async fn handle(shared: Arc<Shared>, mut req: Request<Incoming>) -> Result<Respo
     })
 }
 
-/// A request with its body read; named with a trailing underscore to keep it apart from
-/// hyper's `Incoming` body type.
-struct Incoming_ {
+/// A request with its body read.
+struct ReadRequest {
     method: Method,
     path: String,
     query: Query,
@@ -698,7 +698,7 @@ fn parse_route(path: &str) -> Option<Route> {
 
 async fn route(
     shared: &Arc<Shared>,
-    req: Incoming_,
+    req: ReadRequest,
     on_upgrade: Option<hyper::upgrade::OnUpgrade>,
 ) -> Result<Response<Body>, Status> {
     let path = req.path.as_str();
@@ -1118,6 +1118,8 @@ async fn list(
 /// What a watcher receives: kind, namespace scope and selectors.
 struct Filter {
     kind: Kind,
+    /// Only events after this resourceVersion (a watch from a future resourceVersion waits).
+    after_rv: u64,
     namespace: Option<String>,
     labels: LabelSelector,
     fields: FieldSelector,
@@ -1136,7 +1138,7 @@ impl Filter {
     /// The watch line this watcher sees for `e`, following the cacher's rules: an object that
     /// starts matching arrives as ADDED, one that stops matching as DELETED.
     fn convert(&self, e: &HistEvent) -> Option<Bytes> {
-        if e.kind != self.kind {
+        if e.kind != self.kind || e.rv <= self.after_rv {
             return None;
         }
         let cur = e.typ != EventType::Deleted && self.matches(&e.obj);
@@ -1196,8 +1198,9 @@ async fn watch(
     {
         wait_for_rv(shared, n).await?;
     }
-    let filter = Filter {
+    let mut filter = Filter {
         kind,
+        after_rv: 0,
         namespace,
         labels: p.labels,
         fields: p.fields,
@@ -1213,6 +1216,7 @@ async fn watch(
             None => p.rv.is_none_or(|n| n == 0),
         };
         let mut registered = true;
+        filter.after_rv = store.rv;
         if initial_events {
             for obj in store.objects(kind).values().filter(|o| filter.matches(o)) {
                 let _ = tx.send(WatchMsg::Line(event_line("ADDED", obj)));
@@ -1231,6 +1235,7 @@ async fn watch(
                 let _ = tx.send(WatchMsg::End);
                 registered = false;
             } else {
+                filter.after_rv = n;
                 for e in store.history.iter().filter(|e| e.rv > n) {
                     if let Some(line) = filter.convert(e) {
                         let _ = tx.send(WatchMsg::Line(line));
@@ -1647,7 +1652,7 @@ fn update_locked(
 
 fn patch(
     shared: &Shared,
-    req: &Incoming_,
+    req: &ReadRequest,
     kind: Kind,
     ns: Option<&str>,
     name: &str,
@@ -1827,7 +1832,7 @@ fn delete_object(
 
 fn upgrade(
     shared: &Shared,
-    req: &Incoming_,
+    req: &ReadRequest,
     ns: Option<&str>,
     name: &str,
     on_upgrade: Option<hyper::upgrade::OnUpgrade>,

@@ -98,7 +98,11 @@ impl Status {
     }
 
     pub fn internal(message: impl Into<String>) -> Self {
-        Self::failure(StatusCode::INTERNAL_SERVER_ERROR, Reason::InternalError, message)
+        Self::failure(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            Reason::InternalError,
+            message,
+        )
     }
 
     /// 503 for an unreachable or failing upstream; a retry helps, so it carries `Retry-After`.

@@ -10,7 +10,11 @@ use clap::{Args, Parser, Subcommand};
 use crate::config::{Config, ConfigError, LogFormat};
 
 #[derive(Debug, Parser)]
-#[command(name = "kube-cache-proxy", version, about = "A watch-aware caching proxy for kube-apiserver")]
+#[command(
+    name = "kube-cache-proxy",
+    version,
+    about = "A watch-aware caching proxy for kube-apiserver"
+)]
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
@@ -127,7 +131,9 @@ impl ServeArgs {
 pub fn init_logging(level: &str, format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_new(level)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let b = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
     let _ = match format {
         LogFormat::Json => b.json().flatten_event(true).try_init(),
         LogFormat::Text => b.try_init(),
@@ -139,13 +145,14 @@ pub async fn termination_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
     #[cfg(unix)]
     {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
-            Err(_) => {
-                let _ = ctrl_c.await;
-                return;
-            }
-        };
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
         tokio::select! {
             _ = ctrl_c => {},
             _ = term.recv() => {},
@@ -191,8 +198,15 @@ mod tests {
     fn check_config_reports_paths() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("c.yaml");
-        std::fs::write(&p, "server:\n  maxConnections: 0\ninsecureListen: 127.0.0.1:1\n").unwrap();
-        assert_eq!(check_config(&p), vec!["server.maxConnections: must be at least 1".to_string()]);
+        std::fs::write(
+            &p,
+            "server:\n  maxConnections: 0\ninsecureListen: 127.0.0.1:1\n",
+        )
+        .unwrap();
+        assert_eq!(
+            check_config(&p),
+            vec!["server.maxConnections: must be at least 1".to_string()]
+        );
         std::fs::write(&p, "insecureListen: 127.0.0.1:1\n").unwrap();
         assert!(check_config(&p).is_empty());
         assert_eq!(check_config(&dir.path().join("missing.yaml")).len(), 1);
@@ -216,7 +230,8 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
 
     init_logging(&args.log_level, LogFormat::Text);
     crate::tls::install_crypto_provider();
-    std::fs::create_dir_all(&args.out).with_context(|| format!("creating {}", args.out.display()))?;
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
     let out = std::fs::canonicalize(&args.out)?;
     eprintln!(">> preparing kube-apiserver, etcd and kubectl (cached after the first build)");
     tokio::task::spawn_blocking(crate::devcluster::ensure_binaries)
@@ -228,7 +243,11 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
     })
     .await
     .context("starting kube-apiserver and etcd")?;
-    eprintln!(">> kube-apiserver ready at {} (logs in {})", cp.url, cp.log_dir.display());
+    eprintln!(
+        ">> kube-apiserver ready at {} (logs in {})",
+        cp.url,
+        cp.log_dir.display()
+    );
     cp.seed().await.context("seeding demo objects")?;
 
     let upstream_kc = out.join("upstream.kubeconfig");
@@ -273,7 +292,12 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
         pk = proxy_kc.display(),
         uk = upstream_kc.display(),
         kubectl = kubectl.display(),
-        users = cp.users.iter().map(|u| u.name.as_str()).collect::<Vec<_>>().join(", "),
+        users = cp
+            .users
+            .iter()
+            .map(|u| u.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
     );
     termination_signal().await;
     eprintln!(">> stopping");

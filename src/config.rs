@@ -247,7 +247,11 @@ impl Config {
         serde_path_to_error::deserialize(value).map_err(|e| {
             let path = e.path().to_string();
             ConfigError::Invalid(vec![FieldError {
-                path: if path == "." { "(document)".into() } else { path },
+                path: if path == "." {
+                    "(document)".into()
+                } else {
+                    path
+                },
                 message: e.into_inner().to_string(),
             }])
         })
@@ -360,7 +364,10 @@ mod tests {
     #[test]
     fn empty_file_gives_defaults() {
         assert_eq!(Config::from_yaml("").unwrap(), Config::default());
-        assert_eq!(Config::from_yaml("# only a comment\n").unwrap(), Config::default());
+        assert_eq!(
+            Config::from_yaml("# only a comment\n").unwrap(),
+            Config::default()
+        );
     }
 
     #[test]
@@ -372,14 +379,18 @@ mod tests {
     #[test]
     fn type_errors_name_the_field() {
         let e = Config::from_yaml("server:\n  http2MaxConcurrentStreams: lots\n").unwrap_err();
-        let ConfigError::Invalid(errs) = e else { panic!() };
+        let ConfigError::Invalid(errs) = e else {
+            panic!()
+        };
         assert_eq!(errs[0].path, "server.http2MaxConcurrentStreams");
     }
 
     #[test]
     fn unknown_fields_are_errors_with_their_path() {
         let e = Config::from_yaml("shutdown:\n  dealy: 5s\n").unwrap_err();
-        let ConfigError::Invalid(errs) = e else { panic!() };
+        let ConfigError::Invalid(errs) = e else {
+            panic!()
+        };
         assert_eq!(errs[0].path, "shutdown");
         assert!(errs[0].message.contains("dealy"), "{}", errs[0].message);
     }
@@ -387,7 +398,9 @@ mod tests {
     #[test]
     fn bad_durations_are_explained() {
         let e = Config::from_yaml("shutdown:\n  delay: soon\n").unwrap_err();
-        let ConfigError::Invalid(errs) = e else { panic!() };
+        let ConfigError::Invalid(errs) = e else {
+            panic!()
+        };
         assert_eq!(errs[0].path, "shutdown.delay");
         assert!(errs[0].message.contains("invalid duration"));
     }
@@ -398,11 +411,16 @@ mod tests {
             "insecureListen: 10.1.2.3:8080\ntls:\n  keyFile: /k\nserver:\n  http2MaxConcurrentStreams: 0\nlog:\n  level: 'a=b=c'\n",
         )
         .unwrap();
-        let ConfigError::Invalid(errs) = cfg.validate().unwrap_err() else { panic!() };
+        let ConfigError::Invalid(errs) = cfg.validate().unwrap_err() else {
+            panic!()
+        };
         let paths: Vec<_> = errs.iter().map(|e| e.path.as_str()).collect();
         assert!(paths.contains(&"tls.certFile"), "{paths:?}");
         assert!(paths.contains(&"insecureListen"), "{paths:?}");
-        assert!(paths.contains(&"server.http2MaxConcurrentStreams"), "{paths:?}");
+        assert!(
+            paths.contains(&"server.http2MaxConcurrentStreams"),
+            "{paths:?}"
+        );
         assert!(paths.contains(&"log.level"), "{paths:?}");
     }
 

@@ -219,10 +219,14 @@ mod tests {
     async fn tracked_calls_back_once_at_end_or_drop() {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let tx2 = tx.clone();
-        let b = Tracked::new(frames(&["a", "b"]), Instant::now(), move |_| tx.send(1).unwrap());
+        let b = Tracked::new(frames(&["a", "b"]), Instant::now(), move |_| {
+            tx.send(1).unwrap()
+        });
         assert_eq!(b.collect().await.unwrap().to_bytes(), "ab");
         assert_eq!(rx.recv().await, Some(1));
-        let b = Tracked::new(frames(&["a"]), Instant::now(), move |_| tx2.send(2).unwrap());
+        let b = Tracked::new(frames(&["a"]), Instant::now(), move |_| {
+            tx2.send(2).unwrap()
+        });
         drop(b);
         assert_eq!(rx.recv().await, Some(2));
         assert!(rx.try_recv().is_err());

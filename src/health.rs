@@ -251,7 +251,10 @@ mod tests {
         assert_eq!(get(&h, "/readyz", None).await, (200, "ok".into()));
         assert_eq!(
             get(&h, "/readyz", Some("verbose")).await,
-            (200, "[+]ping ok\n[+]shutdown ok\n[+]upstream ok\nreadyz check passed\n".into())
+            (
+                200,
+                "[+]ping ok\n[+]shutdown ok\n[+]upstream ok\nreadyz check passed\n".into()
+            )
         );
         assert_eq!(
             get(&h, "/livez", Some("verbose=1")).await,

@@ -148,8 +148,11 @@ pub fn upstream_headers(
         }
         Caller::Certificate { user, groups } => {
             h.remove(header::AUTHORIZATION);
-            let names: Vec<HeaderName> =
-                h.keys().filter(|n| is_identity_header(n)).cloned().collect();
+            let names: Vec<HeaderName> = h
+                .keys()
+                .filter(|n| is_identity_header(n))
+                .cloned()
+                .collect();
             for n in names {
                 h.remove(n);
             }
@@ -164,8 +167,11 @@ pub fn upstream_headers(
         }
         Caller::Anonymous => {
             h.remove(header::AUTHORIZATION);
-            let names: Vec<HeaderName> =
-                h.keys().filter(|n| is_identity_header(n)).cloned().collect();
+            let names: Vec<HeaderName> = h
+                .keys()
+                .filter(|n| is_identity_header(n))
+                .cloned()
+                .collect();
             for n in names {
                 h.remove(n);
             }
@@ -236,7 +242,13 @@ mod tests {
             ("accept", "application/json"),
         ]);
         let out = upstream_headers(&inbound, &Caller::Anonymous, None, None);
-        for gone in ["connection", "keep-alive", "x-secret-hop", "te", "proxy-authorization"] {
+        for gone in [
+            "connection",
+            "keep-alive",
+            "x-secret-hop",
+            "te",
+            "proxy-authorization",
+        ] {
             assert!(!out.contains_key(gone), "{gone} should be dropped");
         }
         assert_eq!(out["accept"], "application/json");
@@ -244,7 +256,10 @@ mod tests {
 
     #[test]
     fn connection_header_cannot_strip_the_impersonation_the_proxy_asserts() {
-        let inbound = hm(&[("connection", "Impersonate-User, Impersonate-Group, Authorization")]);
+        let inbound = hm(&[(
+            "connection",
+            "Impersonate-User, Impersonate-Group, Authorization",
+        )]);
         let out = upstream_headers(&inbound, &cert_caller(), None, None);
         assert_eq!(out["impersonate-user"], "jane");
         let groups: Vec<_> = out.get_all("impersonate-group").iter().collect();
@@ -253,7 +268,10 @@ mod tests {
 
     #[test]
     fn connection_header_cannot_strip_a_forwarded_bearer_token() {
-        let inbound = hm(&[("authorization", "Bearer t0k"), ("connection", "authorization")]);
+        let inbound = hm(&[
+            ("authorization", "Bearer t0k"),
+            ("connection", "authorization"),
+        ]);
         let caller = Caller::identify(None, &inbound);
         let out = upstream_headers(&inbound, &caller, None, None);
         assert_eq!(out["authorization"], "Bearer t0k");
@@ -282,7 +300,10 @@ mod tests {
 
     #[test]
     fn anonymous_callers_go_upstream_without_any_identity() {
-        let inbound = hm(&[("impersonate-user", "system:admin"), ("x-remote-user", "root")]);
+        let inbound = hm(&[
+            ("impersonate-user", "system:admin"),
+            ("x-remote-user", "root"),
+        ]);
         let caller = Caller::identify(None, &inbound);
         assert_eq!(caller, Caller::Anonymous);
         assert_eq!(caller.upstream_as(), As::Caller);
@@ -319,7 +340,11 @@ mod tests {
 
     #[test]
     fn upgrades_reassert_connection_and_upgrade() {
-        let inbound = hm(&[("connection", "Upgrade"), ("upgrade", "SPDY/3.1"), ("host", "proxy")]);
+        let inbound = hm(&[
+            ("connection", "Upgrade"),
+            ("upgrade", "SPDY/3.1"),
+            ("host", "proxy"),
+        ]);
         let proto = upgrade_protocol(&inbound).cloned();
         assert_eq!(proto.as_ref().unwrap(), "SPDY/3.1");
         let out = upstream_headers(&inbound, &Caller::Anonymous, proto.as_ref(), None);
@@ -331,15 +356,24 @@ mod tests {
     #[test]
     fn forwarded_for_is_appended() {
         let inbound = hm(&[("x-forwarded-for", "10.0.0.1")]);
-        let out = upstream_headers(&inbound, &Caller::Anonymous, None, Some("127.0.0.9".parse().unwrap()));
+        let out = upstream_headers(
+            &inbound,
+            &Caller::Anonymous,
+            None,
+            Some("127.0.0.9".parse().unwrap()),
+        );
         assert_eq!(out["x-forwarded-for"], "10.0.0.1, 127.0.0.9");
     }
 
     #[test]
     fn certificate_subject_gives_user_and_groups() {
         let mut params = rcgen::CertificateParams::new(vec![]).unwrap();
-        params.distinguished_name.push(rcgen::DnType::CommonName, "jane");
-        params.distinguished_name.push(rcgen::DnType::OrganizationName, "dev");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, "jane");
+        params
+            .distinguished_name
+            .push(rcgen::DnType::OrganizationName, "dev");
         let key = rcgen::KeyPair::generate().unwrap();
         let cert = params.self_signed(&key).unwrap();
         let id = CertIdentity::from_der(cert.der()).unwrap();

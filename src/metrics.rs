@@ -83,10 +83,9 @@ impl Metrics {
     pub fn new() -> Metrics {
         let mut registry = Registry::default();
         let requests = Family::<RequestLabels, Counter>::default();
-        let request_duration =
-            Family::<DurationLabels, Histogram>::new_with_constructor(|| {
-                Histogram::new(APISERVER_DURATION_BUCKETS.iter().copied())
-            });
+        let request_duration = Family::<DurationLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(APISERVER_DURATION_BUCKETS.iter().copied())
+        });
         let inflight = Family::<KindLabels, Gauge>::default();
         let upstream_requests = Family::<UpstreamLabels, Counter>::default();
         let connections = Family::<KindLabels, Gauge>::default();

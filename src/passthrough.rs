@@ -195,4 +195,3 @@ fn is_body_limit(e: &(dyn std::error::Error + 'static)) -> bool {
 fn req_path(pq: &str) -> &str {
     pq.split('?').next().unwrap_or(pq)
 }
-

@@ -171,7 +171,12 @@ impl RequestInfo {
 
     /// The verb label of the apiserver's request metrics (`metrics.CleanVerb`): LIST, WATCH,
     /// GET, POST, PUT, PATCH, APPLY (server-side apply), DELETE, CONNECT.
-    pub fn metrics_verb(&self, method: &Method, content_type: Option<&str>, upgrade: bool) -> String {
+    pub fn metrics_verb(
+        &self,
+        method: &Method,
+        content_type: Option<&str>,
+        upgrade: bool,
+    ) -> String {
         if upgrade
             || matches!(
                 self.subresource.as_str(),
@@ -223,7 +228,8 @@ impl RequestInfo {
 /// True when a boolean query parameter is set the way the apiserver's decoder accepts
 /// (`watch=1`, `watch=true`, `watch=True`).
 pub fn query_flag(query: Option<&str>, key: &str) -> bool {
-    query_param(query, key).is_some_and(|v| matches!(v.as_str(), "1" | "true" | "True" | "TRUE" | "t" | "T"))
+    query_param(query, key)
+        .is_some_and(|v| matches!(v.as_str(), "1" | "true" | "True" | "TRUE" | "t" | "T"))
 }
 
 /// The first value of a query parameter, percent-decoded.
@@ -250,29 +256,224 @@ mod tests {
     #[test]
     fn table_of_request_infos_matches_the_apiserver() {
         // (method, path, query, verb, group, version, namespace, resource, subresource, name)
-        let cases: &[(Method, &str, Option<&str>, &str, &str, &str, &str, &str, &str, &str)] = &[
-            (Method::GET, "/api/v1/pods", None, "list", "", "v1", "", "pods", "", ""),
-            (Method::GET, "/api/v1/pods", Some("watch=1"), "watch", "", "v1", "", "pods", "", ""),
-            (Method::GET, "/api/v1/pods", Some("watch=false"), "list", "", "v1", "", "pods", "", ""),
-            (Method::GET, "/api/v1/namespaces/a/pods", None, "list", "", "v1", "a", "pods", "", ""),
-            (Method::GET, "/api/v1/namespaces/a/pods/p", None, "get", "", "v1", "a", "pods", "", "p"),
-            (Method::POST, "/api/v1/namespaces/a/pods/p/exec", None, "create", "", "v1", "a", "pods", "exec", "p"),
-            (Method::GET, "/api/v1/namespaces/a/pods/p/log", None, "get", "", "v1", "a", "pods", "log", "p"),
-            (Method::GET, "/api/v1/namespaces/a", None, "get", "", "v1", "a", "namespaces", "", "a"),
-            (Method::PUT, "/api/v1/namespaces/a/finalize", None, "update", "", "v1", "a", "namespaces", "finalize", "a"),
-            (Method::GET, "/api/v1/namespaces", None, "list", "", "v1", "", "namespaces", "", ""),
-            (Method::GET, "/api/v1/watch/namespaces/a/pods", None, "watch", "", "v1", "a", "pods", "", ""),
-            (Method::GET, "/apis/apps/v1/namespaces/a/deployments/d/scale", None, "get", "apps", "v1", "a", "deployments", "scale", "d"),
-            (Method::DELETE, "/api/v1/namespaces/a/configmaps", None, "deletecollection", "", "v1", "a", "configmaps", "", ""),
-            (Method::DELETE, "/api/v1/namespaces/a/configmaps/c", None, "delete", "", "v1", "a", "configmaps", "", "c"),
-            (Method::PATCH, "/apis/apps/v1/namespaces/a/deployments/d", None, "patch", "apps", "v1", "a", "deployments", "", "d"),
-            (Method::GET, "/api/v1/proxy/namespaces/a/pods/p/x/y", None, "proxy", "", "v1", "a", "pods", "", "p"),
+        let cases: &[(
+            Method,
+            &str,
+            Option<&str>,
+            &str,
+            &str,
+            &str,
+            &str,
+            &str,
+            &str,
+            &str,
+        )] = &[
+            (
+                Method::GET,
+                "/api/v1/pods",
+                None,
+                "list",
+                "",
+                "v1",
+                "",
+                "pods",
+                "",
+                "",
+            ),
+            (
+                Method::GET,
+                "/api/v1/pods",
+                Some("watch=1"),
+                "watch",
+                "",
+                "v1",
+                "",
+                "pods",
+                "",
+                "",
+            ),
+            (
+                Method::GET,
+                "/api/v1/pods",
+                Some("watch=false"),
+                "list",
+                "",
+                "v1",
+                "",
+                "pods",
+                "",
+                "",
+            ),
+            (
+                Method::GET,
+                "/api/v1/namespaces/a/pods",
+                None,
+                "list",
+                "",
+                "v1",
+                "a",
+                "pods",
+                "",
+                "",
+            ),
+            (
+                Method::GET,
+                "/api/v1/namespaces/a/pods/p",
+                None,
+                "get",
+                "",
+                "v1",
+                "a",
+                "pods",
+                "",
+                "p",
+            ),
+            (
+                Method::POST,
+                "/api/v1/namespaces/a/pods/p/exec",
+                None,
+                "create",
+                "",
+                "v1",
+                "a",
+                "pods",
+                "exec",
+                "p",
+            ),
+            (
+                Method::GET,
+                "/api/v1/namespaces/a/pods/p/log",
+                None,
+                "get",
+                "",
+                "v1",
+                "a",
+                "pods",
+                "log",
+                "p",
+            ),
+            (
+                Method::GET,
+                "/api/v1/namespaces/a",
+                None,
+                "get",
+                "",
+                "v1",
+                "a",
+                "namespaces",
+                "",
+                "a",
+            ),
+            (
+                Method::PUT,
+                "/api/v1/namespaces/a/finalize",
+                None,
+                "update",
+                "",
+                "v1",
+                "a",
+                "namespaces",
+                "finalize",
+                "a",
+            ),
+            (
+                Method::GET,
+                "/api/v1/namespaces",
+                None,
+                "list",
+                "",
+                "v1",
+                "",
+                "namespaces",
+                "",
+                "",
+            ),
+            (
+                Method::GET,
+                "/api/v1/watch/namespaces/a/pods",
+                None,
+                "watch",
+                "",
+                "v1",
+                "a",
+                "pods",
+                "",
+                "",
+            ),
+            (
+                Method::GET,
+                "/apis/apps/v1/namespaces/a/deployments/d/scale",
+                None,
+                "get",
+                "apps",
+                "v1",
+                "a",
+                "deployments",
+                "scale",
+                "d",
+            ),
+            (
+                Method::DELETE,
+                "/api/v1/namespaces/a/configmaps",
+                None,
+                "deletecollection",
+                "",
+                "v1",
+                "a",
+                "configmaps",
+                "",
+                "",
+            ),
+            (
+                Method::DELETE,
+                "/api/v1/namespaces/a/configmaps/c",
+                None,
+                "delete",
+                "",
+                "v1",
+                "a",
+                "configmaps",
+                "",
+                "c",
+            ),
+            (
+                Method::PATCH,
+                "/apis/apps/v1/namespaces/a/deployments/d",
+                None,
+                "patch",
+                "apps",
+                "v1",
+                "a",
+                "deployments",
+                "",
+                "d",
+            ),
+            (
+                Method::GET,
+                "/api/v1/proxy/namespaces/a/pods/p/x/y",
+                None,
+                "proxy",
+                "",
+                "v1",
+                "a",
+                "pods",
+                "",
+                "p",
+            ),
         ];
         for (m, p, q, verb, g, v, ns, r, sr, n) in cases {
             let i = parse(m.clone(), p, *q);
             assert!(i.is_resource_request, "{p}");
             assert_eq!(
-                (i.verb.as_str(), i.api_group.as_str(), i.api_version.as_str(), i.namespace.as_str(), i.resource.as_str(), i.subresource.as_str(), i.name.as_str()),
+                (
+                    i.verb.as_str(),
+                    i.api_group.as_str(),
+                    i.api_version.as_str(),
+                    i.namespace.as_str(),
+                    i.resource.as_str(),
+                    i.subresource.as_str(),
+                    i.name.as_str()
+                ),
                 (*verb, *g, *v, *ns, *r, *sr, *n),
                 "{m} {p}"
             );
@@ -281,7 +482,17 @@ mod tests {
 
     #[test]
     fn discovery_and_health_are_not_resource_requests() {
-        for p in ["/", "/api", "/api/v1", "/apis", "/apis/apps", "/apis/apps/v1", "/version", "/readyz", "/openapi/v3"] {
+        for p in [
+            "/",
+            "/api",
+            "/api/v1",
+            "/apis",
+            "/apis/apps",
+            "/apis/apps/v1",
+            "/version",
+            "/readyz",
+            "/openapi/v3",
+        ] {
             assert!(!parse(Method::GET, p, None).is_resource_request, "{p}");
         }
     }
@@ -295,7 +506,10 @@ mod tests {
         assert_eq!(watch.metrics_verb(&Method::GET, None, false), "WATCH");
         assert_eq!(watch.metrics_scope(), "namespace");
         let apply = parse(Method::PATCH, "/api/v1/namespaces/a/configmaps/c", None);
-        assert_eq!(apply.metrics_verb(&Method::PATCH, Some("application/apply-patch+yaml"), false), "APPLY");
+        assert_eq!(
+            apply.metrics_verb(&Method::PATCH, Some("application/apply-patch+yaml"), false),
+            "APPLY"
+        );
         assert_eq!(apply.metrics_scope(), "resource");
         let exec = parse(Method::POST, "/api/v1/namespaces/a/pods/p/exec", None);
         assert_eq!(exec.metrics_verb(&Method::POST, None, true), "CONNECT");
@@ -320,7 +534,13 @@ mod tests {
         for (p, want) in bad {
             assert_eq!(validate_path(p), Err(want), "{p}");
         }
-        for ok in ["/", "/api/v1/", "/api/v1/namespaces/a/pods", "/apis/apps/v1/deployments", "/api/v1/namespaces/caf%C3%A9"] {
+        for ok in [
+            "/",
+            "/api/v1/",
+            "/api/v1/namespaces/a/pods",
+            "/apis/apps/v1/deployments",
+            "/api/v1/namespaces/caf%C3%A9",
+        ] {
             assert_eq!(validate_path(ok), Ok(()), "{ok}");
         }
     }
@@ -331,6 +551,9 @@ mod tests {
         assert!(query_flag(Some("watch=true"), "watch"));
         assert!(!query_flag(Some("watch=0"), "watch"));
         assert!(!query_flag(None, "watch"));
-        assert_eq!(query_param(Some("labelSelector=a%3Db"), "labelSelector").as_deref(), Some("a=b"));
+        assert_eq!(
+            query_param(Some("labelSelector=a%3Db"), "labelSelector").as_deref(),
+            Some("a=b")
+        );
     }
 }

@@ -77,7 +77,11 @@ impl State {
     async fn probe_upstream(&self) -> Result<(), String> {
         let mut req = Request::new(body::empty());
         *req.uri_mut() = self.upstream.uri("/readyz");
-        let timeout = self.config.upstream.health_check_interval.max(Duration::from_secs(2));
+        let timeout = self
+            .config
+            .upstream
+            .health_check_interval
+            .max(Duration::from_secs(2));
         match tokio::time::timeout(timeout, self.upstream.send(req, As::Proxy, false)).await {
             Err(_) => Err(format!("GET /readyz timed out after {timeout:?}")),
             Ok(Err(e)) => Err(format!("GET /readyz: {e}")),
@@ -158,11 +162,17 @@ pub async fn run(state: Arc<State>, listeners: Listeners, shutdown: impl Future<
         tracing::error!("connection tracker still shared; cannot drain");
         return;
     };
-    tracing::info!(connections = graceful.count(), "listeners closed; draining connections");
+    tracing::info!(
+        connections = graceful.count(),
+        "listeners closed; draining connections"
+    );
     let limit = state.config.shutdown.drain_timeout;
     match tokio::time::timeout(limit, graceful.shutdown()).await {
         Ok(()) => tracing::info!("all connections drained"),
-        Err(_) => tracing::warn!(?limit, "drain timeout reached; closing remaining connections"),
+        Err(_) => tracing::warn!(
+            ?limit,
+            "drain timeout reached; closing remaining connections"
+        ),
     }
 }
 
@@ -221,10 +231,14 @@ async fn serve_connection(
     watcher: hyper_util::server::graceful::Watcher,
 ) {
     let Some(acceptor) = tls else {
-        let conn = ConnInfo { peer: Some(peer), cert: None };
+        let conn = ConnInfo {
+            peer: Some(peer),
+            cert: None,
+        };
         return serve_io(state, builder, TokioIo::new(stream), conn, watcher).await;
     };
-    let hs = tokio::time::timeout(state.config.tls.handshake_timeout, acceptor.accept(stream)).await;
+    let hs =
+        tokio::time::timeout(state.config.tls.handshake_timeout, acceptor.accept(stream)).await;
     let tls_stream = match hs {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
@@ -245,7 +259,10 @@ async fn serve_connection(
         .and_then(|c| c.first())
         .and_then(|c| CertIdentity::from_der(c))
         .map(Arc::new);
-    let conn = ConnInfo { peer: Some(peer), cert };
+    let conn = ConnInfo {
+        peer: Some(peer),
+        cert,
+    };
     serve_io(state, builder, TokioIo::new(tls_stream), conn, watcher).await
 }
 
@@ -320,7 +337,9 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
             let mut r = Response::new(body::full(state.metrics.encode()));
             r.headers_mut().insert(
                 header::CONTENT_TYPE,
-                HeaderValue::from_static("application/openmetrics-text; version=1.0.0; charset=utf-8"),
+                HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
             );
             return r;
         }
@@ -451,7 +470,10 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
             let sc = crate::tls::server_config(rc, config.tls.client_ca_file.as_deref())?;
             let l = TcpListener::bind(config.listen)
                 .await
-                .map_err(|source| StartError::Bind { addr: config.listen, source })?;
+                .map_err(|source| StartError::Bind {
+                    addr: config.listen,
+                    source,
+                })?;
             Some((l, TlsAcceptor::from(Arc::new(sc))))
         }
         _ => None,
@@ -480,5 +502,11 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
     if let Some(a) = insecure_addr {
         tracing::info!(addr = %a, "serving plain HTTP (HTTP/1.1 and h2c) for local use");
     }
-    Ok(Running { state, tls_addr, insecure_addr, stop, task })
+    Ok(Running {
+        state,
+        tls_addr,
+        insecure_addr,
+        stop,
+        task,
+    })
 }

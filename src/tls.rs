@@ -46,7 +46,10 @@ fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
     })
 }
 
-fn load_certified_key(cert_path: &Path, key_path: &Path) -> Result<(CertifiedKey, [u8; 32]), TlsError> {
+fn load_certified_key(
+    cert_path: &Path,
+    key_path: &Path,
+) -> Result<(CertifiedKey, [u8; 32]), TlsError> {
     let cert_pem = read(cert_path)?;
     let key_pem = read(key_path)?;
     let digest: [u8; 32] = Sha256::new()
@@ -113,9 +116,13 @@ impl ReloadingCert {
                 tick.tick().await;
                 let Some(this) = this.upgrade() else { return };
                 match this.reload() {
-                    Ok(true) => tracing::info!(cert = %this.cert_path.display(), "serving certificate reloaded"),
+                    Ok(true) => {
+                        tracing::info!(cert = %this.cert_path.display(), "serving certificate reloaded")
+                    }
                     Ok(false) => {}
-                    Err(e) => tracing::warn!(error = %e, "serving certificate not reloaded; keeping the previous one"),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "serving certificate not reloaded; keeping the previous one")
+                    }
                 }
             }
         });
@@ -124,7 +131,13 @@ impl ReloadingCert {
 
 impl ResolvesServerCert for ReloadingCert {
     fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        Some(self.current.read().unwrap_or_else(|p| p.into_inner()).0.clone())
+        Some(
+            self.current
+                .read()
+                .unwrap_or_else(|p| p.into_inner())
+                .0
+                .clone(),
+        )
     }
 }
 
@@ -181,14 +194,18 @@ pub fn generate_serving_pair(names: &[&str]) -> Result<(String, String, String),
     use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
     let ca_key = KeyPair::generate()?;
     let mut ca = CertificateParams::new(Vec::<String>::new())?;
-    ca.distinguished_name.push(DnType::CommonName, "kube-cache-proxy-dev-ca");
+    ca.distinguished_name
+        .push(DnType::CommonName, "kube-cache-proxy-dev-ca");
     ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
     ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
     let ca_cert = ca.self_signed(&ca_key)?;
     let issuer = rcgen::Issuer::new(ca, ca_key);
     let key = KeyPair::generate()?;
-    let mut params = CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())?;
-    params.distinguished_name.push(DnType::CommonName, "kube-cache-proxy");
+    let mut params =
+        CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())?;
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "kube-cache-proxy");
     params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
     let cert = params.signed_by(&key, &issuer)?;
     Ok((ca_cert.pem(), cert.pem(), key.serialize_pem()))

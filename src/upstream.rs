@@ -64,7 +64,9 @@ pub struct Upstream {
 
 impl std::fmt::Debug for Upstream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Upstream").field("base", &self.base).finish()
+        f.debug_struct("Upstream")
+            .field("base", &self.base)
+            .finish()
     }
 }
 
@@ -104,13 +106,15 @@ impl Upstream {
         // The caller pools: same trust, no identity of the proxy.
         let mut anonymous = kc.clone();
         anonymous.auth_info = Default::default();
-        let caller_tls = anonymous.rustls_client_config().map_err(UpstreamError::Tls)?;
+        let caller_tls = anonymous
+            .rustls_client_config()
+            .map_err(UpstreamError::Tls)?;
         let proxy_tls = kc.rustls_client_config().map_err(UpstreamError::Tls)?;
         // `AuthLayer` is not `Clone`: each proxy pool gets its own (token files and exec
         // plugins are then refreshed per pool, which costs one extra read per refresh).
         let auth = || kc.auth_layer().map_err(UpstreamError::Auth);
 
-        let build = |tls: rustls::ClientConfig,
+        let build = |mut tls: rustls::ClientConfig,
                      h2: bool,
                      auth: Option<kube::client::middleware::AuthLayer>|
          -> HttpService {
@@ -119,12 +123,16 @@ impl Upstream {
             http.set_nodelay(true);
             http.set_connect_timeout(Some(cfg.connect_timeout));
             http.set_keepalive(Some(Duration::from_secs(60)));
+            // hyper-rustls derives ALPN from the enabled protocols and panics if it is preset.
+            tls.alpn_protocols.clear();
             let b = hyper_rustls::HttpsConnectorBuilder::new()
                 .with_tls_config(tls)
                 .https_or_http();
             let b = match &kc.tls_server_name {
                 Some(name) => match rustls_pki_types::ServerName::try_from(name.clone()) {
-                    Ok(sn) => b.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(sn)),
+                    Ok(sn) => {
+                        b.with_server_name_resolver(hyper_rustls::FixedServerNameResolver::new(sn))
+                    }
                     Err(_) => b,
                 },
                 None => b,
@@ -184,4 +192,3 @@ impl Upstream {
         svc.clone().oneshot(req)
     }
 }
-

@@ -54,9 +54,8 @@ async fn send(
     let status = resp.status();
     let headers = resp.headers().clone();
     let raw = resp.into_body().collect().await.unwrap().to_bytes();
-    let body = serde_json::from_slice(&raw).unwrap_or(Value::String(
-        String::from_utf8_lossy(&raw).into_owned(),
-    ));
+    let body = serde_json::from_slice(&raw)
+        .unwrap_or(Value::String(String::from_utf8_lossy(&raw).into_owned()));
     Reply {
         status,
         headers,
@@ -205,8 +204,16 @@ async fn configmap_crud_round_trips_and_errors_are_apiserver_statuses() {
     let obj = created.body;
     assert_eq!(obj["kind"], "ConfigMap");
     assert_eq!(obj["metadata"]["namespace"], "default");
-    assert!(obj["metadata"]["uid"].as_str().is_some_and(|u| !u.is_empty()));
-    assert!(obj["metadata"]["creationTimestamp"].as_str().is_some_and(|t| t.ends_with('Z')));
+    assert!(
+        obj["metadata"]["uid"]
+            .as_str()
+            .is_some_and(|u| !u.is_empty())
+    );
+    assert!(
+        obj["metadata"]["creationTimestamp"]
+            .as_str()
+            .is_some_and(|t| t.ends_with('Z'))
+    );
     assert_eq!(rv_of(&obj), srv.current_rv());
 
     let got = get(&c, format!("{base}/a")).await;
@@ -225,7 +232,14 @@ async fn configmap_crud_round_trips_and_errors_are_apiserver_statuses() {
     let mut stale = obj.clone();
     stale["metadata"]["resourceVersion"] = json!("1");
     stale["data"]["k"] = json!("changed");
-    let conflict = send(&c, Method::PUT, format!("{base}/a"), Some(&stale), "application/json").await;
+    let conflict = send(
+        &c,
+        Method::PUT,
+        format!("{base}/a"),
+        Some(&stale),
+        "application/json",
+    )
+    .await;
     assert_eq!(conflict.status, StatusCode::CONFLICT);
     assert_eq!(conflict.body["reason"], "Conflict");
     assert_eq!(
@@ -235,7 +249,14 @@ async fn configmap_crud_round_trips_and_errors_are_apiserver_statuses() {
 
     let mut fresh = obj.clone();
     fresh["data"]["k"] = json!("changed");
-    let updated = send(&c, Method::PUT, format!("{base}/a"), Some(&fresh), "application/json").await;
+    let updated = send(
+        &c,
+        Method::PUT,
+        format!("{base}/a"),
+        Some(&fresh),
+        "application/json",
+    )
+    .await;
     assert_eq!(updated.status, StatusCode::OK);
     assert_eq!(updated.body["data"]["k"], "changed");
     assert_eq!(updated.body["metadata"]["uid"], obj["metadata"]["uid"]);
@@ -262,7 +283,10 @@ async fn configmap_crud_round_trips_and_errors_are_apiserver_statuses() {
     )
     .await;
     assert_eq!(strategic.status, StatusCode::OK);
-    assert_eq!(strategic.body["data"], json!({"k": "changed", "extra": "v"}));
+    assert_eq!(
+        strategic.body["data"],
+        json!({"k": "changed", "extra": "v"})
+    );
 
     let deleted = send(&c, Method::DELETE, format!("{base}/a"), None, "").await;
     assert_eq!(deleted.status, StatusCode::OK);
@@ -296,7 +320,10 @@ async fn pods_and_namespaces_get_server_set_status_and_delete_returns_the_object
     .await;
     assert_eq!(ns.status, StatusCode::CREATED);
     assert_eq!(ns.body["status"]["phase"], "Active");
-    assert_eq!(ns.body["metadata"]["labels"]["kubernetes.io/metadata.name"], "team");
+    assert_eq!(
+        ns.body["metadata"]["labels"]["kubernetes.io/metadata.name"],
+        "team"
+    );
 
     let pod = post(
         &c,
@@ -319,11 +346,23 @@ async fn pods_and_namespaces_get_server_set_status_and_delete_returns_the_object
     assert_eq!(deleted.body["kind"], "Pod");
     assert_eq!(rv_of(&deleted.body), srv.current_rv());
 
-    let ns_deleted = send(&c, Method::DELETE, format!("{}/api/v1/namespaces/team", srv.url()), None, "").await;
+    let ns_deleted = send(
+        &c,
+        Method::DELETE,
+        format!("{}/api/v1/namespaces/team", srv.url()),
+        None,
+        "",
+    )
+    .await;
     assert_eq!(ns_deleted.status, StatusCode::OK);
     assert_eq!(ns_deleted.body["status"]["phase"], "Terminating");
     assert!(ns_deleted.body["metadata"]["deletionTimestamp"].is_string());
-    assert_eq!(get(&c, format!("{}/api/v1/namespaces/team", srv.url())).await.status, StatusCode::NOT_FOUND);
+    assert_eq!(
+        get(&c, format!("{}/api/v1/namespaces/team", srv.url()))
+            .await
+            .status,
+        StatusCode::NOT_FOUND
+    );
 }
 
 #[tokio::test]
@@ -337,17 +376,23 @@ async fn creating_in_a_missing_namespace_is_namespace_not_found() {
     .await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
     assert_eq!(r.body["message"], "namespaces \"nope\" not found");
-    assert_eq!(r.body["details"], json!({"name": "nope", "kind": "namespaces"}));
+    assert_eq!(
+        r.body["details"],
+        json!({"name": "nope", "kind": "namespaces"})
+    );
 }
 
 #[tokio::test]
 async fn malformed_json_is_a_bad_request_status() {
     let srv = FakeApiServer::start().await;
     let c = client();
-    let req = Request::post(format!("{}/api/v1/namespaces/default/configmaps", srv.url()))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from_static(b"{not json")))
-        .unwrap();
+    let req = Request::post(format!(
+        "{}/api/v1/namespaces/default/configmaps",
+        srv.url()
+    ))
+    .header("content-type", "application/json")
+    .body(Full::new(Bytes::from_static(b"{not json")))
+    .unwrap();
     let resp = c.request(req).await.unwrap();
     assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
     let body: Value =
@@ -363,10 +408,23 @@ async fn list_pagination_walks_the_whole_set_in_key_order_with_remaining_counts(
     let srv = FakeApiServer::start().await;
     let c = client();
     for ns in ["b", "a"] {
-        srv.create("/api/v1/namespaces", json!({"metadata": {"name": ns}})).await;
+        srv.create("/api/v1/namespaces", json!({"metadata": {"name": ns}}))
+            .await;
     }
-    for (ns, name) in [("b", "x"), ("a", "z"), ("a", "y"), ("b", "w"), ("a", "x"), ("b", "v"), ("a", "w")] {
-        srv.create(&format!("/api/v1/namespaces/{ns}/configmaps"), cm(name, json!({}))).await;
+    for (ns, name) in [
+        ("b", "x"),
+        ("a", "z"),
+        ("a", "y"),
+        ("b", "w"),
+        ("a", "x"),
+        ("b", "v"),
+        ("a", "w"),
+    ] {
+        srv.create(
+            &format!("/api/v1/namespaces/{ns}/configmaps"),
+            cm(name, json!({})),
+        )
+        .await;
     }
     let snapshot_rv = srv.current_rv();
 
@@ -378,15 +436,27 @@ async fn list_pagination_walks_the_whole_set_in_key_order_with_remaining_counts(
         assert_eq!(page.status, StatusCode::OK);
         assert_eq!(page.body["kind"], "ConfigMapList");
         assert_eq!(page.body["apiVersion"], "v1");
-        assert_eq!(page.body["metadata"]["resourceVersion"], snapshot_rv.to_string());
-        assert!(page.body["items"][0].get("kind").is_none(), "list items carry no kind");
+        assert_eq!(
+            page.body["metadata"]["resourceVersion"],
+            snapshot_rv.to_string()
+        );
+        assert!(
+            page.body["items"][0].get("kind").is_none(),
+            "list items carry no kind"
+        );
         seen.extend(names(&page.body));
         remaining.push(page.body["metadata"]["remainingItemCount"].as_i64());
         // A write between pages must not show up: pages come from one snapshot.
-        srv.create("/api/v1/namespaces/a/configmaps", json!({"metadata": {"generateName": "late-"}})).await;
+        srv.create(
+            "/api/v1/namespaces/a/configmaps",
+            json!({"metadata": {"generateName": "late-"}}),
+        )
+        .await;
         match page.body["metadata"]["continue"].as_str() {
             Some(token) => {
-                let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(token).unwrap();
+                let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+                    .decode(token)
+                    .unwrap();
                 let decoded: Value = serde_json::from_slice(&raw).unwrap();
                 assert_eq!(decoded["v"], "meta.k8s.io/v1");
                 assert_eq!(decoded["rv"], snapshot_rv);
@@ -399,12 +469,21 @@ async fn list_pagination_walks_the_whole_set_in_key_order_with_remaining_counts(
     assert_eq!(seen, ["a/w", "a/x", "a/y", "a/z", "b/v", "b/w", "b/x"]);
     assert_eq!(remaining, [Some(4), Some(1), None]);
 
-    let namespaced = get(&c, format!("{}/api/v1/namespaces/b/configmaps?limit=2", srv.url())).await;
+    let namespaced = get(
+        &c,
+        format!("{}/api/v1/namespaces/b/configmaps?limit=2", srv.url()),
+    )
+    .await;
     assert_eq!(names(&namespaced.body), ["b/v", "b/w"]);
     let token = namespaced.body["metadata"]["continue"].as_str().unwrap();
-    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD.decode(token).unwrap();
+    let raw = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(token)
+        .unwrap();
     let decoded: Value = serde_json::from_slice(&raw).unwrap();
-    assert_eq!(decoded["start"], "w\u{0}", "namespaced tokens are relative to the namespace");
+    assert_eq!(
+        decoded["start"], "w\u{0}",
+        "namespaced tokens are relative to the namespace"
+    );
 }
 
 #[tokio::test]
@@ -412,28 +491,45 @@ async fn selectors_filter_lists_and_unsupported_fields_are_bad_requests() {
     let srv = FakeApiServer::start().await;
     let c = client();
     let base = "/api/v1/namespaces/default/configmaps";
-    srv.create(base, cm("a", json!({"app": "web", "tier": "1"}))).await;
+    srv.create(base, cm("a", json!({"app": "web", "tier": "1"})))
+        .await;
     srv.create(base, cm("b", json!({"app": "db"}))).await;
     srv.create(base, cm("c", json!({}))).await;
     let cases = [
         ("labelSelector=app%3Dweb", vec!["default/a"]),
         ("labelSelector=app%3D%3Ddb", vec!["default/b"]),
         ("labelSelector=app!%3Dweb", vec!["default/b", "default/c"]),
-        ("labelSelector=app%20in%20(web,db)", vec!["default/a", "default/b"]),
-        ("labelSelector=app%20notin%20(web)", vec!["default/b", "default/c"]),
+        (
+            "labelSelector=app%20in%20(web,db)",
+            vec!["default/a", "default/b"],
+        ),
+        (
+            "labelSelector=app%20notin%20(web)",
+            vec!["default/b", "default/c"],
+        ),
         ("labelSelector=app", vec!["default/a", "default/b"]),
         ("labelSelector=!app", vec!["default/c"]),
         ("labelSelector=app,tier", vec!["default/a"]),
         ("fieldSelector=metadata.name%3Db", vec!["default/b"]),
-        ("fieldSelector=metadata.name!%3Db", vec!["default/a", "default/c"]),
-        ("fieldSelector=metadata.namespace%3Ddefault&labelSelector=app", vec!["default/a", "default/b"]),
+        (
+            "fieldSelector=metadata.name!%3Db",
+            vec!["default/a", "default/c"],
+        ),
+        (
+            "fieldSelector=metadata.namespace%3Ddefault&labelSelector=app",
+            vec!["default/a", "default/b"],
+        ),
     ];
     for (q, want) in cases {
         let r = get(&c, format!("{}{base}?{q}", srv.url())).await;
         assert_eq!(r.status, StatusCode::OK, "{q}");
         assert_eq!(names(&r.body), want, "{q}");
     }
-    let bad = get(&c, format!("{}{base}?fieldSelector=spec.foo%3Dx", srv.url())).await;
+    let bad = get(
+        &c,
+        format!("{}{base}?fieldSelector=spec.foo%3Dx", srv.url()),
+    )
+    .await;
     assert_eq!(bad.status, StatusCode::BAD_REQUEST);
     assert_eq!(
         bad.body["message"],
@@ -457,7 +553,10 @@ async fn exact_list_at_an_older_resource_version_returns_the_state_then() {
     assert_eq!(names(&now.body), ["default/b"]);
     let exact = get(
         &c,
-        format!("{}{base}?resourceVersion={then}&resourceVersionMatch=Exact", srv.url()),
+        format!(
+            "{}{base}?resourceVersion={then}&resourceVersionMatch=Exact",
+            srv.url()
+        ),
     )
     .await;
     assert_eq!(exact.status, StatusCode::OK);
@@ -466,7 +565,11 @@ async fn exact_list_at_an_older_resource_version_returns_the_state_then() {
     assert_eq!(rv_of(&exact.body["items"][0]), then);
 
     // The legacy form: a resourceVersion with a limit and no match is Exact too.
-    let legacy = get(&c, format!("{}{base}?resourceVersion={then}&limit=10", srv.url())).await;
+    let legacy = get(
+        &c,
+        format!("{}{base}?resourceVersion={then}&limit=10", srv.url()),
+    )
+    .await;
     assert_eq!(names(&legacy.body), ["default/a"]);
 }
 
@@ -480,13 +583,19 @@ async fn compacted_exact_lists_and_continues_get_410_expired() {
     }
     let old = srv.current_rv();
     let first = get(&c, format!("{}{base}?limit=1", srv.url())).await;
-    let token = first.body["metadata"]["continue"].as_str().unwrap().to_string();
+    let token = first.body["metadata"]["continue"]
+        .as_str()
+        .unwrap()
+        .to_string();
     srv.create(base, cm("d", json!({}))).await;
     srv.compact(srv.current_rv());
 
     let exact = get(
         &c,
-        format!("{}{base}?resourceVersion={old}&resourceVersionMatch=Exact", srv.url()),
+        format!(
+            "{}{base}?resourceVersion={old}&resourceVersionMatch=Exact",
+            srv.url()
+        ),
     )
     .await;
     assert_eq!(exact.status, StatusCode::GONE);
@@ -514,13 +623,21 @@ async fn list_for_a_future_resource_version_waits_for_it() {
     let srv = FakeApiServer::start().await;
     let c = client();
     let want = srv.current_rv() + 1;
-    let url = format!("{}/api/v1/namespaces/default/configmaps?resourceVersion={want}", srv.url());
+    let url = format!(
+        "{}/api/v1/namespaces/default/configmaps?resourceVersion={want}",
+        srv.url()
+    );
     let pending = tokio::spawn(async move { get(&c, url).await });
     // The list cannot answer before the write: it answers at a resourceVersion >= want.
-    while !srv.requests().iter().any(|r| r.query.as_deref().is_some_and(|q| q.contains("resourceVersion="))) {
+    while !srv.requests().iter().any(|r| {
+        r.query
+            .as_deref()
+            .is_some_and(|q| q.contains("resourceVersion="))
+    }) {
         tokio::task::yield_now().await;
     }
-    srv.create("/api/v1/namespaces/default/configmaps", cm("a", json!({}))).await;
+    srv.create("/api/v1/namespaces/default/configmaps", cm("a", json!({})))
+        .await;
     let r = pending.await.unwrap();
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(names(&r.body), ["default/a"]);
@@ -534,7 +651,10 @@ async fn list_for_a_resource_version_that_never_comes_is_504_too_large_with_retr
     let want = current + 100;
     let r = get(
         &client(),
-        format!("{}/api/v1/configmaps?resourceVersion={want}&resourceVersionMatch=NotOlderThan", srv.url()),
+        format!(
+            "{}/api/v1/configmaps?resourceVersion={want}&resourceVersionMatch=NotOlderThan",
+            srv.url()
+        ),
     )
     .await;
     assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT);
@@ -558,24 +678,45 @@ async fn watch_from_a_resource_version_sees_exactly_the_later_events() {
     let from = srv.current_rv();
     srv.create(base, cm("a", json!({}))).await;
     let mut b = srv.create(base, cm("b", json!({}))).await;
-    srv.create("/api/v1/namespaces/kube-system/configmaps", cm("other-ns", json!({}))).await;
-    srv.create("/api/v1/namespaces/default/pods", json!({"metadata": {"name": "other-kind"}})).await;
+    srv.create(
+        "/api/v1/namespaces/kube-system/configmaps",
+        cm("other-ns", json!({})),
+    )
+    .await;
+    srv.create(
+        "/api/v1/namespaces/default/pods",
+        json!({"metadata": {"name": "other-kind"}}),
+    )
+    .await;
     b["data"]["k"] = json!("v2");
     srv.update(&format!("{base}/b"), b).await;
     srv.delete(&format!("{base}/a")).await;
 
-    let mut w = Watch::open(&c, format!("{}{base}?watch=1&resourceVersion={from}", srv.url())).await;
+    let mut w = Watch::open(
+        &c,
+        format!("{}{base}?watch=1&resourceVersion={from}", srv.url()),
+    )
+    .await;
     assert_eq!(w.status, StatusCode::OK);
     assert_eq!(w.headers["content-type"], "application/json");
     srv.faults().end_watches_cleanly();
     let events = w.rest(End::Clean).await;
     assert_eq!(
         summary(&events),
-        [pair("ADDED", "a"), pair("ADDED", "b"), pair("MODIFIED", "b"), pair("DELETED", "a")]
+        [
+            pair("ADDED", "a"),
+            pair("ADDED", "b"),
+            pair("MODIFIED", "b"),
+            pair("DELETED", "a")
+        ]
     );
     let rvs: Vec<u64> = events.iter().map(|e| rv_of(&e["object"])).collect();
     assert!(rvs.windows(2).all(|p| p[0] < p[1]), "increasing: {rvs:?}");
-    assert_eq!(*rvs.last().unwrap(), srv.current_rv(), "DELETED carries the deletion's rv");
+    assert_eq!(
+        *rvs.last().unwrap(),
+        srv.current_rv(),
+        "DELETED carries the deletion's rv"
+    );
     assert_eq!(events[0]["object"]["kind"], "ConfigMap");
 }
 
@@ -598,11 +739,15 @@ async fn watch_headers_arrive_before_any_event() {
     // No events exist after rv: the response still arrives (Watch::open would time out).
     let mut w = Watch::open(
         &client(),
-        format!("{}/api/v1/configmaps?watch=1&resourceVersion={rv}", srv.url()),
+        format!(
+            "{}/api/v1/configmaps?watch=1&resourceVersion={rv}",
+            srv.url()
+        ),
     )
     .await;
     assert_eq!(w.status, StatusCode::OK);
-    srv.create("/api/v1/namespaces/default/configmaps", cm("a", json!({}))).await;
+    srv.create("/api/v1/namespaces/default/configmaps", cm("a", json!({})))
+        .await;
     assert_eq!(summary(&[w.event().await]), [pair("ADDED", "a")]);
 }
 
@@ -616,13 +761,19 @@ async fn watch_from_a_compacted_resource_version_gets_one_410_error_event_and_en
     let compacted = srv.current_rv();
     srv.compact(compacted);
 
-    let mut w = Watch::open(&client(), format!("{}{base}?watch=1&resourceVersion={old}", srv.url())).await;
+    let mut w = Watch::open(
+        &client(),
+        format!("{}{base}?watch=1&resourceVersion={old}", srv.url()),
+    )
+    .await;
     assert_eq!(w.status, StatusCode::OK);
     let events = w.rest(End::Clean).await;
     assert_eq!(
         events,
-        [json!({"type": "ERROR", "object": {"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure",
-            "message": format!("too old resource version: {old} ({compacted})"),"reason":"Expired","code":410}})]
+        [
+            json!({"type": "ERROR", "object": {"kind":"Status","apiVersion":"v1","metadata":{},"status":"Failure",
+            "message": format!("too old resource version: {old} ({compacted})"),"reason":"Expired","code":410}})
+        ]
     );
 }
 
@@ -659,7 +810,10 @@ async fn send_initial_events_without_not_older_than_is_invalid() {
     let srv = FakeApiServer::start().await;
     let r = get(
         &client(),
-        format!("{}/api/v1/configmaps?watch=1&sendInitialEvents=true", srv.url()),
+        format!(
+            "{}/api/v1/configmaps?watch=1&sendInitialEvents=true",
+            srv.url()
+        ),
     )
     .await;
     assert_eq!(r.status, StatusCode::UNPROCESSABLE_ENTITY);
@@ -669,11 +823,15 @@ async fn send_initial_events_without_not_older_than_is_invalid() {
 #[tokio::test]
 async fn bookmarks_arrive_periodically_with_only_kind_api_version_and_resource_version() {
     let srv = FakeApiServer::start().await;
-    srv.faults().set_bookmark_interval(Duration::from_millis(20));
+    srv.faults()
+        .set_bookmark_interval(Duration::from_millis(20));
     let rv = srv.current_rv();
     let mut w = Watch::open(
         &client(),
-        format!("{}/api/v1/pods?watch=1&resourceVersion={rv}&allowWatchBookmarks=true", srv.url()),
+        format!(
+            "{}/api/v1/pods?watch=1&resourceVersion={rv}&allowWatchBookmarks=true",
+            srv.url()
+        ),
     )
     .await;
     for _ in 0..2 {
@@ -692,7 +850,10 @@ async fn watch_selectors_turn_objects_entering_and_leaving_the_selection_into_ad
     let rv = srv.current_rv();
     let mut w = Watch::open(
         &client(),
-        format!("{}{base}?watch=1&resourceVersion={rv}&labelSelector=app%3Dweb", srv.url()),
+        format!(
+            "{}{base}?watch=1&resourceVersion={rv}&labelSelector=app%3Dweb",
+            srv.url()
+        ),
     )
     .await;
     let a = srv.create(base, cm("a", json!({"app": "db"}))).await;
@@ -705,7 +866,10 @@ async fn watch_selectors_turn_objects_entering_and_leaving_the_selection_into_ad
     srv.faults().end_watches_cleanly();
     let events = w.rest(End::Clean).await;
     assert_eq!(summary(&events), [pair("ADDED", "a"), pair("DELETED", "a")]);
-    assert_eq!(events[1]["object"]["metadata"]["labels"]["app"], "web", "DELETED shows the last matching state");
+    assert_eq!(
+        events[1]["object"]["metadata"]["labels"]["app"], "web",
+        "DELETED shows the last matching state"
+    );
     assert_eq!(rv_of(&events[1]["object"]), srv.current_rv());
 }
 
@@ -715,7 +879,10 @@ async fn timeout_seconds_ends_the_watch_cleanly() {
     let rv = srv.current_rv();
     let mut w = Watch::open(
         &client(),
-        format!("{}/api/v1/configmaps?watch=1&resourceVersion={rv}&timeoutSeconds=1", srv.url()),
+        format!(
+            "{}/api/v1/configmaps?watch=1&resourceVersion={rv}&timeoutSeconds=1",
+            srv.url()
+        ),
     )
     .await;
     assert!(w.rest(End::Clean).await.is_empty());
@@ -736,7 +903,11 @@ async fn fail_next_fails_exactly_that_many_requests_with_a_status() {
     }
     assert_eq!(get(&c, url.clone()).await.status, StatusCode::OK);
 
-    for (code, reason) in [(500, "InternalError"), (503, "ServiceUnavailable"), (410, "Expired")] {
+    for (code, reason) in [
+        (500, "InternalError"),
+        (503, "ServiceUnavailable"),
+        (410, "Expired"),
+    ] {
         srv.faults().fail_next(1, code);
         let r = get(&c, url.clone()).await;
         assert_eq!(r.status.as_u16(), code);
@@ -752,7 +923,10 @@ async fn drop_watches_ends_open_streams_with_an_error() {
     let rv = srv.current_rv();
     let mut w = Watch::open(
         &client(),
-        format!("{}/api/v1/configmaps?watch=1&resourceVersion={rv}", srv.url()),
+        format!(
+            "{}/api/v1/configmaps?watch=1&resourceVersion={rv}",
+            srv.url()
+        ),
     )
     .await;
     srv.faults().drop_watches();
@@ -762,7 +936,11 @@ async fn drop_watches_ends_open_streams_with_an_error() {
 #[tokio::test]
 async fn end_watches_cleanly_ends_open_streams_without_error() {
     let srv = FakeApiServer::start().await;
-    let mut w = Watch::open(&client(), format!("{}/api/v1/namespaces?watch=1", srv.url())).await;
+    let mut w = Watch::open(
+        &client(),
+        format!("{}/api/v1/namespaces?watch=1", srv.url()),
+    )
+    .await;
     srv.faults().end_watches_cleanly();
     let initial = w.rest(End::Clean).await;
     assert_eq!(initial.len(), 4, "the initial namespaces, then a clean end");
@@ -773,12 +951,22 @@ async fn refuse_closes_connections_without_a_response_until_switched_off() {
     let srv = FakeApiServer::start().await;
     srv.faults().set_refuse(true);
     let mut stream = tokio::net::TcpStream::connect(srv.addr()).await.unwrap();
-    let _ = stream.write_all(b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n").await;
+    let _ = stream
+        .write_all(b"GET /livez HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await;
     let mut buf = Vec::new();
-    let read = tokio::time::timeout(GUARD, stream.read_to_end(&mut buf)).await.unwrap();
-    assert!(read.is_err() || buf.is_empty(), "no response while refusing");
+    let read = tokio::time::timeout(GUARD, stream.read_to_end(&mut buf))
+        .await
+        .unwrap();
+    assert!(
+        read.is_err() || buf.is_empty(),
+        "no response while refusing"
+    );
     srv.faults().set_refuse(false);
-    assert_eq!(get(&client(), format!("{}/livez", srv.url())).await.status, StatusCode::OK);
+    assert_eq!(
+        get(&client(), format!("{}/livez", srv.url())).await.status,
+        StatusCode::OK
+    );
 }
 
 #[tokio::test]
@@ -786,37 +974,61 @@ async fn delay_holds_every_response_back() {
     let srv = FakeApiServer::start().await;
     srv.faults().set_delay(Duration::from_millis(200));
     let start = std::time::Instant::now();
-    assert_eq!(get(&client(), format!("{}/readyz", srv.url())).await.status, StatusCode::OK);
+    assert_eq!(
+        get(&client(), format!("{}/readyz", srv.url())).await.status,
+        StatusCode::OK
+    );
     assert!(start.elapsed() >= Duration::from_millis(200));
 }
 
 #[tokio::test]
 async fn exec_upgrade_switches_protocols_and_echoes_bytes() {
     let srv = FakeApiServer::start().await;
-    srv.create("/api/v1/namespaces/default/pods", json!({"metadata": {"name": "p"}})).await;
+    srv.create(
+        "/api/v1/namespaces/default/pods",
+        json!({"metadata": {"name": "p"}}),
+    )
+    .await;
     let stream = tokio::net::TcpStream::connect(srv.addr()).await.unwrap();
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
     tokio::spawn(conn.with_upgrades());
     let req = Request::post("/api/v1/namespaces/default/pods/p/exec?command=sh&stdin=true")
         .header("host", "fake")
         .header("connection", "Upgrade")
         .header("upgrade", "websocket")
         .header("sec-websocket-key", "dGhlIHNhbXBsZSBub25jZQ==")
-        .header("sec-websocket-protocol", "v5.channel.k8s.io, v4.channel.k8s.io")
+        .header(
+            "sec-websocket-protocol",
+            "v5.channel.k8s.io, v4.channel.k8s.io",
+        )
         .header("x-stream-protocol-version", "v4.channel.k8s.io")
         .body(Full::new(Bytes::new()))
         .unwrap();
     let resp = sender.send_request(req).await.unwrap();
     assert_eq!(resp.status(), StatusCode::SWITCHING_PROTOCOLS);
     assert_eq!(resp.headers()["upgrade"], "websocket");
-    assert_eq!(resp.headers()["sec-websocket-accept"], "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=");
-    assert_eq!(resp.headers()["sec-websocket-protocol"], "v5.channel.k8s.io");
-    assert_eq!(resp.headers()["x-stream-protocol-version"], "v4.channel.k8s.io");
+    assert_eq!(
+        resp.headers()["sec-websocket-accept"],
+        "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
+    );
+    assert_eq!(
+        resp.headers()["sec-websocket-protocol"],
+        "v5.channel.k8s.io"
+    );
+    assert_eq!(
+        resp.headers()["x-stream-protocol-version"],
+        "v4.channel.k8s.io"
+    );
     let upgraded = hyper::upgrade::on(resp).await.unwrap();
     let mut io = TokioIo::new(upgraded);
     io.write_all(b"hello, pod").await.unwrap();
     let mut buf = [0u8; 10];
-    tokio::time::timeout(GUARD, io.read_exact(&mut buf)).await.unwrap().unwrap();
+    tokio::time::timeout(GUARD, io.read_exact(&mut buf))
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(&buf, b"hello, pod");
 
     let logged = srv.requests().pop().unwrap();
@@ -830,19 +1042,30 @@ async fn exec_upgrade_switches_protocols_and_echoes_bytes() {
 async fn exec_for_a_missing_pod_is_404_and_without_upgrade_is_400() {
     let srv = FakeApiServer::start().await;
     let c = client();
-    let missing = Request::get(format!("{}/api/v1/namespaces/default/pods/nope/exec", srv.url()))
-        .header("connection", "Upgrade")
-        .header("upgrade", "SPDY/3.1")
-        .body(Full::new(Bytes::new()))
-        .unwrap();
+    let missing = Request::get(format!(
+        "{}/api/v1/namespaces/default/pods/nope/exec",
+        srv.url()
+    ))
+    .header("connection", "Upgrade")
+    .header("upgrade", "SPDY/3.1")
+    .body(Full::new(Bytes::new()))
+    .unwrap();
     let resp = c.request(missing).await.unwrap();
     assert_eq!(resp.status(), StatusCode::NOT_FOUND);
     let body: Value =
         serde_json::from_slice(&resp.into_body().collect().await.unwrap().to_bytes()).unwrap();
     assert_eq!(body["message"], "pods \"nope\" not found");
 
-    srv.create("/api/v1/namespaces/default/pods", json!({"metadata": {"name": "p"}})).await;
-    let plain = get(&c, format!("{}/api/v1/namespaces/default/pods/p/attach", srv.url())).await;
+    srv.create(
+        "/api/v1/namespaces/default/pods",
+        json!({"metadata": {"name": "p"}}),
+    )
+    .await;
+    let plain = get(
+        &c,
+        format!("{}/api/v1/namespaces/default/pods/p/attach", srv.url()),
+    )
+    .await;
     assert_eq!(plain.status, StatusCode::BAD_REQUEST);
     assert_eq!(plain.body["message"], "Upgrade request required");
 }
@@ -852,7 +1075,15 @@ async fn every_request_is_logged_with_method_path_query_headers_and_body() {
     let srv = FakeApiServer::start().await;
     let c = client();
     let body = cm("a", json!({}));
-    post(&c, format!("{}/api/v1/namespaces/default/configmaps?fieldManager=t", srv.url()), body.clone()).await;
+    post(
+        &c,
+        format!(
+            "{}/api/v1/namespaces/default/configmaps?fieldManager=t",
+            srv.url()
+        ),
+        body.clone(),
+    )
+    .await;
     get(&c, format!("{}/version", srv.url())).await;
     let log = srv.requests();
     assert_eq!(log.len(), 2);
@@ -879,7 +1110,10 @@ async fn discovery_and_health_endpoints_answer() {
     assert_eq!(api.body["versions"], json!(["v1"]));
     let v1 = get(&c, format!("{}/api/v1", srv.url())).await;
     let resources = v1.body["resources"].as_array().unwrap();
-    let cms = resources.iter().find(|r| r["name"] == "configmaps").unwrap();
+    let cms = resources
+        .iter()
+        .find(|r| r["name"] == "configmaps")
+        .unwrap();
     assert_eq!(cms["kind"], "ConfigMap");
     assert_eq!(cms["namespaced"], true);
     assert!(cms["verbs"].as_array().unwrap().contains(&json!("watch")));
@@ -888,13 +1122,18 @@ async fn discovery_and_health_endpoints_answer() {
     assert_eq!(version.body["major"], "1");
     let unknown = get(&c, format!("{}/api/v1/widgets", srv.url())).await;
     assert_eq!(unknown.status, StatusCode::NOT_FOUND);
-    assert_eq!(unknown.body["message"], "the server could not find the requested resource");
+    assert_eq!(
+        unknown.body["message"],
+        "the server could not find the requested resource"
+    );
 }
 
 #[tokio::test]
 async fn http2_prior_knowledge_is_served() {
     let srv = FakeApiServer::start().await;
-    let c: HttpClient = Client::builder(TokioExecutor::new()).http2_only(true).build_http();
+    let c: HttpClient = Client::builder(TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
     let req = Request::get(format!("{}/api/v1/namespaces/default", srv.url()))
         .body(Full::new(Bytes::new()))
         .unwrap();
@@ -909,9 +1148,76 @@ async fn shutdown_ends_open_watches() {
     let rv = srv.current_rv();
     let mut w = Watch::open(
         &client(),
-        format!("{}/api/v1/configmaps?watch=1&resourceVersion={rv}", srv.url()),
+        format!(
+            "{}/api/v1/configmaps?watch=1&resourceVersion={rv}",
+            srv.url()
+        ),
     )
     .await;
     srv.shutdown().await;
     assert!(w.rest(End::Error).await.is_empty());
+}
+
+#[tokio::test]
+async fn pod_status_changes_only_through_the_status_subresource_and_field_selectors_see_it() {
+    let srv = FakeApiServer::start().await;
+    let c = client();
+    let pods = "/api/v1/namespaces/default/pods";
+    let p = srv
+        .create(
+            pods,
+            json!({"metadata": {"name": "p"}, "spec": {"nodeName": "n1"}}),
+        )
+        .await;
+    let rv = srv.current_rv();
+    let mut w = Watch::open(
+        &c,
+        format!("{}/api/v1/watch/namespaces/default/pods?resourceVersion={rv}&fieldSelector=status.phase%3DRunning", srv.url()),
+    )
+    .await;
+
+    let mut main = p.clone();
+    main["status"]["phase"] = json!("Running");
+    let via_main = send(
+        &c,
+        Method::PUT,
+        format!("{}{pods}/p", srv.url()),
+        Some(&main),
+        "application/json",
+    )
+    .await;
+    assert_eq!(via_main.status, StatusCode::OK);
+    assert_eq!(
+        via_main.body["status"]["phase"], "Pending",
+        "the main resource keeps status"
+    );
+
+    let via_status = send(
+        &c,
+        Method::PATCH,
+        format!("{}{pods}/p/status", srv.url()),
+        Some(&json!({"status": {"phase": "Running"}})),
+        "application/merge-patch+json",
+    )
+    .await;
+    assert_eq!(via_status.status, StatusCode::OK);
+    assert_eq!(via_status.body["status"]["phase"], "Running");
+    assert_eq!(summary(&[w.event().await]), [pair("ADDED", "p")]);
+
+    let on_node = get(
+        &c,
+        format!(
+            "{}/api/v1/pods?fieldSelector=spec.nodeName%3Dn1,status.phase%3DRunning",
+            srv.url()
+        ),
+    )
+    .await;
+    assert_eq!(names(&on_node.body), ["default/p"]);
+    let bad = get(
+        &c,
+        format!("{}/api/v1/pods?fieldSelector=spec.bogus%3Dx", srv.url()),
+    )
+    .await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+    assert_eq!(bad.body["message"], "field label not supported: spec.bogus");
 }

@@ -138,8 +138,13 @@ impl FakeApiServer {
             shutdown: CancellationToken::new(),
         });
         for ns in INITIAL_NAMESPACES {
-            create_object(&shared, Kind::Namespace, None, json!({"metadata": {"name": ns}}))
-                .expect("initial namespace");
+            create_object(
+                &shared,
+                Kind::Namespace,
+                None,
+                json!({"metadata": {"name": ns}}),
+            )
+            .expect("initial namespace");
         }
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
         FakeApiServer {
@@ -566,7 +571,10 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     }
 }
 
-async fn handle(shared: Arc<Shared>, mut req: Request<Incoming>) -> Result<Response<Body>, BoxError> {
+async fn handle(
+    shared: Arc<Shared>,
+    mut req: Request<Incoming>,
+) -> Result<Response<Body>, BoxError> {
     let upgrade_requested = req.headers().contains_key(UPGRADE);
     let on_upgrade = upgrade_requested.then(|| hyper::upgrade::on(&mut req));
     let (parts, body) = req.into_parts();
@@ -705,7 +713,12 @@ async fn route(
     match path {
         "/livez" | "/readyz" | "/healthz" => return Ok(text_response(StatusCode::OK, "ok")),
         "/version" => return Ok(json_response(StatusCode::OK, version_json())),
-        "/api" => return Ok(json_response(StatusCode::OK, api_versions_json(shared.addr))),
+        "/api" => {
+            return Ok(json_response(
+                StatusCode::OK,
+                api_versions_json(shared.addr),
+            ));
+        }
         "/api/v1" => return Ok(json_response(StatusCode::OK, api_resource_list_json())),
         "/apis" => {
             return Ok(json_response(
@@ -871,9 +884,7 @@ impl ListParams {
             None => None,
             Some(l) => {
                 let n = l.parse::<i64>().map_err(|_| {
-                    Status::bad_request(format!(
-                        "strconv.ParseInt: parsing {l:?}: invalid syntax"
-                    ))
+                    Status::bad_request(format!("strconv.ParseInt: parsing {l:?}: invalid syntax"))
                 })?;
                 // The apiserver treats limit <= 0 as "no limit".
                 (n > 0).then(|| usize::try_from(n).unwrap_or(usize::MAX))
@@ -883,9 +894,7 @@ impl ListParams {
             None => None,
             Some(t) => {
                 let n = t.parse::<i64>().map_err(|_| {
-                    Status::bad_request(format!(
-                        "strconv.ParseInt: parsing {t:?}: invalid syntax"
-                    ))
+                    Status::bad_request(format!("strconv.ParseInt: parsing {t:?}: invalid syntax"))
                 })?;
                 (n > 0).then(|| Duration::from_secs(n.unsigned_abs()))
             }
@@ -1046,10 +1055,7 @@ async fn list(
     let snapshot_rv = at.unwrap_or(store.rv);
     if snapshot_rv < store.floor {
         return Err(match &start {
-            Some(start) => Status::continue_expired(&encode_continue(
-                &start[prefix.len()..],
-                -1,
-            )),
+            Some(start) => Status::continue_expired(&encode_continue(&start[prefix.len()..], -1)),
             None => Status::expired("The resourceVersion for the provided list is too old."),
         });
     }
@@ -1080,7 +1086,10 @@ async fn list(
     let has_more = items.len() >= limit && in_scope.peek().is_some();
     let mut meta = JsonObj::new().str("resourceVersion", &snapshot_rv.to_string());
     if has_more && let Some(last) = last_key {
-        let token = encode_continue(&format!("{}\u{0}", &last[prefix.len()..]), snapshot_rv as i64);
+        let token = encode_continue(
+            &format!("{}\u{0}", &last[prefix.len()..]),
+            snapshot_rv as i64,
+        );
         meta = meta.str("continue", &token);
         // etcd counts the remaining keys; with selectors the count would be wrong, so the
         // apiserver leaves it out.
@@ -1207,6 +1216,7 @@ async fn watch(
     };
     let (tx, rx) = mpsc::unbounded_channel();
     let id;
+    let start_rv;
     {
         let mut store = shared.store();
         id = store.next_watcher_id;
@@ -1226,10 +1236,8 @@ async fn watch(
             }
         } else if let Some(n) = p.rv.filter(|n| *n > 0) {
             if n < store.floor {
-                let status = Status::expired(&format!(
-                    "too old resource version: {n} ({})",
-                    store.floor
-                ));
+                let status =
+                    Status::expired(&format!("too old resource version: {n} ({})", store.floor));
                 let obj: Value = serde_json::from_str(&status.to_json()).unwrap_or(Value::Null);
                 let _ = tx.send(WatchMsg::Line(event_line("ERROR", &obj)));
                 let _ = tx.send(WatchMsg::End);
@@ -1243,6 +1251,7 @@ async fn watch(
                 }
             }
         }
+        start_rv = filter.after_rv;
         if registered {
             store.watchers.push(Watcher {
                 id,
@@ -1252,20 +1261,20 @@ async fn watch(
         }
     }
     let now = Instant::now();
-    let deadline = p.timeout.map(|t| now + t);
     let state = WatchStream {
         rx,
         tx,
         shared: shared.clone(),
         id,
         kind,
+        start_rv,
         bookmarks: p.allow_bookmarks,
-        next_bookmark: now + *lock(&shared.bookmark_interval),
+        next_bookmark: after(now, *lock(&shared.bookmark_interval)),
         pre_deadline_bookmark: p
             .timeout
             .filter(|t| *t > PRE_DEADLINE_BOOKMARK)
-            .map(|t| now + t - PRE_DEADLINE_BOOKMARK),
-        deadline,
+            .map(|t| after(now, t - PRE_DEADLINE_BOOKMARK)),
+        deadline: p.timeout.map(|t| after(now, t)),
         done: false,
     };
     let stream = futures_util::stream::unfold(state, |mut ws| async move {
@@ -1280,6 +1289,15 @@ async fn watch(
     Ok(resp)
 }
 
+/// Stands in for "never" in timers.
+const FAR_FUTURE: Duration = Duration::from_secs(86_400 * 365);
+
+/// `t + d`, saturating far in the future instead of overflowing on absurd inputs.
+fn after(t: Instant, d: Duration) -> Instant {
+    t.checked_add(d.min(FAR_FUTURE))
+        .unwrap_or_else(|| t + Duration::from_secs(86_400))
+}
+
 /// The state of one open watch response body.
 struct WatchStream {
     rx: mpsc::UnboundedReceiver<WatchMsg>,
@@ -1288,6 +1306,8 @@ struct WatchStream {
     shared: Arc<Shared>,
     id: u64,
     kind: Kind,
+    /// The resourceVersion the watch starts after.
+    start_rv: u64,
     bookmarks: bool,
     next_bookmark: Instant,
     pre_deadline_bookmark: Option<Instant>,
@@ -1301,7 +1321,7 @@ impl WatchStream {
             return None;
         }
         loop {
-            let far = Instant::now() + Duration::from_secs(86_400);
+            let far = after(Instant::now(), FAR_FUTURE);
             let bookmark_at = match self.pre_deadline_bookmark {
                 Some(pre) if pre < self.next_bookmark => pre,
                 _ => self.next_bookmark,
@@ -1327,12 +1347,15 @@ impl WatchStream {
                     if self.pre_deadline_bookmark.is_some_and(|pre| pre <= Instant::now()) {
                         self.pre_deadline_bookmark = None;
                     } else {
-                        self.next_bookmark = Instant::now() + *lock(&self.shared.bookmark_interval);
+                        self.next_bookmark =
+                            after(Instant::now(), *lock(&self.shared.bookmark_interval));
                     }
                     let store = self.shared.store();
                     // Queued while holding the lock: every event up to store.rv is already
                     // in the queue ahead of it.
-                    let _ = self.tx.send(WatchMsg::Line(bookmark_line(self.kind, store.rv, false)));
+                    // Never below where the watch started (a watch from a future resourceVersion).
+                    let rv = store.rv.max(self.start_rv);
+                    let _ = self.tx.send(WatchMsg::Line(bookmark_line(self.kind, rv, false)));
                 }
             }
         }
@@ -1368,11 +1391,8 @@ fn parse_body(kind: Kind, body: &[u8]) -> Result<Value, Status> {
             kind.kind()
         ))
     };
-    let v: Value = serde_json::from_slice(body).map_err(|e| {
-        unrecognized(format!(
-            "couldn't get version/kind; json parse error: {e}"
-        ))
-    })?;
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| unrecognized(format!("couldn't get version/kind; json parse error: {e}")))?;
     if !v.is_object() {
         return Err(unrecognized(
             "couldn't get version/kind; json parse error: expected an object".into(),
@@ -1383,7 +1403,10 @@ fn parse_body(kind: Kind, body: &[u8]) -> Result<Value, Status> {
 }
 
 fn check_type_meta(kind: Kind, v: &Value) -> Result<(), Status> {
-    if let Some(k) = v.get("kind").and_then(Value::as_str).filter(|k| !k.is_empty())
+    if let Some(k) = v
+        .get("kind")
+        .and_then(Value::as_str)
+        .filter(|k| !k.is_empty())
         && k != kind.kind()
     {
         return Err(Status::bad_request(format!(
@@ -1484,7 +1507,11 @@ fn create_object(
             "metadata.name",
             &format!(
                 "Invalid value: {name:?}: a lowercase RFC 1123 {} must consist of lower case alphanumeric characters, '-' or '.', and must start and end with an alphanumeric character",
-                if kind == Kind::Namespace { "label" } else { "subdomain" }
+                if kind == Kind::Namespace {
+                    "label"
+                } else {
+                    "subdomain"
+                }
             ),
             "FieldValueInvalid",
         ));
@@ -1757,9 +1784,7 @@ fn delete_object(
         return Err(Status::conflict(
             kind,
             name,
-            &format!(
-                "Precondition failed: UID in precondition: {want}, UID in object meta: {uid}"
-            ),
+            &format!("Precondition failed: UID in precondition: {want}, UID in object meta: {uid}"),
         ));
     }
     if let Some(want) = pre
@@ -1797,7 +1822,10 @@ fn delete_object(
             // The apiserver answers with the Terminating namespace; its namespace controller
             // then empties it and removes it. Here that happens at once.
             let mut terminating = old.clone();
-            if let Some(meta) = terminating.get_mut("metadata").and_then(Value::as_object_mut) {
+            if let Some(meta) = terminating
+                .get_mut("metadata")
+                .and_then(Value::as_object_mut)
+            {
                 meta.insert("deletionTimestamp".into(), now_rfc3339().into());
             }
             if let Some(o) = terminating.as_object_mut() {
@@ -1853,7 +1881,10 @@ fn upgrade(
     let mut resp = Response::new(empty_body());
     *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
     let h = resp.headers_mut();
-    h.insert(http::header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    h.insert(
+        http::header::CONNECTION,
+        HeaderValue::from_static("Upgrade"),
+    );
     if let Some(proto) = req.headers.get(UPGRADE) {
         h.insert(UPGRADE, proto.clone());
     }
@@ -2111,8 +2142,12 @@ impl LabelSelector {
             LabelReq::NotEq(k, v) => get(k) != Some(v.as_str()),
             LabelReq::In(k, vs) => get(k).is_some_and(|x| vs.iter().any(|v| v == x)),
             LabelReq::NotIn(k, vs) => get(k).is_none_or(|x| vs.iter().all(|v| v != x)),
-            LabelReq::Gt(k, n) => get(k).and_then(|x| x.parse::<i64>().ok()).is_some_and(|x| x > *n),
-            LabelReq::Lt(k, n) => get(k).and_then(|x| x.parse::<i64>().ok()).is_some_and(|x| x < *n),
+            LabelReq::Gt(k, n) => get(k)
+                .and_then(|x| x.parse::<i64>().ok())
+                .is_some_and(|x| x > *n),
+            LabelReq::Lt(k, n) => get(k)
+                .and_then(|x| x.parse::<i64>().ok())
+                .is_some_and(|x| x < *n),
         })
     }
 }
@@ -2252,7 +2287,10 @@ fn decode_continue(token: &str, prefix: &str) -> Result<(String, i64), String> {
     }
     // The apiserver's path.Clean check: no empty, "." or ".." segments, no leading slash games.
     let rel = start.strip_prefix('/').unwrap_or(start);
-    if rel.split('/').any(|s| s.is_empty() || s == "." || s == "..") {
+    if rel
+        .split('/')
+        .any(|s| s.is_empty() || s == "." || s == "..")
+    {
         return Err(format!("{INVALID}: {start}"));
     }
     Ok((format!("{prefix}{rel}"), rv))
@@ -2284,7 +2322,8 @@ struct Status {
     code: u16,
     reason: &'static str,
     message: String,
-    details: Option<Details>,
+    /// Boxed to keep `Result<_, Status>` small.
+    details: Option<Box<Details>>,
     /// `metadata.continue` of an expired continue (the inconsistent-continuation token).
     cont: Option<String>,
 }
@@ -2301,7 +2340,7 @@ impl Status {
     }
 
     fn with_details(mut self, d: Details) -> Status {
-        self.details = Some(d);
+        self.details = Some(Box::new(d));
         self
     }
 
@@ -2778,7 +2817,13 @@ fn now_rfc3339() -> String {
 
 /// SHA-1, only for the WebSocket handshake's `Sec-WebSocket-Accept` (RFC 6455 requires it).
 fn sha1(data: &[u8]) -> [u8; 20] {
-    let mut h: [u32; 5] = [0x6745_2301, 0xEFCD_AB89, 0x98BA_DCFE, 0x1032_5476, 0xC3D2_E1F0];
+    let mut h: [u32; 5] = [
+        0x6745_2301,
+        0xEFCD_AB89,
+        0x98BA_DCFE,
+        0x1032_5476,
+        0xC3D2_E1F0,
+    ];
     let mut msg = data.to_vec();
     let bit_len = (data.len() as u64).wrapping_mul(8);
     msg.push(0x80);

@@ -5,3 +5,4 @@
 #![allow(dead_code)]
 
 pub mod fake_apiserver;
+pub mod proxy;

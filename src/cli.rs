@@ -173,6 +173,95 @@ pub fn check_config(file: &std::path::Path) -> Vec<String> {
     }
 }
 
+/// `dev`: a real local control plane with the proxy in front of it, until Ctrl-C.
+///
+/// This is the proxy's default "embedded" upstream for someone without a cluster. The
+/// proxy's own identity (for impersonation and health probes) is the control plane's admin.
+pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
+    use anyhow::Context;
+
+    use crate::devcluster::{ControlPlane, ControlPlaneOptions};
+
+    init_logging(&args.log_level, LogFormat::Text);
+    crate::tls::install_crypto_provider();
+    std::fs::create_dir_all(&args.out)
+        .with_context(|| format!("creating {}", args.out.display()))?;
+    let out = std::fs::canonicalize(&args.out)?;
+    eprintln!(">> preparing kube-apiserver, etcd and kubectl (cached after the first build)");
+    tokio::task::spawn_blocking(crate::devcluster::ensure_binaries)
+        .await?
+        .context("building the control plane")?;
+    let cp = ControlPlane::start(ControlPlaneOptions {
+        dir: None,
+        log_dir: Some(out.join(".dev").join("logs")),
+    })
+    .await
+    .context("starting kube-apiserver and etcd")?;
+    eprintln!(
+        ">> kube-apiserver ready at {} (logs in {})",
+        cp.url,
+        cp.log_dir.display()
+    );
+    cp.seed().await.context("seeding demo objects")?;
+
+    let upstream_kc = out.join("upstream.kubeconfig");
+    std::fs::write(&upstream_kc, cp.admin_kubeconfig_yaml())?;
+    let tls_dir = out.join(".dev").join("proxy-tls");
+    std::fs::create_dir_all(&tls_dir)?;
+    let (ca_pem, cert_pem, key_pem) =
+        crate::tls::generate_serving_pair(&["127.0.0.1", "localhost"])?;
+    std::fs::write(tls_dir.join("tls.crt"), cert_pem)?;
+    std::fs::write(tls_dir.join("tls.key"), key_pem)?;
+    std::fs::write(tls_dir.join("client-ca.crt"), cp.client_ca().0)?;
+    let mut cfg = Config {
+        listen: args.listen,
+        ..Config::default()
+    };
+    cfg.tls.cert_file = Some(tls_dir.join("tls.crt"));
+    cfg.tls.key_file = Some(tls_dir.join("tls.key"));
+    // Client certificates minted by the dev control plane's client CA work here too.
+    cfg.tls.client_ca_file = Some(tls_dir.join("client-ca.crt"));
+    cfg.upstream.kubeconfig = Some(upstream_kc.clone());
+    cfg.log.level = args.log_level.clone();
+    let kube = crate::upstream::load_kube_config(&cfg.upstream).await?;
+    let running = crate::server::start(cfg, &kube).await?;
+    let addr = running.tls_addr.context("the proxy has no listener")?;
+    let proxy_kc = out.join("kube-cache-proxy.kubeconfig");
+    std::fs::write(
+        &proxy_kc,
+        ControlPlane::kubeconfig_yaml(
+            &format!("https://{addr}"),
+            Some(&ca_pem),
+            Some(cp.admin_token()),
+            None,
+        ),
+    )?;
+    let kubectl = cp.kubectl();
+    println!(
+        "\nkube-cache-proxy is serving https://{addr} in front of {upstream}\n\n\
+         Through the proxy:   kubectl --kubeconfig {pk} get pods -A -w\n\
+         Directly upstream:   kubectl --kubeconfig {uk} get ns\n\
+         kubectl built here:  {kubectl}\n\
+         Users (static tokens): {users}\n\n\
+         Ctrl-C stops the proxy, kube-apiserver and etcd.",
+        upstream = cp.url,
+        pk = proxy_kc.display(),
+        uk = upstream_kc.display(),
+        kubectl = kubectl.display(),
+        users = cp
+            .users
+            .iter()
+            .map(|u| u.name.as_str())
+            .collect::<Vec<_>>()
+            .join(", "),
+    );
+    termination_signal().await;
+    eprintln!(">> stopping");
+    running.shutdown().await;
+    cp.stop().await;
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -217,91 +306,4 @@ mod tests {
         use clap::CommandFactory;
         Cli::command().debug_assert();
     }
-}
-
-/// `dev`: a real local control plane with the proxy in front of it, until Ctrl-C.
-///
-/// This is the proxy's default "embedded" upstream for someone without a cluster. The
-/// proxy's own identity (for impersonation and health probes) is the control plane's admin.
-pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
-    use anyhow::Context;
-
-    use crate::devcluster::{ControlPlane, ControlPlaneOptions};
-
-    init_logging(&args.log_level, LogFormat::Text);
-    crate::tls::install_crypto_provider();
-    std::fs::create_dir_all(&args.out)
-        .with_context(|| format!("creating {}", args.out.display()))?;
-    let out = std::fs::canonicalize(&args.out)?;
-    eprintln!(">> preparing kube-apiserver, etcd and kubectl (cached after the first build)");
-    tokio::task::spawn_blocking(crate::devcluster::ensure_binaries)
-        .await?
-        .context("building the control plane")?;
-    let cp = ControlPlane::start(ControlPlaneOptions {
-        dir: None,
-        log_dir: Some(out.join(".dev").join("logs")),
-    })
-    .await
-    .context("starting kube-apiserver and etcd")?;
-    eprintln!(
-        ">> kube-apiserver ready at {} (logs in {})",
-        cp.url,
-        cp.log_dir.display()
-    );
-    cp.seed().await.context("seeding demo objects")?;
-
-    let upstream_kc = out.join("upstream.kubeconfig");
-    std::fs::write(&upstream_kc, cp.admin_kubeconfig_yaml())?;
-    let tls_dir = out.join(".dev").join("proxy-tls");
-    std::fs::create_dir_all(&tls_dir)?;
-    let (ca_pem, cert_pem, key_pem) =
-        crate::tls::generate_serving_pair(&["127.0.0.1", "localhost"])?;
-    std::fs::write(tls_dir.join("tls.crt"), cert_pem)?;
-    std::fs::write(tls_dir.join("tls.key"), key_pem)?;
-    std::fs::write(tls_dir.join("client-ca.crt"), cp.client_ca().0)?;
-    let mut cfg = Config::default();
-    cfg.listen = args.listen;
-    cfg.tls.cert_file = Some(tls_dir.join("tls.crt"));
-    cfg.tls.key_file = Some(tls_dir.join("tls.key"));
-    // Client certificates minted by the dev control plane's client CA work here too.
-    cfg.tls.client_ca_file = Some(tls_dir.join("client-ca.crt"));
-    cfg.upstream.kubeconfig = Some(upstream_kc.clone());
-    cfg.log.level = args.log_level.clone();
-    let kube = crate::upstream::load_kube_config(&cfg.upstream).await?;
-    let running = crate::server::start(cfg, &kube).await?;
-    let addr = running.tls_addr.context("the proxy has no listener")?;
-    let proxy_kc = out.join("kube-cache-proxy.kubeconfig");
-    std::fs::write(
-        &proxy_kc,
-        ControlPlane::kubeconfig_yaml(
-            &format!("https://{addr}"),
-            Some(&ca_pem),
-            Some(cp.admin_token()),
-            None,
-        ),
-    )?;
-    let kubectl = cp.kubectl();
-    println!(
-        "\nkube-cache-proxy is serving https://{addr} in front of {upstream}\n\n\
-         Through the proxy:   kubectl --kubeconfig {pk} get pods -A -w\n\
-         Directly upstream:   kubectl --kubeconfig {uk} get ns\n\
-         kubectl built here:  {kubectl}\n\
-         Users (static tokens): {users}\n\n\
-         Ctrl-C stops the proxy, kube-apiserver and etcd.",
-        upstream = cp.url,
-        pk = proxy_kc.display(),
-        uk = upstream_kc.display(),
-        kubectl = kubectl.display(),
-        users = cp
-            .users
-            .iter()
-            .map(|u| u.name.as_str())
-            .collect::<Vec<_>>()
-            .join(", "),
-    );
-    termination_signal().await;
-    eprintln!(">> stopping");
-    running.shutdown().await;
-    cp.stop().await;
-    Ok(())
 }

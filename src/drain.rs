@@ -185,11 +185,11 @@ mod tests {
     #[tokio::test]
     async fn drain_ends_watch_streams_on_an_event_boundary() {
         let token = CancellationToken::new();
-        let mut b = DrainBody::new(
+        let mut b = std::pin::pin!(DrainBody::new(
             frames(&["{\"a\":1}\n{\"b\"", ":2}\n{\"c\":3}\n", "{\"d\":4}\n"]),
             token.clone(),
             true,
-        );
+        ));
         let first = b.frame().await.unwrap().unwrap().into_data().unwrap();
         assert_eq!(first, "{\"a\":1}\n{\"b\"");
         token.cancel();
@@ -202,7 +202,11 @@ mod tests {
     #[tokio::test]
     async fn drain_at_a_boundary_ends_at_once() {
         let token = CancellationToken::new();
-        let mut b = DrainBody::new(frames(&["{\"a\":1}\n", "{\"b\":2}\n"]), token.clone(), true);
+        let mut b = std::pin::pin!(DrainBody::new(
+            frames(&["{\"a\":1}\n", "{\"b\":2}\n"]),
+            token.clone(),
+            true
+        ));
         b.frame().await.unwrap().unwrap();
         token.cancel();
         assert!(b.frame().await.is_none());

@@ -139,12 +139,10 @@ impl RequestInfo {
             .to_string(),
         };
 
-        if parts[0] == "namespaces" {
-            if parts.len() > 1 {
-                info.namespace = parts[1].to_string();
-                if parts.len() > 2 && !NAMESPACE_SUBRESOURCES.contains(&parts[2]) {
-                    parts.drain(..2);
-                }
+        if parts[0] == "namespaces" && parts.len() > 1 {
+            info.namespace = parts[1].to_string();
+            if parts.len() > 2 && !NAMESPACE_SUBRESOURCES.contains(&parts[2]) {
+                parts.drain(..2);
             }
         }
 
@@ -254,6 +252,7 @@ mod tests {
     }
 
     #[test]
+    #[allow(clippy::type_complexity)] // a literal table reads best as tuples
     fn table_of_request_infos_matches_the_apiserver() {
         // (method, path, query, verb, group, version, namespace, resource, subresource, name)
         let cases: &[(

@@ -14,17 +14,30 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const BOUND: Duration = Duration::from_secs(20);
 
-fn req(method: Method, url: &str, token: &str, body: Option<serde_json::Value>, ct: &str) -> Request<Full<Bytes>> {
-    let mut b = Request::builder().method(method).uri(url).header("authorization", format!("Bearer {token}"));
+fn req(
+    method: Method,
+    url: &str,
+    token: &str,
+    body: Option<serde_json::Value>,
+    ct: &str,
+) -> Request<Full<Bytes>> {
+    let mut b = Request::builder()
+        .method(method)
+        .uri(url)
+        .header("authorization", format!("Bearer {token}"));
     if body.is_some() {
         b = b.header("content-type", ct);
     }
-    b.body(Full::new(body.map(|v| Bytes::from(v.to_string())).unwrap_or_default())).unwrap()
+    b.body(Full::new(
+        body.map(|v| Bytes::from(v.to_string())).unwrap_or_default(),
+    ))
+    .unwrap()
 }
 
 async fn setup() -> (FakeApiServer, TestProxy) {
     let fake = FakeApiServer::start().await;
-    fake.create("/api/v1/namespaces", json!({"metadata": {"name": "ns1"}})).await;
+    fake.create("/api/v1/namespaces", json!({"metadata": {"name": "ns1"}}))
+        .await;
     let proxy = TestProxy::start(&fake.url(), |_| {}).await;
     (fake, proxy)
 }
@@ -38,44 +51,95 @@ async fn every_verb_passes_through_with_the_callers_own_token() {
         let coll = proxy.https("/api/v1/namespaces/ns1/configmaps");
         let item = proxy.https(&format!("/api/v1/namespaces/ns1/configmaps/{name}"));
 
-        let r = c.send(req(Method::POST, &coll, "alice-token", Some(json!({"metadata": {"name": name}, "data": {"a": "1"}})), "application/json")).await;
+        let r = c
+            .send(req(
+                Method::POST,
+                &coll,
+                "alice-token",
+                Some(json!({"metadata": {"name": name}, "data": {"a": "1"}})),
+                "application/json",
+            ))
+            .await;
         assert_eq!(r.status(), StatusCode::CREATED);
         let created = body_json(r).await;
         assert_eq!(created["metadata"]["name"], name.as_str());
 
-        let r = c.send(req(Method::GET, &item, "alice-token", None, "")).await;
+        let r = c
+            .send(req(Method::GET, &item, "alice-token", None, ""))
+            .await;
         assert_eq!(r.status(), 200);
         assert_eq!(body_json(r).await["data"]["a"], "1");
 
-        let r = c.send(req(Method::GET, &coll, "alice-token", None, "")).await;
+        let r = c
+            .send(req(Method::GET, &coll, "alice-token", None, ""))
+            .await;
         let list = body_json(r).await;
         assert_eq!(list["kind"], "ConfigMapList");
-        assert!(list["items"].as_array().unwrap().iter().any(|i| i["metadata"]["name"] == name.as_str()));
+        assert!(
+            list["items"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|i| i["metadata"]["name"] == name.as_str())
+        );
 
         let mut updated = created.clone();
         updated["data"]["a"] = json!("2");
-        let r = c.send(req(Method::PUT, &item, "alice-token", Some(updated), "application/json")).await;
+        let r = c
+            .send(req(
+                Method::PUT,
+                &item,
+                "alice-token",
+                Some(updated),
+                "application/json",
+            ))
+            .await;
         assert_eq!(r.status(), 200);
         assert_eq!(body_json(r).await["data"]["a"], "2");
 
-        let r = c.send(req(Method::PATCH, &item, "alice-token", Some(json!({"data": {"b": "3"}})), "application/merge-patch+json")).await;
+        let r = c
+            .send(req(
+                Method::PATCH,
+                &item,
+                "alice-token",
+                Some(json!({"data": {"b": "3"}})),
+                "application/merge-patch+json",
+            ))
+            .await;
         assert_eq!(r.status(), 200);
         let patched = body_json(r).await;
-        assert_eq!((patched["data"]["a"].as_str(), patched["data"]["b"].as_str()), (Some("2"), Some("3")));
+        assert_eq!(
+            (patched["data"]["a"].as_str(), patched["data"]["b"].as_str()),
+            (Some("2"), Some("3"))
+        );
 
-        let r = c.send(req(Method::DELETE, &item, "alice-token", None, "")).await;
+        let r = c
+            .send(req(Method::DELETE, &item, "alice-token", None, ""))
+            .await;
         assert_eq!(r.status(), 200);
-        assert!(fake.get(&format!("/api/v1/namespaces/ns1/configmaps/{name}")).is_none());
+        assert!(
+            fake.get(&format!("/api/v1/namespaces/ns1/configmaps/{name}"))
+                .is_none()
+        );
 
-        let r = c.send(req(Method::GET, &item, "alice-token", None, "")).await;
+        let r = c
+            .send(req(Method::GET, &item, "alice-token", None, ""))
+            .await;
         assert_eq!(r.status(), 404);
         assert_eq!(body_json(r).await["reason"], "NotFound");
     }
     let logged = fake.requests();
-    let via_proxy: Vec<_> = logged.iter().filter(|r| r.path.contains("/configmaps")).collect();
+    let via_proxy: Vec<_> = logged
+        .iter()
+        .filter(|r| r.path.contains("/configmaps"))
+        .collect();
     assert_eq!(via_proxy.len(), 14);
     for r in via_proxy {
-        assert_eq!(r.headers["authorization"], "Bearer alice-token", "{} {}", r.method, r.path);
+        assert_eq!(
+            r.headers["authorization"], "Bearer alice-token",
+            "{} {}",
+            r.method, r.path
+        );
         assert!(!r.headers.contains_key("impersonate-user"));
     }
     proxy.shutdown().await;
@@ -86,16 +150,34 @@ async fn a_watch_event_reaches_the_client_while_the_upstream_stream_stays_open()
     let (fake, proxy) = setup().await;
     let c = proxy.client(None, true);
     let rv = fake.current_rv();
-    let url = proxy.https(&format!("/api/v1/namespaces/ns1/configmaps?watch=1&resourceVersion={rv}"));
-    let r = tokio::time::timeout(BOUND, c.get(&url, Some("t"))).await.expect("headers flushed before any event");
+    let url = proxy.https(&format!(
+        "/api/v1/namespaces/ns1/configmaps?watch=1&resourceVersion={rv}"
+    ));
+    let r = tokio::time::timeout(BOUND, c.get(&url, Some("t")))
+        .await
+        .expect("headers flushed before any event");
     assert_eq!(r.status(), 200);
     let mut events = EventReader::new(r);
-    fake.create("/api/v1/namespaces/ns1/configmaps", json!({"metadata": {"name": "w1"}})).await;
-    let ev = tokio::time::timeout(BOUND, events.next()).await.expect("event delivered while the stream is open").unwrap();
+    fake.create(
+        "/api/v1/namespaces/ns1/configmaps",
+        json!({"metadata": {"name": "w1"}}),
+    )
+    .await;
+    let ev = tokio::time::timeout(BOUND, events.next())
+        .await
+        .expect("event delivered while the stream is open")
+        .unwrap();
     assert_eq!(ev["type"], "ADDED");
     assert_eq!(ev["object"]["metadata"]["name"], "w1");
-    fake.create("/api/v1/namespaces/ns1/configmaps", json!({"metadata": {"name": "w2"}})).await;
-    let ev = tokio::time::timeout(BOUND, events.next()).await.unwrap().unwrap();
+    fake.create(
+        "/api/v1/namespaces/ns1/configmaps",
+        json!({"metadata": {"name": "w2"}}),
+    )
+    .await;
+    let ev = tokio::time::timeout(BOUND, events.next())
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(ev["object"]["metadata"]["name"], "w2");
     proxy.shutdown().await;
 }
@@ -108,7 +190,10 @@ async fn client_certificate_callers_are_impersonated_and_cannot_strip_it_with_co
     let r = c
         .send(
             Request::get(proxy.https("/api/v1/namespaces/ns1/configmaps"))
-                .header("connection", "impersonate-user, impersonate-group, authorization, x-drop-me")
+                .header(
+                    "connection",
+                    "impersonate-user, impersonate-group, authorization, x-drop-me",
+                )
                 .header("x-drop-me", "1")
                 .header("impersonate-user", "system:admin")
                 .header("impersonate-uid", "0")
@@ -119,13 +204,29 @@ async fn client_certificate_callers_are_impersonated_and_cannot_strip_it_with_co
         )
         .await;
     assert_eq!(r.status(), 200);
-    let logged = fake.requests().into_iter().rfind(|r| r.path.ends_with("/configmaps")).unwrap();
+    let logged = fake
+        .requests()
+        .into_iter()
+        .rfind(|r| r.path.ends_with("/configmaps"))
+        .unwrap();
     let h = &logged.headers;
     assert_eq!(h["impersonate-user"], "jane");
-    let groups: Vec<_> = h.get_all("impersonate-group").iter().map(|v| v.to_str().unwrap()).collect();
+    let groups: Vec<_> = h
+        .get_all("impersonate-group")
+        .iter()
+        .map(|v| v.to_str().unwrap())
+        .collect();
     assert_eq!(groups, ["dev", "ops"]);
-    assert_eq!(h["authorization"], "Bearer proxy-token", "the proxy's own credentials carry the impersonation");
-    for gone in ["impersonate-uid", "x-remote-user", "x-drop-me", "connection"] {
+    assert_eq!(
+        h["authorization"], "Bearer proxy-token",
+        "the proxy's own credentials carry the impersonation"
+    );
+    for gone in [
+        "impersonate-uid",
+        "x-remote-user",
+        "x-drop-me",
+        "connection",
+    ] {
         assert!(!h.contains_key(gone), "{gone} must not reach the apiserver");
     }
     proxy.shutdown().await;
@@ -145,9 +246,17 @@ async fn anonymous_callers_never_borrow_the_proxys_identity() {
         )
         .await;
     assert_eq!(r.status(), 200);
-    let logged = fake.requests().into_iter().rfind(|r| r.path.ends_with("/configmaps")).unwrap();
+    let logged = fake
+        .requests()
+        .into_iter()
+        .rfind(|r| r.path.ends_with("/configmaps"))
+        .unwrap();
     for gone in ["authorization", "impersonate-user", "x-remote-group"] {
-        assert!(!logged.headers.contains_key(gone), "{gone} present: {:?}", logged.headers);
+        assert!(
+            !logged.headers.contains_key(gone),
+            "{gone} present: {:?}",
+            logged.headers
+        );
     }
     // A bearer caller's own impersonation request is the apiserver's to authorize.
     let r = c
@@ -160,7 +269,11 @@ async fn anonymous_callers_never_borrow_the_proxys_identity() {
         )
         .await;
     assert_eq!(r.status(), 200);
-    let logged = fake.requests().into_iter().rfind(|r| r.path.ends_with("/configmaps")).unwrap();
+    let logged = fake
+        .requests()
+        .into_iter()
+        .rfind(|r| r.path.ends_with("/configmaps"))
+        .unwrap();
     assert_eq!(logged.headers["authorization"], "Bearer bob-token");
     assert_eq!(logged.headers["impersonate-user"], "carol");
     proxy.shutdown().await;
@@ -169,9 +282,13 @@ async fn anonymous_callers_never_borrow_the_proxys_identity() {
 #[tokio::test]
 async fn upstream_response_headers_and_errors_are_relayed() {
     let fake = FakeApiServer::start().await;
-    fake.create("/api/v1/namespaces", json!({"metadata": {"name": "ns1"}})).await;
+    fake.create("/api/v1/namespaces", json!({"metadata": {"name": "ns1"}}))
+        .await;
     // No readiness probe after the first, so the injected fault meets our request.
-    let proxy = TestProxy::start(&fake.url(), |c| c.upstream.health_check_interval = Duration::from_secs(3600)).await;
+    let proxy = TestProxy::start(&fake.url(), |c| {
+        c.upstream.health_check_interval = Duration::from_secs(3600)
+    })
+    .await;
     let deadline = tokio::time::Instant::now() + BOUND;
     while !fake.requests().iter().any(|r| r.path == "/readyz") {
         assert!(tokio::time::Instant::now() < deadline);
@@ -179,11 +296,16 @@ async fn upstream_response_headers_and_errors_are_relayed() {
     }
     let c = proxy.client(None, true);
     fake.faults().fail_next(1, 429);
-    let r = c.get(&proxy.https("/api/v1/namespaces/ns1/configmaps"), Some("t")).await;
+    let r = c
+        .get(&proxy.https("/api/v1/namespaces/ns1/configmaps"), Some("t"))
+        .await;
     assert_eq!(r.status(), 429);
     assert_eq!(r.headers()["retry-after"], "1");
     let s = body_json(r).await;
-    assert_eq!((s["kind"].as_str(), s["reason"].as_str()), (Some("Status"), Some("TooManyRequests")));
+    assert_eq!(
+        (s["kind"].as_str(), s["reason"].as_str()),
+        (Some("Status"), Some("TooManyRequests"))
+    );
     proxy.shutdown().await;
 }
 
@@ -204,32 +326,56 @@ async fn an_unreachable_upstream_gives_a_retryable_status() {
 #[tokio::test]
 async fn exec_upgrades_are_relayed_byte_for_byte_and_refusals_close_the_connection() {
     let (fake, proxy) = setup().await;
-    fake.create("/api/v1/namespaces/ns1/pods", json!({"metadata": {"name": "p1"}, "spec": {"containers": [{"name": "c", "image": "x"}]}})).await;
+    fake.create(
+        "/api/v1/namespaces/ns1/pods",
+        json!({"metadata": {"name": "p1"}, "spec": {"containers": [{"name": "c", "image": "x"}]}}),
+    )
+    .await;
     // A raw HTTP/1.1 client, as kubectl's SPDY and WebSocket executors are.
-    let mut s = tokio::net::TcpStream::connect(proxy.insecure_addr).await.unwrap();
+    let mut s = tokio::net::TcpStream::connect(proxy.insecure_addr)
+        .await
+        .unwrap();
     s.write_all(b"POST /api/v1/namespaces/ns1/pods/p1/exec?command=sh HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer t\r\nConnection: Upgrade\r\nUpgrade: SPDY/3.1\r\nX-Stream-Protocol-Version: v4.channel.k8s.io\r\nContent-Length: 0\r\n\r\n").await.unwrap();
     let mut head = Vec::new();
     let mut byte = [0u8; 1];
     while !head.ends_with(b"\r\n\r\n") {
-        tokio::time::timeout(BOUND, s.read_exact(&mut byte)).await.unwrap().unwrap();
+        tokio::time::timeout(BOUND, s.read_exact(&mut byte))
+            .await
+            .unwrap()
+            .unwrap();
         head.push(byte[0]);
     }
     let head = String::from_utf8(head).unwrap();
     assert!(head.starts_with("HTTP/1.1 101"), "{head}");
-    assert!(head.to_ascii_lowercase().contains("upgrade: spdy/3.1"), "{head}");
+    assert!(
+        head.to_ascii_lowercase().contains("upgrade: spdy/3.1"),
+        "{head}"
+    );
     s.write_all(b"ping through the tunnel").await.unwrap();
     let mut echo = [0u8; 23];
-    tokio::time::timeout(BOUND, s.read_exact(&mut echo)).await.unwrap().unwrap();
+    tokio::time::timeout(BOUND, s.read_exact(&mut echo))
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(&echo, b"ping through the tunnel");
-    let logged = fake.requests().into_iter().rfind(|r| r.path.ends_with("/exec")).unwrap();
+    let logged = fake
+        .requests()
+        .into_iter()
+        .rfind(|r| r.path.ends_with("/exec"))
+        .unwrap();
     assert_eq!(logged.headers["upgrade"], "SPDY/3.1");
     assert_eq!(logged.headers["authorization"], "Bearer t");
 
     // Missing pod: the apiserver's 404 is relayed and the connection closed.
-    let mut s = tokio::net::TcpStream::connect(proxy.insecure_addr).await.unwrap();
+    let mut s = tokio::net::TcpStream::connect(proxy.insecure_addr)
+        .await
+        .unwrap();
     s.write_all(b"POST /api/v1/namespaces/ns1/pods/nope/exec HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\nContent-Length: 0\r\n\r\n").await.unwrap();
     let mut all = Vec::new();
-    tokio::time::timeout(BOUND, s.read_to_end(&mut all)).await.expect("connection closed after a refused upgrade").unwrap();
+    tokio::time::timeout(BOUND, s.read_to_end(&mut all))
+        .await
+        .expect("connection closed after a refused upgrade")
+        .unwrap();
     let text = String::from_utf8_lossy(&all);
     assert!(text.starts_with("HTTP/1.1 404"), "{text}");
     assert!(text.contains("\"reason\":\"NotFound\""), "{text}");
@@ -240,38 +386,63 @@ async fn exec_upgrades_are_relayed_byte_for_byte_and_refusals_close_the_connecti
 async fn a_thousand_watch_streams_share_one_http2_connection() {
     let (fake, proxy) = setup().await;
     let tls = proxy.tls_client_config(None, &[b"h2"]);
-    let tcp = tokio::net::TcpStream::connect(proxy.tls_addr).await.unwrap();
+    let tcp = tokio::net::TcpStream::connect(proxy.tls_addr)
+        .await
+        .unwrap();
     let stream = tokio_rustls::TlsConnector::from(std::sync::Arc::new(tls))
         .connect("localhost".try_into().unwrap(), tcp)
         .await
         .unwrap();
     assert_eq!(stream.get_ref().1.alpn_protocol(), Some(&b"h2"[..]));
-    let (sender, conn) = hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-        .timer(hyper_util::rt::TokioTimer::new())
-        .handshake::<_, Full<Bytes>>(hyper_util::rt::TokioIo::new(stream))
-        .await
-        .unwrap();
+    let (sender, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .timer(hyper_util::rt::TokioTimer::new())
+            .handshake::<_, Full<Bytes>>(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
     tokio::spawn(conn);
     let rv = fake.current_rv();
     let mut opened = Vec::new();
     for _ in 0..1000 {
         let mut s = sender.clone();
-        let uri = format!("https://localhost/api/v1/namespaces/ns1/configmaps?watch=1&resourceVersion={rv}");
+        let uri = format!(
+            "https://localhost/api/v1/namespaces/ns1/configmaps?watch=1&resourceVersion={rv}"
+        );
         opened.push(tokio::spawn(async move {
             s.ready().await.unwrap();
-            let r = s.send_request(Request::get(uri).header("authorization", "Bearer t").body(Full::default()).unwrap()).await.unwrap();
+            let r = s
+                .send_request(
+                    Request::get(uri)
+                        .header("authorization", "Bearer t")
+                        .body(Full::default())
+                        .unwrap(),
+                )
+                .await
+                .unwrap();
             assert_eq!(r.status(), 200);
             EventReader::new(r)
         }));
     }
     let mut readers = Vec::new();
     for t in opened {
-        readers.push(tokio::time::timeout(Duration::from_secs(60), t).await.expect("all streams open").unwrap());
+        readers.push(
+            tokio::time::timeout(Duration::from_secs(60), t)
+                .await
+                .expect("all streams open")
+                .unwrap(),
+        );
     }
-    fake.create("/api/v1/namespaces/ns1/configmaps", json!({"metadata": {"name": "fanout"}})).await;
+    fake.create(
+        "/api/v1/namespaces/ns1/configmaps",
+        json!({"metadata": {"name": "fanout"}}),
+    )
+    .await;
     let mut got = 0;
     for mut r in readers {
-        let ev = tokio::time::timeout(Duration::from_secs(60), r.next()).await.unwrap().unwrap();
+        let ev = tokio::time::timeout(Duration::from_secs(60), r.next())
+            .await
+            .unwrap()
+            .unwrap();
         assert_eq!(ev["object"]["metadata"]["name"], "fanout");
         got += 1;
     }
@@ -282,20 +453,31 @@ async fn a_thousand_watch_streams_share_one_http2_connection() {
 #[tokio::test]
 async fn the_serving_certificate_is_reloaded_without_a_restart() {
     let (_fake, proxy) = setup().await;
-    let (new_ca, cert, key) = kube_cache_proxy::tls::generate_serving_pair(&["127.0.0.1", "localhost"]).unwrap();
+    let (new_ca, cert, key) =
+        kube_cache_proxy::tls::generate_serving_pair(&["127.0.0.1", "localhost"]).unwrap();
     let mut roots = rustls::RootCertStore::empty();
     use rustls_pki_types::pem::PemObject;
     for c in rustls_pki_types::CertificateDer::pem_slice_iter(new_ca.as_bytes()) {
         roots.add(c.unwrap()).unwrap();
     }
     let connector = tokio_rustls::TlsConnector::from(std::sync::Arc::new(
-        rustls::ClientConfig::builder().with_root_certificates(roots).with_no_client_auth(),
+        rustls::ClientConfig::builder()
+            .with_root_certificates(roots)
+            .with_no_client_auth(),
     ));
     let try_handshake = || async {
-        let tcp = tokio::net::TcpStream::connect(proxy.tls_addr).await.unwrap();
-        connector.connect("localhost".try_into().unwrap(), tcp).await.is_ok()
+        let tcp = tokio::net::TcpStream::connect(proxy.tls_addr)
+            .await
+            .unwrap();
+        connector
+            .connect("localhost".try_into().unwrap(), tcp)
+            .await
+            .is_ok()
     };
-    assert!(!try_handshake().await, "the new CA must not be trusted before the rotation");
+    assert!(
+        !try_handshake().await,
+        "the new CA must not be trusted before the rotation"
+    );
     // A key written before its certificate must not break serving.
     std::fs::write(proxy.key_path(), &key).unwrap();
     std::fs::write(proxy.cert_path(), &cert).unwrap();
@@ -304,7 +486,10 @@ async fn the_serving_certificate_is_reloaded_without_a_restart() {
         if try_handshake().await {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "certificate not reloaded in time");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "certificate not reloaded in time"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     proxy.shutdown().await;
@@ -313,17 +498,45 @@ async fn the_serving_certificate_is_reloaded_without_a_restart() {
 #[tokio::test]
 async fn graceful_shutdown_fails_readiness_then_ends_watches_cleanly() {
     let fake = FakeApiServer::start().await;
-    fake.create("/api/v1/namespaces", json!({"metadata": {"name": "ns1"}})).await;
-    let mut proxy = TestProxy::start(&fake.url(), |c| c.shutdown.delay = Duration::from_millis(800)).await;
+    fake.create("/api/v1/namespaces", json!({"metadata": {"name": "ns1"}}))
+        .await;
+    let mut proxy = TestProxy::start(&fake.url(), |c| {
+        c.shutdown.delay = Duration::from_millis(800)
+    })
+    .await;
     let c = proxy.client(None, true);
     let rv = fake.current_rv();
-    let w1 = c.get(&proxy.https(&format!("/api/v1/namespaces/ns1/configmaps?watch=1&resourceVersion={rv}")), Some("t")).await;
-    let w2 = c.get(&proxy.https(&format!("/api/v1/namespaces/ns1/configmaps?watch=1&resourceVersion={rv}")), Some("t")).await;
+    let w1 = c
+        .get(
+            &proxy.https(&format!(
+                "/api/v1/namespaces/ns1/configmaps?watch=1&resourceVersion={rv}"
+            )),
+            Some("t"),
+        )
+        .await;
+    let w2 = c
+        .get(
+            &proxy.https(&format!(
+                "/api/v1/namespaces/ns1/configmaps?watch=1&resourceVersion={rv}"
+            )),
+            Some("t"),
+        )
+        .await;
     let mut w1 = EventReader::new(w1);
     let mut w2 = EventReader::new(w2);
-    fake.create("/api/v1/namespaces/ns1/configmaps", json!({"metadata": {"name": "before"}})).await;
-    assert_eq!(w1.next().await.unwrap()["object"]["metadata"]["name"], "before");
-    assert_eq!(w2.next().await.unwrap()["object"]["metadata"]["name"], "before");
+    fake.create(
+        "/api/v1/namespaces/ns1/configmaps",
+        json!({"metadata": {"name": "before"}}),
+    )
+    .await;
+    assert_eq!(
+        w1.next().await.unwrap()["object"]["metadata"]["name"],
+        "before"
+    );
+    assert_eq!(
+        w2.next().await.unwrap()["object"]["metadata"]["name"],
+        "before"
+    );
 
     let running = proxy.running.take().unwrap();
     running.begin_shutdown();
@@ -340,9 +553,17 @@ async fn graceful_shutdown_fails_readiness_then_ends_watches_cleanly() {
     }
     assert_eq!(c.get(&proxy.https("/livez"), None).await.status(), 200);
     // Then both watches end with a clean end of stream, not an error or a torn event.
-    assert_eq!(tokio::time::timeout(BOUND, w1.try_next()).await.unwrap(), Ok(None));
-    assert_eq!(tokio::time::timeout(BOUND, w2.try_next()).await.unwrap(), Ok(None));
-    tokio::time::timeout(BOUND, running.wait()).await.expect("drain finishes");
+    assert_eq!(
+        tokio::time::timeout(BOUND, w1.try_next()).await.unwrap(),
+        Ok(None)
+    );
+    assert_eq!(
+        tokio::time::timeout(BOUND, w2.try_next()).await.unwrap(),
+        Ok(None)
+    );
+    tokio::time::timeout(BOUND, running.wait())
+        .await
+        .expect("drain finishes");
 }
 
 #[tokio::test]
@@ -353,22 +574,38 @@ async fn health_and_metrics_endpoints_answer_in_the_apiservers_format() {
     loop {
         let r = c.get(&proxy.https("/readyz?verbose"), None).await;
         if r.status() == 200 {
-            assert_eq!(body_string(r).await, "[+]ping ok\n[+]shutdown ok\n[+]upstream ok\nreadyz check passed\n");
+            assert_eq!(
+                body_string(r).await,
+                "[+]ping ok\n[+]shutdown ok\n[+]upstream ok\nreadyz check passed\n"
+            );
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "upstream probe never succeeded");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "upstream probe never succeeded"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert_eq!(body_string(c.get(&proxy.https("/healthz"), None).await).await, "ok");
-    assert_eq!(body_string(c.get(&proxy.https("/livez/ping"), None).await).await, "ok");
-    c.get(&proxy.https("/api/v1/namespaces/ns1/configmaps"), Some("t")).await;
+    assert_eq!(
+        body_string(c.get(&proxy.https("/healthz"), None).await).await,
+        "ok"
+    );
+    assert_eq!(
+        body_string(c.get(&proxy.https("/livez/ping"), None).await).await,
+        "ok"
+    );
+    c.get(&proxy.https("/api/v1/namespaces/ns1/configmaps"), Some("t"))
+        .await;
     let m = body_string(c.get(&proxy.https("/metrics"), None).await).await;
     assert!(
         m.contains(r#"kube_cache_proxy_requests_total{verb="LIST",group="",version="v1",resource="configmaps",subresource="",scope="namespace",code="200",served_by="upstream"} 1"#),
         "{m}"
     );
     assert!(m.contains(r#"kube_cache_proxy_upstream_requests_total{verb="LIST",resource="configmaps",code="200"} 1"#), "{m}");
-    assert!(m.contains("kube_cache_proxy_request_duration_seconds_bucket{"), "{m}");
+    assert!(
+        m.contains("kube_cache_proxy_request_duration_seconds_bucket{"),
+        "{m}"
+    );
     proxy.shutdown().await;
 }
 
@@ -376,7 +613,9 @@ async fn raw_exchange(addr: std::net::SocketAddr, bytes: &[u8]) -> String {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     s.write_all(bytes).await.unwrap();
     let mut out = Vec::new();
-    let _ = tokio::time::timeout(BOUND, s.read_to_end(&mut out)).await.expect("server answers and closes");
+    let _ = tokio::time::timeout(BOUND, s.read_to_end(&mut out))
+        .await
+        .expect("server answers and closes");
     String::from_utf8_lossy(&out).into_owned()
 }
 
@@ -390,14 +629,33 @@ async fn hostile_paths_get_a_bad_request_status_and_never_reach_upstream() {
         "/api/v1/namespaces/%ff%fe",
         "/api/v1/namespaces/%2e%2e/secrets",
     ] {
-        let text = raw_exchange(proxy.insecure_addr, format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes()).await;
+        let text = raw_exchange(
+            proxy.insecure_addr,
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await;
         assert!(text.starts_with("HTTP/1.1 400"), "{path}: {text}");
-        assert!(text.contains("\"kind\":\"Status\"") && text.contains("\"reason\":\"BadRequest\""), "{path}: {text}");
+        assert!(
+            text.contains("\"kind\":\"Status\"") && text.contains("\"reason\":\"BadRequest\""),
+            "{path}: {text}"
+        );
     }
     // Raw invalid UTF-8 in the request line: refused by the HTTP parser, no panic.
-    let text = raw_exchange(proxy.insecure_addr, b"GET /api/v1/namespaces/\xff\xfe HTTP/1.1\r\nHost: x\r\n\r\n").await;
-    assert!(text.starts_with("HTTP/1.1 400") || text.is_empty(), "{text}");
-    assert!(fake.requests().iter().all(|r| !r.path.contains("secrets") && !r.path.contains("%")), "a hostile path reached upstream");
+    let text = raw_exchange(
+        proxy.insecure_addr,
+        b"GET /api/v1/namespaces/\xff\xfe HTTP/1.1\r\nHost: x\r\n\r\n",
+    )
+    .await;
+    assert!(
+        text.starts_with("HTTP/1.1 400") || text.is_empty(),
+        "{text}"
+    );
+    assert!(
+        fake.requests()
+            .iter()
+            .all(|r| !r.path.contains("secrets") && !r.path.contains("%")),
+        "a hostile path reached upstream"
+    );
     // Still serving.
     let c = proxy.client(None, false);
     assert_eq!(c.get(&proxy.https("/livez"), None).await.status(), 200);
@@ -410,20 +668,41 @@ async fn oversized_headers_get_431_and_oversized_bodies_413() {
     let big = "a".repeat(300 * 1024);
     let text = raw_exchange(
         proxy.insecure_addr,
-        format!("GET /api/v1/pods HTTP/1.1\r\nHost: x\r\nX-Big: {big}\r\nConnection: close\r\n\r\n").as_bytes(),
+        format!(
+            "GET /api/v1/pods HTTP/1.1\r\nHost: x\r\nX-Big: {big}\r\nConnection: close\r\n\r\n"
+        )
+        .as_bytes(),
     )
     .await;
-    assert!(text.starts_with("HTTP/1.1 431"), "{}", &text[..text.len().min(200)]);
+    assert!(
+        text.starts_with("HTTP/1.1 431"),
+        "{}",
+        &text[..text.len().min(200)]
+    );
     assert!(text.contains("\"kind\":\"Status\""), "{text}");
     // Far beyond the parser's buffer: hyper refuses it itself; the process survives.
     let huge = "a".repeat(2 * 1024 * 1024);
-    let text = raw_exchange(proxy.insecure_addr, format!("GET / HTTP/1.1\r\nX-Huge: {huge}\r\n\r\n").as_bytes()).await;
-    assert!(text.is_empty() || text.starts_with("HTTP/1.1 431"), "{}", &text[..text.len().min(200)]);
+    let text = raw_exchange(
+        proxy.insecure_addr,
+        format!("GET / HTTP/1.1\r\nX-Huge: {huge}\r\n\r\n").as_bytes(),
+    )
+    .await;
+    assert!(
+        text.is_empty() || text.starts_with("HTTP/1.1 431"),
+        "{}",
+        &text[..text.len().min(200)]
+    );
 
     let c = proxy.client(None, false);
     let body = vec![b'x'; 4 * 1024 * 1024];
     let r = c
-        .send(Request::post(proxy.https("/api/v1/namespaces/ns1/configmaps")).header("authorization", "Bearer t").header("content-type", "application/json").body(Full::new(Bytes::from(body))).unwrap())
+        .send(
+            Request::post(proxy.https("/api/v1/namespaces/ns1/configmaps"))
+                .header("authorization", "Bearer t")
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(body)))
+                .unwrap(),
+        )
         .await;
     assert_eq!(r.status(), 413);
     assert_eq!(body_json(r).await["reason"], "RequestEntityTooLarge");
@@ -444,6 +723,9 @@ async fn malformed_http2_and_tls_garbage_close_the_connection_without_harm() {
     let c = proxy.client(None, true);
     assert_eq!(c.get(&proxy.https("/livez"), None).await.status(), 200);
     let m = body_string(c.get(&proxy.https("/metrics"), None).await).await;
-    assert!(m.contains(r#"kube_cache_proxy_rejected_total{reason="tls_handshake"} 1"#), "{m}");
+    assert!(
+        m.contains(r#"kube_cache_proxy_rejected_total{reason="tls_handshake"} 1"#),
+        "{m}"
+    );
     proxy.shutdown().await;
 }

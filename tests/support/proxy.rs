@@ -56,7 +56,11 @@ pub fn client_cert(
     // as a custom type, which encodes identically. Two groups are enough for the tests.
     assert!(groups.len() <= 2, "at most two groups");
     for (i, g) in groups.iter().enumerate() {
-        let t = if i == 0 { DnType::OrganizationName } else { DnType::CustomDnType(vec![2, 5, 4, 10]) };
+        let t = if i == 0 {
+            DnType::OrganizationName
+        } else {
+            DnType::CustomDnType(vec![2, 5, 4, 10])
+        };
         p.distinguished_name.push(t, *g);
     }
     p.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];

@@ -391,7 +391,7 @@ mod tests {
         let ConfigError::Invalid(errs) = e else {
             panic!()
         };
-        assert_eq!(errs[0].path, "shutdown");
+        assert_eq!(errs[0].path, "shutdown.dealy");
         assert!(errs[0].message.contains("dealy"), "{}", errs[0].message);
     }
 

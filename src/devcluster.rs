@@ -813,10 +813,9 @@ async fn etcd_healthy(addr: &str) -> Result<(), String> {
     let mut buf = Vec::new();
     s.read_to_end(&mut buf).await.map_err(|e| e.to_string())?;
     let text = String::from_utf8_lossy(&buf);
-    if text.starts_with("HTTP/1.0 200") || text.starts_with("HTTP/1.1 200") {
-        if text.contains("\"health\":\"true\"") {
-            return Ok(());
-        }
+    let ok_status = text.starts_with("HTTP/1.0 200") || text.starts_with("HTTP/1.1 200");
+    if ok_status && text.contains("\"health\":\"true\"") {
+        return Ok(());
     }
     Err(format!(
         "unhealthy: {}",

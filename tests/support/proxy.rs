@@ -73,6 +73,14 @@ impl TestProxy {
     /// proxy's own credential `Bearer proxy-token`, TLS + mTLS on one port and plain HTTP on
     /// another. `tweak` adjusts the config first.
     pub async fn start(upstream_url: &str, tweak: impl FnOnce(&mut Config)) -> TestProxy {
+        let mut kube = kube::Config::new(upstream_url.parse().unwrap());
+        kube.auth_info.token = Some("proxy-token".to_string().into());
+        Self::start_with_kube(kube, tweak).await
+    }
+
+    /// Starts the proxy in front of the apiserver `kube` describes (its credentials become the
+    /// proxy's own).
+    pub async fn start_with_kube(kube: kube::Config, tweak: impl FnOnce(&mut Config)) -> TestProxy {
         kube_cache_proxy::tls::install_crypto_provider();
         let dir = tempfile::tempdir().unwrap();
         let (ca_pem, cert, key) =
@@ -91,8 +99,6 @@ impl TestProxy {
         cfg.upstream.health_check_interval = std::time::Duration::from_millis(200);
         cfg.shutdown.drain_timeout = std::time::Duration::from_secs(10);
         tweak(&mut cfg);
-        let mut kube = kube::Config::new(upstream_url.parse().unwrap());
-        kube.auth_info.token = Some("proxy-token".to_string().into());
         let running = server::start(cfg, &kube).await.expect("proxy starts");
         TestProxy {
             tls_addr: running.tls_addr.unwrap(),
@@ -110,6 +116,16 @@ impl TestProxy {
 
     pub fn http(&self, path: &str) -> String {
         format!("http://{}{path}", self.insecure_addr)
+    }
+
+    /// A kubeconfig (YAML) for the proxy's TLS listener with a bearer token.
+    pub fn kubeconfig_yaml(&self, token: &str) -> String {
+        kube_cache_proxy::devcluster::ControlPlane::kubeconfig_yaml(
+            &self.https(""),
+            Some(&self.ca_pem),
+            Some(token),
+            None,
+        )
     }
 
     pub fn cert_path(&self) -> PathBuf {

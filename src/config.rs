@@ -113,9 +113,10 @@ impl Default for UpstreamConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct ServerConfig {
-    /// Concurrent streams per HTTP/2 connection. kube-apiserver's default
-    /// `--http2-max-streams-per-connection` is 1000; informers multiplex every watch of a
-    /// process over one connection, so lower values stall controllers.
+    /// Concurrent streams per HTTP/2 connection. client-go multiplexes every request and
+    /// watch of a process over one connection and opens another only when the server's limit
+    /// is reached; 1000 keeps even a large controller manager on one connection. (kube-apiserver
+    /// itself allows 100 since its rapid-reset hardening.)
     pub http2_max_concurrent_streams: u32,
     /// Server-initiated HTTP/2 PING interval; dead clients are dropped after the timeout.
     #[serde(with = "humantime_serde")]

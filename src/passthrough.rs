@@ -84,7 +84,7 @@ pub async fn forward(
 
     let sent = state
         .upstream
-        .send(up, caller.upstream_as(), upgrade.is_some())
+        .send(up, caller.upstream_as(), upgrade.is_some() || long_running)
         .await;
     let verb = info.metrics_verb(&method, None, upgrade.is_some());
     let count = |code: &str| {

@@ -10,8 +10,12 @@
 //!   file token, exec plugin; refreshed by the `kube` crate's auth layer). Used for the
 //!   proxy's own requests and to impersonate client-certificate callers.
 //!
-//! Each has an HTTP/1.1-only twin for protocol upgrades (exec/attach/port-forward), which
-//! cannot run over HTTP/2. Redirects are never followed: hyper's client does not follow them,
+//! Each has an HTTP/1.1-only twin, used for protocol upgrades (exec/attach/port-forward),
+//! which cannot run over HTTP/2, and for long-running requests (watches, `logs -f`):
+//! kube-apiserver allows only 100 concurrent streams per HTTP/2 connection (since the
+//! CVE-2023-44487 hardening), and hyper's client queues requests beyond a connection's limit
+//! instead of opening another connection as Go's transport does, so a long-lived stream must
+//! never take one of those slots or the 101st watch would hang. Redirects are never followed: hyper's client does not follow them,
 //! and the proxy relays a 3xx to its caller as it came.
 
 use std::time::Duration;
@@ -176,14 +180,15 @@ impl Upstream {
         &self.base
     }
 
-    /// Sends a request with the given identity; `upgrade` selects the HTTP/1.1 pool.
+    /// Sends a request with the given identity; `http1` selects the HTTP/1.1 pool (upgrades
+    /// and long-running requests, see the module docs).
     pub fn send(
         &self,
         req: Request<Body>,
         who: As,
-        upgrade: bool,
+        http1: bool,
     ) -> impl Future<Output = Result<Response<Incoming>, BoxError>> + Send + 'static {
-        let svc = match (who, upgrade) {
+        let svc = match (who, http1) {
             (As::Caller, false) => &self.caller,
             (As::Caller, true) => &self.caller_h1,
             (As::Proxy, false) => &self.proxy,

@@ -484,3 +484,37 @@ async fn python_client_lists_and_watches_through_the_proxy() {
     env.proxy.shutdown().await;
     env.cp.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hundreds_of_passthrough_watches_are_not_capped_by_the_apiservers_stream_limit() {
+    // kube-apiserver allows 100 streams per HTTP/2 connection; 250 watches through the proxy
+    // (on one downstream HTTP/2 connection) must all be served.
+    let ns = "e2e-manywatches";
+    let env = env(ns).await;
+    let rv = env.churn(ns, "pre", 1).await;
+    let c = env.proxy.client(None, true);
+    let url = env.proxy.https(&format!(
+        "/api/v1/namespaces/{ns}/configmaps?watch=1&resourceVersion={rv}"
+    ));
+    let token = env.cp.admin_token().to_string();
+    let mut readers = Vec::new();
+    for _ in 0..250 {
+        let r = tokio::time::timeout(BOUND, c.get(&url, Some(&token)))
+            .await
+            .expect("watch headers");
+        assert_eq!(r.status(), 200);
+        readers.push(support::proxy::EventReader::new(r));
+    }
+    let api = Api::<ConfigMap>::namespaced(env.admin.clone(), ns);
+    let cm: ConfigMap = serde_json::from_value(json!({"metadata": {"name": "fanout"}})).unwrap();
+    api.create(&PostParams::default(), &cm).await.unwrap();
+    for mut r in readers {
+        let ev = tokio::time::timeout(BOUND, r.next())
+            .await
+            .expect("event on every watch")
+            .unwrap();
+        assert_eq!(ev["object"]["metadata"]["name"], "fanout");
+    }
+    env.proxy.shutdown().await;
+    env.cp.stop().await;
+}

@@ -4,5 +4,6 @@
 //! one binary are not dead code for the project as a whole.
 #![allow(dead_code)]
 
+pub mod differential;
 pub mod fake_apiserver;
 pub mod proxy;

@@ -89,9 +89,11 @@ impl TestProxy {
         std::fs::write(dir.path().join("tls.key"), key).unwrap();
         let (client_ca_pem, client_ca) = client_ca();
         std::fs::write(dir.path().join("client-ca.crt"), client_ca_pem).unwrap();
-        let mut cfg = Config::default();
-        cfg.listen = "127.0.0.1:0".parse().unwrap();
-        cfg.insecure_listen = Some("127.0.0.1:0".parse().unwrap());
+        let mut cfg = Config {
+            listen: "127.0.0.1:0".parse().unwrap(),
+            insecure_listen: Some("127.0.0.1:0".parse().unwrap()),
+            ..Config::default()
+        };
         cfg.tls.cert_file = Some(dir.path().join("tls.crt"));
         cfg.tls.key_file = Some(dir.path().join("tls.key"));
         cfg.tls.client_ca_file = Some(dir.path().join("client-ca.crt"));

@@ -24,9 +24,14 @@
 //	                                                    (labels always an object)
 //	stdin   EOF                                         exit 0
 //
-// Every HTTP request the informer makes is logged to stderr as "REQUEST <method> <url>", so a test
-// can check that watchlist mode really streamed (sendInitialEvents=true) rather than falling back
-// to LIST. Errors go to stderr; failures exit 1, bad usage 2.
+// LastSyncResourceVersion only moves on events and bookmarks of the watched resource and scope,
+// so WAIT for the RV of a write the informer sees; an unrelated write's RV is reached only at
+// the next bookmark (kube-apiserver sends them about once a minute), likely past the 60 s bound.
+//
+// Every HTTP request the informer makes is logged to stderr as
+// "REQUEST <method> <url> accept=<Accept header>", so a test can check that watchlist mode really
+// streamed (sendInitialEvents=true) rather than falling back to LIST, and that metadata mode asked
+// for PartialObjectMetadata. Errors go to stderr; failures exit 1, bad usage 2.
 package main
 
 import (
@@ -240,10 +245,10 @@ func dump(store cache.Store) ([]byte, error) {
 	return json.Marshal(entries)
 }
 
-// logRequests logs each request line to stderr.
+// logRequests logs each request's method, URL and Accept header to stderr.
 type logRequests struct{ next http.RoundTripper }
 
 func (l logRequests) RoundTrip(r *http.Request) (*http.Response, error) {
-	fmt.Fprintf(os.Stderr, "REQUEST %s %s\n", r.Method, r.URL.String())
+	fmt.Fprintf(os.Stderr, "REQUEST %s %s accept=%s\n", r.Method, r.URL.String(), r.Header.Get("Accept"))
 	return l.next.RoundTrip(r)
 }

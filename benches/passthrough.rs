@@ -180,7 +180,7 @@ async fn main() {
         l.sort();
     }
     println!(
-        "passthrough GET, {} requests per path at {} req/s per path (interleaved), {:.1}s",
+        "passthrough GET, {} requests per path, {} req/s in total across the three interleaved paths, {:.1}s",
         n,
         rate,
         wall.as_secs_f64()

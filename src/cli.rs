@@ -79,7 +79,9 @@ pub struct DevArgs {
     /// Directory for the kubeconfigs written (default: the current directory).
     #[arg(long, env = "KCP_DEV_OUT", default_value = ".")]
     pub out: PathBuf,
-    #[arg(long, env = "KCP_LOG_LEVEL", default_value = "info")]
+    /// Log filter. kube's client logs every non-2xx answer at error level, which is noise
+    /// while the apiserver starts (its /readyz answers 500 until ready), hence the default.
+    #[arg(long, env = "KCP_LOG_LEVEL", default_value = "info,kube_client=off")]
     pub log_level: String,
 }
 

@@ -729,3 +729,58 @@ async fn malformed_http2_and_tls_garbage_close_the_connection_without_harm() {
     );
     proxy.shutdown().await;
 }
+
+#[tokio::test]
+async fn upstream_redirects_are_relayed_never_followed() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    // A bare upstream that redirects everything.
+    let hits = std::sync::Arc::new(AtomicUsize::new(0));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    let h = hits.clone();
+    tokio::spawn(async move {
+        loop {
+            let (s, _) = l.accept().await.unwrap();
+            let h = h.clone();
+            tokio::spawn(async move {
+                let svc = hyper::service::service_fn(move |r: Request<hyper::body::Incoming>| {
+                    if r.uri().path() != "/readyz" {
+                        h.fetch_add(1, Ordering::SeqCst);
+                    }
+                    async {
+                        Ok::<_, std::convert::Infallible>(
+                            http::Response::builder()
+                                .status(302)
+                                .header("location", "http://127.0.0.1:1/elsewhere")
+                                .header("warning", "299 - \"deprecated\"")
+                                .header("audit-id", "abc")
+                                .body(Full::<Bytes>::default())
+                                .unwrap(),
+                        )
+                    }
+                });
+                let _ = hyper_util::server::conn::auto::Builder::new(
+                    hyper_util::rt::TokioExecutor::new(),
+                )
+                .serve_connection(hyper_util::rt::TokioIo::new(s), svc)
+                .await;
+            });
+        }
+    });
+    let proxy = TestProxy::start(&format!("http://{addr}"), |c| {
+        c.upstream.health_check_interval = Duration::from_secs(3600)
+    })
+    .await;
+    let c = proxy.client(None, false);
+    let r = c.get(&proxy.https("/api/v1/namespaces"), Some("t")).await;
+    assert_eq!(r.status(), 302);
+    assert_eq!(r.headers()["location"], "http://127.0.0.1:1/elsewhere");
+    assert_eq!(r.headers()["warning"], "299 - \"deprecated\"");
+    assert_eq!(r.headers()["audit-id"], "abc");
+    assert_eq!(
+        hits.load(Ordering::SeqCst),
+        1,
+        "exactly one upstream request"
+    );
+    proxy.shutdown().await;
+}

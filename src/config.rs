@@ -28,6 +28,7 @@ pub struct Config {
     pub server: ServerConfig,
     pub shutdown: ShutdownConfig,
     pub log: LogConfig,
+    pub cache: CacheConfig,
 }
 
 impl Default for Config {
@@ -41,6 +42,7 @@ impl Default for Config {
             server: ServerConfig::default(),
             shutdown: ShutdownConfig::default(),
             log: LogConfig::default(),
+            cache: CacheConfig::default(),
         }
     }
 }
@@ -176,6 +178,70 @@ impl Default for ShutdownConfig {
         ShutdownConfig {
             delay: Duration::ZERO,
             drain_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct CacheConfig {
+    /// Resources served from memory, as `resource` (core) or `resource.group`; the preferred
+    /// version is found by discovery. Everything else passes through. Leases are left out:
+    /// they change every few seconds per holder and are read by few.
+    pub resources: Vec<String>,
+    /// Events kept per resource for resuming watches from a resourceVersion.
+    pub history_max_events: usize,
+    /// Events older than this leave the history (kube-apiserver keeps at least 75 s).
+    #[serde(with = "humantime_serde")]
+    pub history_max_age: Duration,
+    /// Events queued per watcher; a watcher whose queue stays full is closed.
+    pub watcher_queue: usize,
+    /// How long one event may wait in total for watchers with full queues before they are
+    /// closed (k8s.io/apiserver's cacher: 100 ms).
+    #[serde(with = "humantime_serde")]
+    pub dispatch_budget: Duration,
+    /// Interval of BOOKMARK events to watchers that allow them (kube-apiserver: ~1 minute).
+    #[serde(with = "humantime_serde")]
+    pub bookmark_interval: Duration,
+    /// Items per page of the proxy's own upstream LISTs.
+    pub upstream_page_size: u32,
+    /// A cached decision that a caller may read something lasts this long (the apiserver's
+    /// webhook token cache: 2 minutes; it bounds how long a revoked token can read cache).
+    #[serde(with = "humantime_serde")]
+    pub authorization_allow_ttl: Duration,
+    /// A cached "not allowed" lasts this long (the webhook authorizer's default: 30 s).
+    #[serde(with = "humantime_serde")]
+    pub authorization_deny_ttl: Duration,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            resources: [
+                "pods",
+                "configmaps",
+                "secrets",
+                "services",
+                "endpointslices.discovery.k8s.io",
+                "nodes",
+                "namespaces",
+                "serviceaccounts",
+                "deployments.apps",
+                "replicasets.apps",
+                "statefulsets.apps",
+                "daemonsets.apps",
+                "jobs.batch",
+            ]
+            .map(String::from)
+            .to_vec(),
+            history_max_events: 100_000,
+            history_max_age: Duration::from_secs(150),
+            watcher_queue: 1024,
+            dispatch_budget: Duration::from_millis(100),
+            bookmark_interval: Duration::from_secs(60),
+            upstream_page_size: 500,
+            authorization_allow_ttl: Duration::from_secs(120),
+            authorization_deny_ttl: Duration::from_secs(30),
         }
     }
 }
@@ -328,6 +394,22 @@ impl Config {
                 "upstream.healthCheckInterval",
                 "must be greater than 0".into(),
             );
+        }
+        if self.cache.watcher_queue == 0 {
+            err("cache.watcherQueue", "must be at least 1".into());
+        }
+        if self.cache.upstream_page_size == 0 {
+            err("cache.upstreamPageSize", "must be at least 1".into());
+        }
+        if self.cache.bookmark_interval.is_zero() {
+            err("cache.bookmarkInterval", "must be greater than 0".into());
+        }
+        for (i, r) in self.cache.resources.iter().enumerate() {
+            let ok = !r.is_empty()
+                && r.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '.' || c == '-');
+            if !ok {
+                err(&format!("cache.resources[{i}]"), format!("{r:?} is not `resource` or `resource.group`"));
+            }
         }
         if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
             err("log.level", format!("invalid filter: {e}"));

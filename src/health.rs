@@ -126,13 +126,30 @@ impl Health {
 
     /// Answers a health request. `path` is e.g. `/readyz` or `/readyz/upstream`.
     pub fn respond(&self, path: &str, query: Option<&str>) -> Option<Response<Body>> {
+        self.respond_with(path, query, Vec::new())
+    }
+
+    /// As [`Self::respond`], with `extra` readiness checks (one per cached resource).
+    pub fn respond_with(
+        &self,
+        path: &str,
+        query: Option<&str>,
+        extra: Vec<(String, Result<(), String>)>,
+    ) -> Option<Response<Body>> {
         let (ep, single) = Endpoint::from_path(path)?;
-        let checks = self.checks(ep);
+        let mut checks: Vec<(String, Result<(), String>)> = self
+            .checks(ep)
+            .into_iter()
+            .map(|c| (c.name().to_string(), c.get()))
+            .collect();
+        if ep == Endpoint::Readyz {
+            checks.extend(extra);
+        }
         if let Some(name) = single {
-            let Some(c) = checks.iter().find(|c| c.name() == name) else {
+            let Some((_, result)) = checks.iter().find(|(n, _)| n == name) else {
                 return Some(text(StatusCode::NOT_FOUND, "404 page not found\n".into()));
             };
-            return Some(match c.get() {
+            return Some(match result {
                 Ok(()) => text(StatusCode::OK, "ok".into()),
                 Err(e) => text(
                     StatusCode::INTERNAL_SERVER_ERROR,
@@ -157,19 +174,19 @@ impl Health {
             .collect();
         let mut out = String::new();
         let mut failed = false;
-        for c in &checks {
-            if let Some(i) = excluded.iter().position(|e| e == c.name()) {
+        for (name, result) in &checks {
+            if let Some(i) = excluded.iter().position(|e| e == name) {
                 excluded.remove(i);
-                out.push_str(&format!("[+]{} excluded: ok\n", c.name()));
+                out.push_str(&format!("[+]{name} excluded: ok\n"));
                 continue;
             }
-            match c.get() {
-                Ok(()) => out.push_str(&format!("[+]{} ok\n", c.name())),
+            match result {
+                Ok(()) => out.push_str(&format!("[+]{name} ok\n")),
                 Err(_) => {
                     failed = true;
                     // The apiserver withholds reasons from this listing; /<endpoint>/<name>
                     // and the logs have them.
-                    out.push_str(&format!("[-]{} failed: reason withheld\n", c.name()));
+                    out.push_str(&format!("[-]{name} failed: reason withheld\n"));
                 }
             }
         }

@@ -26,16 +26,24 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod authz;
 pub mod body;
+pub mod cache;
 pub mod cli;
 pub mod config;
 pub mod devcluster;
 pub mod drain;
 pub mod health;
+pub mod hub;
 pub mod identity;
+pub mod list;
 pub mod metrics;
 pub mod passthrough;
+pub mod reflector;
 pub mod request_info;
+pub mod router;
+pub mod selector;
 pub mod server;
 pub mod tls;
 pub mod upstream;
+pub mod watch;

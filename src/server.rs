@@ -39,19 +39,74 @@ pub struct State {
     pub upstream: Upstream,
     pub metrics: Metrics,
     pub health: Health,
+    /// Cached resources (filled in the background as they are discovered and synced).
+    pub caches: Arc<crate::cache::registry::Caches>,
+    pub authz: crate::authz::Authorizer,
+    pub watch: crate::watch::WatchConfig,
     /// Cancelled when draining starts: long-running responses end cleanly.
     pub drain: CancellationToken,
 }
 
 impl State {
     pub fn new(config: Config, upstream: Upstream) -> Arc<State> {
+        let drain = CancellationToken::new();
+        let c = &config.cache;
+        let store = crate::cache::StoreConfig {
+            history_max_events: c.history_max_events,
+            history_max_age: c.history_max_age,
+            watcher_queue: c.watcher_queue,
+            dispatch_budget: c.dispatch_budget,
+        };
+        let reflector = crate::reflector::ReflectorConfig {
+            page_size: c.upstream_page_size,
+            ..Default::default()
+        };
+        let caches = crate::cache::registry::Caches::start(
+            c.resources.clone(),
+            upstream.clone(),
+            store,
+            reflector,
+            drain.clone(),
+        );
+        let authz = crate::authz::Authorizer::new(
+            upstream.clone(),
+            c.authorization_allow_ttl,
+            c.authorization_deny_ttl,
+        );
+        let watch = crate::watch::WatchConfig {
+            bookmark_interval: c.bookmark_interval,
+            ..Default::default()
+        };
         Arc::new(State {
             config,
             upstream,
             metrics: Metrics::new(),
             health: Health::new(),
-            drain: CancellationToken::new(),
+            caches,
+            authz,
+            watch,
+            drain,
         })
+    }
+
+    /// Readiness checks of the cached resources: `cache:<resource>`, failing until synced.
+    pub fn cache_checks(&self) -> Vec<(String, Result<(), String>)> {
+        self.caches
+            .entries()
+            .iter()
+            .map(|e| {
+                let c = &e.cache;
+                let r = match c.readiness() {
+                    crate::cache::Readiness::Ready => Ok(()),
+                    crate::cache::Readiness::Pending => Err(format!(
+                        "not synced yet: {}",
+                        c.unhealthy().unwrap_or_default()
+                    )),
+                    crate::cache::Readiness::Stopped => Err("stopped".into()),
+                };
+                (format!("cache:{}", c.resource.label()), r)
+            })
+            .collect()
     }
 
     /// Probes the upstream's `/readyz` with the proxy's own identity until draining starts.
@@ -288,6 +343,53 @@ async fn serve_io<I>(
     }
 }
 
+/// Serves a read from memory when the router says it can and the apiserver says this caller
+/// may; `None` sends the request through.
+async fn serve_from_cache(
+    state: &State,
+    conn: &ConnInfo,
+    req: &Request<Incoming>,
+    info: &RequestInfo,
+    query: Option<&str>,
+) -> Option<Response<Body>> {
+    use crate::router::Route;
+    let accept = req.headers().get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    let route = crate::router::route(req.method(), info, query, accept, |g, v, r| {
+        state.caches.get(g, v, r)
+    });
+    if let Route::Passthrough(why) = route {
+        if info.is_resource_request && info.verb != "create" {
+            tracing::trace!(reason = why, path = %req.uri().path(), "passthrough");
+        }
+        return None;
+    }
+    let caller = crate::identity::Caller::identify(conn.cert.as_deref(), req.headers());
+    let attrs = crate::authz::Attributes {
+        verb: info.verb.clone(),
+        group: info.api_group.clone(),
+        version: info.api_version.clone(),
+        resource: info.resource.clone(),
+        namespace: info.namespace.clone(),
+        name: info.name.clone(),
+    };
+    if !state.authz.allowed(&caller, &attrs).await {
+        return None;
+    }
+    match route {
+        Route::Watch {
+            cache,
+            params,
+            filter,
+            enc,
+        } => crate::watch::serve(cache, params, filter, enc, &state.watch, state.drain.clone())
+            .await
+            .ok(),
+        Route::Get { cache, enc } => crate::list::get(&cache, &info.namespace, &info.name, enc),
+        Route::List { cache, filter, enc } => Some(crate::list::list(&cache, &filter, enc)),
+        Route::Passthrough(_) => None,
+    }
+}
+
 /// Sum of header name and value lengths, as Go's `MaxHeaderBytes` roughly counts them.
 fn header_bytes(req: &Request<Incoming>) -> usize {
     req.headers()
@@ -330,7 +432,10 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
     // Local endpoints. The proxy answers health for itself (its readiness includes the
     // upstream's); `/metrics` is the proxy's own.
     if method == Method::GET || method == Method::HEAD {
-        if let Some(r) = state.health.respond(&path, query.as_deref()) {
+        if let Some(r) = state
+            .health
+            .respond_with(&path, query.as_deref(), state.cache_checks())
+        {
             return r;
         }
         if path == "/metrics" {
@@ -365,10 +470,15 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         .clone();
     inflight.inc();
 
-    let resp = passthrough::forward(state, conn, req, &info, long_running).await;
+    let (resp, served_by) = match serve_from_cache(state, conn, &req, &info, query.as_deref()).await {
+        Some(r) => (r, "cache"),
+        None => (
+            passthrough::forward(state, conn, req, &info, long_running).await,
+            "upstream",
+        ),
+    };
 
     let code = resp.status();
-    let served_by = "upstream";
     state
         .metrics
         .requests

@@ -17,6 +17,8 @@
 //! - comparison: [`check`] compares one request, re-asking the reference to tell a moving
 //!   reference (background writes, clocks) from a real difference; [`AllowList`] and the
 //!   [`Report`] table.
+//!
+//! `DIFFERENTIAL_DUMP=<glob>` prints both observations of every request whose id matches.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -470,7 +472,8 @@ pub async fn seed_namespaces(b: &Backend, service_accounts: bool) {
 
 /// The seed ConfigMap `cm-{i:02}`: `app` a|b alternating, `tier` x|y|absent in turn, `idx` i.
 pub fn seed_configmap(i: usize) -> Value {
-    let mut labels = json!({"app": if i % 2 == 0 { "a" } else { "b" }, "idx": i.to_string()});
+    let mut labels =
+        json!({"app": if i.is_multiple_of(2) { "a" } else { "b" }, "idx": i.to_string()});
     match i % 3 {
         0 => labels["tier"] = "x".into(),
         1 => labels["tier"] = "y".into(),
@@ -480,7 +483,7 @@ pub fn seed_configmap(i: usize) -> Value {
         "apiVersion": "v1",
         "kind": "ConfigMap",
         "metadata": {"name": format!("cm-{i:02}"), "labels": labels},
-        "data": {"i": i.to_string(), "parity": if i % 2 == 0 { "even" } else { "odd" }},
+        "data": {"i": i.to_string(), "parity": if i.is_multiple_of(2) { "even" } else { "odd" }},
     })
 }
 
@@ -500,7 +503,7 @@ pub fn seed_pod(i: usize) -> Value {
     json!({
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": format!("p{i}"), "labels": {"app": if i % 2 == 0 { "a" } else { "b" }}},
+        "metadata": {"name": format!("p{i}"), "labels": {"app": if i.is_multiple_of(2) { "a" } else { "b" }}},
         "spec": spec,
     })
 }
@@ -1140,6 +1143,14 @@ pub async fn check(
     for attempt in 1..=ATTEMPTS {
         out.attempts = attempt;
         let (r, s) = tokio::join!(observe(reference, req, mode), observe(subject, req, mode));
+        if let Ok(pattern) = std::env::var("DIFFERENTIAL_DUMP")
+            && glob(&pattern, &req.id)
+        {
+            eprintln!(
+                "{}\n  {}: {:#?}\n  {}: {:#?}",
+                req.id, reference.name, r.fields, subject.name, s.fields
+            );
+        }
         let (allowed_now, diffs): (Vec<Diff>, Vec<Diff>) = diff_fields(&req.id, &s, &r)
             .into_iter()
             .partition(|d| allowed(allow, d).is_some());

@@ -983,7 +983,7 @@ impl ListParams {
                     other => errs.push((
                         "resourceVersionMatch",
                         format!(
-                            "Unsupported value: {other:?}: supported values: \"Exact\", \"NotOlderThan\""
+                            "Unsupported value: {other:?}: supported values: \"Exact\", \"NotOlderThan\", \"\""
                         ),
                         "FieldValueNotSupported",
                     )),
@@ -1073,7 +1073,11 @@ async fn list(
         .peekable();
     let mut items: Vec<&Value> = Vec::new();
     let mut last_key: Option<&String> = None;
-    let limit = p.limit.unwrap_or(usize::MAX);
+    // resourceVersion "0" is served from the apiserver's watch cache, which ignores limit.
+    let limit = match p.limit {
+        Some(l) if !p.rv_zero => l,
+        _ => usize::MAX,
+    };
     while items.len() < limit {
         let Some((key, obj)) = in_scope.next() else {
             break;
@@ -1231,7 +1235,9 @@ async fn watch(
             for obj in store.objects(kind).values().filter(|o| filter.matches(o)) {
                 let _ = tx.send(WatchMsg::Line(event_line("ADDED", obj)));
             }
-            if p.send_initial == Some(true) && p.allow_bookmarks {
+            // kube-apiserver 1.36 ends initial events with this bookmark whenever bookmarks
+            // are allowed, also for RV unset / "0" watches without sendInitialEvents.
+            if p.allow_bookmarks {
                 let _ = tx.send(WatchMsg::Line(bookmark_line(kind, store.rv, true)));
             }
         } else if let Some(n) = p.rv.filter(|n| *n > 0) {

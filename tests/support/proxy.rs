@@ -72,10 +72,16 @@ impl TestProxy {
     /// Starts the proxy in front of `upstream_url` (a plain-HTTP fake apiserver), with the
     /// proxy's own credential `Bearer proxy-token`, TLS + mTLS on one port and plain HTTP on
     /// another. `tweak` adjusts the config first.
+    /// The cache is off unless `tweak` configures resources: these tests are about the
+    /// transparent proxy, and the fake apiserver implements no access reviews.
     pub async fn start(upstream_url: &str, tweak: impl FnOnce(&mut Config)) -> TestProxy {
         let mut kube = kube::Config::new(upstream_url.parse().unwrap());
         kube.auth_info.token = Some("proxy-token".to_string().into());
-        Self::start_with_kube(kube, tweak).await
+        Self::start_with_kube(kube, |c| {
+            c.cache.resources.clear();
+            tweak(c)
+        })
+        .await
     }
 
     /// Starts the proxy in front of the apiserver `kube` describes (its credentials become the

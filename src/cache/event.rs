@@ -1,0 +1,232 @@
+//! A change to a cached object, and its wire frames, each encoded at most once and shared
+//! (as `Bytes`) by every watcher that receives it.
+
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
+
+use bytes::{BufMut, Bytes, BytesMut};
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use super::{CachedObject, EventKind, Resource};
+
+/// How a watcher must see an event, after its selector is applied to the old and new state
+/// (k8s.io/apiserver cacher `convertToWatchEvent`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Delivery {
+    /// As it happened.
+    AsIs,
+    /// A MODIFIED that brought the object into the selection: ADDED with the new state.
+    Entered,
+    /// A MODIFIED that took the object out of the selection: DELETED with the old state at
+    /// the event's resourceVersion.
+    Left,
+}
+
+/// Wire encodings of watch frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Encoding {
+    /// The full object as JSON.
+    Json,
+    /// `as=PartialObjectMetadata;g=meta.k8s.io;v=v1` (metadata-only informers).
+    Metadata,
+}
+
+#[derive(Debug)]
+pub struct Event {
+    pub kind: EventKind,
+    /// The new state (for a delete: the last state, at the delete's resourceVersion).
+    pub object: Arc<CachedObject>,
+    /// The state before, when the object existed.
+    pub prev: Option<Arc<CachedObject>>,
+    pub rv: u64,
+    pub at: Instant,
+    frames: [OnceLock<Bytes>; 6],
+}
+
+impl Event {
+    pub fn new(kind: EventKind, object: Arc<CachedObject>, prev: Option<Arc<CachedObject>>) -> Event {
+        Event {
+            kind,
+            rv: object.meta.resource_version,
+            object,
+            prev,
+            at: Instant::now(),
+            frames: Default::default(),
+        }
+    }
+
+    /// The frame `{"type":..,"object":..}\n` for this delivery and encoding, encoded once.
+    pub fn frame(&self, resource: &Resource, delivery: Delivery, enc: Encoding) -> Bytes {
+        let slot = match (delivery, enc) {
+            (Delivery::AsIs, Encoding::Json) => 0,
+            (Delivery::Entered, Encoding::Json) => 1,
+            (Delivery::Left, Encoding::Json) => 2,
+            (Delivery::AsIs, Encoding::Metadata) => 3,
+            (Delivery::Entered, Encoding::Metadata) => 4,
+            (Delivery::Left, Encoding::Metadata) => 5,
+        };
+        self.frames[slot]
+            .get_or_init(|| {
+                let (ty, body): (&str, std::borrow::Cow<'_, [u8]>) = match delivery {
+                    Delivery::AsIs => (self.kind.as_str(), (&self.object.body[..]).into()),
+                    Delivery::Entered => ("ADDED", (&self.object.body[..]).into()),
+                    Delivery::Left => {
+                        let prev = self.prev.as_ref().unwrap_or(&self.object);
+                        (
+                            "DELETED",
+                            with_resource_version(&prev.body, prev.meta.resource_version, self.rv).into(),
+                        )
+                    }
+                };
+                encode_frame(resource, ty, &body, enc)
+            })
+            .clone()
+    }
+}
+
+/// Encodes one watch frame from an object body (JSON without kind/apiVersion).
+pub fn encode_frame(resource: &Resource, ty: &str, body: &[u8], enc: Encoding) -> Bytes {
+    let mut b = BytesMut::with_capacity(body.len() + 96);
+    b.put_slice(b"{\"type\":\"");
+    b.put_slice(ty.as_bytes());
+    b.put_slice(b"\",\"object\":");
+    put_object(&mut b, resource, body, enc);
+    b.put_slice(b"}\n");
+    b.freeze()
+}
+
+/// Writes an object with its type meta: the resource's kind, or PartialObjectMetadata with
+/// only the metadata.
+pub fn put_object(b: &mut BytesMut, resource: &Resource, body: &[u8], enc: Encoding) {
+    match enc {
+        Encoding::Json => {
+            b.put_slice(b"{\"kind\":\"");
+            b.put_slice(resource.kind.as_bytes());
+            b.put_slice(b"\",\"apiVersion\":\"");
+            b.put_slice(resource.api_version().as_bytes());
+            b.put_slice(b"\"");
+            if body.len() > 2 {
+                b.put_u8(b',');
+                b.put_slice(&body[1..]);
+            } else {
+                b.put_u8(b'}');
+            }
+        }
+        Encoding::Metadata => {
+            b.put_slice(b"{\"kind\":\"PartialObjectMetadata\",\"apiVersion\":\"meta.k8s.io/v1\",\"metadata\":");
+            b.put_slice(metadata_of(body).as_bytes());
+            b.put_u8(b'}');
+        }
+    }
+}
+
+/// The raw `metadata` member of an object body.
+pub fn metadata_of(body: &[u8]) -> &str {
+    #[derive(Deserialize)]
+    struct M<'a> {
+        #[serde(borrow)]
+        metadata: &'a RawValue,
+    }
+    serde_json::from_slice::<M<'_>>(body)
+        .map(|m| m.metadata.get())
+        .unwrap_or("{}")
+}
+
+/// The body with its `metadata.resourceVersion` replaced (the first occurrence of the exact
+/// member, which is metadata's: the apiserver writes `metadata` first).
+pub fn with_resource_version(body: &[u8], old: u64, new: u64) -> Vec<u8> {
+    if old == new {
+        return body.to_vec();
+    }
+    let needle = format!("\"resourceVersion\":\"{old}\"");
+    let hay = body;
+    match hay.windows(needle.len()).position(|w| w == needle.as_bytes()) {
+        Some(i) => {
+            let mut v = Vec::with_capacity(body.len() + 4);
+            v.extend_from_slice(&hay[..i]);
+            v.extend_from_slice(format!("\"resourceVersion\":\"{new}\"").as_bytes());
+            v.extend_from_slice(&hay[i + needle.len()..]);
+            v
+        }
+        None => body.to_vec(),
+    }
+}
+
+/// A BOOKMARK frame at `rv` (the object is the kind's empty object with only
+/// `metadata.resourceVersion`, as the apiserver sends it).
+pub fn bookmark_frame(resource: &Resource, rv: u64, initial_events_end: bool, enc: Encoding) -> Bytes {
+    let (kind, api_version) = match enc {
+        Encoding::Json => (resource.kind.clone(), resource.api_version()),
+        Encoding::Metadata => ("PartialObjectMetadata".to_string(), "meta.k8s.io/v1".to_string()),
+    };
+    let annotations = if initial_events_end {
+        ",\"annotations\":{\"k8s.io/initial-events-end\":\"true\"}"
+    } else {
+        ""
+    };
+    Bytes::from(format!(
+        "{{\"type\":\"BOOKMARK\",\"object\":{{\"kind\":\"{kind}\",\"apiVersion\":\"{api_version}\",\"metadata\":{{\"resourceVersion\":\"{rv}\"{annotations}}}}}}}\n"
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::Resource;
+
+    fn cm(name: &str, rv: u64, extra: &str) -> Arc<CachedObject> {
+        let raw = format!(r#"{{"metadata":{{"name":"{name}","namespace":"ns","resourceVersion":"{rv}"{extra}}},"data":{{"a":"b"}}}}"#);
+        Arc::new(CachedObject::parse(Bytes::from(raw), &Resource::core("configmaps", "ConfigMap", true)).unwrap())
+    }
+
+    #[test]
+    fn frames_carry_type_meta_and_are_encoded_once() {
+        let r = Resource::core("configmaps", "ConfigMap", true);
+        let e = Event::new(EventKind::Added, cm("a", 5, ""), None);
+        let f = e.frame(&r, Delivery::AsIs, Encoding::Json);
+        let v: serde_json::Value = serde_json::from_slice(&f).unwrap();
+        assert_eq!(v["type"], "ADDED");
+        assert_eq!(v["object"]["kind"], "ConfigMap");
+        assert_eq!(v["object"]["apiVersion"], "v1");
+        assert_eq!(v["object"]["data"]["a"], "b");
+        assert!(f.ends_with(b"\n"));
+        let again = e.frame(&r, Delivery::AsIs, Encoding::Json);
+        assert_eq!(f.as_ptr(), again.as_ptr(), "the same shared bytes");
+    }
+
+    #[test]
+    fn leaving_the_selection_is_a_delete_of_the_old_state_at_the_events_rv() {
+        let r = Resource::core("configmaps", "ConfigMap", true);
+        let e = Event::new(EventKind::Modified, cm("a", 9, r#","labels":{"x":"2"}"#), Some(cm("a", 5, r#","labels":{"x":"1"}"#)));
+        let v: serde_json::Value = serde_json::from_slice(&e.frame(&r, Delivery::Left, Encoding::Json)).unwrap();
+        assert_eq!(v["type"], "DELETED");
+        assert_eq!(v["object"]["metadata"]["labels"]["x"], "1");
+        assert_eq!(v["object"]["metadata"]["resourceVersion"], "9");
+        let v: serde_json::Value = serde_json::from_slice(&e.frame(&r, Delivery::Entered, Encoding::Json)).unwrap();
+        assert_eq!(v["type"], "ADDED");
+        assert_eq!(v["object"]["metadata"]["labels"]["x"], "2");
+    }
+
+    #[test]
+    fn metadata_frames_hold_only_metadata() {
+        let r = Resource::core("configmaps", "ConfigMap", true);
+        let e = Event::new(EventKind::Added, cm("a", 5, ""), None);
+        let v: serde_json::Value = serde_json::from_slice(&e.frame(&r, Delivery::AsIs, Encoding::Metadata)).unwrap();
+        assert_eq!(v["object"]["kind"], "PartialObjectMetadata");
+        assert_eq!(v["object"]["apiVersion"], "meta.k8s.io/v1");
+        assert_eq!(v["object"]["metadata"]["name"], "a");
+        assert!(v["object"].get("data").is_none());
+    }
+
+    #[test]
+    fn bookmarks_match_the_apiservers_shape() {
+        let r = Resource::core("configmaps", "ConfigMap", true);
+        assert_eq!(
+            &bookmark_frame(&r, 222, true, Encoding::Json)[..],
+            &b"{\"type\":\"BOOKMARK\",\"object\":{\"kind\":\"ConfigMap\",\"apiVersion\":\"v1\",\"metadata\":{\"resourceVersion\":\"222\",\"annotations\":{\"k8s.io/initial-events-end\":\"true\"}}}}\n"[..]
+        );
+        let v: serde_json::Value = serde_json::from_slice(&bookmark_frame(&r, 7, false, Encoding::Json)).unwrap();
+        assert_eq!(v["object"]["metadata"], serde_json::json!({"resourceVersion": "7"}));
+    }
+}

@@ -1,0 +1,318 @@
+//! One resource's cache: current objects (a persistent ordered map, so a snapshot is an O(1)
+//! clone), the event history window, readiness, and the reflector sink that feeds them.
+//!
+//! Ordering: the reflector calls the sink from one task, in resourceVersion order. Each
+//! change is applied under the write lock and queued to the dispatcher task in the same
+//! critical section, so the hub sees events in order. A new watcher takes its starting state
+//! and subscribes under the read lock; events it may also receive from the dispatcher are
+//! dropped by resourceVersion on its side, so it sees no gap and no duplicate.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant};
+
+use tokio::sync::{mpsc, watch};
+
+use super::event::{Delivery, Event};
+use super::{CachedObject, EventKind, ObjectKey, ReflectorSink, Resource};
+use crate::hub::{CloseReason, Filter, Hub, Subscription};
+
+/// History and fan-out limits of one resource's cache.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// Events kept for resuming watches, at most.
+    pub history_max_events: usize,
+    /// Events older than this are dropped even below the count.
+    pub history_max_age: Duration,
+    /// Queued events per watcher before it counts as slow.
+    pub watcher_queue: usize,
+    /// Shared wait for slow watchers per event before they are closed.
+    pub dispatch_budget: Duration,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            // kube-apiserver keeps at least 75 s of events (KEP-1904 `eventFreshDuration`);
+            // twice that, capped by count so a burst cannot hold unbounded memory.
+            history_max_events: 100_000,
+            history_max_age: Duration::from_secs(150),
+            watcher_queue: 1024,
+            // k8s.io/apiserver cacher: 100 ms dispatch budget per event.
+            dispatch_budget: Duration::from_millis(100),
+        }
+    }
+}
+
+/// Readiness of a resource's cache (k8s.io/apiserver `cacher/ready.go`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    /// Not synced yet: requests pass through.
+    Pending,
+    /// Synced; `unhealthy` says whether the upstream watch is currently down.
+    Ready,
+    Stopped,
+}
+
+struct State {
+    objects: imbl::OrdMap<ObjectKey, Arc<CachedObject>>,
+    rv: u64,
+    history: VecDeque<Arc<Event>>,
+    /// History holds every event with rv > oldest_rv.
+    oldest_rv: u64,
+}
+
+pub struct ResourceCache {
+    pub resource: Resource,
+    cfg: StoreConfig,
+    state: RwLock<State>,
+    pub hub: Arc<Hub>,
+    dispatch: mpsc::UnboundedSender<Dispatch>,
+    rv_tx: watch::Sender<u64>,
+    ready_tx: watch::Sender<Readiness>,
+    unhealthy: Mutex<Option<String>>,
+    relists: std::sync::atomic::AtomicU64,
+}
+
+impl std::fmt::Debug for ResourceCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResourceCache").field("resource", &self.resource.label()).finish()
+    }
+}
+
+/// What the dispatcher task processes, in order.
+enum Dispatch {
+    Event(Arc<Event>),
+    Progress(u64),
+}
+
+/// Where a watch starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// ADDED events for the current state, then changes.
+    Initial,
+    /// Changes after this resourceVersion.
+    After(u64),
+}
+
+/// A registered watcher: frames to send first, the resourceVersion they bring it to, and its
+/// subscription for what follows.
+pub struct Registration {
+    pub initial: Vec<(Arc<CachedObject>, Option<Arc<Event>>, Delivery)>,
+    pub rv: u64,
+    pub sub: Subscription,
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum WatchError {
+    #[error("too old resource version: {requested} ({oldest})")]
+    Expired { requested: u64, oldest: u64 },
+    #[error("the cache of this resource is not ready")]
+    NotReady,
+}
+
+impl ResourceCache {
+    pub fn new(resource: Resource, cfg: StoreConfig) -> Arc<ResourceCache> {
+        let (dispatch, mut rx) = mpsc::unbounded_channel::<Dispatch>();
+        let hub = Hub::new(cfg.watcher_queue, cfg.dispatch_budget);
+        let cache = Arc::new(ResourceCache {
+            resource,
+            cfg,
+            state: RwLock::new(State {
+                objects: imbl::OrdMap::new(),
+                rv: 0,
+                history: VecDeque::new(),
+                oldest_rv: 0,
+            }),
+            hub: hub.clone(),
+            dispatch,
+            rv_tx: watch::channel(0).0,
+            ready_tx: watch::channel(Readiness::Pending).0,
+            unhealthy: Mutex::new(Some("not synced yet".into())),
+            relists: Default::default(),
+        });
+        // The dispatcher: one task per resource, events in order.
+        tokio::spawn(async move {
+            while let Some(d) = rx.recv().await {
+                match d {
+                    Dispatch::Event(ev) => hub.dispatch(ev).await,
+                    Dispatch::Progress(rv) => hub.advance(rv),
+                }
+            }
+        });
+        cache
+    }
+
+    pub fn readiness(&self) -> Readiness {
+        self.ready_tx.borrow().clone()
+    }
+
+    pub fn is_ready(&self) -> bool {
+        self.readiness() == Readiness::Ready
+    }
+
+    pub fn unhealthy(&self) -> Option<String> {
+        self.unhealthy.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn stop(&self) {
+        self.ready_tx.send_replace(Readiness::Stopped);
+        self.hub.close_all(CloseReason::Relist);
+    }
+
+    /// The cache's current resourceVersion.
+    pub fn rv(&self) -> u64 {
+        *self.rv_tx.borrow()
+    }
+
+    /// Waits (bounded) until the cache has reached `rv`; false on timeout.
+    pub async fn wait_for_rv(&self, rv: u64, bound: Duration) -> bool {
+        let mut r = self.rv_tx.subscribe();
+        tokio::time::timeout(bound, r.wait_for(|cur| *cur >= rv)).await.is_ok_and(|r| r.is_ok())
+    }
+
+    pub fn len(&self) -> usize {
+        self.read().objects.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn relists(&self) -> u64 {
+        self.relists.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, State> {
+        self.state.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, State> {
+        self.state.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A consistent snapshot: (objects in key order, resourceVersion).
+    pub fn snapshot(&self) -> (imbl::OrdMap<ObjectKey, Arc<CachedObject>>, u64) {
+        let s = self.read();
+        (s.objects.clone(), s.rv)
+    }
+
+    pub fn get(&self, namespace: &str, name: &str) -> (Option<Arc<CachedObject>>, u64) {
+        let s = self.read();
+        (s.objects.get(&ObjectKey::new(namespace, name)).cloned(), s.rv)
+    }
+
+    /// Registers a watcher (see the module docs for the ordering argument).
+    pub fn watch(&self, start: Start, filter: Arc<Filter>) -> Result<Registration, WatchError> {
+        if !self.is_ready() {
+            return Err(WatchError::NotReady);
+        }
+        let s = self.read();
+        let (initial, rv) = match start {
+            Start::Initial => {
+                let items = s
+                    .objects
+                    .values()
+                    .filter(|o| filter.matches(o))
+                    .map(|o| (o.clone(), None, Delivery::AsIs))
+                    .collect();
+                (items, s.rv)
+            }
+            Start::After(n) if n < s.oldest_rv => {
+                return Err(WatchError::Expired {
+                    requested: n,
+                    oldest: s.oldest_rv + 1,
+                });
+            }
+            Start::After(n) => {
+                let from = s.history.partition_point(|e| e.rv <= n);
+                let items = s
+                    .history
+                    .range(from..)
+                    .filter_map(|e| filter.delivery(e).map(|d| (e.object.clone(), Some(e.clone()), d)))
+                    .collect();
+                (items, n.max(s.rv))
+            }
+        };
+        // Subscribing under the read lock: no change can be applied in between.
+        let sub = self.hub.subscribe(filter);
+        drop(s);
+        Ok(Registration { initial, rv, sub })
+    }
+
+    fn record_locked(&self, s: &mut State, ev: Arc<Event>) {
+        s.rv = ev.rv;
+        s.history.push_back(ev.clone());
+        let now = Instant::now();
+        while let Some(front) = s.history.front() {
+            let too_many = s.history.len() > self.cfg.history_max_events;
+            let too_old = now.duration_since(front.at) > self.cfg.history_max_age;
+            if !(too_many || too_old) {
+                break;
+            }
+            s.oldest_rv = front.rv;
+            s.history.pop_front();
+        }
+        // Queued in the critical section so the dispatcher sees events in order.
+        let _ = self.dispatch.send(Dispatch::Event(ev));
+    }
+}
+
+impl ReflectorSink for ResourceCache {
+    fn replace(&self, items: Vec<CachedObject>, rv: u64) {
+        let first = !self.is_ready();
+        {
+            let mut s = self.write();
+            s.objects = items.into_iter().map(|o| (o.key(), Arc::new(o))).collect();
+            s.rv = rv;
+            s.history.clear();
+            s.oldest_rv = rv;
+            let _ = self.dispatch.send(Dispatch::Progress(rv));
+        }
+        if !first {
+            // The history was broken (the upstream watch expired): watchers end cleanly and
+            // come back with their last resourceVersion, which now gets 410 Expired, so they
+            // relist from this fresh state — no replayed or skipped events.
+            self.relists.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.hub.close_all(CloseReason::Relist);
+        }
+        self.rv_tx.send_replace(rv);
+        self.ready_tx.send_replace(Readiness::Ready);
+        tracing::info!(resource = %self.resource.label(), rv, objects = self.len(), relist = !first, "cache synced");
+    }
+
+    fn apply(&self, kind: EventKind, object: CachedObject) {
+        let object = Arc::new(object);
+        let rv = object.meta.resource_version;
+        {
+            let mut s = self.write();
+            if rv <= s.rv {
+                // Already reflected (e.g. replayed after a re-watch): keep history strictly
+                // increasing.
+                return;
+            }
+            let key = object.key();
+            let prev = match kind {
+                EventKind::Deleted => s.objects.remove(&key),
+                _ => s.objects.insert(key, object.clone()),
+            };
+            let ev = Arc::new(Event::new(kind, object, prev));
+            self.record_locked(&mut s, ev);
+        }
+        self.rv_tx.send_replace(rv);
+    }
+
+    fn bookmark(&self, rv: u64) {
+        let mut s = self.write();
+        if rv > s.rv {
+            s.rv = rv;
+            let _ = self.dispatch.send(Dispatch::Progress(rv));
+            drop(s);
+            self.rv_tx.send_replace(rv);
+        }
+    }
+
+    fn set_unhealthy(&self, reason: Option<String>) {
+        *self.unhealthy.lock().unwrap_or_else(|p| p.into_inner()) = reason;
+    }
+}

@@ -1,0 +1,175 @@
+//! The cache-or-passthrough decision: one pure function, table-tested.
+//!
+//! Keep in step with what the cache implements exactly: a request is served from memory only
+//! when every parameter it carries is understood; anything else goes to the apiserver, which
+//! also writes the exact errors for invalid requests. Mirrors the spirit of
+//! k8s.io/apiserver `shouldDelegateList`.
+
+use std::sync::Arc;
+
+use http::Method;
+
+use crate::cache::ResourceCache;
+use crate::cache::event::Encoding;
+use crate::hub::Filter;
+use crate::request_info::RequestInfo;
+use crate::selector::{FieldCheck, FieldSelector, LabelSelector, check_field_selector};
+use crate::watch::WatchParams;
+
+#[derive(Debug)]
+pub enum Route {
+    Watch { cache: Arc<ResourceCache>, params: WatchParams, filter: Filter, enc: Encoding },
+    Get { cache: Arc<ResourceCache>, enc: Encoding },
+    List { cache: Arc<ResourceCache>, filter: Filter, enc: Encoding },
+    /// With the reason, for debug logs.
+    Passthrough(&'static str),
+}
+
+/// What a response may be encoded as, from `Accept` (in the client's order of preference).
+/// `None` when nothing the cache writes is acceptable (protobuf only, `as=Table`).
+pub fn negotiate(accept: Option<&str>, list: bool) -> Option<Encoding> {
+    let Some(accept) = accept.filter(|a| !a.trim().is_empty()) else {
+        return Some(Encoding::Json);
+    };
+    for mt in accept.split(',') {
+        let mut parts = mt.split(';').map(str::trim);
+        let ty = parts.next().unwrap_or("");
+        let mut as_ = None;
+        let mut g = None;
+        let mut v = None;
+        for p in parts {
+            match p.split_once('=') {
+                Some(("as", x)) => as_ = Some(x),
+                Some(("g", x)) => g = Some(x),
+                Some(("v", x)) => v = Some(x),
+                _ => {}
+            }
+        }
+        if !matches!(ty, "application/json" | "*/*" | "application/*") {
+            continue;
+        }
+        match (as_, g, v) {
+            (None, _, _) => return Some(Encoding::Json),
+            (Some("PartialObjectMetadataList"), Some("meta.k8s.io"), Some("v1")) if list => return Some(Encoding::Metadata),
+            (Some("PartialObjectMetadata"), Some("meta.k8s.io"), Some("v1")) if !list => return Some(Encoding::Metadata),
+            // Watches of metadata informers ask for the list form of the type as well.
+            (Some("PartialObjectMetadataList"), Some("meta.k8s.io"), Some("v1")) => return Some(Encoding::Metadata),
+            _ => continue,
+        }
+    }
+    None
+}
+
+/// The filter for a request's scope and selectors; `None` when the apiserver must answer
+/// (invalid selectors get its exact 400; fields the cache cannot evaluate exactly).
+fn filter_for(cache: &ResourceCache, namespace: &str, labels: &str, fields: &str) -> Option<Filter> {
+    let labels = LabelSelector::parse(labels).ok()?;
+    let fields = FieldSelector::parse(fields).ok()?;
+    let fields = match check_field_selector(&cache.resource.group, &cache.resource.resource, &fields) {
+        FieldCheck::Cache(f) => f,
+        FieldCheck::Reject(_) | FieldCheck::Passthrough => return None,
+    };
+    Some(Filter {
+        namespace: (!namespace.is_empty()).then(|| namespace.to_string()),
+        labels,
+        fields,
+    })
+}
+
+/// Decides where a request goes. `lookup(group, version, resource)` finds a ready cache.
+pub fn route(
+    method: &Method,
+    info: &RequestInfo,
+    query: Option<&str>,
+    accept: Option<&str>,
+    lookup: impl Fn(&str, &str, &str) -> Option<Arc<ResourceCache>>,
+) -> Route {
+    use Route::Passthrough;
+    if *method != Method::GET {
+        return Passthrough("not a read");
+    }
+    if !info.is_resource_request || !info.subresource.is_empty() {
+        return Passthrough("not a cacheable resource request");
+    }
+    let Some(cache) = lookup(&info.api_group, &info.api_version, &info.resource) else {
+        return Passthrough("resource not cached");
+    };
+    if !cache.is_ready() {
+        return Passthrough("cache not synced");
+    }
+    // A namespaced path for a cluster-scoped resource (or the reverse) is the apiserver's
+    // 404 to write.
+    if !cache.resource.namespaced && !info.namespace.is_empty() && info.resource != "namespaces" {
+        return Passthrough("namespace on a cluster-scoped resource");
+    }
+    let ns = if info.resource == "namespaces" { "" } else { info.namespace.as_str() };
+    match info.verb.as_str() {
+        "watch" if info.name.is_empty() => {
+            let Some(enc) = negotiate(accept, true) else { return Passthrough("encoding") };
+            let Some(params) = WatchParams::parse(query) else { return Passthrough("watch parameters") };
+            let Some(filter) = filter_for(&cache, ns, &params.label_selector, &params.field_selector) else {
+                return Passthrough("selector");
+            };
+            Route::Watch { cache, params, filter, enc }
+        }
+        "get" if !info.name.is_empty() => {
+            let Some(enc) = negotiate(accept, false) else { return Passthrough("encoding") };
+            // Only resourceVersion=0 ("any") may be served from memory; unset is a quorum read.
+            let only_rv0 = query.unwrap_or("").split('&').filter(|p| !p.is_empty()).all(|p| p == "resourceVersion=0");
+            if !only_rv0 || query.is_none_or(|q| !q.contains("resourceVersion=0")) {
+                return Passthrough("get needs resourceVersion=0");
+            }
+            Route::Get { cache, enc }
+        }
+        "list" => {
+            let Some(enc) = negotiate(accept, true) else { return Passthrough("encoding") };
+            let mut rv0 = false;
+            let (mut labels, mut fields) = (String::new(), String::new());
+            for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+                let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+                let plus = v.replace('+', " ");
+                let Ok(v) = percent_encoding::percent_decode_str(&plus).decode_utf8() else {
+                    return Passthrough("query encoding");
+                };
+                match k {
+                    "resourceVersion" => rv0 = v == "0",
+                    "resourceVersionMatch" if v == "NotOlderThan" => {}
+                    // With resourceVersion=0 the apiserver's cache ignores limit and returns
+                    // everything in one response, without a continue token.
+                    "limit" if v.parse::<i64>().is_ok_and(|l| l >= 0) => {}
+                    "watch" if v == "false" || v == "0" => {}
+                    "labelSelector" => labels = v.into_owned(),
+                    "fieldSelector" => fields = v.into_owned(),
+                    "timeout" | "timeoutSeconds" => {}
+                    _ => return Passthrough("list parameters"),
+                }
+            }
+            if !rv0 {
+                return Passthrough("list needs resourceVersion=0");
+            }
+            let Some(filter) = filter_for(&cache, ns, &labels, &fields) else { return Passthrough("selector") };
+            Route::List { cache, filter, enc }
+        }
+        _ => Passthrough("verb"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn negotiation_prefers_the_clients_order() {
+        assert_eq!(negotiate(None, true), Some(Encoding::Json));
+        assert_eq!(negotiate(Some("application/json"), true), Some(Encoding::Json));
+        assert_eq!(negotiate(Some("application/vnd.kubernetes.protobuf, */*"), true), Some(Encoding::Json));
+        assert_eq!(negotiate(Some("application/vnd.kubernetes.protobuf"), true), None);
+        assert_eq!(
+            negotiate(Some("application/vnd.kubernetes.protobuf;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json"), true),
+            Some(Encoding::Metadata)
+        );
+        assert_eq!(negotiate(Some("application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"), false), Some(Encoding::Metadata));
+        assert_eq!(negotiate(Some("application/json;as=Table;v=v1;g=meta.k8s.io"), true), None);
+        assert_eq!(negotiate(Some("application/json;as=Table;v=v1;g=meta.k8s.io,application/json"), true), Some(Encoding::Json));
+    }
+}

@@ -1,0 +1,365 @@
+//! Downstream WATCH served from the cache, with the apiserver's semantics (see
+//! ARCHITECTURE.md "Watches"): start points, 410 Expired as an ERROR event, bookmarks
+//! (periodic and ~2 s before the deadline), `sendInitialEvents` with the
+//! `k8s.io/initial-events-end` bookmark, `timeoutSeconds`, selectors with transitions,
+//! PartialObjectMetadata.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use futures_util::stream;
+use http::{HeaderValue, Response, header};
+use http_body::Frame;
+use http_body_util::StreamBody;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+use crate::body::{self, Body, BoxError};
+use crate::cache::event::{Delivery, Encoding, Event, bookmark_frame, encode_frame};
+use crate::cache::{CachedObject, ResourceCache, Start, WatchError};
+use crate::hub::{Filter, Item, Subscription};
+
+/// The query of a watch the cache can serve. Anything else (unknown parameters, invalid
+/// combinations) is left to the apiserver, which also writes the exact error.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WatchParams {
+    pub resource_version: Option<String>,
+    pub send_initial_events: Option<bool>,
+    pub allow_bookmarks: bool,
+    pub timeout: Option<Duration>,
+    pub label_selector: String,
+    pub field_selector: String,
+}
+
+fn parse_bool(v: &str) -> Option<bool> {
+    match v {
+        "1" | "true" | "True" | "TRUE" | "t" | "T" => Some(true),
+        "0" | "false" | "False" | "FALSE" | "f" | "F" => Some(false),
+        _ => None,
+    }
+}
+
+impl WatchParams {
+    /// `None` when the query holds something the cache does not implement exactly.
+    pub fn parse(query: Option<&str>) -> Option<WatchParams> {
+        let mut p = WatchParams {
+            resource_version: None,
+            send_initial_events: None,
+            allow_bookmarks: false,
+            timeout: None,
+            label_selector: String::new(),
+            field_selector: String::new(),
+        };
+        let mut rv_match: Option<String> = None;
+        let mut watch = false;
+        for pair in query.unwrap_or("").split('&').filter(|s| !s.is_empty()) {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            let v = percent_encoding::percent_decode_str(&v.replace('+', " "))
+                .decode_utf8()
+                .ok()?
+                .into_owned();
+            match k {
+                "watch" => watch = parse_bool(&v)?,
+                "resourceVersion" => p.resource_version = Some(v),
+                "resourceVersionMatch" => rv_match = Some(v),
+                "sendInitialEvents" => p.send_initial_events = Some(parse_bool(&v)?),
+                "allowWatchBookmarks" => p.allow_bookmarks = parse_bool(&v)?,
+                "timeoutSeconds" => p.timeout = Some(Duration::from_secs(v.parse().ok()?)),
+                "labelSelector" => p.label_selector = v,
+                "fieldSelector" => p.field_selector = v,
+                // The request timeout of a long-running request is ignored by the apiserver.
+                "timeout" => {}
+                _ => return None,
+            }
+        }
+        let _ = watch;
+        match (&p.send_initial_events, rv_match.as_deref()) {
+            (Some(_), Some("NotOlderThan")) => {}
+            (None, None) => {}
+            // Everything else is a validation error the apiserver words itself.
+            _ => return None,
+        }
+        match p.resource_version.as_deref() {
+            None | Some("") | Some("0") => {}
+            Some(n) if n.parse::<u64>().is_ok() => {}
+            _ => return None,
+        }
+        Some(p)
+    }
+
+    fn start(&self, cache_rv: u64) -> (Start, Option<u64>) {
+        let rv = self.resource_version.as_deref().unwrap_or("");
+        let n = rv.parse::<u64>().ok().filter(|n| *n > 0);
+        match self.send_initial_events {
+            // The initial state at least as new as N (waited for by the caller).
+            Some(true) => (Start::Initial, n),
+            Some(false) => match n {
+                Some(n) => (Start::After(n), Some(n)),
+                None => (Start::After(cache_rv), None),
+            },
+            None => match n {
+                Some(n) => (Start::After(n), None),
+                None => (Start::Initial, None),
+            },
+        }
+    }
+}
+
+/// Tunables of served watches.
+#[derive(Debug, Clone)]
+pub struct WatchConfig {
+    /// Periodic bookmarks for watchers that allow them (kube-apiserver: about a minute).
+    pub bookmark_interval: Duration,
+    /// Without `timeoutSeconds`, a watch lasts a random time in [t, 2t) (kube-apiserver's
+    /// `--min-request-timeout`, 1800 s), so reconnects spread out.
+    pub default_timeout: Duration,
+    /// How long a watch for a resourceVersion newer than the cache waits for it.
+    pub wait_for_rv: Duration,
+}
+
+impl Default for WatchConfig {
+    fn default() -> Self {
+        WatchConfig {
+            bookmark_interval: Duration::from_secs(60),
+            default_timeout: Duration::from_secs(1800),
+            wait_for_rv: Duration::from_secs(3),
+        }
+    }
+}
+
+/// Serves a watch from `cache`, or returns `Err(())` when it must pass through (cache not
+/// ready, or the wait for a newer resourceVersion failed).
+pub async fn serve(
+    cache: Arc<ResourceCache>,
+    params: WatchParams,
+    filter: Filter,
+    enc: Encoding,
+    cfg: &WatchConfig,
+    drain: CancellationToken,
+) -> Result<Response<Body>, ()> {
+    let (start, wait) = params.start(cache.rv());
+    if let Some(n) = wait
+        && n > cache.rv()
+        && !cache.wait_for_rv(n, cfg.wait_for_rv).await
+    {
+        return Err(());
+    }
+    let filter = Arc::new(filter);
+    let reg = match cache.watch(start, filter) {
+        Ok(r) => r,
+        Err(WatchError::NotReady) => return Err(()),
+        Err(e @ WatchError::Expired { .. }) => {
+            // The apiserver answers 200 and a single ERROR event carrying 410 Expired.
+            let status = crate::api::Status::failure(http::StatusCode::GONE, crate::api::Reason::Expired, e.to_string());
+            let mut frame = b"{\"type\":\"ERROR\",\"object\":".to_vec();
+            frame.extend_from_slice(&status.to_bytes());
+            frame.extend_from_slice(b"}\n");
+            return Ok(json_stream_response(body::full(frame)));
+        }
+    };
+    let timeout = params.timeout.unwrap_or_else(|| {
+        let jitter = rand_fraction();
+        cfg.default_timeout + cfg.default_timeout.mul_f64(jitter)
+    });
+    let deadline = Instant::now() + timeout;
+    let initial: VecDeque<_> = reg.initial.into();
+    let initial_is_state = start == Start::Initial;
+    let st = WatchState {
+        cache,
+        enc,
+        initial,
+        initial_is_state,
+        end_bookmark: params.send_initial_events == Some(true) && params.allow_bookmarks,
+        last_rv: reg.rv,
+        sub: reg.sub,
+        bookmarks: params.allow_bookmarks,
+        next_bookmark: Instant::now() + cfg.bookmark_interval,
+        bookmark_interval: cfg.bookmark_interval,
+        // The apiserver sends a last bookmark about 2 s before the deadline (when the watch
+        // is long enough for that to make sense).
+        deadline_bookmark: (params.allow_bookmarks && timeout > Duration::from_secs(2)).then(|| deadline - Duration::from_secs(2)),
+        deadline,
+        drain,
+        done: false,
+    };
+    let s = stream::unfold(st, |mut st| async move {
+        let chunk = st.next_chunk().await?;
+        Some((Ok::<_, BoxError>(Frame::data(chunk)), st))
+    });
+    Ok(json_stream_response(body::boxed(StreamBody::new(s))))
+}
+
+fn rand_fraction() -> f64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(0);
+    (h.finish() % 10_000) as f64 / 10_000.0
+}
+
+fn json_stream_response(b: Body) -> Response<Body> {
+    let mut r = Response::new(b);
+    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache, private"));
+    r
+}
+
+struct WatchState {
+    cache: Arc<ResourceCache>,
+    enc: Encoding,
+    initial: VecDeque<(Arc<CachedObject>, Option<Arc<Event>>, Delivery)>,
+    initial_is_state: bool,
+    end_bookmark: bool,
+    last_rv: u64,
+    sub: Subscription,
+    bookmarks: bool,
+    next_bookmark: Instant,
+    bookmark_interval: Duration,
+    deadline_bookmark: Option<Instant>,
+    deadline: Instant,
+    drain: CancellationToken,
+    done: bool,
+}
+
+/// Frames written to a connection in one go, at most.
+const BATCH_FRAMES: usize = 128;
+const BATCH_BYTES: usize = 256 * 1024;
+
+impl WatchState {
+    fn push_item(&mut self, out: &mut BytesMut, (ev, d): Item) {
+        if ev.rv <= self.last_rv {
+            return; // already part of this watcher's starting point
+        }
+        self.last_rv = ev.rv;
+        out.extend_from_slice(&ev.frame(&self.cache.resource, d, self.enc));
+    }
+
+    async fn next_chunk(&mut self) -> Option<Bytes> {
+        if self.done {
+            return None;
+        }
+        let cache = self.cache.clone();
+        let r = &cache.resource;
+        // 1. The starting point.
+        if !self.initial.is_empty() {
+            let mut out = BytesMut::new();
+            while out.len() < BATCH_BYTES
+                && let Some((obj, ev, d)) = self.initial.pop_front()
+            {
+                match ev {
+                    Some(ev) if !self.initial_is_state => {
+                        out.extend_from_slice(&ev.frame(r, d, self.enc));
+                    }
+                    _ => out.extend_from_slice(&encode_frame(r, "ADDED", &obj.body, self.enc)),
+                }
+            }
+            return Some(out.freeze());
+        }
+        if self.end_bookmark {
+            self.end_bookmark = false;
+            return Some(bookmark_frame(r, self.last_rv, true, self.enc));
+        }
+        // 2. Live events, bookmarks, the deadline, the drain.
+        loop {
+            let bookmark_at = if self.bookmarks {
+                Some(match self.deadline_bookmark {
+                    Some(d) => d.min(self.next_bookmark),
+                    None => self.next_bookmark,
+                })
+            } else {
+                None
+            };
+            tokio::select! {
+                biased;
+                _ = self.drain.cancelled() => { self.done = true; return None; }
+                _ = tokio::time::sleep_until(self.deadline) => { self.done = true; return None; }
+                item = self.sub.rx.recv() => {
+                    let Some(item) = item else {
+                        // Closed by the hub (slow consumer, relist): a clean end.
+                        self.done = true;
+                        return None;
+                    };
+                    let mut out = BytesMut::new();
+                    self.push_item(&mut out, item);
+                    for _ in 0..BATCH_FRAMES {
+                        if out.len() >= BATCH_BYTES { break; }
+                        match self.sub.rx.try_recv() {
+                            Ok(i) => self.push_item(&mut out, i),
+                            Err(_) => break,
+                        }
+                    }
+                    if !out.is_empty() {
+                        return Some(out.freeze());
+                    }
+                }
+                _ = sleep_until_opt(bookmark_at) => {
+                    let now = Instant::now();
+                    if self.deadline_bookmark.is_some_and(|d| d <= now) {
+                        self.deadline_bookmark = None;
+                    }
+                    if self.next_bookmark <= now {
+                        self.next_bookmark = now + self.bookmark_interval;
+                    }
+                    // Progress every event up to which has reached this watcher's queue.
+                    let progress = self.cache.hub.dispatched_rv();
+                    let mut out = BytesMut::new();
+                    while let Ok(i) = self.sub.rx.try_recv() {
+                        self.push_item(&mut out, i);
+                    }
+                    self.last_rv = self.last_rv.max(progress);
+                    out.extend_from_slice(&bookmark_frame(r, self.last_rv, false, self.enc));
+                    return Some(out.freeze());
+                }
+            }
+        }
+    }
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watch_params_accept_what_clients_send() {
+        let p = WatchParams::parse(Some("watch=1&resourceVersion=5&allowWatchBookmarks=true&timeoutSeconds=300&labelSelector=app%3Da")).unwrap();
+        assert_eq!(p.resource_version.as_deref(), Some("5"));
+        assert!(p.allow_bookmarks);
+        assert_eq!(p.timeout, Some(Duration::from_secs(300)));
+        assert_eq!(p.label_selector, "app=a");
+        let p = WatchParams::parse(Some("watch=true&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&allowWatchBookmarks=true")).unwrap();
+        assert_eq!(p.send_initial_events, Some(true));
+    }
+
+    #[test]
+    fn invalid_or_unknown_watch_params_are_left_to_the_apiserver() {
+        for q in [
+            "watch=1&sendInitialEvents=true",
+            "watch=1&resourceVersionMatch=NotOlderThan",
+            "watch=1&resourceVersionMatch=Exact&resourceVersion=5",
+            "watch=1&resourceVersion=abc",
+            "watch=1&timeoutSeconds=-1",
+            "watch=1&pretty=true",
+            "watch=maybe",
+        ] {
+            assert_eq!(WatchParams::parse(Some(q)), None, "{q}");
+        }
+    }
+
+    #[test]
+    fn start_points_follow_the_contract() {
+        let p = |q: &str| WatchParams::parse(Some(q)).unwrap();
+        assert_eq!(p("watch=1").start(9), (Start::Initial, None));
+        assert_eq!(p("watch=1&resourceVersion=0").start(9), (Start::Initial, None));
+        assert_eq!(p("watch=1&resourceVersion=4").start(9), (Start::After(4), None));
+        assert_eq!(p("watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&resourceVersion=12").start(9), (Start::Initial, Some(12)));
+        assert_eq!(p("watch=1&sendInitialEvents=false&resourceVersionMatch=NotOlderThan").start(9), (Start::After(9), None));
+    }
+}

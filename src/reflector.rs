@@ -1,24 +1,24 @@
 //! The upstream reflector: ONE paged LIST, then ONE long-running WATCH, per cached resource,
 //! delivering everything it learns to a [`ReflectorSink`] in resourceVersion order.
 //!
-//! The reflector is an explicit state machine ([`State`]); [`Reflector::step`] is one `match`
-//! that performs the I/O of the current state and then asks a pure function
-//! ([`after_list_error`], [`after_watch`]) for the next state. It follows client-go's
-//! `tools/cache/reflector.go` where that is right for a proxy, and deviates where a proxy that is
-//! the *only* client of a resource can do better:
+//! The reflector is an explicit state machine ([`State`]); `Reflector::step` is one `match`
+//! that performs the I/O of the current state, then asks a pure function ([`after_list_error`],
+//! [`after_watch`]) for the next state. It follows client-go's `tools/cache/reflector.go` where
+//! that is right for a proxy, and deviates where a proxy that is the *only* client of a resource
+//! can do better:
 //!
 //! ```text
-//!            ┌──────────── 410 on a continue page: unpaged ─────────┐
-//!            v                                                      │
-//!   start ─> List ── replace(items, rv) ──> Watch{rv} ──────────────┘
-//!            ^  │                          │  ^  │ stream ended cleanly, or stalled
-//!            │  │ error                    │  │  └──────────> Watch{last rv}  (no relist)
-//!            │  v                          │  │
-//!            │ Backoff{next: List} <───────┤  └── Backoff{next: Watch{last rv}} <── connection
-//!            │                  410 Gone / │      error, 5xx, 429, 504 too large, ERROR event
-//!            └── (after backoff)  3× too   │
-//!                                 large rv ┘
-//!   any state ── shutdown token ──> Stopped
+//! state       outcome                                                next
+//! List        all pages in; sink.replace(items, rv)                 Watch{rv}
+//! List        410 on a continue page (snapshot compacted)           List{unpaged}, no delay
+//! List        any other error                                       Backoff -> List
+//! Watch{rv}   ended cleanly (after >= 1 s or >= 1 event), stalled   Watch{last rv}, no delay
+//! Watch{rv}   410 Expired/Gone (HTTP status or ERROR event)         Backoff -> List
+//! Watch{rv}   "Too large resource version", the 3rd in a row        Backoff -> List
+//! Watch{rv}   anything else: connection lost, 5xx, 429, ERROR
+//!             event, undecodable data, very short empty watch       Backoff -> Watch{last rv}
+//! Backoff     delay elapsed                                         its next state
+//! any         shutdown token cancelled                              Stopped
 //! ```
 //!
 //! - Relists happen only for 410 Expired/Gone (the watch cannot resume), for a resourceVersion
@@ -38,7 +38,8 @@
 //! (a relist; its resourceVersion is normally newer, but after an etcd restore it may be
 //! older). `set_unhealthy(Some(..))` is reported while listing, backing off, or after a broken
 //! watch; `set_unhealthy(None)` once a watch is established after a sync. Identical
-//! consecutive health reports are not repeated.
+//! consecutive health reports are not repeated. The sink runs on the reflector's task: a slow
+//! sink delays reading the watch (backpressure), so its methods must not block.
 
 use std::collections::hash_map::RandomState;
 use std::fmt;

@@ -518,3 +518,135 @@ async fn hundreds_of_passthrough_watches_are_not_capped_by_the_apiservers_stream
     env.proxy.shutdown().await;
     env.cp.stop().await;
 }
+
+/// The apiserver's own count of open WATCH requests for a resource: (all scopes, cluster
+/// scope). The apiserver keeps a couple of internal namespace-scoped configmap watches.
+async fn apiserver_watches(admin: &kube::Client, resource: &str) -> (u64, u64) {
+    let text = admin
+        .request_text(http::Request::get("/metrics").body(Vec::new()).unwrap())
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| {
+            l.starts_with("apiserver_longrunning_requests{")
+                && l.contains("verb=\"WATCH\"")
+                && l.contains(&format!("resource=\"{resource}\""))
+        })
+        .filter_map(|l| {
+            Some((
+                l.contains("scope=\"cluster\""),
+                l.rsplit(' ').next()?.parse::<f64>().ok()? as u64,
+            ))
+        })
+        .fold((0, 0), |(all, cluster), (is_cluster, n)| {
+            (all + n, cluster + if is_cluster { n } else { 0 })
+        })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_watchers_cost_the_apiserver_one_watch() {
+    let ns = "e2e-fanout";
+    let env = env(ns).await;
+    env.churn(ns, "pre", 4).await;
+    // Wait for the proxy's configmaps cache: the apiserver then sees its one watch.
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while env
+        .proxy
+        .running
+        .as_ref()
+        .unwrap()
+        .state
+        .caches
+        .get("", "v1", "configmaps")
+        .is_none_or(|c| !c.is_ready())
+    {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "configmaps cache never synced"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let baseline = apiserver_watches(&env.admin, "configmaps").await;
+    eprintln!("apiserver configmaps watches (all, cluster) with the proxy synced: {baseline:?}");
+    let client = env.via_proxy().await;
+    let mut readers = Vec::new();
+    let mut tasks = Vec::new();
+    for i in 0..100 {
+        let api = Api::<ConfigMap>::namespaced(client.clone(), ns);
+        let (reader, writer) = reflector::store();
+        let cfg = if i % 2 == 0 {
+            watcher::Config::default()
+        } else {
+            watcher::Config::default().streaming_lists()
+        };
+        let stream = reflector(writer, watcher(api, cfg)).applied_objects();
+        tasks.push(tokio::spawn(async move {
+            let mut stream = std::pin::pin!(stream);
+            while stream.next().await.is_some() {}
+        }));
+        readers.push(reader);
+    }
+    for r in &readers {
+        tokio::time::timeout(BOUND, r.wait_until_ready())
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    env.churn(ns, "live", 6).await;
+    let (truth, _) = env.truth(ns).await;
+    for r in &readers {
+        let deadline = tokio::time::Instant::now() + BOUND;
+        loop {
+            let seen: BTreeMap<String, (String, String)> = r
+                .state()
+                .iter()
+                .map(|c| {
+                    (
+                        c.metadata.name.clone().unwrap(),
+                        (
+                            c.metadata.uid.clone().unwrap(),
+                            c.metadata.resource_version.clone().unwrap(),
+                        ),
+                    )
+                })
+                .collect();
+            if seen == truth {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "a watcher never converged"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    // The apiserver's own metrics: its open configmaps WATCHes are its own internal ones
+    // plus the proxy's one, however many watchers the proxy serves.
+    let after = apiserver_watches(&env.admin, "configmaps").await;
+    assert_eq!(
+        after, baseline,
+        "100 downstream watchers must not add upstream watches"
+    );
+    assert_eq!(after.1, 1, "the proxy's one cluster-wide configmaps watch");
+    // And the proxy says it served them.
+    let c = env.proxy.client(None, false);
+    let m = support::proxy::body_string(c.get(&env.proxy.https("/metrics"), None).await).await;
+    let served: f64 = m
+        .lines()
+        .filter(|l| {
+            l.starts_with("kube_cache_proxy_requests_total{")
+                && l.contains("resource=\"configmaps\"")
+                && l.contains("served_by=\"cache\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(
+        served >= 100.0,
+        "only {served} configmaps requests served from the cache:\n{m}"
+    );
+    for t in tasks {
+        t.abort();
+    }
+    env.proxy.shutdown().await;
+    env.cp.stop().await;
+}

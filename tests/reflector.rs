@@ -80,14 +80,6 @@ impl RecordingSink {
             Err(_) => panic!("timed out waiting for {what}; calls: {:#?}", self.calls()),
         }
     }
-
-    /// Waits until the sink's view (replay of replace/apply) equals `want` (name → rv).
-    async fn wait_for_state(&self, want: &BTreeMap<String, u64>) {
-        self.wait_for("the sink to hold the apiserver's state", |c| {
-            (model(c) == *want).then_some(())
-        })
-        .await
-    }
 }
 
 impl ReflectorSink for RecordingSink {

@@ -14,6 +14,15 @@
 //! - [`identity`]: who the caller is, and the identity headers sent upstream (header hygiene).
 //! - [`request_info`]: path hygiene and the apiserver's `RequestInfo` (verb, resource, scope).
 //! - [`upstream`]: clients to kube-apiserver from kubeconfig / in-cluster config.
+//! - [`router`]: the pure cache-or-passthrough decision.
+//! - [`authz`]: authorization of cache-served reads by the apiserver's access reviews.
+//! - [`cache`]: per-resource store (objects as bytes + parsed metadata, snapshots, history),
+//!   readiness, the registry of cached resources and their metrics.
+//! - [`reflector`]: the upstream LIST+WATCH state machine feeding a cache.
+//! - [`hub`]: watch fan-out with bounded per-watcher queues and the slow-watcher policy.
+//! - [`watch`]: downstream watches served from the cache (start points, bookmarks, timeouts).
+//! - [`list`]: GET and LIST `resourceVersion=0` served from the cache.
+//! - [`selector`]: label and field selectors, parsed and evaluated as the apiserver does.
 //! - [`passthrough`]: streaming proxying of requests, watches and protocol upgrades.
 //! - [`drain`]: body wrappers ending watch streams cleanly at shutdown, request accounting.
 //! - [`health`]: `/livez`, `/readyz`, `/healthz` in the apiserver's format.

@@ -131,6 +131,14 @@ impl Metrics {
         }
     }
 
+    /// Adds a collector read at every scrape (per-resource cache metrics).
+    pub fn register_collector(&self, c: Box<dyn prometheus_client::collector::Collector>) {
+        self.registry
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .register_collector(c);
+    }
+
     pub fn reject(&self, reason: &str) {
         self.rejected
             .get_or_create(&ReasonLabels {

@@ -77,10 +77,12 @@ impl State {
             bookmark_interval: c.bookmark_interval,
             ..Default::default()
         };
+        let metrics = Metrics::new();
+        metrics.register_collector(Box::new(crate::cache::metrics::CacheCollector(caches.clone())));
         Arc::new(State {
             config,
             upstream,
-            metrics: Metrics::new(),
+            metrics,
             health: Health::new(),
             caches,
             authz,

@@ -109,6 +109,7 @@ pub trait ReflectorSink: Send + Sync + 'static {
 }
 
 pub mod event;
+pub mod metrics;
 pub mod registry;
 pub mod store;
 

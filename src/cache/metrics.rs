@@ -1,0 +1,121 @@
+//! Per-resource cache metrics, read from the caches, hubs and reflectors at scrape time.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+
+use super::registry::Caches;
+use crate::reflector::{ReflectorStatus, RelistReason};
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResourceLabels {
+    resource: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    resource: String,
+    reason: String,
+}
+
+#[derive(Debug)]
+pub struct CacheCollector(pub Arc<Caches>);
+
+fn emit<M: EncodeMetric>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    m: &M,
+) -> std::fmt::Result {
+    let e = enc.encode_descriptor(name, help, None, m.metric_type())?;
+    m.encode(e)
+}
+
+impl Collector for CacheCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
+        let upstream_watches = Family::<ResourceLabels, Gauge>::default();
+        let watchers = Family::<ResourceLabels, Gauge>::default();
+        let objects = Family::<ResourceLabels, Gauge>::default();
+        let events_sent = Family::<ResourceLabels, Counter>::default();
+        let relists = Family::<ReasonLabels, Counter>::default();
+        let terminated = Family::<ReasonLabels, Counter>::default();
+        for e in self.0.entries() {
+            let resource = e.cache.resource.label();
+            let l = ResourceLabels {
+                resource: resource.clone(),
+            };
+            let watching = matches!(
+                *e.reflector.status().borrow(),
+                ReflectorStatus::Watching { .. }
+            );
+            upstream_watches.get_or_create(&l).set(i64::from(watching));
+            watchers.get_or_create(&l).set(e.cache.hub.len() as i64);
+            objects.get_or_create(&l).set(e.cache.len() as i64);
+            events_sent
+                .get_or_create(&l)
+                .inc_by(e.cache.hub.stats.events_sent.load(Relaxed));
+            let snap = e.reflector.stats().snapshot();
+            for reason in RelistReason::ALL {
+                relists
+                    .get_or_create(&ReasonLabels {
+                        resource: resource.clone(),
+                        reason: reason.as_str().into(),
+                    })
+                    .inc_by(snap.lists(reason));
+            }
+            for (reason, n) in [
+                ("slow_consumer", e.cache.hub.stats.closed_slow.load(Relaxed)),
+                ("relist", e.cache.hub.stats.closed_relist.load(Relaxed)),
+            ] {
+                terminated
+                    .get_or_create(&ReasonLabels {
+                        resource: resource.clone(),
+                        reason: reason.into(),
+                    })
+                    .inc_by(n);
+            }
+        }
+        emit(
+            &mut enc,
+            "kube_cache_proxy_upstream_watches",
+            "Open upstream watches per cached resource (1 while synced and watching)",
+            &upstream_watches,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_watchers",
+            "Downstream watchers served from the cache",
+            &watchers,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_cache_objects",
+            "Objects held in the cache",
+            &objects,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_watch_events_sent",
+            "Events queued to downstream watchers",
+            &events_sent,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_upstream_relists",
+            "Upstream LISTs by reason (initial, expired, ...)",
+            &relists,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_watchers_terminated",
+            "Downstream watchers closed by the proxy, by reason",
+            &terminated,
+        )?;
+        Ok(())
+    }
+}

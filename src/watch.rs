@@ -1,5 +1,6 @@
 //! Downstream WATCH served from the cache, with the apiserver's semantics (see
-//! ARCHITECTURE.md "Watches"): start points, 410 Expired as an ERROR event, bookmarks
+//! ARCHITECTURE.md "Watches"): start points (a resourceVersion older than the cache's
+//! history is left to the apiserver, which streams it or answers 410 itself), bookmarks
 //! (periodic and ~2 s before the deadline), `sendInitialEvents` with the
 //! `k8s.io/initial-events-end` bookmark, `timeoutSeconds`, selectors with transitions,
 //! PartialObjectMetadata.
@@ -150,14 +151,11 @@ pub async fn serve(
     let reg = match cache.watch(start, filter) {
         Ok(r) => r,
         Err(WatchError::NotReady) => return Err(()),
-        Err(e @ WatchError::Expired { .. }) => {
-            // The apiserver answers 200 and a single ERROR event carrying 410 Expired.
-            let status = crate::api::Status::failure(http::StatusCode::GONE, crate::api::Reason::Expired, e.to_string());
-            let mut frame = b"{\"type\":\"ERROR\",\"object\":".to_vec();
-            frame.extend_from_slice(&status.to_bytes());
-            frame.extend_from_slice(b"}\n");
-            return Ok(json_stream_response(body::full(frame)));
-        }
+        // Older than this cache's history (e.g. just after the proxy started or relisted):
+        // the apiserver's own watch cache may still hold it, so it decides — it streams the
+        // events, or answers the 410 Expired ERROR event itself. Never a 410 the apiserver
+        // would not have given.
+        Err(WatchError::Expired { .. }) => return Err(()),
     };
     let timeout = params.timeout.unwrap_or_else(|| {
         let jitter = rand_fraction();

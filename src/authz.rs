@@ -106,7 +106,14 @@ impl Authorizer {
             }
             Caller::Anonymous => return None,
         }
-        for part in [&a.verb, &a.group, &a.version, &a.resource, &a.namespace, &a.name] {
+        for part in [
+            &a.verb,
+            &a.group,
+            &a.version,
+            &a.resource,
+            &a.namespace,
+            &a.name,
+        ] {
             h.update(b"\x01");
             h.update(part.as_bytes());
         }
@@ -178,17 +185,32 @@ impl Authorizer {
             }
             Caller::Anonymous => return Ok(false),
         };
-        let mut req = Request::new(body::full(serde_json::to_vec(&body).map_err(|e| e.to_string())?));
+        let mut req = Request::new(body::full(
+            serde_json::to_vec(&body).map_err(|e| e.to_string())?,
+        ));
         *req.method_mut() = Method::POST;
         *req.uri_mut() = self.upstream.uri(path);
-        req.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-        req.headers_mut().insert(header::ACCEPT, HeaderValue::from_static("application/json"));
+        req.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        req.headers_mut()
+            .insert(header::ACCEPT, HeaderValue::from_static("application/json"));
         if let Some(t) = auth {
             req.headers_mut().insert(header::AUTHORIZATION, t);
         }
-        let resp = self.upstream.send(req, who, false).await.map_err(|e| e.to_string())?;
+        let resp = self
+            .upstream
+            .send(req, who, false)
+            .await
+            .map_err(|e| e.to_string())?;
         let status = resp.status();
-        let bytes = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+        let bytes = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
         if status == http::StatusCode::UNAUTHORIZED || status == http::StatusCode::FORBIDDEN {
             // An invalid token, or a caller not allowed to review itself: not allowed here,
             // and the apiserver will say so in its own words.

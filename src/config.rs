@@ -406,9 +406,13 @@ impl Config {
         }
         for (i, r) in self.cache.resources.iter().enumerate() {
             let ok = !r.is_empty()
-                && r.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '.' || c == '-');
+                && r.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '.' || c == '-');
             if !ok {
-                err(&format!("cache.resources[{i}]"), format!("{r:?} is not `resource` or `resource.group`"));
+                err(
+                    &format!("cache.resources[{i}]"),
+                    format!("{r:?} is not `resource` or `resource.group`"),
+                );
             }
         }
         if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {

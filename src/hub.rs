@@ -15,8 +15,8 @@ use std::time::Duration;
 use dashmap::DashMap;
 use tokio::sync::mpsc;
 
-use crate::cache::event::{Delivery, Event};
 use crate::cache::CachedObject;
+use crate::cache::event::{Delivery, Event};
 use crate::selector::{FieldSelector, LabelSelector};
 
 /// What a watcher wants to see.
@@ -44,14 +44,25 @@ impl Filter {
         let cur = e.kind != Deleted && self.matches(&e.object);
         let old = match e.kind {
             // A delete carries the last state; selection is decided on it.
-            Deleted => e.prev.as_deref().map(|p| self.matches(p)).unwrap_or(false) || self.matches(&e.object),
+            Deleted => {
+                e.prev.as_deref().map(|p| self.matches(p)).unwrap_or(false)
+                    || self.matches(&e.object)
+            }
             _ => e.prev.as_deref().is_some_and(|p| self.matches(p)),
         };
         match (cur, old) {
             (false, false) => None,
-            (true, false) => Some(if e.kind == Modified { Delivery::Entered } else { Delivery::AsIs }),
+            (true, false) => Some(if e.kind == Modified {
+                Delivery::Entered
+            } else {
+                Delivery::AsIs
+            }),
             (true, true) => Some(Delivery::AsIs),
-            (false, true) => Some(if e.kind == Deleted { Delivery::AsIs } else { Delivery::Left }),
+            (false, true) => Some(if e.kind == Deleted {
+                Delivery::AsIs
+            } else {
+                Delivery::Left
+            }),
         }
     }
 }
@@ -91,7 +102,9 @@ pub struct Hub {
 
 impl std::fmt::Debug for Hub {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Hub").field("watchers", &self.watchers.len()).finish()
+        f.debug_struct("Hub")
+            .field("watchers", &self.watchers.len())
+            .finish()
     }
 }
 
@@ -168,10 +181,14 @@ impl Hub {
         let mut closed: Vec<u64> = Vec::new();
         let mut sent = 0u64;
         for w in self.watchers.iter() {
-            let Some(d) = w.filter.delivery(&ev) else { continue };
+            let Some(d) = w.filter.delivery(&ev) else {
+                continue;
+            };
             match w.tx.try_send((ev.clone(), d)) {
                 Ok(()) => sent += 1,
-                Err(mpsc::error::TrySendError::Full(_)) => blocked.push((*w.key(), w.tx.clone(), d)),
+                Err(mpsc::error::TrySendError::Full(_)) => {
+                    blocked.push((*w.key(), w.tx.clone(), d))
+                }
                 Err(mpsc::error::TrySendError::Closed(_)) => closed.push(*w.key()),
             }
         }

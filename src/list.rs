@@ -13,15 +13,27 @@ use crate::hub::Filter;
 
 fn json(b: BytesMut) -> Response<Body> {
     let mut r = Response::new(body::full(b.freeze()));
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     r
 }
 
 /// One object, or `None` when the cache does not hold it (the caller passes through, so a
 /// 404 comes from the apiserver in its exact form, and an object newer than the cache is
 /// still found).
-pub fn get(cache: &ResourceCache, namespace: &str, name: &str, enc: Encoding) -> Option<Response<Body>> {
-    let ns = if cache.resource.namespaced { namespace } else { "" };
+pub fn get(
+    cache: &ResourceCache,
+    namespace: &str,
+    name: &str,
+    enc: Encoding,
+) -> Option<Response<Body>> {
+    let ns = if cache.resource.namespaced {
+        namespace
+    } else {
+        ""
+    };
     let (obj, _) = cache.get(ns, name);
     let obj = obj?;
     let mut b = BytesMut::with_capacity(obj.body.len() + 64);
@@ -43,7 +55,9 @@ pub fn list(cache: &Arc<ResourceCache>, filter: &Filter, enc: Encoding) -> Respo
             b.put_slice(r.api_version().as_bytes());
             b.put_slice(b"\"");
         }
-        Encoding::Metadata => b.put_slice(b"{\"kind\":\"PartialObjectMetadataList\",\"apiVersion\":\"meta.k8s.io/v1\""),
+        Encoding::Metadata => b.put_slice(
+            b"{\"kind\":\"PartialObjectMetadataList\",\"apiVersion\":\"meta.k8s.io/v1\"",
+        ),
     }
     b.put_slice(format!(",\"metadata\":{{\"resourceVersion\":\"{rv}\"}},\"items\":[").as_bytes());
     let mut first = true;

@@ -18,9 +18,21 @@ use crate::watch::WatchParams;
 
 #[derive(Debug)]
 pub enum Route {
-    Watch { cache: Arc<ResourceCache>, params: WatchParams, filter: Filter, enc: Encoding },
-    Get { cache: Arc<ResourceCache>, enc: Encoding },
-    List { cache: Arc<ResourceCache>, filter: Filter, enc: Encoding },
+    Watch {
+        cache: Arc<ResourceCache>,
+        params: WatchParams,
+        filter: Filter,
+        enc: Encoding,
+    },
+    Get {
+        cache: Arc<ResourceCache>,
+        enc: Encoding,
+    },
+    List {
+        cache: Arc<ResourceCache>,
+        filter: Filter,
+        enc: Encoding,
+    },
     /// With the reason, for debug logs.
     Passthrough(&'static str),
 }
@@ -50,10 +62,16 @@ pub fn negotiate(accept: Option<&str>, list: bool) -> Option<Encoding> {
         }
         match (as_, g, v) {
             (None, _, _) => return Some(Encoding::Json),
-            (Some("PartialObjectMetadataList"), Some("meta.k8s.io"), Some("v1")) if list => return Some(Encoding::Metadata),
-            (Some("PartialObjectMetadata"), Some("meta.k8s.io"), Some("v1")) if !list => return Some(Encoding::Metadata),
+            (Some("PartialObjectMetadataList"), Some("meta.k8s.io"), Some("v1")) if list => {
+                return Some(Encoding::Metadata);
+            }
+            (Some("PartialObjectMetadata"), Some("meta.k8s.io"), Some("v1")) if !list => {
+                return Some(Encoding::Metadata);
+            }
             // Watches of metadata informers ask for the list form of the type as well.
-            (Some("PartialObjectMetadataList"), Some("meta.k8s.io"), Some("v1")) => return Some(Encoding::Metadata),
+            (Some("PartialObjectMetadataList"), Some("meta.k8s.io"), Some("v1")) => {
+                return Some(Encoding::Metadata);
+            }
             _ => continue,
         }
     }
@@ -62,13 +80,19 @@ pub fn negotiate(accept: Option<&str>, list: bool) -> Option<Encoding> {
 
 /// The filter for a request's scope and selectors; `None` when the apiserver must answer
 /// (invalid selectors get its exact 400; fields the cache cannot evaluate exactly).
-fn filter_for(cache: &ResourceCache, namespace: &str, labels: &str, fields: &str) -> Option<Filter> {
+fn filter_for(
+    cache: &ResourceCache,
+    namespace: &str,
+    labels: &str,
+    fields: &str,
+) -> Option<Filter> {
     let labels = LabelSelector::parse(labels).ok()?;
     let fields = FieldSelector::parse(fields).ok()?;
-    let fields = match check_field_selector(&cache.resource.group, &cache.resource.resource, &fields) {
-        FieldCheck::Cache(f) => f,
-        FieldCheck::Reject(_) | FieldCheck::Passthrough => return None,
-    };
+    let fields =
+        match check_field_selector(&cache.resource.group, &cache.resource.resource, &fields) {
+            FieldCheck::Cache(f) => f,
+            FieldCheck::Reject(_) | FieldCheck::Passthrough => return None,
+        };
     Some(Filter {
         namespace: (!namespace.is_empty()).then(|| namespace.to_string()),
         labels,
@@ -102,27 +126,50 @@ pub fn route(
     if !cache.resource.namespaced && !info.namespace.is_empty() && info.resource != "namespaces" {
         return Passthrough("namespace on a cluster-scoped resource");
     }
-    let ns = if info.resource == "namespaces" { "" } else { info.namespace.as_str() };
+    let ns = if info.resource == "namespaces" {
+        ""
+    } else {
+        info.namespace.as_str()
+    };
     match info.verb.as_str() {
         "watch" if info.name.is_empty() => {
-            let Some(enc) = negotiate(accept, true) else { return Passthrough("encoding") };
-            let Some(params) = WatchParams::parse(query) else { return Passthrough("watch parameters") };
-            let Some(filter) = filter_for(&cache, ns, &params.label_selector, &params.field_selector) else {
+            let Some(enc) = negotiate(accept, true) else {
+                return Passthrough("encoding");
+            };
+            let Some(params) = WatchParams::parse(query) else {
+                return Passthrough("watch parameters");
+            };
+            let Some(filter) =
+                filter_for(&cache, ns, &params.label_selector, &params.field_selector)
+            else {
                 return Passthrough("selector");
             };
-            Route::Watch { cache, params, filter, enc }
+            Route::Watch {
+                cache,
+                params,
+                filter,
+                enc,
+            }
         }
         "get" if !info.name.is_empty() => {
-            let Some(enc) = negotiate(accept, false) else { return Passthrough("encoding") };
+            let Some(enc) = negotiate(accept, false) else {
+                return Passthrough("encoding");
+            };
             // Only resourceVersion=0 ("any") may be served from memory; unset is a quorum read.
-            let only_rv0 = query.unwrap_or("").split('&').filter(|p| !p.is_empty()).all(|p| p == "resourceVersion=0");
+            let only_rv0 = query
+                .unwrap_or("")
+                .split('&')
+                .filter(|p| !p.is_empty())
+                .all(|p| p == "resourceVersion=0");
             if !only_rv0 || query.is_none_or(|q| !q.contains("resourceVersion=0")) {
                 return Passthrough("get needs resourceVersion=0");
             }
             Route::Get { cache, enc }
         }
         "list" => {
-            let Some(enc) = negotiate(accept, true) else { return Passthrough("encoding") };
+            let Some(enc) = negotiate(accept, true) else {
+                return Passthrough("encoding");
+            };
             let mut rv0 = false;
             let (mut labels, mut fields) = (String::new(), String::new());
             for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
@@ -147,7 +194,9 @@ pub fn route(
             if !rv0 {
                 return Passthrough("list needs resourceVersion=0");
             }
-            let Some(filter) = filter_for(&cache, ns, &labels, &fields) else { return Passthrough("selector") };
+            let Some(filter) = filter_for(&cache, ns, &labels, &fields) else {
+                return Passthrough("selector");
+            };
             Route::List { cache, filter, enc }
         }
         _ => Passthrough("verb"),
@@ -161,15 +210,44 @@ mod tests {
     #[test]
     fn negotiation_prefers_the_clients_order() {
         assert_eq!(negotiate(None, true), Some(Encoding::Json));
-        assert_eq!(negotiate(Some("application/json"), true), Some(Encoding::Json));
-        assert_eq!(negotiate(Some("application/vnd.kubernetes.protobuf, */*"), true), Some(Encoding::Json));
-        assert_eq!(negotiate(Some("application/vnd.kubernetes.protobuf"), true), None);
         assert_eq!(
-            negotiate(Some("application/vnd.kubernetes.protobuf;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json"), true),
+            negotiate(Some("application/json"), true),
+            Some(Encoding::Json)
+        );
+        assert_eq!(
+            negotiate(Some("application/vnd.kubernetes.protobuf, */*"), true),
+            Some(Encoding::Json)
+        );
+        assert_eq!(
+            negotiate(Some("application/vnd.kubernetes.protobuf"), true),
+            None
+        );
+        assert_eq!(
+            negotiate(
+                Some(
+                    "application/vnd.kubernetes.protobuf;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json"
+                ),
+                true
+            ),
             Some(Encoding::Metadata)
         );
-        assert_eq!(negotiate(Some("application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"), false), Some(Encoding::Metadata));
-        assert_eq!(negotiate(Some("application/json;as=Table;v=v1;g=meta.k8s.io"), true), None);
-        assert_eq!(negotiate(Some("application/json;as=Table;v=v1;g=meta.k8s.io,application/json"), true), Some(Encoding::Json));
+        assert_eq!(
+            negotiate(
+                Some("application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"),
+                false
+            ),
+            Some(Encoding::Metadata)
+        );
+        assert_eq!(
+            negotiate(Some("application/json;as=Table;v=v1;g=meta.k8s.io"), true),
+            None
+        );
+        assert_eq!(
+            negotiate(
+                Some("application/json;as=Table;v=v1;g=meta.k8s.io,application/json"),
+                true
+            ),
+            Some(Encoding::Json)
+        );
     }
 }

@@ -78,7 +78,9 @@ impl State {
             ..Default::default()
         };
         let metrics = Metrics::new();
-        metrics.register_collector(Box::new(crate::cache::metrics::CacheCollector(caches.clone())));
+        metrics.register_collector(Box::new(crate::cache::metrics::CacheCollector(
+            caches.clone(),
+        )));
         Arc::new(State {
             config,
             upstream,
@@ -355,7 +357,10 @@ async fn serve_from_cache(
     query: Option<&str>,
 ) -> Option<Response<Body>> {
     use crate::router::Route;
-    let accept = req.headers().get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    let accept = req
+        .headers()
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok());
     let route = crate::router::route(req.method(), info, query, accept, |g, v, r| {
         state.caches.get(g, v, r)
     });
@@ -383,9 +388,16 @@ async fn serve_from_cache(
             params,
             filter,
             enc,
-        } => crate::watch::serve(cache, params, filter, enc, &state.watch, state.drain.clone())
-            .await
-            .ok(),
+        } => crate::watch::serve(
+            cache,
+            params,
+            filter,
+            enc,
+            &state.watch,
+            state.drain.clone(),
+        )
+        .await
+        .ok(),
         Route::Get { cache, enc } => crate::list::get(&cache, &info.namespace, &info.name, enc),
         Route::List { cache, filter, enc } => Some(crate::list::list(&cache, &filter, enc)),
         Route::Passthrough(_) => None,
@@ -472,7 +484,8 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         .clone();
     inflight.inc();
 
-    let (resp, served_by) = match serve_from_cache(state, conn, &req, &info, query.as_deref()).await {
+    let (resp, served_by) = match serve_from_cache(state, conn, &req, &info, query.as_deref()).await
+    {
         Some(r) => (r, "cache"),
         None => (
             passthrough::forward(state, conn, req, &info, long_running).await,

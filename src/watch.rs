@@ -177,7 +177,8 @@ pub async fn serve(
         bookmark_interval: cfg.bookmark_interval,
         // The apiserver sends a last bookmark about 2 s before the deadline (when the watch
         // is long enough for that to make sense).
-        deadline_bookmark: (params.allow_bookmarks && timeout > Duration::from_secs(2)).then(|| deadline - Duration::from_secs(2)),
+        deadline_bookmark: (params.allow_bookmarks && timeout > Duration::from_secs(2))
+            .then(|| deadline - Duration::from_secs(2)),
         deadline,
         drain,
         done: false,
@@ -198,8 +199,14 @@ fn rand_fraction() -> f64 {
 
 fn json_stream_response(b: Body) -> Response<Body> {
     let mut r = Response::new(b);
-    r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
-    r.headers_mut().insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache, private"));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r.headers_mut().insert(
+        header::CACHE_CONTROL,
+        HeaderValue::from_static("no-cache, private"),
+    );
     r
 }
 
@@ -355,9 +362,18 @@ mod tests {
     fn start_points_follow_the_contract() {
         let p = |q: &str| WatchParams::parse(Some(q)).unwrap();
         assert_eq!(p("watch=1").start(9), (Start::Initial, None));
-        assert_eq!(p("watch=1&resourceVersion=0").start(9), (Start::Initial, None));
-        assert_eq!(p("watch=1&resourceVersion=4").start(9), (Start::After(4), None));
+        assert_eq!(
+            p("watch=1&resourceVersion=0").start(9),
+            (Start::Initial, None)
+        );
+        assert_eq!(
+            p("watch=1&resourceVersion=4").start(9),
+            (Start::After(4), None)
+        );
         assert_eq!(p("watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&resourceVersion=12").start(9), (Start::Initial, Some(12)));
-        assert_eq!(p("watch=1&sendInitialEvents=false&resourceVersionMatch=NotOlderThan").start(9), (Start::After(9), None));
+        assert_eq!(
+            p("watch=1&sendInitialEvents=false&resourceVersionMatch=NotOlderThan").start(9),
+            (Start::After(9), None)
+        );
     }
 }

@@ -45,7 +45,11 @@ pub struct Event {
 }
 
 impl Event {
-    pub fn new(kind: EventKind, object: Arc<CachedObject>, prev: Option<Arc<CachedObject>>) -> Event {
+    pub fn new(
+        kind: EventKind,
+        object: Arc<CachedObject>,
+        prev: Option<Arc<CachedObject>>,
+    ) -> Event {
         Event {
             kind,
             rv: object.meta.resource_version,
@@ -75,7 +79,8 @@ impl Event {
                         let prev = self.prev.as_ref().unwrap_or(&self.object);
                         (
                             "DELETED",
-                            with_resource_version(&prev.body, prev.meta.resource_version, self.rv).into(),
+                            with_resource_version(&prev.body, prev.meta.resource_version, self.rv)
+                                .into(),
                         )
                     }
                 };
@@ -141,7 +146,10 @@ pub fn with_resource_version(body: &[u8], old: u64, new: u64) -> Vec<u8> {
     }
     let needle = format!("\"resourceVersion\":\"{old}\"");
     let hay = body;
-    match hay.windows(needle.len()).position(|w| w == needle.as_bytes()) {
+    match hay
+        .windows(needle.len())
+        .position(|w| w == needle.as_bytes())
+    {
         Some(i) => {
             let mut v = Vec::with_capacity(body.len() + 4);
             v.extend_from_slice(&hay[..i]);
@@ -155,10 +163,18 @@ pub fn with_resource_version(body: &[u8], old: u64, new: u64) -> Vec<u8> {
 
 /// A BOOKMARK frame at `rv` (the object is the kind's empty object with only
 /// `metadata.resourceVersion`, as the apiserver sends it).
-pub fn bookmark_frame(resource: &Resource, rv: u64, initial_events_end: bool, enc: Encoding) -> Bytes {
+pub fn bookmark_frame(
+    resource: &Resource,
+    rv: u64,
+    initial_events_end: bool,
+    enc: Encoding,
+) -> Bytes {
     let (kind, api_version) = match enc {
         Encoding::Json => (resource.kind.clone(), resource.api_version()),
-        Encoding::Metadata => ("PartialObjectMetadata".to_string(), "meta.k8s.io/v1".to_string()),
+        Encoding::Metadata => (
+            "PartialObjectMetadata".to_string(),
+            "meta.k8s.io/v1".to_string(),
+        ),
     };
     let annotations = if initial_events_end {
         ",\"annotations\":{\"k8s.io/initial-events-end\":\"true\"}"
@@ -176,8 +192,16 @@ mod tests {
     use crate::cache::Resource;
 
     fn cm(name: &str, rv: u64, extra: &str) -> Arc<CachedObject> {
-        let raw = format!(r#"{{"metadata":{{"name":"{name}","namespace":"ns","resourceVersion":"{rv}"{extra}}},"data":{{"a":"b"}}}}"#);
-        Arc::new(CachedObject::parse(Bytes::from(raw), &Resource::core("configmaps", "ConfigMap", true)).unwrap())
+        let raw = format!(
+            r#"{{"metadata":{{"name":"{name}","namespace":"ns","resourceVersion":"{rv}"{extra}}},"data":{{"a":"b"}}}}"#
+        );
+        Arc::new(
+            CachedObject::parse(
+                Bytes::from(raw),
+                &Resource::core("configmaps", "ConfigMap", true),
+            )
+            .unwrap(),
+        )
     }
 
     #[test]
@@ -198,12 +222,18 @@ mod tests {
     #[test]
     fn leaving_the_selection_is_a_delete_of_the_old_state_at_the_events_rv() {
         let r = Resource::core("configmaps", "ConfigMap", true);
-        let e = Event::new(EventKind::Modified, cm("a", 9, r#","labels":{"x":"2"}"#), Some(cm("a", 5, r#","labels":{"x":"1"}"#)));
-        let v: serde_json::Value = serde_json::from_slice(&e.frame(&r, Delivery::Left, Encoding::Json)).unwrap();
+        let e = Event::new(
+            EventKind::Modified,
+            cm("a", 9, r#","labels":{"x":"2"}"#),
+            Some(cm("a", 5, r#","labels":{"x":"1"}"#)),
+        );
+        let v: serde_json::Value =
+            serde_json::from_slice(&e.frame(&r, Delivery::Left, Encoding::Json)).unwrap();
         assert_eq!(v["type"], "DELETED");
         assert_eq!(v["object"]["metadata"]["labels"]["x"], "1");
         assert_eq!(v["object"]["metadata"]["resourceVersion"], "9");
-        let v: serde_json::Value = serde_json::from_slice(&e.frame(&r, Delivery::Entered, Encoding::Json)).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_slice(&e.frame(&r, Delivery::Entered, Encoding::Json)).unwrap();
         assert_eq!(v["type"], "ADDED");
         assert_eq!(v["object"]["metadata"]["labels"]["x"], "2");
     }
@@ -212,7 +242,8 @@ mod tests {
     fn metadata_frames_hold_only_metadata() {
         let r = Resource::core("configmaps", "ConfigMap", true);
         let e = Event::new(EventKind::Added, cm("a", 5, ""), None);
-        let v: serde_json::Value = serde_json::from_slice(&e.frame(&r, Delivery::AsIs, Encoding::Metadata)).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_slice(&e.frame(&r, Delivery::AsIs, Encoding::Metadata)).unwrap();
         assert_eq!(v["object"]["kind"], "PartialObjectMetadata");
         assert_eq!(v["object"]["apiVersion"], "meta.k8s.io/v1");
         assert_eq!(v["object"]["metadata"]["name"], "a");
@@ -226,7 +257,11 @@ mod tests {
             &bookmark_frame(&r, 222, true, Encoding::Json)[..],
             &b"{\"type\":\"BOOKMARK\",\"object\":{\"kind\":\"ConfigMap\",\"apiVersion\":\"v1\",\"metadata\":{\"resourceVersion\":\"222\",\"annotations\":{\"k8s.io/initial-events-end\":\"true\"}}}}\n"[..]
         );
-        let v: serde_json::Value = serde_json::from_slice(&bookmark_frame(&r, 7, false, Encoding::Json)).unwrap();
-        assert_eq!(v["object"]["metadata"], serde_json::json!({"resourceVersion": "7"}));
+        let v: serde_json::Value =
+            serde_json::from_slice(&bookmark_frame(&r, 7, false, Encoding::Json)).unwrap();
+        assert_eq!(
+            v["object"]["metadata"],
+            serde_json::json!({"resourceVersion": "7"})
+        );
     }
 }

@@ -59,7 +59,10 @@ impl Resource {
     }
 
     /// The selectable fields of an object of this resource (see [`crate::selector`]).
-    pub fn extract_fields(&self, raw: &[u8]) -> Result<Vec<(&'static str, String)>, serde_json::Error> {
+    pub fn extract_fields(
+        &self,
+        raw: &[u8],
+    ) -> Result<Vec<(&'static str, String)>, serde_json::Error> {
         crate::selector::extract_fields(&self.group, &self.resource, raw)
     }
 

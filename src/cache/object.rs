@@ -204,7 +204,11 @@ mod tests {
     #[test]
     fn list_items_without_type_meta_are_kept_as_they_are() {
         let raw = Bytes::from_static(br#"{"metadata":{"name":"c","resourceVersion":"7"}}"#);
-        let o = CachedObject::parse(raw.clone(), &Resource::core("configmaps", "ConfigMap", true)).unwrap();
+        let o = CachedObject::parse(
+            raw.clone(),
+            &Resource::core("configmaps", "ConfigMap", true),
+        )
+        .unwrap();
         assert_eq!(o.body, raw);
         assert_eq!(&*o.meta.namespace, "");
     }
@@ -213,14 +217,29 @@ mod tests {
     fn objects_without_name_or_numeric_rv_are_errors() {
         let r = Resource::core("configmaps", "ConfigMap", true);
         assert!(CachedObject::parse(Bytes::from_static(br#"{"metadata":{}}"#), &r).is_err());
-        assert!(CachedObject::parse(Bytes::from_static(br#"{"metadata":{"name":"a","resourceVersion":"x"}}"#), &r).is_err());
+        assert!(
+            CachedObject::parse(
+                Bytes::from_static(br#"{"metadata":{"name":"a","resourceVersion":"x"}}"#),
+                &r
+            )
+            .is_err()
+        );
         assert!(CachedObject::parse(Bytes::from_static(br#"not json"#), &r).is_err());
     }
 
     #[test]
     fn keys_order_by_namespace_then_name() {
-        let mut keys = [ObjectKey::new("b", "a"), ObjectKey::new("a", "z"), ObjectKey::new("a", "b")];
+        let mut keys = [
+            ObjectKey::new("b", "a"),
+            ObjectKey::new("a", "z"),
+            ObjectKey::new("a", "b"),
+        ];
         keys.sort();
-        assert_eq!(keys.iter().map(|k| format!("{}/{}", k.namespace, k.name)).collect::<Vec<_>>(), ["a/b", "a/z", "b/a"]);
+        assert_eq!(
+            keys.iter()
+                .map(|k| format!("{}/{}", k.namespace, k.name))
+                .collect::<Vec<_>>(),
+            ["a/b", "a/z", "b/a"]
+        );
     }
 }

@@ -30,7 +30,9 @@ pub struct Caches {
 
 impl std::fmt::Debug for Caches {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Caches").field("resources", &self.map.len()).finish()
+        f.debug_struct("Caches")
+            .field("resources", &self.map.len())
+            .finish()
     }
 }
 
@@ -75,7 +77,10 @@ impl Caches {
     /// Registers an already-built cache (tests, or resources known without discovery).
     pub fn insert(&self, entry: CacheEntry) {
         let r = &entry.cache.resource;
-        self.map.insert((r.group.clone(), r.version.clone(), r.resource.clone()), Arc::new(entry));
+        self.map.insert(
+            (r.group.clone(), r.version.clone(), r.resource.clone()),
+            Arc::new(entry),
+        );
     }
 
     /// Discovers each of `names` (`pods`, `deployments.apps`) on the apiserver, then starts a
@@ -90,7 +95,9 @@ impl Caches {
     ) -> Arc<Caches> {
         let caches = Arc::new(Caches::default());
         for n in &names {
-            caches.missing.insert(n.clone(), "not discovered yet".into());
+            caches
+                .missing
+                .insert(n.clone(), "not discovered yet".into());
         }
         let c = caches.clone();
         tokio::spawn(async move {
@@ -112,7 +119,10 @@ impl Caches {
                                 reflector.clone(),
                                 shutdown.clone(),
                             );
-                            c.insert(CacheEntry { cache, reflector: handle });
+                            c.insert(CacheEntry {
+                                cache,
+                                reflector: handle,
+                            });
                         }
                         Err(e) => {
                             tracing::warn!(resource = %name, error = %e, "cannot cache this resource yet");
@@ -131,16 +141,30 @@ impl Caches {
     }
 }
 
-async fn get_json<T: for<'de> Deserialize<'de>>(upstream: &Upstream, path: &str) -> Result<T, String> {
+async fn get_json<T: for<'de> Deserialize<'de>>(
+    upstream: &Upstream,
+    path: &str,
+) -> Result<T, String> {
     let mut req = Request::new(body::empty());
     *req.uri_mut() = upstream.uri(path);
-    req.headers_mut().insert(http::header::ACCEPT, http::HeaderValue::from_static("application/json"));
-    let resp = tokio::time::timeout(Duration::from_secs(30), upstream.send(req, As::Proxy, false))
-        .await
-        .map_err(|_| format!("GET {path} timed out"))?
-        .map_err(|e| format!("GET {path}: {e}"))?;
+    req.headers_mut().insert(
+        http::header::ACCEPT,
+        http::HeaderValue::from_static("application/json"),
+    );
+    let resp = tokio::time::timeout(
+        Duration::from_secs(30),
+        upstream.send(req, As::Proxy, false),
+    )
+    .await
+    .map_err(|_| format!("GET {path} timed out"))?
+    .map_err(|e| format!("GET {path}: {e}"))?;
     let status = resp.status();
-    let b = resp.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+    let b = resp
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
     if !status.is_success() {
         return Err(format!("GET {path} returned {status}"));
     }
@@ -156,7 +180,11 @@ async fn discover(upstream: &Upstream, name: &str) -> Result<Resource, String> {
         let g: ApiGroup = get_json(upstream, &format!("/apis/{group}")).await?;
         g.preferred_version.ok_or("no preferred version")?.version
     };
-    let path = if group.is_empty() { "/api/v1".to_string() } else { format!("/apis/{group}/{version}") };
+    let path = if group.is_empty() {
+        "/api/v1".to_string()
+    } else {
+        format!("/apis/{group}/{version}")
+    };
     let list: ResourceList = get_json(upstream, &path).await?;
     let r = list
         .resources

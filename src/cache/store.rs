@@ -76,7 +76,9 @@ pub struct ResourceCache {
 
 impl std::fmt::Debug for ResourceCache {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ResourceCache").field("resource", &self.resource.label()).finish()
+        f.debug_struct("ResourceCache")
+            .field("resource", &self.resource.label())
+            .finish()
     }
 }
 
@@ -152,7 +154,10 @@ impl ResourceCache {
     }
 
     pub fn unhealthy(&self) -> Option<String> {
-        self.unhealthy.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.unhealthy
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     pub fn stop(&self) {
@@ -168,7 +173,9 @@ impl ResourceCache {
     /// Waits (bounded) until the cache has reached `rv`; false on timeout.
     pub async fn wait_for_rv(&self, rv: u64, bound: Duration) -> bool {
         let mut r = self.rv_tx.subscribe();
-        tokio::time::timeout(bound, r.wait_for(|cur| *cur >= rv)).await.is_ok_and(|r| r.is_ok())
+        tokio::time::timeout(bound, r.wait_for(|cur| *cur >= rv))
+            .await
+            .is_ok_and(|r| r.is_ok())
     }
 
     pub fn len(&self) -> usize {
@@ -199,7 +206,10 @@ impl ResourceCache {
 
     pub fn get(&self, namespace: &str, name: &str) -> (Option<Arc<CachedObject>>, u64) {
         let s = self.read();
-        (s.objects.get(&ObjectKey::new(namespace, name)).cloned(), s.rv)
+        (
+            s.objects.get(&ObjectKey::new(namespace, name)).cloned(),
+            s.rv,
+        )
     }
 
     /// Registers a watcher (see the module docs for the ordering argument).
@@ -229,7 +239,11 @@ impl ResourceCache {
                 let items = s
                     .history
                     .range(from..)
-                    .filter_map(|e| filter.delivery(e).map(|d| (e.object.clone(), Some(e.clone()), d)))
+                    .filter_map(|e| {
+                        filter
+                            .delivery(e)
+                            .map(|d| (e.object.clone(), Some(e.clone()), d))
+                    })
                     .collect();
                 (items, n.max(s.rv))
             }
@@ -273,7 +287,8 @@ impl ReflectorSink for ResourceCache {
             // The history was broken (the upstream watch expired): watchers end cleanly and
             // come back with their last resourceVersion, which now gets 410 Expired, so they
             // relist from this fresh state — no replayed or skipped events.
-            self.relists.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            self.relists
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             self.hub.close_all(CloseReason::Relist);
         }
         self.rv_tx.send_replace(rv);

@@ -139,6 +139,14 @@ pub fn route(
             let Some(params) = WatchParams::parse(query) else {
                 return Passthrough("watch parameters");
             };
+            // A watch without resourceVersion asks for the most recent state; while the
+            // upstream watch is down or unconfirmed the cache may be behind, so the
+            // apiserver serves it.
+            if params.resource_version.as_deref().unwrap_or("").is_empty()
+                && cache.unhealthy().is_some()
+            {
+                return Passthrough("cache unconfirmed for a most-recent watch");
+            }
             let Some(filter) =
                 filter_for(&cache, ns, &params.label_selector, &params.field_selector)
             else {

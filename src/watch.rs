@@ -169,7 +169,10 @@ pub async fn serve(
         enc,
         initial,
         initial_is_state,
-        end_bookmark: params.send_initial_events == Some(true) && params.allow_bookmarks,
+        // kube-apiserver 1.36 ends every initial state it sends (sendInitialEvents=true, and
+        // also resourceVersion unset or "0") with the initial-events-end bookmark when the
+        // watcher allows bookmarks (seen by the differential corpus).
+        end_bookmark: initial_is_state && params.allow_bookmarks,
         last_rv: reg.rv,
         sub: reg.sub,
         bookmarks: params.allow_bookmarks,

@@ -238,18 +238,25 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
             None,
         ),
     )?;
-    let kubectl = cp.kubectl();
+    // kubectl as built with the control plane, at a stable path to put on PATH.
+    let bin = out.join(".dev").join("bin");
+    std::fs::create_dir_all(&bin)?;
+    let kubectl = bin.join("kubectl");
+    let _ = std::fs::remove_file(&kubectl);
+    #[cfg(unix)]
+    std::os::unix::fs::symlink(cp.kubectl(), &kubectl)?;
     println!(
         "\nkube-cache-proxy is serving https://{addr} in front of {upstream}\n\n\
          Through the proxy:   kubectl --kubeconfig {pk} get pods -A -w\n\
          Directly upstream:   kubectl --kubeconfig {uk} get ns\n\
-         kubectl built here:  {kubectl}\n\
+         kubectl built here:  {kubectl} (export PATH=\"{bindir}:$PATH\")\n\
          Users (static tokens): {users}\n\n\
          Ctrl-C stops the proxy, kube-apiserver and etcd.",
         upstream = cp.url,
         pk = proxy_kc.display(),
         uk = upstream_kc.display(),
         kubectl = kubectl.display(),
+        bindir = bin.display(),
         users = cp
             .users
             .iter()

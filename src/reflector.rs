@@ -651,6 +651,16 @@ pub fn after_watch(
         },
         WatchEnd::ErrorEvent(s) => s.clone(),
     };
+    if status.is_expired() {
+        // 410 is not a sign of overload but of a history gap: every moment spent backing off
+        // is a moment the cache serves state it knows to be behind, so relist at once (a
+        // failing LIST still backs off). client-go backs off here; it is one of thousands of
+        // clients, the proxy is the only one.
+        return Next::List {
+            reason: RelistReason::Expired,
+        }
+        .into();
+    }
     let after = delay_for(Some(&status), backoff, now, unit);
     let cause = format!("watch from resourceVersion {rv}: {status}");
     let next = if status.is_expired() {
@@ -1554,22 +1564,17 @@ mod tests {
     }
 
     #[test]
-    fn expired_on_watch_relists_after_backoff() {
+    fn expired_on_watch_relists_at_once() {
         let mut b = backoff();
         for end in [
             WatchEnd::ErrorEvent(status(410, "Expired")),
             refused(status(410, "Gone")),
         ] {
             let s = after_watch(&outcome(end, 0), 0, &mut b, Instant::now(), 0.0);
-            let State::Backoff { next, .. } = s else {
+            let State::List { reason, .. } = s else {
                 panic!("{s:?}");
             };
-            assert_eq!(
-                next,
-                Next::List {
-                    reason: RelistReason::Expired
-                }
-            );
+            assert_eq!(reason, RelistReason::Expired);
         }
     }
 

@@ -1,6 +1,6 @@
 //! Downstream WATCH served from the cache, with the apiserver's semantics (see
-//! ARCHITECTURE.md "Watches"): start points (a resourceVersion older than the cache's
-//! history is left to the apiserver, which streams it or answers 410 itself), bookmarks
+//! ARCHITECTURE.md "Watches"): start points, 410 Expired as an ERROR event for a
+//! resourceVersion older than the cache's history, bookmarks
 //! (periodic and ~2 s before the deadline), `sendInitialEvents` with the
 //! `k8s.io/initial-events-end` bookmark, `timeoutSeconds`, selectors with transitions,
 //! PartialObjectMetadata.
@@ -151,11 +151,22 @@ pub async fn serve(
     let reg = match cache.watch(start, filter) {
         Ok(r) => r,
         Err(WatchError::NotReady) => return Err(()),
-        // Older than this cache's history (e.g. just after the proxy started or relisted):
-        // the apiserver's own watch cache may still hold it, so it decides — it streams the
-        // events, or answers the 410 Expired ERROR event itself. Never a 410 the apiserver
-        // would not have given.
-        Err(WatchError::Expired { .. }) => return Err(()),
+        // Older than this cache's history: 410 Expired as an ERROR event on a 200 stream, as
+        // the apiserver answers past its own window. Passing such watches through instead
+        // would turn every client resuming after a proxy restart or relist into a long-lived
+        // apiserver watch, just when the apiserver is busiest; with 410 they relist from
+        // this cache.
+        Err(e @ WatchError::Expired { .. }) => {
+            let status = crate::api::Status::failure(
+                http::StatusCode::GONE,
+                crate::api::Reason::Expired,
+                e.to_string(),
+            );
+            let mut frame = b"{\"type\":\"ERROR\",\"object\":".to_vec();
+            frame.extend_from_slice(&status.to_bytes());
+            frame.extend_from_slice(b"}\n");
+            return Ok(json_stream_response(body::full(frame)));
+        }
     };
     let timeout = params.timeout.unwrap_or_else(|| {
         let jitter = rand_fraction();

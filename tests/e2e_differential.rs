@@ -92,6 +92,32 @@ async fn proxy_and_fake_answer_the_corpus_like_the_real_apiserver() {
     let cp = ControlPlane::start(opts)
         .await
         .expect("control plane restarts");
+    // 1. The proxy, in front of the same apiserver, with the admin's token forwarded.
+    let mut kube = kube::Config::new(cp.url.parse().expect("apiserver URL"));
+    kube.root_cert = Some(
+        CertificateDer::pem_slice_iter(cp.ca_pem.as_bytes())
+            .map(|c| c.expect("CA PEM").to_vec())
+            .collect(),
+    );
+    kube.auth_info.token = Some(cp.admin_token().to_string().into());
+    let proxy = TestProxy::start_with_kube(kube, |_| {}).await;
+    // The proxy syncs before the data is written, so its history holds every seeded event and
+    // watches from the seed resourceVersion are answered from it, exactly.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    for resource in ["configmaps", "pods", "namespaces"] {
+        let state = proxy.running.as_ref().expect("running").state.clone();
+        while state
+            .caches
+            .get("", "v1", resource)
+            .is_none_or(|c| !c.is_ready())
+        {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{resource} cache never synced"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
     let mut real = apiserver_backend(&cp);
     let seed = seed_objects(&real).await;
     real.symbols = Symbols {
@@ -105,15 +131,6 @@ async fn proxy_and_fake_answer_the_corpus_like_the_real_apiserver() {
         real.symbols
     );
 
-    // 1. The proxy, in front of the same apiserver, with the admin's token forwarded.
-    let mut kube = kube::Config::new(cp.url.parse().expect("apiserver URL"));
-    kube.root_cert = Some(
-        CertificateDer::pem_slice_iter(cp.ca_pem.as_bytes())
-            .map(|c| c.expect("CA PEM").to_vec())
-            .collect(),
-    );
-    kube.auth_info.token = Some(cp.admin_token().to_string().into());
-    let proxy = TestProxy::start_with_kube(kube, |_| {}).await;
     let mut via_proxy = Backend::new(
         "proxy",
         &proxy.https(""),

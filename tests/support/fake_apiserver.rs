@@ -9,9 +9,10 @@
 //!
 //! # Layout
 //! - [`FakeApiServer`]: lifecycle, request log, direct store helpers.
-//! - [`Faults`]: fault switches (fail next requests, delays, refusing connections, ending watches).
+//! - [`Faults`]: fault switches (fail next requests, delays, refusing connections, ending watches,
+//!   denying callers).
 //! - `Store`: objects per kind, event history for watch resume and Exact lists, open watchers.
-//! - request handling: routing, list, watch, writes, upgrades, discovery.
+//! - request handling: routing, list, watch, writes, upgrades, discovery, access reviews.
 //! - selectors, continue tokens, `Status` construction, small helpers (timestamps, SHA-1).
 //!
 //! # Simplifications (not the real apiserver)
@@ -21,8 +22,11 @@
 //!   DELETE answers with the Terminating namespace like the apiserver, then the fake's
 //!   "namespace controller" immediately deletes its content and the namespace itself.
 //! - Name validation is a plain RFC 1123 check.
+//! - No authentication: a bearer token is its own user name. Authorization allows everything
+//!   except callers on the deny list ([`Faults::deny`]): their resource requests get 403 and
+//!   access reviews about them answer `allowed: false`.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::convert::Infallible;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -104,6 +108,8 @@ struct Shared {
     delay: Mutex<Duration>,
     refuse: AtomicBool,
     bookmark_interval: Mutex<Duration>,
+    /// Tokens and user names that are not authorized for anything (see [`Faults::deny`]).
+    deny: Mutex<HashSet<String>>,
     shutdown: CancellationToken,
 }
 
@@ -135,6 +141,7 @@ impl FakeApiServer {
             delay: Mutex::new(Duration::ZERO),
             refuse: AtomicBool::new(false),
             bookmark_interval: Mutex::new(DEFAULT_BOOKMARK_INTERVAL),
+            deny: Mutex::new(HashSet::new()),
             shutdown: CancellationToken::new(),
         });
         for ns in INITIAL_NAMESPACES {
@@ -181,6 +188,19 @@ impl FakeApiServer {
     /// The latest resourceVersion (etcd revision) of the whole store.
     pub fn current_rv(&self) -> u64 {
         self.shared.store().rv
+    }
+
+    /// Every write of `resource` (e.g. `configmaps`) since the start, in resourceVersion order:
+    /// the ground truth a watch is checked against. Unlike the watch history this journal is
+    /// never compacted.
+    pub fn writes(&self, resource: &str) -> Vec<Write> {
+        self.shared
+            .store()
+            .journal
+            .iter()
+            .filter(|w| w.resource == resource)
+            .cloned()
+            .collect()
     }
 
     /// Forgets history below `rv`, like an etcd compaction at `rv`.
@@ -299,6 +319,14 @@ impl Faults {
         self.shared.refuse.store(on, Ordering::SeqCst);
     }
 
+    /// Puts a bearer token or a user name (a client certificate's CN, sent by the proxy as
+    /// `Impersonate-User`, or a SubjectAccessReview's user or group) on the deny list: its
+    /// resource requests get 403 Forbidden and access reviews about it answer
+    /// `allowed: false`. Everyone else is allowed everything.
+    pub fn deny(&self, token_or_user: &str) {
+        lock(&self.shared.deny).insert(token_or_user.to_string());
+    }
+
     /// Period of BOOKMARK events on watches with `allowWatchBookmarks=true` (default 1 s).
     /// Applies from each watch's next bookmark on.
     pub fn set_bookmark_interval(&self, d: Duration) {
@@ -388,6 +416,19 @@ impl EventType {
     }
 }
 
+/// One write as the store applied it, for [`FakeApiServer::writes`].
+#[derive(Debug, Clone)]
+pub struct Write {
+    pub rv: u64,
+    /// `configmaps`, `pods` or `namespaces`.
+    pub resource: &'static str,
+    /// `ADDED`, `MODIFIED` or `DELETED`.
+    pub typ: &'static str,
+    /// The object after the write; for a delete its last state stamped with the delete's
+    /// resourceVersion (as a watch delivers it).
+    pub object: Value,
+}
+
 /// One write. `obj` is the object after the write (for DELETED: the last state, stamped with
 /// the deletion's resourceVersion, as etcd watch delivers it); `prev` the stored state before.
 struct HistEvent {
@@ -419,6 +460,8 @@ struct Store {
     floor: u64,
     objects: [BTreeMap<String, Value>; 3],
     history: VecDeque<HistEvent>,
+    /// Every write ever, for [`FakeApiServer::writes`]; never compacted.
+    journal: Vec<Write>,
     watchers: Vec<Watcher>,
     next_watcher_id: u64,
     next_uid: u64,
@@ -431,6 +474,7 @@ impl Store {
             floor: 0,
             objects: Default::default(),
             history: VecDeque::new(),
+            journal: Vec::new(),
             watchers: Vec::new(),
             next_watcher_id: 0,
             next_uid: 0,
@@ -501,6 +545,12 @@ impl Store {
         self.watchers.retain(|w| match w.filter.convert(&event) {
             Some(line) => w.tx.send(WatchMsg::Line(line)).is_ok(),
             None => !w.tx.is_closed(),
+        });
+        self.journal.push(Write {
+            rv,
+            resource: kind.resource(),
+            typ: typ.as_str(),
+            object: obj.clone(),
         });
         self.history.push_back(event);
         if self.history.len() > HISTORY_CAPACITY
@@ -720,11 +770,19 @@ async fn route(
             ));
         }
         "/api/v1" => return Ok(json_response(StatusCode::OK, api_resource_list_json())),
+        // The authorization group is not advertised in discovery: the proxy posts its
+        // reviews directly, and clients that discover it would expect more of it.
         "/apis" => {
             return Ok(json_response(
                 StatusCode::OK,
                 r#"{"kind":"APIGroupList","apiVersion":"v1","groups":[]}"#.to_string(),
             ));
+        }
+        "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews" => {
+            return access_review(shared, &req, true);
+        }
+        "/apis/authorization.k8s.io/v1/subjectaccessreviews" => {
+            return access_review(shared, &req, false);
         }
         _ => {}
     }
@@ -738,6 +796,14 @@ async fn route(
         return Err(Status::not_found_path());
     };
     let method = req.method.clone();
+    if let Some(user) = denied_caller(shared, &req.headers) {
+        return Err(forbidden(
+            &user,
+            &method,
+            legacy_watch || req.query.flag("watch"),
+            &route,
+        ));
+    }
     match route {
         Route::Collection { kind, namespace } => {
             if let Some(ns) = &namespace {
@@ -822,6 +888,147 @@ async fn route(
             }
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Authorization
+// ---------------------------------------------------------------------------------------------
+
+/// The bearer token of a request, if any.
+fn bearer_token(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+}
+
+/// The caller's user name (the impersonated user, else the token) when it is on the deny list.
+fn denied_caller(shared: &Shared, headers: &HeaderMap) -> Option<String> {
+    let deny = lock(&shared.deny);
+    if deny.is_empty() {
+        return None;
+    }
+    let impersonated = headers
+        .get("impersonate-user")
+        .and_then(|v| v.to_str().ok());
+    [impersonated, bearer_token(headers)]
+        .into_iter()
+        .flatten()
+        .find(|u| deny.contains(*u))
+        .map(str::to_string)
+}
+
+/// RBAC's 403 for a resource request, in the apiserver's words.
+fn forbidden(user: &str, method: &Method, watch: bool, route: &Route) -> Status {
+    let (kind, namespace, name, collection) = match route {
+        Route::Collection { kind, namespace } => (*kind, namespace.clone(), None, true),
+        Route::Item {
+            kind,
+            namespace,
+            name,
+            ..
+        } => (*kind, namespace.clone(), Some(name.clone()), false),
+    };
+    let verb = match *method {
+        Method::GET if watch => "watch",
+        Method::GET if collection => "list",
+        Method::GET => "get",
+        Method::POST => "create",
+        Method::PUT => "update",
+        Method::PATCH => "patch",
+        Method::DELETE => "delete",
+        _ => "unknown",
+    };
+    let subject = match &name {
+        Some(n) => format!("{} {n:?}", kind.resource()),
+        None => kind.resource().to_string(),
+    };
+    let scope = match &namespace {
+        Some(ns) => format!(" in the namespace {ns:?}"),
+        None => " at the cluster scope".to_string(),
+    };
+    Status::new(
+        403,
+        "Forbidden",
+        format!(
+            "{subject} is forbidden: User {user:?} cannot {verb} resource {:?} in API group \"\"{scope}",
+            kind.resource()
+        ),
+    )
+    .with_details(Details {
+        name,
+        kind: Some(kind.resource().to_string()),
+        ..Details::default()
+    })
+}
+
+/// `POST .../selfsubjectaccessreviews` (about the bearer token's user) and
+/// `.../subjectaccessreviews` (about `spec.user` and `spec.groups`): the review back with
+/// `status.allowed`, true unless a subject is on the deny list. 201 Created, like the apiserver.
+fn access_review(
+    shared: &Shared,
+    req: &ReadRequest,
+    self_review: bool,
+) -> Result<Response<Body>, Status> {
+    if req.method != Method::POST {
+        return Err(Status::method_not_allowed());
+    }
+    let kind = if self_review {
+        "SelfSubjectAccessReview"
+    } else {
+        "SubjectAccessReview"
+    };
+    let mut review: Value = serde_json::from_slice(&req.body).map_err(|e| {
+        Status::bad_request(format!(
+            "the object provided is unrecognized (must be of type {kind}): {e}"
+        ))
+    })?;
+    if !review.is_object() || review.get("kind").is_some_and(|k| k != kind) {
+        return Err(Status::bad_request(format!(
+            "the object provided is unrecognized (must be of type {kind})"
+        )));
+    }
+    let token = bearer_token(&req.headers).map(str::to_string);
+    let deny = lock(&shared.deny).clone();
+    let spec = review.get("spec").cloned().unwrap_or(Value::Null);
+    let allowed = if self_review {
+        let Some(token) = token else {
+            return Err(Status::new(401, "Unauthorized", "Unauthorized".into()));
+        };
+        !deny.contains(&token)
+    } else {
+        if let Some(caller) = token.filter(|t| deny.contains(t)) {
+            return Err(Status::new(
+                403,
+                "Forbidden",
+                format!(
+                    "subjectaccessreviews.authorization.k8s.io is forbidden: User {caller:?} cannot create resource \"subjectaccessreviews\" in API group \"authorization.k8s.io\" at the cluster scope"
+                ),
+            ));
+        }
+        let user = spec.get("user").and_then(Value::as_str).unwrap_or("");
+        let groups = spec
+            .get("groups")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        !deny.contains(user)
+            && !groups
+                .iter()
+                .filter_map(Value::as_str)
+                .any(|g| deny.contains(g))
+    };
+    let mut status = json!({ "allowed": allowed });
+    if !allowed {
+        status["reason"] = Value::from("denied by the fake apiserver's deny list");
+    }
+    let o = review.as_object_mut().expect("checked above");
+    o.insert("kind".into(), kind.into());
+    o.insert("apiVersion".into(), "authorization.k8s.io/v1".into());
+    o.insert("metadata".into(), json!({ "creationTimestamp": null }));
+    o.insert("status".into(), status);
+    Ok(json_response(StatusCode::CREATED, to_json(&review)))
 }
 
 fn check_ns_segment(ns: &str) -> Result<(), Status> {

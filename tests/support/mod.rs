@@ -7,3 +7,4 @@
 pub mod differential;
 pub mod fake_apiserver;
 pub mod proxy;
+pub mod watch_validator;

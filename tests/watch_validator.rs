@@ -1,0 +1,574 @@
+//! Watch-history validation through the proxy's cache (see `support::watch_validator` for
+//! the properties): 120 concurrent watchers with mixed protocols, scopes, selectors, start
+//! points and bookmarks, a seeded random workload written directly to the fake apiserver, an
+//! upstream disconnect and a forced upstream 410 relist mid-run. Every watcher's history must
+//! match the real one, and its final view the real state.
+//!
+//! Also: access reviews decide what is served from the cache (a denied caller passes through
+//! and gets the apiserver's 403).
+
+mod support;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use http_body_util::BodyExt as _;
+use serde_json::{Value, json};
+use support::fake_apiserver::{FakeApiServer, LoggedRequest};
+use support::proxy::{TestProxy, body_string, client_cert, plain_client};
+use support::watch_validator::{
+    Control, Req, Rng, Rules, Scope, Start, Truth, WatchLog, WatcherSpec, run_watcher, sum_metric,
+};
+
+const NAMESPACES: [&str; 3] = ["wv-a", "wv-b", "wv-c"];
+const NAMES_PER_NAMESPACE: usize = 12;
+const WATCHERS: usize = 120;
+/// Watchers starting (RV unset, or sendInitialEvents) during the upstream outage.
+const LATE_WATCHERS: usize = 10;
+const WRITES: usize = 900;
+/// Pace of the writer: the run lasts about WRITES * this, so watch timeouts (2-4 s), bookmarks
+/// and both faults happen while watchers are reading.
+const WRITE_PACE: Duration = Duration::from_millis(6);
+/// Guard against hangs only; the outcome does not depend on it.
+const GUARD: Duration = Duration::from_secs(30);
+
+const SELECTORS: &[&[Req]] = &[
+    &[],
+    &[Req::Eq("app", "a")],
+    &[Req::NotEq("app", "b")],
+    &[Req::In("app", &["a", "c"])],
+    &[Req::NotIn("app", &["a"])],
+    &[Req::Exists("tier")],
+    &[Req::NotExists("tier")],
+    &[Req::Eq("env", "prod"), Req::In("app", &["b", "c"])],
+    &[Req::Eq("tier", "web"), Req::NotEq("env", "dev")],
+];
+
+fn random_labels(rng: &mut Rng) -> Value {
+    let mut l = serde_json::Map::new();
+    l.insert("app".into(), (*rng.pick(&["a", "b", "c"])).into());
+    l.insert("env".into(), (*rng.pick(&["prod", "dev"])).into());
+    if let Some(t) = rng.pick(&[Some("web"), Some("db"), None]) {
+        l.insert("tier".into(), (*t).into());
+    }
+    Value::Object(l)
+}
+
+fn configmap(ns: &str, name: &str, labels: Value, n: u64) -> Value {
+    json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": ns, "labels": labels},
+        "data": {"n": n.to_string()},
+    })
+}
+
+/// One random write: create a missing object, else update it (often moving it across
+/// selectors by its labels) or delete it.
+async fn random_write(fake: &FakeApiServer, rng: &mut Rng, n: u64) {
+    let ns = *rng.pick(&NAMESPACES);
+    let name = format!("cm-{}", rng.below(NAMES_PER_NAMESPACE));
+    let item = format!("/api/v1/namespaces/{ns}/configmaps/{name}");
+    match fake.get(&item) {
+        None => {
+            let labels = random_labels(rng);
+            fake.create(
+                &format!("/api/v1/namespaces/{ns}/configmaps"),
+                configmap(ns, &name, labels, n),
+            )
+            .await;
+        }
+        Some(cur) if rng.chance(75) => {
+            let labels = if rng.chance(50) {
+                random_labels(rng)
+            } else {
+                cur["metadata"]["labels"].clone()
+            };
+            fake.update(&item, configmap(ns, &name, labels, n)).await;
+        }
+        Some(_) => {
+            fake.delete(&item).await;
+        }
+    }
+}
+
+fn is_watch(r: &LoggedRequest) -> bool {
+    let q = r.query.as_deref().unwrap_or("");
+    r.method == http::Method::GET
+        && (r.path.contains("/watch/") || q.split('&').any(|p| p == "watch=1" || p == "watch=true"))
+}
+
+/// The proxy's own requests (not a client-certificate caller it impersonates).
+fn is_proxy(r: &LoggedRequest) -> bool {
+    r.headers
+        .get("authorization")
+        .is_some_and(|v| v == "Bearer proxy-token")
+        && !r.headers.contains_key("impersonate-user")
+}
+
+/// The `resourceVersion` a logged request asked for ("" when unset).
+fn rv_param(r: &LoggedRequest) -> String {
+    r.query
+        .as_deref()
+        .unwrap_or("")
+        .split('&')
+        .find_map(|p| p.strip_prefix("resourceVersion="))
+        .unwrap_or("")
+        .to_string()
+}
+
+async fn start_proxy(fake: &FakeApiServer) -> TestProxy {
+    let proxy = TestProxy::start(&fake.url(), |c| {
+        c.cache.resources = vec!["configmaps".into(), "pods".into()];
+        c.cache.bookmark_interval = Duration::from_millis(400);
+    })
+    .await;
+    wait_synced(&proxy).await;
+    proxy
+}
+
+async fn wait_synced(proxy: &TestProxy) {
+    let state = &proxy.running.as_ref().unwrap().state;
+    let t0 = Instant::now();
+    while !["configmaps", "pods"]
+        .iter()
+        .all(|r| state.caches.get("", "v1", r).is_some_and(|c| c.is_ready()))
+    {
+        assert!(t0.elapsed() < GUARD, "the proxy's caches never synced");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn metrics(proxy: &TestProxy) -> String {
+    let r = plain_client(false)
+        .get(proxy.http("/metrics").parse().unwrap())
+        .await
+        .unwrap();
+    String::from_utf8_lossy(&r.into_body().collect().await.unwrap().to_bytes()).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watchers_through_the_cache_see_exactly_the_real_history_across_faults() {
+    let t_start = Instant::now();
+    let fake = FakeApiServer::start().await;
+    for ns in NAMESPACES {
+        fake.create("/api/v1/namespaces", json!({"metadata": {"name": ns}}))
+            .await;
+    }
+    let mut rng = Rng::new(0x5eed_cafe_f00d);
+    let mut n = 0u64;
+    for _ in 0..30 {
+        n += 1;
+        random_write(&fake, &mut rng, n).await;
+    }
+    let proxy = start_proxy(&fake).await;
+    let cache = proxy
+        .running
+        .as_ref()
+        .unwrap()
+        .state
+        .caches
+        .get("", "v1", "configmaps")
+        .unwrap();
+
+    // Clients: two HTTP/2 connections, pooled HTTP/1.1 connections, and a client-certificate
+    // user on HTTP/2 (authorized by SubjectAccessReview instead of SelfSubjectAccessReview).
+    let (cert, key) = client_cert(&proxy.client_ca, "alice", &["team-a"]);
+    let h2a = proxy.client(None, true).0;
+    let h2b = proxy.client(None, true).0;
+    let h1 = proxy.client(None, false).0;
+    let mtls = proxy.client(Some((&cert, &key)), true).0;
+
+    let fake = Arc::new(fake);
+    let ctl = Control {
+        stop: tokio_util::sync::CancellationToken::new(),
+        epoch: Arc::new(AtomicU64::new(0)),
+        truth_rv: {
+            let fake = fake.clone();
+            Arc::new(move || Some(fake.current_rv()))
+        },
+    };
+    let mut logs = Vec::new();
+    let mut tasks = Vec::new();
+    let mut protocols = BTreeMap::<&str, usize>::new();
+    let mut spawn = |i: usize, kind: usize, rng: &mut Rng| {
+        let scope = Scope {
+            namespace: rng
+                .pick(&[None, Some(0), Some(1), Some(2)])
+                .map(|n| NAMESPACES[n].to_string()),
+            labels: rng.pick(SELECTORS).to_vec(),
+        };
+        let first = match kind {
+            0 => Start::Unset,
+            1 => Start::Zero,
+            2 => Start::SendInitial(None),
+            _ => Start::Resume(fake.current_rv().saturating_sub(rng.below(20) as u64)),
+        };
+        let relist = match first {
+            Start::Zero => Start::Zero,
+            Start::SendInitial(_) => Start::SendInitial(None),
+            _ => Start::Unset,
+        };
+        let bookmarks = matches!(first, Start::SendInitial(_)) || rng.chance(50);
+        let timeout_secs = rng.chance(40).then(|| 2 + rng.below(3) as u64);
+        let mut log = WatchLog::new(i, scope.clone(), bookmarks);
+        if let Start::Resume(rv) = first {
+            // A client that starts from a resourceVersion holds the state at it (from a list).
+            let truth = Truth::from_fake(&fake.writes("configmaps"));
+            log.state = truth.filtered(&scope).state_at(rv);
+        }
+        let log = Arc::new(Mutex::new(log));
+        logs.push(log.clone());
+        let mut spec = WatcherSpec {
+            resource: "configmaps",
+            base: proxy.https(""),
+            token: Some(format!("token-{}", i % 5)),
+            first,
+            relist,
+            timeout_secs,
+        };
+        let ctl = ctl.clone();
+        let task = match i % 5 {
+            0 | 1 => {
+                *protocols.entry("h2").or_default() += 1;
+                let c = if i.is_multiple_of(5) {
+                    h2a.clone()
+                } else {
+                    h2b.clone()
+                };
+                tokio::spawn(run_watcher(c, spec, log, ctl))
+            }
+            2 | 3 => {
+                *protocols.entry("http/1.1").or_default() += 1;
+                tokio::spawn(run_watcher(h1.clone(), spec, log, ctl))
+            }
+            _ => {
+                *protocols.entry("h2 mTLS").or_default() += 1;
+                spec.token = None;
+                tokio::spawn(run_watcher(mtls.clone(), spec, log, ctl))
+            }
+        };
+        tasks.push(task);
+    };
+    for i in 0..WATCHERS {
+        spawn(i, i % 4, &mut rng);
+    }
+
+    // The workload, with an upstream disconnect and a forced relist (410) in the middle.
+    let t_writes = Instant::now();
+    for w in 0..WRITES {
+        if w == WRITES / 4 {
+            ctl.epoch.store(1, Ordering::SeqCst);
+            fake.faults().drop_watches();
+        }
+        if w == WRITES / 2 {
+            // The proxy's watch drops; while it backs off, history moves on and is compacted,
+            // so its resume gets 410 and it must relist.
+            ctl.epoch.store(2, Ordering::SeqCst);
+            fake.faults().drop_watches();
+            for _ in 0..5 {
+                n += 1;
+                random_write(&fake, &mut rng, n).await;
+            }
+            fake.compact(fake.current_rv());
+            // New watchers asking for the most recent state while the upstream is down: they
+            // must not get the stale cache (checked strictly below).
+            let t0 = Instant::now();
+            while cache.unhealthy().is_none() {
+                assert!(t0.elapsed() < GUARD, "the upstream outage went unnoticed");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            for i in WATCHERS..WATCHERS + LATE_WATCHERS {
+                spawn(i, 2 * (i % 2), &mut rng);
+            }
+        }
+        n += 1;
+        random_write(&fake, &mut rng, n).await;
+        tokio::time::sleep(WRITE_PACE).await;
+    }
+    let writes_took = t_writes.elapsed();
+    let t0 = Instant::now();
+    while cache.relists() == 0 {
+        assert!(
+            t0.elapsed() < GUARD,
+            "the forced upstream relist never happened"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // Wait until every watcher's view equals the real state (or the guard runs out and the
+    // validation below says why), then stop them.
+    let truth = Truth::from_fake(&fake.writes("configmaps"));
+    let t_conv = Instant::now();
+    let finals: Vec<_> = logs
+        .iter()
+        .map(|l| truth.filtered(&l.lock().unwrap().scope).state_at(u64::MAX))
+        .collect();
+    loop {
+        let behind = logs
+            .iter()
+            .zip(&finals)
+            .filter(|(l, want)| !l.lock().unwrap().converged(want))
+            .count();
+        if behind == 0 || t_conv.elapsed() > GUARD {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let converge_took = t_conv.elapsed();
+    ctl.stop.cancel();
+    for t in tasks {
+        t.await.unwrap();
+    }
+
+    let mut truth = truth;
+    truth.horizon = fake.current_rv();
+    let rules = Rules {
+        expired_from_epoch: Some(2),
+        strict_consistency: false,
+    };
+    let mut report = support::watch_validator::Report::default();
+    for (i, l) in logs.iter().enumerate() {
+        let rules = Rules {
+            strict_consistency: i >= WATCHERS,
+            ..rules
+        };
+        report.merge(support::watch_validator::validate(
+            &truth,
+            &l.lock().unwrap(),
+            rules,
+            true,
+        ));
+    }
+
+    let m = metrics(&proxy).await;
+    let cache_watches = sum_metric(
+        &m,
+        "kube_cache_proxy_requests_total",
+        &["verb=\"WATCH\"", "served_by=\"cache\""],
+    );
+    let passthrough_watches = sum_metric(
+        &m,
+        "kube_cache_proxy_requests_total",
+        &["verb=\"WATCH\"", "served_by=\"upstream\""],
+    );
+    let reqs = fake.requests();
+    let upstream_watches = reqs.iter().filter(|r| is_watch(r) && is_proxy(r)).count();
+    // Client watches the proxy passed through, by start: resuming from before the cache's
+    // history (its own start or last relist) is the apiserver's to answer; a most-recent watch
+    // while the upstream watch is down too; "0" (any state) never needs to.
+    let mut client_watches = BTreeMap::<&str, usize>::new();
+    for r in reqs.iter().filter(|r| is_watch(r) && !is_proxy(r)) {
+        let kind = match rv_param(r).as_str() {
+            "" => "most-recent",
+            "0" => "rv=0",
+            _ => "resume",
+        };
+        *client_watches.entry(kind).or_default() += 1;
+    }
+    let reviews = reqs
+        .iter()
+        .filter(|r| r.path.contains("accessreviews"))
+        .count();
+
+    println!(
+        "writes={} (+30 seed) in {writes_took:?}; converged in {converge_took:?}; total {:?}",
+        WRITES + 5,
+        t_start.elapsed()
+    );
+    println!("protocols: {protocols:?}");
+    println!("{}", report.summary());
+    println!(
+        "proxy: WATCH served_by=cache {cache_watches}, served_by=upstream {passthrough_watches}; \
+         cache relists {}; fake saw {upstream_watches} upstream watches from the proxy, \
+         client watches passed through {client_watches:?}, {reviews} access reviews",
+        cache.relists()
+    );
+    for v in report.violations.iter().take(40) {
+        println!("VIOLATION {v}");
+    }
+    assert!(
+        report.violations.is_empty(),
+        "{} watch violations (see output)",
+        report.violations.len()
+    );
+    assert!(
+        report.events_checked > 10 * WATCHERS,
+        "too few events checked"
+    );
+    assert!(
+        report.expired_410 > 0,
+        "the forced relist never reached a watcher as 410"
+    );
+    assert!(report.initial_end_bookmarks > 0);
+    assert!(
+        cache_watches >= WATCHERS as f64,
+        "watches were not served from the cache"
+    );
+    assert_eq!(
+        client_watches.get("rv=0"),
+        None,
+        "resourceVersion=0 watches reached the apiserver"
+    );
+    assert!(
+        client_watches.values().sum::<usize>() < report.sessions / 2,
+        "most watches passed through: {client_watches:?}"
+    );
+    assert!(
+        (2..=20).contains(&upstream_watches),
+        "the proxy opened {upstream_watches} upstream watches"
+    );
+    assert!(reviews > 0, "no access reviews were asked");
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn denied_callers_are_not_served_from_the_cache_and_get_the_apiservers_403() {
+    let fake = FakeApiServer::start().await;
+    fake.create(
+        "/api/v1/namespaces/default/configmaps",
+        configmap("default", "one", json!({}), 1),
+    )
+    .await;
+    fake.faults().deny("bad-token");
+    fake.faults().deny("mallory");
+    let proxy = start_proxy(&fake).await;
+    fake.clear_requests();
+    let url = proxy.https("/api/v1/namespaces/default/configmaps?watch=1&resourceVersion=0");
+    let client = proxy.client(None, true);
+
+    // Allowed: served from the cache (the apiserver sees only the review).
+    let ok = client.get(&url, Some("good-token")).await;
+    assert_eq!(ok.status(), 200);
+    let mut r = support::proxy::EventReader::new(ok);
+    let first = r.next().await.unwrap();
+    assert_eq!(first["type"], "ADDED");
+    drop(r);
+
+    // Denied token and denied client-certificate user: passed through, the apiserver's 403.
+    let denied = client.get(&url, Some("bad-token")).await;
+    assert_eq!(denied.status(), 403);
+    let body = body_string(denied).await;
+    assert!(body.contains("\"reason\":\"Forbidden\""), "{body}");
+    let (cert, key) = client_cert(&proxy.client_ca, "mallory", &[]);
+    let m = proxy.client(Some((&cert, &key)), true);
+    let denied = m.get(&url, None).await;
+    assert_eq!(denied.status(), 403);
+    let (cert, key) = client_cert(&proxy.client_ca, "alice", &[]);
+    let a = proxy.client(Some((&cert, &key)), true);
+    assert_eq!(a.get(&url, None).await.status(), 200);
+
+    let reqs = fake.requests();
+    let watches: Vec<_> = reqs.iter().filter(|r| is_watch(r)).collect();
+    let tokens: Vec<_> = watches
+        .iter()
+        .map(|r| {
+            (
+                r.headers.get("authorization").cloned(),
+                r.headers.get("impersonate-user").cloned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        watches.len(),
+        2,
+        "only the denied watches pass through: {tokens:?}"
+    );
+    let ssar = reqs
+        .iter()
+        .filter(|r| r.path.ends_with("/selfsubjectaccessreviews"))
+        .count();
+    let sar = reqs
+        .iter()
+        .filter(|r| r.path.ends_with("/subjectaccessreviews") && !r.path.contains("self"))
+        .count();
+    assert_eq!((ssar, sar), (2, 2), "one review per caller");
+    proxy.shutdown().await;
+}
+
+/// The validator itself: a correct log passes; a gap, a duplicate, an early bookmark and a
+/// wrong object are each caught.
+#[test]
+fn the_validator_catches_gaps_duplicates_early_bookmarks_and_wrong_objects() {
+    use support::watch_validator::{End, Obs, Session, validate};
+    let cm = |name: &str, app: &str, rv: u64| {
+        json!({"metadata": {"name": name, "namespace": "ns", "resourceVersion": rv.to_string(),
+               "labels": {"app": app}}})
+    };
+    let mut truth = Truth::default();
+    truth.push(1, "ADDED", cm("x", "a", 1));
+    truth.push(2, "ADDED", cm("y", "b", 2));
+    truth.push(3, "MODIFIED", cm("x", "b", 3)); // leaves app=a
+    truth.push(4, "MODIFIED", cm("y", "a", 4)); // enters app=a
+    truth.horizon = 4;
+    let scope = Scope {
+        namespace: Some("ns".into()),
+        labels: vec![Req::Eq("app", "a")],
+    };
+    let ev = |typ: &str, obj: Value| Obs::Event {
+        typ: typ.into(),
+        rv: support::watch_validator::rv_of(&obj),
+        key: support::watch_validator::key_of(&obj),
+        object: obj,
+    };
+    let left = cm("x", "a", 3); // the old state at the event's resourceVersion
+    let run = |items: Vec<Obs>, final_state: &[Value]| {
+        let mut log = WatchLog::new(0, scope.clone(), true);
+        log.sessions.push(Session {
+            start: Start::Resume(0),
+            truth_rv_at_request: None,
+            epoch: 0,
+            items,
+            end: End::Clean,
+        });
+        for o in final_state {
+            log.state
+                .insert(support::watch_validator::key_of(o), o.clone());
+        }
+        validate(&truth, &log, Rules::default(), true).violations
+    };
+    let good = vec![
+        ev("ADDED", cm("x", "a", 1)),
+        ev("DELETED", left.clone()),
+        Obs::Bookmark {
+            rv: 3,
+            initial_end: false,
+        },
+        ev("ADDED", cm("y", "a", 4)),
+    ];
+    assert_eq!(run(good.clone(), &[cm("y", "a", 4)]), Vec::<String>::new());
+    let gap = vec![ev("ADDED", cm("x", "a", 1)), ev("ADDED", cm("y", "a", 4))];
+    assert!(
+        run(gap, &[cm("y", "a", 4)])
+            .iter()
+            .any(|v| v.contains("missing"))
+    );
+    let mut dup = good.clone();
+    dup.insert(1, ev("ADDED", cm("x", "a", 1)));
+    assert!(
+        run(dup, &[cm("y", "a", 4)])
+            .iter()
+            .any(|v| v.contains("ordered"))
+    );
+    let early = vec![
+        ev("ADDED", cm("x", "a", 1)),
+        Obs::Bookmark {
+            rv: 3,
+            initial_end: false,
+        },
+        ev("DELETED", left),
+    ];
+    assert!(run(early, &[]).iter().any(|v| v.contains("bookmarkable")));
+    let wrong = vec![
+        ev("ADDED", cm("x", "c", 1)),
+        ev("DELETED", cm("x", "a", 3)),
+        ev("ADDED", cm("y", "a", 4)),
+    ];
+    assert!(
+        run(wrong, &[cm("y", "a", 4)])
+            .iter()
+            .any(|v| v.contains("differs"))
+    );
+    assert!(run(good, &[]).iter().any(|v| v.contains("final view")));
+}

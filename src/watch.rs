@@ -323,8 +323,18 @@ impl WatchState {
                     // Progress every event up to which has reached this watcher's queue.
                     let progress = self.cache.hub.dispatched_rv();
                     let mut out = BytesMut::new();
-                    while let Ok(i) = self.sub.rx.try_recv() {
-                        self.push_item(&mut out, i);
+                    loop {
+                        match self.sub.rx.try_recv() {
+                            Ok(i) => self.push_item(&mut out, i),
+                            Err(tokio::sync::mpsc::error::TryRecvError::Empty) => break,
+                            Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => {
+                                // Closed by the hub (relist, slow consumer): the dispatcher's
+                                // progress may already lie past events this watcher will
+                                // never get, so no bookmark — deliver what is queued, then end.
+                                self.done = true;
+                                return (!out.is_empty()).then(|| out.freeze());
+                            }
+                        }
                     }
                     self.last_rv = self.last_rv.max(progress);
                     out.extend_from_slice(&bookmark_frame(r, self.last_rv, false, self.enc));

@@ -277,19 +277,21 @@ impl ReflectorSink for ResourceCache {
         let first = !self.is_ready();
         {
             let mut s = self.write();
+            if !first {
+                // The history was broken (the upstream watch expired): watchers end cleanly
+                // and come back with their last resourceVersion, which now gets 410 Expired,
+                // so they relist from this fresh state — no replayed or skipped events. They
+                // are closed before the new resourceVersion can reach the dispatcher: a
+                // bookmark must never carry an old watcher across the gap.
+                self.relists
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                self.hub.close_all(CloseReason::Relist);
+            }
             s.objects = items.into_iter().map(|o| (o.key(), Arc::new(o))).collect();
             s.rv = rv;
             s.history.clear();
             s.oldest_rv = rv;
             let _ = self.dispatch.send(Dispatch::Progress(rv));
-        }
-        if !first {
-            // The history was broken (the upstream watch expired): watchers end cleanly and
-            // come back with their last resourceVersion, which now gets 410 Expired, so they
-            // relist from this fresh state — no replayed or skipped events.
-            self.relists
-                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            self.hub.close_all(CloseReason::Relist);
         }
         self.rv_tx.send_replace(rv);
         self.ready_tx.send_replace(Readiness::Ready);

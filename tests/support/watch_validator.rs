@@ -543,7 +543,8 @@ impl Report {
 pub struct Rules {
     /// Sessions sent at this fault epoch or later may get 410 Expired (the proxy relisted).
     pub expired_from_epoch: Option<u64>,
-    /// Treat a consistent start older than the request time as a violation (strict mode).
+    /// Treat a consistent start older than the request time as a violation (strict mode),
+    /// in the watcher's first session.
     pub strict_consistency: bool,
 }
 
@@ -561,6 +562,14 @@ pub fn validate(truth: &Truth, log: &WatchLog, rules: Rules, check_final: bool) 
         r.sessions += 1;
         let mut v = Vec::new();
         let horizon = truth.horizon.max(truth.last_rv());
+        // Strict consistency is asked of a watcher's first session only (the late watchers
+        // start while the upstream watch is down, when the proxy must not serve its stale
+        // cache); later sessions get the documented bounded-staleness default, counted in
+        // `stale_consistent_starts`, until consistent reads from the cache land.
+        let rules = Rules {
+            strict_consistency: rules.strict_consistency && i == 0,
+            ..rules
+        };
         checked += check_session(&f, horizon, s, rules, &mut r, &mut v);
         for msg in v {
             r.violations

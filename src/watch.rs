@@ -246,12 +246,12 @@ const BATCH_FRAMES: usize = 128;
 const BATCH_BYTES: usize = 256 * 1024;
 
 impl WatchState {
-    fn push_item(&mut self, out: &mut BytesMut, (ev, d): Item) {
+    fn push_item(&mut self, out: &mut Batch, (ev, d): Item) {
         if ev.rv <= self.last_rv {
             return; // already part of this watcher's starting point
         }
         self.last_rv = ev.rv;
-        out.extend_from_slice(&ev.frame(&self.cache.resource, d, self.enc));
+        out.push(ev.frame(&self.cache.resource, d, self.enc));
     }
 
     async fn next_chunk(&mut self) -> Option<Bytes> {
@@ -299,7 +299,7 @@ impl WatchState {
                         self.done = true;
                         return None;
                     };
-                    let mut out = BytesMut::new();
+                    let mut out = Batch::default();
                     self.push_item(&mut out, item);
                     for _ in 0..BATCH_FRAMES {
                         if out.len() >= BATCH_BYTES { break; }
@@ -308,8 +308,8 @@ impl WatchState {
                             Err(_) => break,
                         }
                     }
-                    if !out.is_empty() {
-                        return Some(out.freeze());
+                    if let Some(b) = out.finish() {
+                        return Some(b);
                     }
                 }
                 _ = sleep_until_opt(bookmark_at) => {
@@ -322,7 +322,7 @@ impl WatchState {
                     }
                     // Progress every event up to which has reached this watcher's queue.
                     let progress = self.cache.hub.dispatched_rv();
-                    let mut out = BytesMut::new();
+                    let mut out = Batch::default();
                     loop {
                         match self.sub.rx.try_recv() {
                             Ok(i) => self.push_item(&mut out, i),
@@ -332,15 +332,52 @@ impl WatchState {
                                 // progress may already lie past events this watcher will
                                 // never get, so no bookmark — deliver what is queued, then end.
                                 self.done = true;
-                                return (!out.is_empty()).then(|| out.freeze());
+                                return out.finish();
                             }
                         }
                     }
                     self.last_rv = self.last_rv.max(progress);
-                    out.extend_from_slice(&bookmark_frame(r, self.last_rv, false, self.enc));
-                    return Some(out.freeze());
+                    out.push(bookmark_frame(r, self.last_rv, false, self.enc));
+                    return out.finish();
                 }
             }
+        }
+    }
+}
+
+/// Frames for one write: a single frame is passed on as the shared `Bytes` (no per-watcher
+/// copy, which matters for large objects); several small ones are joined so the connection
+/// gets one write instead of many.
+#[derive(Default)]
+struct Batch {
+    one: Option<Bytes>,
+    many: Option<BytesMut>,
+}
+
+impl Batch {
+    fn push(&mut self, frame: Bytes) {
+        if let Some(m) = &mut self.many {
+            m.extend_from_slice(&frame);
+        } else if let Some(first) = self.one.take() {
+            let mut m = BytesMut::with_capacity(first.len() + frame.len());
+            m.extend_from_slice(&first);
+            m.extend_from_slice(&frame);
+            self.many = Some(m);
+        } else {
+            self.one = Some(frame);
+        }
+    }
+
+    fn len(&self) -> usize {
+        self.many
+            .as_ref()
+            .map_or_else(|| self.one.as_ref().map_or(0, Bytes::len), BytesMut::len)
+    }
+
+    fn finish(self) -> Option<Bytes> {
+        match (self.one, self.many) {
+            (_, Some(m)) => Some(m.freeze()),
+            (one, None) => one,
         }
     }
 }
@@ -380,6 +417,21 @@ mod tests {
         ] {
             assert_eq!(WatchParams::parse(Some(q)), None, "{q}");
         }
+    }
+
+    #[test]
+    fn a_single_frame_is_written_without_a_copy_and_several_are_joined() {
+        let f = Bytes::from(vec![b'x'; 1 << 20]);
+        let mut b = Batch::default();
+        b.push(f.clone());
+        assert_eq!(b.finish().unwrap().as_ptr(), f.as_ptr());
+        let mut b = Batch::default();
+        b.push(Bytes::from_static(b"a\n"));
+        b.push(Bytes::from_static(b"b\n"));
+        b.push(Bytes::from_static(b"c\n"));
+        assert_eq!(b.len(), 6);
+        assert_eq!(b.finish().unwrap(), "a\nb\nc\n");
+        assert!(Batch::default().finish().is_none());
     }
 
     #[test]

@@ -96,6 +96,8 @@ async fn main() {
     cfg.tls.cert_file = Some(dir.path().join("c"));
     cfg.tls.key_file = Some(dir.path().join("k"));
     cfg.log.level = "warn".into();
+    // The passthrough path only: no cache (the bench upstream serves no discovery).
+    cfg.cache.resources.clear();
     let kube = kube::Config::new(format!("http://{up}").parse().unwrap());
     let proxy = kube_cache_proxy::server::start(cfg, &kube).await.unwrap();
     let path = "/api/v1/namespaces/default/configmaps/x";

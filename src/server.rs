@@ -294,7 +294,14 @@ async fn serve_connection(
             peer: Some(peer),
             cert: None,
         };
-        return serve_io(state, builder, TokioIo::new(stream), conn, watcher).await;
+        return serve_io(
+            state,
+            builder,
+            TokioIo::new(coalesce(stream)),
+            conn,
+            watcher,
+        )
+        .await;
     };
     let hs =
         tokio::time::timeout(state.config.tls.handshake_timeout, acceptor.accept(stream)).await;
@@ -322,7 +329,22 @@ async fn serve_connection(
         peer: Some(peer),
         cert,
     };
-    serve_io(state, builder, TokioIo::new(tls_stream), conn, watcher).await
+    serve_io(
+        state,
+        builder,
+        TokioIo::new(coalesce(tls_stream)),
+        conn,
+        watcher,
+    )
+    .await
+}
+
+/// Coalesces the many small writes of one connection poll (HTTP/2 writes every DATA frame of
+/// every stream separately) into few syscalls; hyper flushes at the end of each poll, so
+/// nothing waits in the buffer. Measured with `cargo bench --bench fanout`: one write syscall
+/// per watch delivery without it.
+fn coalesce<S: tokio::io::AsyncRead + tokio::io::AsyncWrite>(s: S) -> tokio::io::BufWriter<S> {
+    tokio::io::BufWriter::with_capacity(64 * 1024, s)
 }
 
 async fn serve_io<I>(

@@ -126,6 +126,21 @@ impl Env {
     }
 }
 
+/// A reflector's view: name -> (uid, resourceVersion), as `Env::truth` gives the apiserver's.
+fn view(store: &reflector::Store<ConfigMap>) -> BTreeMap<String, (String, String)> {
+    store
+        .state()
+        .iter()
+        .map(|c| {
+            let m = &c.metadata;
+            (
+                m.name.clone().unwrap(),
+                (m.uid.clone().unwrap(), m.resource_version.clone().unwrap()),
+            )
+        })
+        .collect()
+}
+
 fn rv(cm: &ConfigMap) -> u64 {
     cm.metadata
         .resource_version
@@ -271,19 +286,7 @@ async fn kube_rs_reflectors_converge_with_and_without_streaming_lists() {
         let (truth, _) = env.truth(ns).await;
         let deadline = tokio::time::Instant::now() + BOUND;
         loop {
-            let seen: BTreeMap<String, (String, String)> = reader
-                .state()
-                .iter()
-                .map(|c| {
-                    (
-                        c.metadata.name.clone().unwrap(),
-                        (
-                            c.metadata.uid.clone().unwrap(),
-                            c.metadata.resource_version.clone().unwrap(),
-                        ),
-                    )
-                })
-                .collect();
+            let seen = view(&reader);
             if seen == truth {
                 break;
             }
@@ -519,30 +522,6 @@ async fn hundreds_of_passthrough_watches_are_not_capped_by_the_apiservers_stream
     env.cp.stop().await;
 }
 
-/// The apiserver's own count of open WATCH requests for a resource: (all scopes, cluster
-/// scope). The apiserver keeps a couple of internal namespace-scoped configmap watches.
-async fn apiserver_watches(admin: &kube::Client, resource: &str) -> (u64, u64) {
-    let text = admin
-        .request_text(http::Request::get("/metrics").body(Vec::new()).unwrap())
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| {
-            l.starts_with("apiserver_longrunning_requests{")
-                && l.contains("verb=\"WATCH\"")
-                && l.contains(&format!("resource=\"{resource}\""))
-        })
-        .filter_map(|l| {
-            Some((
-                l.contains("scope=\"cluster\""),
-                l.rsplit(' ').next()?.parse::<f64>().ok()? as u64,
-            ))
-        })
-        .fold((0, 0), |(all, cluster), (is_cluster, n)| {
-            (all + n, cluster + if is_cluster { n } else { 0 })
-        })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hundred_watchers_cost_the_apiserver_one_watch() {
     let ns = "e2e-fanout";
@@ -566,7 +545,7 @@ async fn a_hundred_watchers_cost_the_apiserver_one_watch() {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let baseline = apiserver_watches(&env.admin, "configmaps").await;
+    let baseline = support::e2e::apiserver_watches(&env.admin, "configmaps").await;
     eprintln!("apiserver configmaps watches (all, cluster) with the proxy synced: {baseline:?}");
     let client = env.via_proxy().await;
     let mut readers = Vec::new();
@@ -597,19 +576,7 @@ async fn a_hundred_watchers_cost_the_apiserver_one_watch() {
     for r in &readers {
         let deadline = tokio::time::Instant::now() + BOUND;
         loop {
-            let seen: BTreeMap<String, (String, String)> = r
-                .state()
-                .iter()
-                .map(|c| {
-                    (
-                        c.metadata.name.clone().unwrap(),
-                        (
-                            c.metadata.uid.clone().unwrap(),
-                            c.metadata.resource_version.clone().unwrap(),
-                        ),
-                    )
-                })
-                .collect();
+            let seen = view(r);
             if seen == truth {
                 break;
             }
@@ -622,7 +589,7 @@ async fn a_hundred_watchers_cost_the_apiserver_one_watch() {
     }
     // The apiserver's own metrics: its open configmaps WATCHes are its own internal ones
     // plus the proxy's one, however many watchers the proxy serves.
-    let after = apiserver_watches(&env.admin, "configmaps").await;
+    let after = support::e2e::apiserver_watches(&env.admin, "configmaps").await;
     assert_eq!(
         after, baseline,
         "100 downstream watchers must not add upstream watches"

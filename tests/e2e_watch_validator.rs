@@ -189,29 +189,6 @@ async fn list_direct(admin: &kube::Client) -> (u64, BTreeMap<Key, Value>) {
     (rv, items)
 }
 
-/// The apiserver's open configmaps WATCH requests from its own metrics: (all, cluster-wide).
-async fn apiserver_watches(admin: &kube::Client) -> (u64, u64) {
-    let text = admin
-        .request_text(http::Request::get("/metrics").body(Vec::new()).unwrap())
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| {
-            l.starts_with("apiserver_longrunning_requests{")
-                && l.contains("verb=\"WATCH\"")
-                && l.contains("resource=\"configmaps\"")
-        })
-        .filter_map(|l| {
-            Some((
-                l.contains("scope=\"cluster\""),
-                l.rsplit(' ').next()?.parse::<f64>().ok()? as u64,
-            ))
-        })
-        .fold((0, 0), |(all, cluster), (is_cluster, n)| {
-            (all + n, cluster + if is_cluster { n } else { 0 })
-        })
-}
-
 /// The reference history: a watch opened directly on the apiserver from `from`, read until the
 /// event at `until` (exclusive). Returns the events (type, object) before it.
 async fn reference_history(admin: &kube::Client, from: u64, until: u64) -> Vec<(String, Value)> {
@@ -407,7 +384,7 @@ async fn watchers_through_the_proxy_see_exactly_the_apiservers_history() {
     let mut upstream_watches = Vec::new();
     for i in 0..WRITES {
         if i == WRITES / 2 || i == WRITES - 1 {
-            upstream_watches.push(apiserver_watches(&admin).await);
+            upstream_watches.push(support::e2e::apiserver_watches(&admin, "configmaps").await);
         }
         w.random_write().await;
         tokio::time::sleep(WRITE_PACE).await;
@@ -439,7 +416,7 @@ async fn watchers_through_the_proxy_see_exactly_the_apiservers_history() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     let converge_took = t_conv.elapsed();
-    upstream_watches.push(apiserver_watches(&admin).await);
+    upstream_watches.push(support::e2e::apiserver_watches(&admin, "configmaps").await);
     ctl.stop.cancel();
     for t in tasks {
         t.await.unwrap();

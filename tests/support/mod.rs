@@ -5,6 +5,7 @@
 #![allow(dead_code)]
 
 pub mod differential;
+pub mod e2e;
 pub mod fake_apiserver;
 pub mod proxy;
 pub mod watch_validator;

@@ -91,7 +91,11 @@ pub struct HubStats {
 }
 
 pub struct Hub {
-    watchers: DashMap<u64, Entry>,
+    /// Watchers by the namespace they watch ("" = all namespaces): an event is offered only
+    /// to its namespace's watchers and the cluster-wide ones, so namespace-scoped informers
+    /// cost nothing for other namespaces' events.
+    buckets: DashMap<Box<str>, DashMap<u64, Entry>>,
+    count: std::sync::atomic::AtomicUsize,
     /// The resourceVersion up to which every event has been queued to every watcher.
     dispatched: AtomicU64,
     next_id: AtomicU64,
@@ -103,7 +107,7 @@ pub struct Hub {
 impl std::fmt::Debug for Hub {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Hub")
-            .field("watchers", &self.watchers.len())
+            .field("watchers", &self.len())
             .finish()
     }
 }
@@ -112,13 +116,14 @@ impl std::fmt::Debug for Hub {
 pub struct Subscription {
     pub id: u64,
     pub rx: mpsc::Receiver<Item>,
+    bucket: Box<str>,
     hub: std::sync::Weak<Hub>,
 }
 
 impl Drop for Subscription {
     fn drop(&mut self) {
         if let Some(h) = self.hub.upgrade() {
-            h.watchers.remove(&self.id);
+            h.remove(&self.bucket, self.id);
         }
     }
 }
@@ -128,7 +133,8 @@ impl Hub {
     /// per dispatched event.
     pub fn new(queue_len: usize, budget: Duration) -> Arc<Hub> {
         Arc::new(Hub {
-            watchers: DashMap::new(),
+            buckets: DashMap::new(),
+            count: Default::default(),
             dispatched: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             queue_len: queue_len.max(1),
@@ -138,7 +144,20 @@ impl Hub {
     }
 
     pub fn len(&self) -> usize {
-        self.watchers.len()
+        self.count.load(Ordering::Relaxed)
+    }
+
+    fn remove(&self, bucket: &str, id: u64) {
+        let mut removed = false;
+        if let Some(b) = self.buckets.get(bucket) {
+            removed = b.remove(&id).is_some();
+        }
+        if removed {
+            self.count.fetch_sub(1, Ordering::Relaxed);
+        }
+        // Holding the outer shard lock while checking, so a concurrent subscribe into this
+        // bucket (which takes the same lock) is never lost.
+        self.buckets.remove_if(bucket, |_, b| b.is_empty());
     }
 
     /// See the field's docs; bookmarks may claim this much progress.
@@ -152,64 +171,160 @@ impl Hub {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.watchers.is_empty()
+        self.len() == 0
     }
 
     pub fn subscribe(self: &Arc<Self>, filter: Arc<Filter>) -> Subscription {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel(self.queue_len);
-        self.watchers.insert(id, Entry { tx, filter });
+        let bucket: Box<str> = filter.namespace.as_deref().unwrap_or("").into();
+        self.buckets
+            .entry(bucket.clone())
+            .or_default()
+            .insert(id, Entry { tx, filter });
+        self.count.fetch_add(1, Ordering::Relaxed);
         Subscription {
             id,
             rx,
+            bucket,
             hub: Arc::downgrade(self),
         }
     }
 
     /// Closes every watcher (their streams end cleanly).
     pub fn close_all(&self, reason: CloseReason) {
-        let n = self.watchers.len() as u64;
-        self.watchers.clear();
+        let mut n = 0;
+        for b in self.buckets.iter() {
+            n += b.len();
+            b.clear();
+        }
+        self.count.fetch_sub(n, Ordering::Relaxed);
+        self.buckets.retain(|_, b| !b.is_empty());
         if reason == CloseReason::Relist {
-            self.stats.closed_relist.fetch_add(n, Ordering::Relaxed);
+            self.stats
+                .closed_relist
+                .fetch_add(n as u64, Ordering::Relaxed);
         }
     }
 
     /// Delivers one event to every interested watcher (see the module docs).
     pub async fn dispatch(&self, ev: Arc<Event>) {
-        let mut blocked: Vec<(u64, mpsc::Sender<Item>, Delivery)> = Vec::new();
-        let mut closed: Vec<u64> = Vec::new();
+        let mut blocked: Vec<(&str, u64, mpsc::Sender<Item>, Delivery)> = Vec::new();
+        let mut closed: Vec<(&str, u64)> = Vec::new();
         let mut sent = 0u64;
-        for w in self.watchers.iter() {
-            let Some(d) = w.filter.delivery(&ev) else {
+        let ns: &str = &ev.object.meta.namespace;
+        // The event's namespace, then the cluster-wide watchers (the same bucket for
+        // cluster-scoped resources, whose objects have no namespace).
+        let scopes: &[&str] = if ns.is_empty() { &[""] } else { &[ns, ""] };
+        for &scope in scopes {
+            let Some(bucket) = self.buckets.get(scope) else {
                 continue;
             };
-            match w.tx.try_send((ev.clone(), d)) {
-                Ok(()) => sent += 1,
-                Err(mpsc::error::TrySendError::Full(_)) => {
-                    blocked.push((*w.key(), w.tx.clone(), d))
+            for w in bucket.iter() {
+                let Some(d) = w.filter.delivery(&ev) else {
+                    continue;
+                };
+                match w.tx.try_send((ev.clone(), d)) {
+                    Ok(()) => sent += 1,
+                    Err(mpsc::error::TrySendError::Full(_)) => {
+                        blocked.push((scope, *w.key(), w.tx.clone(), d))
+                    }
+                    Err(mpsc::error::TrySendError::Closed(_)) => closed.push((scope, *w.key())),
                 }
-                Err(mpsc::error::TrySendError::Closed(_)) => closed.push(*w.key()),
             }
         }
         // The iteration's shard locks are released here; waiting happens without them.
         if !blocked.is_empty() {
             let deadline = tokio::time::Instant::now() + self.budget;
-            for (id, tx, d) in blocked {
+            for (scope, id, tx, d) in blocked {
                 match tokio::time::timeout_at(deadline, tx.send((ev.clone(), d))).await {
                     Ok(Ok(())) => sent += 1,
                     _ => {
                         self.stats.closed_slow.fetch_add(1, Ordering::Relaxed);
                         tracing::info!(watcher = id, "closing a watcher that does not keep up");
-                        closed.push(id);
+                        closed.push((scope, id));
                     }
                 }
             }
         }
-        for id in closed {
-            self.watchers.remove(&id);
+        for (scope, id) in closed {
+            self.remove(scope, id);
         }
         self.stats.events_sent.fetch_add(sent, Ordering::Relaxed);
         self.dispatched.fetch_max(ev.rv, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::{EventKind, Resource};
+    use bytes::Bytes;
+
+    fn ev(ns: &str, name: &str, rv: u64) -> Arc<Event> {
+        let raw = format!(
+            r#"{{"metadata":{{"name":"{name}","namespace":"{ns}","resourceVersion":"{rv}"}}}}"#
+        );
+        let o = CachedObject::parse(
+            Bytes::from(raw),
+            &Resource::core("configmaps", "ConfigMap", true),
+        )
+        .unwrap();
+        Arc::new(Event::new(EventKind::Added, Arc::new(o), None))
+    }
+
+    fn filter(ns: Option<&str>) -> Arc<Filter> {
+        Arc::new(Filter {
+            namespace: ns.map(str::to_string),
+            ..Filter::default()
+        })
+    }
+
+    #[tokio::test]
+    async fn events_reach_their_namespace_and_cluster_wide_watchers_only() {
+        let hub = Hub::new(16, Duration::from_millis(10));
+        let mut a = hub.subscribe(filter(Some("a")));
+        let mut b = hub.subscribe(filter(Some("b")));
+        let mut all = hub.subscribe(filter(None));
+        assert_eq!(hub.len(), 3);
+        hub.dispatch(ev("a", "x", 2)).await;
+        hub.dispatch(ev("b", "y", 3)).await;
+        assert_eq!(a.rx.try_recv().unwrap().0.rv, 2);
+        assert!(a.rx.try_recv().is_err());
+        assert_eq!(b.rx.try_recv().unwrap().0.rv, 3);
+        assert!(b.rx.try_recv().is_err());
+        assert_eq!(all.rx.try_recv().unwrap().0.rv, 2);
+        assert_eq!(all.rx.try_recv().unwrap().0.rv, 3);
+        assert_eq!(hub.dispatched_rv(), 3);
+        drop(a);
+        assert_eq!(hub.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_full_queue_past_the_budget_closes_only_that_watcher() {
+        let hub = Hub::new(1, Duration::from_millis(5));
+        let mut slow = hub.subscribe(filter(None));
+        let mut fast = hub.subscribe(filter(None));
+        hub.dispatch(ev("a", "x", 2)).await;
+        assert_eq!(fast.rx.try_recv().unwrap().0.rv, 2);
+        hub.dispatch(ev("a", "x", 3)).await;
+        assert_eq!(fast.rx.try_recv().unwrap().0.rv, 3);
+        assert_eq!(hub.len(), 1, "the slow watcher is closed");
+        assert_eq!(hub.stats.closed_slow.load(Ordering::Relaxed), 1);
+        // It keeps what was queued, then sees the end of its stream.
+        assert_eq!(slow.rx.recv().await.unwrap().0.rv, 2);
+        assert!(slow.rx.recv().await.is_none());
+    }
+
+    #[tokio::test]
+    async fn close_all_ends_every_watcher() {
+        let hub = Hub::new(4, Duration::from_millis(5));
+        let mut a = hub.subscribe(filter(Some("a")));
+        let mut all = hub.subscribe(filter(None));
+        hub.close_all(CloseReason::Relist);
+        assert_eq!(hub.len(), 0);
+        assert!(a.rx.recv().await.is_none());
+        assert!(all.rx.recv().await.is_none());
+        assert_eq!(hub.stats.closed_relist.load(Ordering::Relaxed), 2);
     }
 }

@@ -61,7 +61,19 @@ pub fn list(cache: &Arc<ResourceCache>, filter: &Filter, enc: Encoding) -> Respo
     }
     b.put_slice(format!(",\"metadata\":{{\"resourceVersion\":\"{rv}\"}},\"items\":[").as_bytes());
     let mut first = true;
-    for o in objects.values().filter(|o| filter.matches(o)) {
+    // Keys order by namespace first, so a namespace's objects are one contiguous range: a
+    // namespaced list reads only its namespace.
+    let scoped: Box<dyn Iterator<Item = &Arc<crate::cache::CachedObject>>> = match &filter.namespace
+    {
+        Some(ns) => Box::new(
+            objects
+                .range(crate::cache::ObjectKey::new(ns, "")..)
+                .take_while(move |(k, _)| &*k.namespace == ns.as_str())
+                .map(|(_, o)| o),
+        ),
+        None => Box::new(objects.values()),
+    };
+    for o in scoped.filter(|o| filter.matches(o)) {
         if !first {
             b.put_u8(b',');
         }

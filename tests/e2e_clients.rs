@@ -617,3 +617,73 @@ async fn a_hundred_watchers_cost_the_apiserver_one_watch() {
     env.proxy.shutdown().await;
     env.cp.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn configured_custom_resources_are_refused_by_the_cache_and_pass_through() {
+    let ns = "e2e-crd";
+    let env = env(ns).await;
+    let crd = json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "widgets.example.com"},
+        "spec": {"group": "example.com", "scope": "Namespaced",
+                 "names": {"plural": "widgets", "singular": "widget", "kind": "Widget", "listKind": "WidgetList"},
+                 "versions": [{"name": "v1", "served": true, "storage": true,
+                               "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}}}]}
+    });
+    let req = http::Request::post("/apis/apiextensions.k8s.io/v1/customresourcedefinitions")
+        .header("content-type", "application/json")
+        .body(serde_json::to_vec(&crd).unwrap())
+        .unwrap();
+    env.admin.request_text(req).await.unwrap();
+    let upstream = kube_config(&env.cp.admin_kubeconfig_yaml()).await;
+    let proxy = TestProxy::start_with_kube(upstream, |c| {
+        c.cache.resources = vec!["configmaps".into(), "widgets.example.com".into()];
+    })
+    .await;
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    let deadline = tokio::time::Instant::now() + BOUND;
+    while !state.caches.refused.contains_key("widgets.example.com") {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the custom resource was never refused: missing {:?}",
+            state
+                .caches
+                .missing
+                .iter()
+                .map(|e| (e.key().clone(), e.value().clone()))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(state.caches.get("example.com", "v1", "widgets").is_none());
+    // Requests for it still work, through the apiserver (which serves a new CRD's resource
+    // once it is established: until then it may answer 404 or 429).
+    let c = proxy.client(None, true);
+    let url = proxy.https(&format!(
+        "/apis/example.com/v1/namespaces/{ns}/widgets?resourceVersion=0"
+    ));
+    let deadline = tokio::time::Instant::now() + BOUND;
+    loop {
+        let r = c.get(&url, Some(env.cp.admin_token())).await;
+        if r.status() == 200 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "widgets never served: {}",
+            r.status()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let m = support::proxy::body_string(c.get(&proxy.https("/metrics"), None).await).await;
+    assert!(
+        m.lines()
+            .any(|l| l.starts_with("kube_cache_proxy_requests_total{")
+                && l.contains("resource=\"widgets\"")
+                && l.contains("served_by=\"upstream\"")),
+        "{m}"
+    );
+    proxy.shutdown().await;
+    env.proxy.shutdown().await;
+    env.cp.stop().await;
+}

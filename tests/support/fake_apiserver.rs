@@ -13,7 +13,7 @@
 //!   denying callers).
 //! - `Store`: objects per kind, event history for watch resume and Exact lists, open watchers.
 //! - request handling: routing, list, watch, writes, upgrades, discovery, access reviews.
-//! - selectors, continue tokens, `Status` construction, small helpers (timestamps, SHA-1).
+//! - selectors, continue tokens, `Status` construction, small helpers (timestamps, the WebSocket accept key).
 //!
 //! # Simplifications (not the real apiserver)
 //! - No admission, no defaulting beyond the few fields named below, no managedFields, no
@@ -3030,55 +3030,6 @@ fn now_rfc3339() -> String {
 
 /// SHA-1, only for the WebSocket handshake's `Sec-WebSocket-Accept` (RFC 6455 requires it).
 fn sha1(data: &[u8]) -> [u8; 20] {
-    let mut h: [u32; 5] = [
-        0x6745_2301,
-        0xEFCD_AB89,
-        0x98BA_DCFE,
-        0x1032_5476,
-        0xC3D2_E1F0,
-    ];
-    let mut msg = data.to_vec();
-    let bit_len = (data.len() as u64).wrapping_mul(8);
-    msg.push(0x80);
-    while msg.len() % 64 != 56 {
-        msg.push(0);
-    }
-    msg.extend_from_slice(&bit_len.to_be_bytes());
-    for chunk in msg.chunks(64) {
-        let mut w = [0u32; 80];
-        for (i, word) in chunk.chunks(4).enumerate() {
-            w[i] = u32::from_be_bytes([word[0], word[1], word[2], word[3]]);
-        }
-        for i in 16..80 {
-            w[i] = (w[i - 3] ^ w[i - 8] ^ w[i - 14] ^ w[i - 16]).rotate_left(1);
-        }
-        let [mut a, mut b, mut c, mut d, mut e] = h;
-        for (i, wi) in w.iter().enumerate() {
-            let (f, k) = match i {
-                0..=19 => ((b & c) | (!b & d), 0x5A82_7999),
-                20..=39 => (b ^ c ^ d, 0x6ED9_EBA1),
-                40..=59 => ((b & c) | (b & d) | (c & d), 0x8F1B_BCDC),
-                _ => (b ^ c ^ d, 0xCA62_C1D6),
-            };
-            let t = a
-                .rotate_left(5)
-                .wrapping_add(f)
-                .wrapping_add(e)
-                .wrapping_add(k)
-                .wrapping_add(*wi);
-            e = d;
-            d = c;
-            c = b.rotate_left(30);
-            b = a;
-            a = t;
-        }
-        for (hv, v) in h.iter_mut().zip([a, b, c, d, e]) {
-            *hv = hv.wrapping_add(v);
-        }
-    }
-    let mut out = [0u8; 20];
-    for (o, hv) in out.chunks_mut(4).zip(h) {
-        o.copy_from_slice(&hv.to_be_bytes());
-    }
-    out
+    use sha1::Digest;
+    sha1::Sha1::digest(data).into()
 }

@@ -28,8 +28,8 @@ use kube_cache_proxy::devcluster::{ControlPlane, ControlPlaneOptions};
 use serde_json::{Value, json};
 use support::proxy::TestProxy;
 use support::watch_validator::{
-    Control, Key, Report, Req, Rng, Rules, Scope, Start, Truth, WatchLog, WatcherSpec, key_of,
-    run_watcher, rv_of, sum_metric, validate,
+    Control, Key, Report, Rng, Rules, SELECTORS, Scope, Start, Truth, WatchLog, WatcherSpec,
+    key_of, random_labels, run_watcher, rv_of, sum_metric, validate,
 };
 
 const NAMESPACES: [&str; 3] = ["e2e-wv-a", "e2e-wv-b", "e2e-wv-c"];
@@ -46,28 +46,6 @@ const WRITE_PACE: Duration = Duration::from_millis(10);
 const BOOKMARK_INTERVAL: Duration = Duration::from_millis(500);
 /// Guard against hangs only; the outcome does not depend on it.
 const GUARD: Duration = Duration::from_secs(20);
-
-const SELECTORS: &[&[Req]] = &[
-    &[],
-    &[Req::Eq("app", "a")],
-    &[Req::NotEq("app", "b")],
-    &[Req::In("app", &["a", "c"])],
-    &[Req::NotIn("app", &["a"])],
-    &[Req::Exists("tier")],
-    &[Req::NotExists("tier")],
-    &[Req::Eq("env", "prod"), Req::In("app", &["b", "c"])],
-    &[Req::Eq("tier", "web"), Req::NotEq("env", "dev")],
-];
-
-fn random_labels(rng: &mut Rng) -> Value {
-    let mut l = serde_json::Map::new();
-    l.insert("app".into(), (*rng.pick(&["a", "b", "c"])).into());
-    l.insert("env".into(), (*rng.pick(&["prod", "dev"])).into());
-    if let Some(t) = rng.pick(&[Some("web"), Some("db"), None]) {
-        l.insert("tier".into(), (*t).into());
-    }
-    Value::Object(l)
-}
 
 fn configmap(ns: &str, name: &str, labels: &Value, n: u64) -> Value {
     json!({

@@ -19,7 +19,8 @@ use serde_json::{Value, json};
 use support::fake_apiserver::{FakeApiServer, LoggedRequest};
 use support::proxy::{TestProxy, body_string, client_cert, plain_client};
 use support::watch_validator::{
-    Control, Req, Rng, Rules, Scope, Start, Truth, WatchLog, WatcherSpec, run_watcher, sum_metric,
+    Control, Req, Rng, Rules, SELECTORS, Scope, Start, Truth, WatchLog, WatcherSpec, random_labels,
+    run_watcher, sum_metric,
 };
 
 const NAMESPACES: [&str; 3] = ["wv-a", "wv-b", "wv-c"];
@@ -33,28 +34,6 @@ const WRITES: usize = 900;
 const WRITE_PACE: Duration = Duration::from_millis(6);
 /// Guard against hangs only; the outcome does not depend on it.
 const GUARD: Duration = Duration::from_secs(30);
-
-const SELECTORS: &[&[Req]] = &[
-    &[],
-    &[Req::Eq("app", "a")],
-    &[Req::NotEq("app", "b")],
-    &[Req::In("app", &["a", "c"])],
-    &[Req::NotIn("app", &["a"])],
-    &[Req::Exists("tier")],
-    &[Req::NotExists("tier")],
-    &[Req::Eq("env", "prod"), Req::In("app", &["b", "c"])],
-    &[Req::Eq("tier", "web"), Req::NotEq("env", "dev")],
-];
-
-fn random_labels(rng: &mut Rng) -> Value {
-    let mut l = serde_json::Map::new();
-    l.insert("app".into(), (*rng.pick(&["a", "b", "c"])).into());
-    l.insert("env".into(), (*rng.pick(&["prod", "dev"])).into());
-    if let Some(t) = rng.pick(&[Some("web"), Some("db"), None]) {
-        l.insert("tier".into(), (*t).into());
-    }
-    Value::Object(l)
-}
 
 fn configmap(ns: &str, name: &str, labels: Value, n: u64) -> Value {
     json!({

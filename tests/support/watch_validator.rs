@@ -1138,3 +1138,28 @@ pub fn sum_metric(metrics: &str, name: &str, needles: &[&str]) -> f64 {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
+
+/// Label selectors the validator workloads give their watchers: every operator, and
+/// combinations, over the labels `random_labels` writes.
+pub const SELECTORS: &[&[Req]] = &[
+    &[],
+    &[Req::Eq("app", "a")],
+    &[Req::NotEq("app", "b")],
+    &[Req::In("app", &["a", "c"])],
+    &[Req::NotIn("app", &["a"])],
+    &[Req::Exists("tier")],
+    &[Req::NotExists("tier")],
+    &[Req::Eq("env", "prod"), Req::In("app", &["b", "c"])],
+    &[Req::Eq("tier", "web"), Req::NotEq("env", "dev")],
+];
+
+/// Random `app`/`env`/`tier` labels; updates change them so objects cross selectors.
+pub fn random_labels(rng: &mut Rng) -> Value {
+    let mut l = serde_json::Map::new();
+    l.insert("app".into(), (*rng.pick(&["a", "b", "c"])).into());
+    l.insert("env".into(), (*rng.pick(&["prod", "dev"])).into());
+    if let Some(t) = rng.pick(&[Some("web"), Some("db"), None]) {
+        l.insert("tier".into(), (*t).into());
+    }
+    Value::Object(l)
+}

@@ -716,3 +716,308 @@ fn stream_all(
     }
     r
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::{EventKind, ReflectorSink, Resource, StoreConfig};
+    use crate::selector::{FieldSelector, LabelSelector};
+    use crate::token::KeySet;
+    use http_body_util::BodyExt;
+    use proptest::prelude::*;
+
+    fn cm(ns: &str, name: &str, app: &str, rv: u64) -> CachedObject {
+        let raw = format!(
+            r#"{{"metadata":{{"name":"{name}","namespace":"{ns}","resourceVersion":"{rv}","labels":{{"app":"{app}"}}}},"data":{{"k":"v{rv}"}}}}"#
+        );
+        CachedObject::parse(Bytes::from(raw), &Resource::core("configmaps", "ConfigMap", true))
+            .unwrap()
+    }
+
+    async fn body_json(r: Response<Body>) -> serde_json::Value {
+        let gz = r.headers().get(header::CONTENT_ENCODING).is_some();
+        let b = r.into_body().collect().await.unwrap().to_bytes();
+        let b = if gz {
+            let mut out = Vec::new();
+            std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&b[..]), &mut out)
+                .unwrap();
+            out
+        } else {
+            b.to_vec()
+        };
+        serde_json::from_slice(&b).unwrap()
+    }
+
+    fn key_of(v: &serde_json::Value) -> String {
+        format!(
+            "{}/{}",
+            v["metadata"]["namespace"].as_str().unwrap_or(""),
+            v["metadata"]["name"].as_str().unwrap()
+        )
+    }
+
+    struct Walk {
+        items: Vec<String>,
+        rvs: Vec<String>,
+        remaining: Vec<Option<u64>>,
+        pages: usize,
+    }
+
+    /// Walks every page; `between` runs between pages (concurrent writes).
+    async fn walk(
+        cache: &Arc<ResourceCache>,
+        filter: &Filter,
+        limit: u64,
+        keys: &Keys,
+        mut between: impl FnMut(usize),
+    ) -> Walk {
+        let cfg = ListConfig {
+            chunk_bytes: 4096,
+            ..Default::default()
+        };
+        let cx = ListContext {
+            cfg: &cfg,
+            keys,
+            binding: Binding::new(&[b"t", b"me"]),
+            accepts_gzip: true,
+            page_cap: None,
+        };
+        let mut w = Walk {
+            items: vec![],
+            rvs: vec![],
+            remaining: vec![],
+            pages: 0,
+        };
+        let mut cont: Option<String> = None;
+        loop {
+            let p = ListParams {
+                rv: Rv::Unset,
+                rv_match: RvMatch::Unset,
+                limit,
+                continue_: cont.take(),
+                label_selector: String::new(),
+                field_selector: String::new(),
+            };
+            let latest = Some(cache.current());
+            let Outcome::Served(r) = list(cache, filter, Encoding::Json, &p, &cx, latest).await
+            else {
+                panic!("passed through");
+            };
+            assert_eq!(r.status(), 200);
+            let v = body_json(r).await;
+            w.pages += 1;
+            w.rvs
+                .push(v["metadata"]["resourceVersion"].as_str().unwrap().to_string());
+            w.remaining
+                .push(v["metadata"]["remainingItemCount"].as_u64());
+            for i in v["items"].as_array().unwrap() {
+                w.items.push(key_of(i));
+            }
+            match v["metadata"]["continue"].as_str() {
+                Some(c) => {
+                    between(w.pages);
+                    cont = Some(c.to_string());
+                }
+                None => return w,
+            }
+        }
+    }
+
+    fn keys() -> Arc<Keys> {
+        Keys::fixed(KeySet::generate(), Duration::from_secs(60))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(40))]
+
+        /// Walking every page with any limit yields exactly the first page's snapshot, once
+        /// each, in the apiserver's key order, while writes land between the pages.
+        #[test]
+        fn pages_walk_one_snapshot_exactly_once(
+            objects in proptest::collection::btree_map(
+                ("(a|a-b|b|c)", "[a-z]{1,3}"), "(x|y)", 0..40),
+            writes in proptest::collection::vec(
+                (("(a|a-b|b|c)", "[a-z]{1,3}"), "(x|y)", any::<bool>()), 0..30),
+            limit in 1u64..12,
+            selector in proptest::option::of("(x|y)"),
+            namespace in proptest::option::of("(a|a-b|b)"),
+        ) {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async {
+                let cache = ResourceCache::new(
+                    Resource::core("configmaps", "ConfigMap", true),
+                    StoreConfig::default(),
+                );
+                let mut rv = 10;
+                let items: Vec<CachedObject> = objects
+                    .iter()
+                    .map(|((ns, n), app)| { rv += 1; cm(ns, n, app, rv) })
+                    .collect();
+                cache.replace(items, rv);
+                cache.set_unhealthy(None);
+                let filter = Filter {
+                    namespace: namespace.clone(),
+                    labels: LabelSelector::parse(
+                        &selector.as_ref().map(|s| format!("app={s}")).unwrap_or_default()
+                    ).unwrap(),
+                    fields: FieldSelector::default(),
+                };
+                let expected: Vec<String> = {
+                    let snap = cache.current();
+                    snap.objects
+                        .values()
+                        .filter(|o| filter.matches(o))
+                        .map(|o| format!("{}/{}", o.meta.namespace, o.meta.name))
+                        .collect()
+                };
+                let keys = keys();
+                let mut pending = writes.clone().into_iter();
+                let c2 = cache.clone();
+                let walk = walk(&cache, &filter, limit, &keys, |_| {
+                    // Two writes between pages: the walk must not see them.
+                    for ((ns, n), app, delete) in pending.by_ref().take(2) {
+                        rv += 1;
+                        let o = cm(&ns, &n, &app, rv);
+                        let kind = if delete { EventKind::Deleted } else { EventKind::Modified };
+                        c2.apply(kind, o);
+                    }
+                }).await;
+                prop_assert_eq!(&walk.items, &expected);
+                // One snapshot: every page carries the first page's resourceVersion.
+                prop_assert!(walk.rvs.iter().all(|r| *r == walk.rvs[0]));
+                // Pages hold `limit` items except the last.
+                prop_assert!(walk.pages <= expected.len() / limit as usize + 1);
+                if selector.is_none() {
+                    // remainingItemCount: what is left after each page, without selectors.
+                    for (i, rem) in walk.remaining.iter().enumerate() {
+                        if let Some(rem) = rem {
+                            prop_assert_eq!(*rem as usize, expected.len() - (i + 1) * limit as usize);
+                        }
+                    }
+                } else {
+                    prop_assert!(walk.remaining.iter().all(Option::is_none));
+                }
+                Ok(())
+            })?;
+        }
+    }
+
+    #[tokio::test]
+    async fn exact_resource_versions_are_rebuilt_from_the_history() {
+        let cache = ResourceCache::new(
+            Resource::core("configmaps", "ConfigMap", true),
+            StoreConfig::default(),
+        );
+        cache.replace(vec![cm("a", "one", "x", 5), cm("a", "two", "x", 6)], 10);
+        cache.apply(EventKind::Added, cm("a", "three", "x", 11));
+        cache.apply(EventKind::Deleted, cm("a", "one", "x", 12));
+        cache.apply(EventKind::Modified, cm("a", "two", "y", 13));
+        let names = |s: &Snapshot| {
+            s.objects
+                .values()
+                .map(|o| format!("{}@{}", o.meta.name, o.meta.resource_version))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            names(&cache.snapshot_at(10).unwrap()),
+            ["one@5", "two@6"]
+        );
+        assert_eq!(
+            names(&cache.snapshot_at(11).unwrap()),
+            ["one@5", "three@11", "two@6"]
+        );
+        assert_eq!(
+            names(&cache.snapshot_at(12).unwrap()),
+            ["three@11", "two@6"]
+        );
+        assert_eq!(
+            names(&cache.snapshot_at(13).unwrap()),
+            ["three@11", "two@13"]
+        );
+        // Older than the history (it starts at the list at 10), or newer than the cache.
+        assert!(cache.snapshot_at(9).is_none());
+        assert!(cache.snapshot_at(14).is_none());
+        // A rebuilt snapshot is retained for the pages that follow.
+        assert_eq!(cache.retained_snapshots().0, 3);
+    }
+
+    #[tokio::test]
+    async fn tokens_are_bound_to_the_caller_and_rejected_when_tampered_or_expired() {
+        let cache = ResourceCache::new(
+            Resource::core("configmaps", "ConfigMap", true),
+            StoreConfig::default(),
+        );
+        cache.replace((0..5).map(|i| cm("a", &format!("c{i}"), "x", 5 + i)).collect(), 20);
+        let cfg = ListConfig::default();
+        let keys = keys();
+        let filter = Filter::default();
+        let serve = |binding: &'static [u8], cont: Option<String>, limit: u64| {
+            let cache = cache.clone();
+            let filter = filter.clone();
+            let keys = keys.clone();
+            let cfg = cfg.clone();
+            async move {
+                let cx = ListContext {
+                    cfg: &cfg,
+                    keys: &keys,
+                    binding: Binding::new(&[binding]),
+                    accepts_gzip: false,
+                    page_cap: None,
+                };
+                let p = ListParams {
+                    rv: Rv::Unset,
+                    rv_match: RvMatch::Unset,
+                    limit,
+                    continue_: cont,
+                    label_selector: String::new(),
+                    field_selector: String::new(),
+                };
+                match list(&cache, &filter, Encoding::Json, &p, &cx, Some(cache.current())).await
+                {
+                    Outcome::Served(r) => (r.status().as_u16(), body_json(r).await),
+                    Outcome::Passthrough(w) => panic!("passthrough: {w}"),
+                }
+            }
+        };
+        let (code, first) = serve(b"alice", None, 2).await;
+        assert_eq!(code, 200);
+        let token = first["metadata"]["continue"].as_str().unwrap().to_string();
+        assert_eq!(first["metadata"]["remainingItemCount"], 3);
+        let (code, _) = serve(b"alice", Some(token.clone()), 2).await;
+        assert_eq!(code, 200);
+        let (code, v) = serve(b"mallory", Some(token.clone()), 2).await;
+        assert_eq!((code, v["reason"].as_str()), (400, Some("BadRequest")));
+        let mut bad = token.clone().into_bytes();
+        let last = bad.len() - 1;
+        bad[last] = if bad[last] == b'A' { b'B' } else { b'A' };
+        let (code, _) = serve(b"alice", Some(String::from_utf8(bad).unwrap()), 2).await;
+        assert_eq!(code, 400);
+        // Expired: signed with a lifetime that has passed.
+        let old = Keys::fixed((*keys.current()).clone(), Duration::ZERO);
+        let expired = old.sign(&Binding::new(&[b"alice"]), 20, ObjectKey::new("a", "c1"), 2, 5);
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let (code, v) = serve(b"alice", Some(expired), 2).await;
+        assert_eq!((code, v["reason"].as_str()), (410, Some("Expired")));
+    }
+
+    #[test]
+    fn list_params_leave_invalid_combinations_to_the_apiserver() {
+        let ok = |q: &str| ListParams::parse(Some(q));
+        assert_eq!(ok("limit=5&resourceVersion=0").unwrap().rv, Rv::Zero);
+        assert_eq!(
+            ok("resourceVersion=12&resourceVersionMatch=Exact").unwrap().rv_match,
+            RvMatch::Exact
+        );
+        assert!(ok("resourceVersionMatch=Exact").is_err());
+        assert!(ok("resourceVersion=0&resourceVersionMatch=Exact").is_err());
+        assert!(ok("resourceVersionMatch=NotOlderThan").is_err());
+        assert!(ok("resourceVersionMatch=Bogus&resourceVersion=3").is_err());
+        assert!(ok("resourceVersion=abc").is_err());
+        assert!(ok("limit=abc").is_err());
+        assert!(ok("limit=1&limit=2").is_err());
+        assert!(ok("continue=eyJ2IjoibWV0YS5rOHMuaW8vdjEifQ").is_err());
+        assert!(ok("continue=k1.dev.AAAA&resourceVersionMatch=Exact").is_err());
+        assert_eq!(ok("limit=-3").unwrap().limit, 0);
+        assert!(ok("pretty=true").is_err());
+    }
+}

@@ -730,8 +730,11 @@ mod tests {
         let raw = format!(
             r#"{{"metadata":{{"name":"{name}","namespace":"{ns}","resourceVersion":"{rv}","labels":{{"app":"{app}"}}}},"data":{{"k":"v{rv}"}}}}"#
         );
-        CachedObject::parse(Bytes::from(raw), &Resource::core("configmaps", "ConfigMap", true))
-            .unwrap()
+        CachedObject::parse(
+            Bytes::from(raw),
+            &Resource::core("configmaps", "ConfigMap", true),
+        )
+        .unwrap()
     }
 
     async fn body_json(r: Response<Body>) -> serde_json::Value {
@@ -806,8 +809,12 @@ mod tests {
             assert_eq!(r.status(), 200);
             let v = body_json(r).await;
             w.pages += 1;
-            w.rvs
-                .push(v["metadata"]["resourceVersion"].as_str().unwrap().to_string());
+            w.rvs.push(
+                v["metadata"]["resourceVersion"]
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
+            );
             w.remaining
                 .push(v["metadata"]["remainingItemCount"].as_u64());
             for i in v["items"].as_array().unwrap() {
@@ -918,10 +925,7 @@ mod tests {
                 .map(|o| format!("{}@{}", o.meta.name, o.meta.resource_version))
                 .collect::<Vec<_>>()
         };
-        assert_eq!(
-            names(&cache.snapshot_at(10).unwrap()),
-            ["one@5", "two@6"]
-        );
+        assert_eq!(names(&cache.snapshot_at(10).unwrap()), ["one@5", "two@6"]);
         assert_eq!(
             names(&cache.snapshot_at(11).unwrap()),
             ["one@5", "three@11", "two@6"]
@@ -947,7 +951,12 @@ mod tests {
             Resource::core("configmaps", "ConfigMap", true),
             StoreConfig::default(),
         );
-        cache.replace((0..5).map(|i| cm("a", &format!("c{i}"), "x", 5 + i)).collect(), 20);
+        cache.replace(
+            (0..5)
+                .map(|i| cm("a", &format!("c{i}"), "x", 5 + i))
+                .collect(),
+            20,
+        );
         let cfg = ListConfig::default();
         let keys = keys();
         let filter = Filter::default();
@@ -972,7 +981,15 @@ mod tests {
                     label_selector: String::new(),
                     field_selector: String::new(),
                 };
-                match list(&cache, &filter, Encoding::Json, &p, &cx, Some(cache.current())).await
+                match list(
+                    &cache,
+                    &filter,
+                    Encoding::Json,
+                    &p,
+                    &cx,
+                    Some(cache.current()),
+                )
+                .await
                 {
                     Outcome::Served(r) => (r.status().as_u16(), body_json(r).await),
                     Outcome::Passthrough(w) => panic!("passthrough: {w}"),
@@ -994,7 +1011,13 @@ mod tests {
         assert_eq!(code, 400);
         // Expired: signed with a lifetime that has passed.
         let old = Keys::fixed((*keys.current()).clone(), Duration::ZERO);
-        let expired = old.sign(&Binding::new(&[b"alice"]), 20, ObjectKey::new("a", "c1"), 2, 5);
+        let expired = old.sign(
+            &Binding::new(&[b"alice"]),
+            20,
+            ObjectKey::new("a", "c1"),
+            2,
+            5,
+        );
         tokio::time::sleep(Duration::from_millis(1100)).await;
         let (code, v) = serve(b"alice", Some(expired), 2).await;
         assert_eq!((code, v["reason"].as_str()), (410, Some("Expired")));
@@ -1005,7 +1028,9 @@ mod tests {
         let ok = |q: &str| ListParams::parse(Some(q));
         assert_eq!(ok("limit=5&resourceVersion=0").unwrap().rv, Rv::Zero);
         assert_eq!(
-            ok("resourceVersion=12&resourceVersionMatch=Exact").unwrap().rv_match,
+            ok("resourceVersion=12&resourceVersionMatch=Exact")
+                .unwrap()
+                .rv_match,
             RvMatch::Exact
         );
         assert!(ok("resourceVersionMatch=Exact").is_err());

@@ -184,11 +184,13 @@ impl Consistency {
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .started;
-                let ok = matches!(
-                    tokio::time::timeout(self.timeout, self.probe(&cache)).await,
-                    Ok(Ok(()))
-                );
-                if !ok {
+                let outcome = match tokio::time::timeout(self.timeout, self.probe(&cache)).await {
+                    Ok(r) => r,
+                    Err(_) => Err("timed out".into()),
+                };
+                let ok = outcome.is_ok();
+                if let Err(e) = outcome {
+                    tracing::warn!(resource = %cache.resource.label(), error = %e, "consistency probe failed; reads pass through");
                     self.stats
                         .probe_failures
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -243,12 +245,15 @@ impl Consistency {
             return Ok(());
         }
         // Nothing of this resource may have changed since the cache's resourceVersion: ask
-        // the apiserver for everything after it, up to a bookmark.
+        // the apiserver for everything after it, up to a bookmark. The apiserver sends one
+        // 2 s before a watch's deadline (and none if that moment has passed when the watch
+        // starts), so timeoutSeconds=3: the bookmark comes after about 1-2 s. This is the
+        // slow path of strict reads, taken when other resources' writes moved the revision.
         self.stats.probe_watches.fetch_add(1, Relaxed);
         let from = cache.rv();
         let resp = self
             .get(&format!(
-                "{collection}?watch=1&resourceVersion={from}&allowWatchBookmarks=true&timeoutSeconds=2"
+                "{collection}?watch=1&resourceVersion={from}&allowWatchBookmarks=true&timeoutSeconds=3"
             ))
             .await?;
         let mut body = resp.into_body();

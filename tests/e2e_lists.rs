@@ -64,9 +64,10 @@ async fn chunked_kubectl_lists_equal_direct_and_strict_reads_see_every_write() {
     let upstream = kube_config(&cp.admin_kubeconfig_yaml()).await;
     let admin = kube::Client::try_from(upstream.clone()).unwrap();
     let proxy = TestProxy::start_with_kube(upstream, |c| {
-        c.lists
-            .consistency_by_resource
-            .insert("secrets".into(), kube_cache_proxy::consistency::Mode::Strict);
+        c.lists.consistency_by_resource.insert(
+            "secrets".into(),
+            kube_cache_proxy::consistency::Mode::Strict,
+        );
     })
     .await;
     let dir = tempfile::tempdir().unwrap();
@@ -169,6 +170,38 @@ async fn chunked_kubectl_lists_equal_direct_and_strict_reads_see_every_write() {
     }
     use std::sync::atomic::Ordering::Relaxed;
     let st = &state.consistency.stats;
+    // Writes elsewhere move the current revision past the secrets cache: the probe must then
+    // prove, by an upstream watch up to a bookmark, that no secret changed in between.
+    let watches_before = st.probe_watches.load(Relaxed);
+    let failures_before = st.probe_failures.load(Relaxed);
+    let cms = Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(admin.clone(), ns);
+    for i in 0..10 {
+        let cm = serde_json::from_value(json!({"metadata": {"name": format!("elsewhere-{i}")}}))
+            .unwrap();
+        cms.create(&PostParams::default(), &cm).await.unwrap();
+        let r = client
+            .request(
+                http::Request::get(proxy.http(&format!("/api/v1/namespaces/{ns}/secrets")))
+                    .header("authorization", format!("Bearer {token}"))
+                    .body(http_body_util::Full::default())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            body_json(r).await["items"].as_array().map(Vec::len),
+            Some(n as usize)
+        );
+    }
+    println!(
+        "strict after writes elsewhere: probe watches {}, failures {}",
+        st.probe_watches.load(Relaxed) - watches_before,
+        st.probe_failures.load(Relaxed) - failures_before
+    );
+    assert!(st.probe_watches.load(Relaxed) > watches_before);
+    // Most of them confirm (a probe slower than consistencyTimeout falls back, still correct).
+    assert!(st.probe_failures.load(Relaxed) - failures_before < 5);
     println!(
         "strict: {n} write+list rounds in {:.1}s; probes {}, probe watches {}, probe failures {}, fallbacks {}",
         t0.elapsed().as_secs_f64(),

@@ -67,9 +67,9 @@ impl Default for Stats {
             probe_failures: Default::default(),
             fallbacks: Default::default(),
             waits: prometheus_client::metrics::family::Family::new_with_constructor(|| {
-                prometheus_client::metrics::histogram::Histogram::new(
-                    [0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0].into_iter(),
-                )
+                prometheus_client::metrics::histogram::Histogram::new([
+                    0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0,
+                ])
             }),
         }
     }

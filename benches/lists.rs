@@ -66,7 +66,12 @@ fn client(cas: &[&str]) -> HttpsClient {
 }
 
 /// GET `url`, reading the body chunk by chunk; (status, bytes, elapsed, continue token).
-async fn get(c: &HttpsClient, url: &str, token: &str, keep: bool) -> (u16, u64, Duration, Option<String>) {
+async fn get(
+    c: &HttpsClient,
+    url: &str,
+    token: &str,
+    keep: bool,
+) -> (u16, u64, Duration, Option<String>) {
     let t = Instant::now();
     let r = c
         .request(
@@ -188,19 +193,10 @@ async fn main() {
     std::fs::write(dir.path().join("k"), key).unwrap();
     let c = client(&[&cp.ca_pem, &proxy_ca]);
     for i in 0..10 {
-        let r = c
-            .request(
-                Request::post(format!("{}/api/v1/namespaces", cp.url))
-                    .header("authorization", format!("Bearer {token}"))
-                    .header("content-type", "application/json")
-                    .body(Full::from(
-                        serde_json::json!({"metadata": {"name": format!("bench-{i}")}}).to_string(),
-                    ))
-                    .unwrap(),
-            )
+        // The namespace and its default ServiceAccount (pods need one).
+        cp.create_default_service_account(&format!("bench-{i}"))
             .await
             .unwrap();
-        let _ = r.into_body().collect().await;
     }
     seed(&c, &cp.url, &token, "pods", pods, pod_bytes).await;
     seed(&c, &cp.url, &token, "configmaps", cms, cm_bytes).await;
@@ -230,12 +226,18 @@ async fn main() {
         if ready("pods", pods) && ready("configmaps", cms) {
             break;
         }
-        assert!(t.elapsed() < Duration::from_secs(1800), "cache never synced");
+        assert!(
+            t.elapsed() < Duration::from_secs(1800),
+            "cache never synced"
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     println!("proxy synced in {:.1}s", t.elapsed().as_secs_f64());
     let proxy_url = format!("https://localhost:{}", proxy.tls_addr.unwrap().port());
-    let targets = [("kube-apiserver", cp.url.clone()), ("proxy", proxy_url.clone())];
+    let targets = [
+        ("kube-apiserver", cp.url.clone()),
+        ("proxy", proxy_url.clone()),
+    ];
 
     // 1. limit=500 walks over every pod, alternating targets.
     let mut pages: [Vec<Duration>; 2] = [vec![], vec![]];

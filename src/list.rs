@@ -200,6 +200,7 @@ fn json(b: Bytes) -> Response<Body> {
 /// still found).
 pub fn get(
     cache: &ResourceCache,
+    snap: &Snapshot,
     namespace: &str,
     name: &str,
     enc: Encoding,
@@ -209,8 +210,7 @@ pub fn get(
     } else {
         ""
     };
-    let (obj, _) = cache.get(ns, name);
-    let obj = obj?;
+    let obj = snap.objects.get(&ObjectKey::new(ns, name))?;
     let mut b = BytesMut::with_capacity(obj.body.len() + 64);
     put_object(&mut b, &cache.resource, &obj.body, enc);
     Some(json(b.freeze()))
@@ -279,11 +279,12 @@ impl<'a> Candidates<'a> {
         )
     }
 
-    /// Items in scope from the start (remainingItemCount without selectors).
-    fn count(&self) -> u64 {
-        match (self.namespace, &self.single) {
-            (None, None) if self.node_name.is_none() => self.snap.objects.len() as u64,
-            _ => self.iter(None).count() as u64,
+    /// Candidates after `after` (all of them when `None`): remainingItemCount without
+    /// selectors.
+    fn count(&self, after: Option<&ObjectKey>) -> u64 {
+        match (after, self.namespace, &self.single) {
+            (None, None, None) if self.node_name.is_none() => self.snap.objects.len() as u64,
+            _ => self.iter(after).count() as u64,
         }
     }
 }
@@ -563,7 +564,10 @@ async fn list_inner(
     let page = select_page(&cands, filter, &pos, limit);
     let meta = page.next.as_ref().map(|(last, seen)| {
         let total = if no_selectors {
-            pos.total.unwrap_or_else(|| cands.count())
+            // Counted once per walk (the first page, or an inconsistent continuation), then
+            // carried in the token.
+            pos.total
+                .unwrap_or_else(|| pos.seen + cands.count(pos.after.as_ref()))
         } else {
             0
         };

@@ -28,6 +28,9 @@ pub enum Route {
     Get {
         cache: Arc<ResourceCache>,
         enc: Encoding,
+        /// resourceVersion unset: the most recent state (subject to the consistency policy);
+        /// otherwise "0", any state.
+        consistent: bool,
     },
     List {
         cache: Arc<ResourceCache>,
@@ -165,16 +168,23 @@ pub fn route(
             let Some(enc) = negotiate(accept, false) else {
                 return Passthrough("encoding");
             };
-            // Only resourceVersion=0 ("any") may be served from memory; unset is a quorum read.
-            let only_rv0 = query
+            // resourceVersion=0 ("any") or unset (most recent, when the consistency policy
+            // confirms the cache); anything else is the apiserver's.
+            let params: Vec<&str> = query
                 .unwrap_or("")
                 .split('&')
                 .filter(|p| !p.is_empty())
-                .all(|p| p == "resourceVersion=0");
-            if !only_rv0 || query.is_none_or(|q| !q.contains("resourceVersion=0")) {
-                return Passthrough("get needs resourceVersion=0");
+                .collect();
+            let consistent = match params.as_slice() {
+                [] | ["resourceVersion="] => true,
+                ["resourceVersion=0"] => false,
+                _ => return Passthrough("get parameters"),
+            };
+            Route::Get {
+                cache,
+                enc,
+                consistent,
             }
-            Route::Get { cache, enc }
         }
         "list" => {
             let Some(enc) = negotiate(accept, true) else {

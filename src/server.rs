@@ -439,17 +439,44 @@ async fn serve_from_cache(
             params,
             filter,
             enc,
-        } => crate::watch::serve(
+        } => {
+            // Most recent state (a watch or WatchList without resourceVersion): only once the
+            // consistency policy confirms the cache.
+            if params.resource_version.as_deref().unwrap_or("").is_empty()
+                && state
+                    .consistency
+                    .latest(&cache, consistency_mode(state, &cache))
+                    .await
+                    .is_none()
+            {
+                return None;
+            }
+            crate::watch::serve(
+                cache,
+                params,
+                filter,
+                enc,
+                &state.watch,
+                state.drain.clone(),
+            )
+            .await
+            .ok()
+        }
+        Route::Get {
             cache,
-            params,
-            filter,
             enc,
-            &state.watch,
-            state.drain.clone(),
-        )
-        .await
-        .ok(),
-        Route::Get { cache, enc } => crate::list::get(&cache, &info.namespace, &info.name, enc),
+            consistent,
+        } => {
+            let snap = if consistent {
+                state
+                    .consistency
+                    .latest(&cache, consistency_mode(state, &cache))
+                    .await?
+            } else {
+                cache.current()
+            };
+            crate::list::get(&cache, &snap, &info.namespace, &info.name, enc)
+        }
         Route::List {
             cache,
             filter,
@@ -457,13 +484,10 @@ async fn serve_from_cache(
             params,
         } => {
             let latest = if params.rv == crate::list::Rv::Unset && params.continue_.is_none() {
-                let l = &state.config.lists;
-                let mode = l
-                    .consistency_by_resource
-                    .get(&cache.resource.label())
-                    .copied()
-                    .unwrap_or(l.consistency);
-                state.consistency.latest(&cache, mode).await
+                state
+                    .consistency
+                    .latest(&cache, consistency_mode(state, &cache))
+                    .await
             } else {
                 None
             };
@@ -533,6 +557,18 @@ async fn read_your_writes(
         )
         .into_response(),
     }
+}
+
+/// The consistency mode configured for a resource.
+fn consistency_mode(
+    state: &State,
+    cache: &crate::cache::ResourceCache,
+) -> crate::consistency::Mode {
+    let l = &state.config.lists;
+    l.consistency_by_resource
+        .get(&cache.resource.label())
+        .copied()
+        .unwrap_or(l.consistency)
 }
 
 /// What a continue token is bound to: the caller (a hash of its credential or certificate

@@ -22,6 +22,8 @@
 //! - [`hub`]: watch fan-out with bounded per-watcher queues and the slow-watcher policy.
 //! - [`watch`]: downstream watches served from the cache (start points, bookmarks, timeouts).
 //! - [`list`]: GET and LIST `resourceVersion=0` served from the cache.
+//! - [`paging`]: the adaptive page-size controller (QPS, latency and apiserver/etcd load in,
+//!   upstream page size and downstream page cap out).
 //! - [`selector`]: label and field selectors, parsed and evaluated as the apiserver does.
 //! - [`passthrough`]: streaming proxying of requests, watches and protocol upgrades.
 //! - [`drain`]: body wrappers ending watch streams cleanly at shutdown, request accounting.
@@ -47,6 +49,7 @@ pub mod hub;
 pub mod identity;
 pub mod list;
 pub mod metrics;
+pub mod paging;
 pub mod passthrough;
 pub mod reflector;
 pub mod request_info;

@@ -43,6 +43,8 @@ pub struct State {
     pub caches: Arc<crate::cache::registry::Caches>,
     pub authz: crate::authz::Authorizer,
     pub watch: crate::watch::WatchConfig,
+    /// The adaptive page-size controller.
+    pub paging: Arc<crate::paging::Paging>,
     /// Cancelled when draining starts: long-running responses end cleanly.
     pub drain: CancellationToken,
 }
@@ -57,8 +59,10 @@ impl State {
             watcher_queue: c.watcher_queue,
             dispatch_budget: c.dispatch_budget,
         };
+        let paging = crate::paging::Paging::new(config.paging.clone(), c.upstream_page_size);
         let reflector = crate::reflector::ReflectorConfig {
             page_size: c.upstream_page_size,
+            adaptive_page_size: paging.upstream_source(),
             ..Default::default()
         };
         let caches = crate::cache::registry::Caches::start(
@@ -81,6 +85,7 @@ impl State {
         metrics.register_collector(Box::new(crate::cache::metrics::CacheCollector(
             caches.clone(),
         )));
+        metrics.register_collector(Box::new(crate::paging::PagingCollector(paging.clone())));
         Arc::new(State {
             config,
             upstream,
@@ -89,6 +94,7 @@ impl State {
             caches,
             authz,
             watch,
+            paging,
             drain,
         })
     }
@@ -484,6 +490,11 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
             );
             return r;
         }
+        // Served like /metrics (unauthenticated for now; both get the authentication
+        // issue's treatment together).
+        if path == "/debug/paging" {
+            return state.paging.debug_response();
+        }
     }
 
     let info = RequestInfo::parse(&method, &path, query.as_deref());
@@ -540,6 +551,7 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         "request"
     );
     let scope = info.metrics_scope().to_string();
+    let paging = (verb == "LIST").then(|| state.paging.clone());
     let hist = state
         .metrics
         .request_duration
@@ -556,6 +568,9 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
     let (parts, b) = resp.into_parts();
     let b = Tracked::new(b, start, move |start| {
         hist.observe(start.elapsed().as_secs_f64());
+        if let Some(p) = &paging {
+            p.record_list(start.elapsed());
+        }
         inflight.dec();
     });
     Response::from_parts(parts, body::boxed(b))
@@ -637,6 +652,9 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
     let insecure_addr = insecure.as_ref().and_then(|l| l.local_addr().ok());
     let state = State::new(config, upstream);
     state.spawn_upstream_probe();
+    state
+        .paging
+        .spawn(state.upstream.clone(), state.drain.clone());
     let stop = CancellationToken::new();
     let task = tokio::spawn(run(
         state.clone(),

@@ -352,7 +352,10 @@ impl PagingConfig {
             ("paging.moderateLoadFactor", self.moderate_load_factor),
             ("paging.highLoadFactor", self.high_load_factor),
             ("paging.load.inqueueRequests", self.load.inqueue_requests),
-            ("paging.load.rejectedPerSecond", self.load.rejected_per_second),
+            (
+                "paging.load.rejectedPerSecond",
+                self.load.rejected_per_second,
+            ),
             ("paging.load.storageObjects", self.load.storage_objects),
             (
                 "paging.load.etcdPendingProposals",
@@ -388,7 +391,10 @@ impl PagingConfig {
             err("paging.historySize", "must be at least 1".into());
         }
         if self.load.etcd_request_p99.is_zero() {
-            err("paging.load.etcdRequestP99", "must be greater than 0".into());
+            err(
+                "paging.load.etcdRequestP99",
+                "must be greater than 0".into(),
+            );
         }
         if self.load.etcd_commit_p99.is_zero() {
             err("paging.load.etcdCommitP99", "must be greater than 0".into());

@@ -261,8 +261,11 @@ impl LatencyWindow {
             let steps = (f64::from(STEPS_PER_DOUBLING) * (s / PIVOT_SECONDS).log2()).ceil();
             // The float log can land one step off right at a bound; fix it up against the
             // bounds themselves so `le` semantics hold exactly.
-            let mut i = clamp(steps + f64::from(STEPS_EACH_SIDE), 0.0, FINITE_BUCKETS as f64)
-                as usize;
+            let mut i = clamp(
+                steps + f64::from(STEPS_EACH_SIDE),
+                0.0,
+                FINITE_BUCKETS as f64,
+            ) as usize;
             while i < FINITE_BUCKETS && s > bucket_bound(i) {
                 i += 1;
             }
@@ -503,7 +506,10 @@ impl ApiserverScrape {
     pub fn parse(text: &str) -> ApiserverScrape {
         let mut out = ApiserverScrape::default();
         let samples = parse_samples(text, |n| {
-            n == ETCD_REQUEST_BUCKET || n == INQUEUE || n == REJECTED || STORAGE_OBJECTS.contains(&n)
+            n == ETCD_REQUEST_BUCKET
+                || n == INQUEUE
+                || n == REJECTED
+                || STORAGE_OBJECTS.contains(&n)
         });
         // The first storage-objects name present wins, so an apiserver exporting both (during
         // the rename) is not counted twice.
@@ -549,7 +555,9 @@ impl EtcdScrape {
             match s.name {
                 ETCD_COMMIT_BUCKET => {
                     if let Some(le) = bucket_le(&s) {
-                        out.commit.get_or_insert_with(Buckets::default).add(le, s.value);
+                        out.commit
+                            .get_or_insert_with(Buckets::default)
+                            .add(le, s.value);
                     }
                 }
                 _ => sum(&mut out.pending, s.value),
@@ -643,7 +651,12 @@ impl LoadTracker {
                         && c >= p
                         && secs > 0.0
                     {
-                        push("rejectedPerSecond", (c - p) / secs, cfg.rejected_per_second, None);
+                        push(
+                            "rejectedPerSecond",
+                            (c - p) / secs,
+                            cfg.rejected_per_second,
+                            None,
+                        );
                     }
                 }
                 if let Some(v) = cur.inqueue {
@@ -658,7 +671,10 @@ impl LoadTracker {
         }
         match etcd {
             Some(Ok(cur)) => {
-                let p99 = match (&cur.commit, self.prev_etcd.as_ref().and_then(|p| p.commit.as_ref())) {
+                let p99 = match (
+                    &cur.commit,
+                    self.prev_etcd.as_ref().and_then(|p| p.commit.as_ref()),
+                ) {
                     (Some(c), Some(p)) => c.since(p).and_then(|d| d.quantile(0.99)),
                     _ => None,
                 };
@@ -847,9 +863,19 @@ impl Paging {
         api: Result<ApiserverScrape, String>,
         etcd: Option<Result<EtcdScrape, String>>,
     ) -> Record {
+        self.sample_at(Instant::now(), upstream, api, etcd)
+    }
+
+    /// [`Paging::sample`] at `now` (rates are per second since the previous sample).
+    pub fn sample_at(
+        &self,
+        now: Instant,
+        upstream: Window,
+        api: Result<ApiserverScrape, String>,
+        etcd: Option<Result<EtcdScrape, String>>,
+    ) -> Record {
         let lists = self.lists.take();
         let mut inner = self.lock();
-        let now = Instant::now();
         let elapsed = now.saturating_duration_since(inner.last_sample);
         inner.last_sample = now;
         let load = inner.load.update(&self.cfg.load, api, etcd, elapsed);
@@ -1098,10 +1124,7 @@ struct SignalLabels {
 type FloatGauge = prometheus_client::metrics::gauge::Gauge<f64, AtomicU64>;
 
 impl prometheus_client::collector::Collector for PagingCollector {
-    fn encode(
-        &self,
-        mut enc: prometheus_client::encoding::DescriptorEncoder,
-    ) -> std::fmt::Result {
+    fn encode(&self, mut enc: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
         use prometheus_client::encoding::EncodeMetric;
         use prometheus_client::metrics::family::Family;
         use prometheus_client::metrics::gauge::Gauge;
@@ -1211,5 +1234,663 @@ impl prometheus_client::collector::Collector for PagingCollector {
             "Factors of the adaptive page size in the last sample",
             &factors,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> PagingConfig {
+        PagingConfig::default()
+    }
+
+    const MS: fn(u64) -> Duration = Duration::from_millis;
+
+    fn approx(a: f64, b: f64) -> bool {
+        (a - b).abs() < 1e-9
+    }
+
+    #[test]
+    fn qps_factor_is_linear_around_the_pivot_and_clamped() {
+        let c = cfg();
+        for (qps, want) in [
+            (0.0, 0.5),
+            (-5.0, 0.5),
+            (f64::NAN, 0.5),
+            (f64::INFINITY, 0.5),
+            (200.0, 0.7),
+            (500.0, 1.0),
+            (1000.0, 1.5),
+            (1499.0, 1.999),
+            (1500.0, 2.0),
+            (100_000.0, 2.0),
+        ] {
+            assert!(
+                approx(qps_factor(&c, qps), want),
+                "qps {qps}: {}",
+                qps_factor(&c, qps)
+            );
+        }
+    }
+
+    #[test]
+    fn latency_penalty_applies_strictly_above_the_threshold() {
+        let c = cfg();
+        assert_eq!(latency_factor(&c, None), 1.0);
+        assert_eq!(latency_factor(&c, Some(MS(10))), 1.0);
+        assert_eq!(latency_factor(&c, Some(MS(150))), 1.0);
+        assert_eq!(
+            latency_factor(&c, Some(Duration::from_micros(150_001))),
+            0.6
+        );
+        assert_eq!(latency_factor(&c, Some(Duration::from_secs(30))), 0.6);
+    }
+
+    #[test]
+    fn load_factor_has_three_regimes_and_unknown_is_no_pressure() {
+        let c = cfg();
+        for (load, want) in [
+            (None, 1.0),
+            (Some(f64::NAN), 1.0),
+            (Some(0.0), 1.0),
+            (Some(0.6999), 1.0),
+            (Some(0.7), 0.7),
+            (Some(0.8), 0.7),
+            (Some(0.9), 0.7),
+            (Some(0.9001), 0.4),
+            (Some(1.0), 0.4),
+        ] {
+            assert_eq!(load_factor(&c, load), want, "load {load:?}");
+        }
+    }
+
+    #[test]
+    fn target_size_is_base_times_factors_within_bounds() {
+        let c = cfg();
+        assert_eq!(target_size(&c, 1.0), 100.0);
+        assert_eq!(target_size(&c, 2.0), 200.0);
+        assert!(approx(target_size(&c, 0.5 * 0.7), 35.0));
+        // Every penalty at once: 100 * 0.5 * 0.6 * 0.4 = 12, raised to the minimum.
+        assert_eq!(target_size(&c, 0.5 * 0.6 * 0.4), 20.0);
+        let big = PagingConfig {
+            base_page_size: 400,
+            ..cfg()
+        };
+        assert_eq!(target_size(&big, 2.0), 500.0, "capped at the maximum");
+    }
+
+    /// Each regime of each factor, combined: the first step from the base (100) moves 30%
+    /// of the way to the target.
+    #[test]
+    fn every_regime_gives_the_documented_target() {
+        let c = cfg();
+        let slow = Some(MS(400));
+        let fast = Some(MS(20));
+        for (qps, p95, load, want) in [
+            (500.0, fast, Some(0.1), 100.0),
+            (0.0, fast, None, 50.0),
+            (2000.0, fast, Some(0.5), 200.0),
+            (1000.0, fast, Some(0.5), 150.0),
+            (500.0, slow, Some(0.1), 60.0),
+            (500.0, fast, Some(0.8), 70.0),
+            (500.0, fast, Some(0.95), 40.0),
+            (2000.0, slow, Some(0.95), 48.0),
+            (0.0, slow, Some(0.95), 20.0),
+        ] {
+            let mut ctl = Controller::new(&c);
+            let d = ctl.step(
+                &c,
+                &Inputs {
+                    list_qps: qps,
+                    list_p95: p95,
+                    upstream_p95: p95,
+                    load,
+                },
+            );
+            assert!(
+                approx(d.target.upstream, want),
+                "{qps} {p95:?} {load:?}: {d:?}"
+            );
+            assert!(approx(d.target.downstream, want), "{d:?}");
+            assert!(
+                approx(d.smoothed.upstream, 100.0 + 0.3 * (want - 100.0)),
+                "{d:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn each_target_is_penalised_by_its_own_latency() {
+        let c = cfg();
+        let mut ctl = Controller::new(&c);
+        let d = ctl.step(
+            &c,
+            &Inputs {
+                list_qps: 500.0,
+                list_p95: Some(MS(10)),
+                upstream_p95: Some(MS(500)),
+                load: Some(0.0),
+            },
+        );
+        assert_eq!(d.factors.upstream_latency, 0.6);
+        assert_eq!(d.factors.downstream_latency, 1.0);
+        assert!(approx(d.target.upstream, 60.0));
+        assert!(approx(d.target.downstream, 100.0));
+    }
+
+    #[test]
+    fn the_average_starts_at_the_base_and_moves_alpha_of_the_gap_per_step() {
+        let c = cfg();
+        let mut ctl = Controller::new(&c);
+        assert_eq!(
+            ctl.page_size(&c),
+            PerTarget {
+                upstream: 100,
+                downstream: 100
+            }
+        );
+        let worst = Inputs {
+            list_qps: 0.0,
+            list_p95: Some(MS(900)),
+            upstream_p95: Some(MS(900)),
+            load: Some(1.0),
+        };
+        let sizes: Vec<u32> = (0..4)
+            .map(|_| ctl.step(&c, &worst).page_size.upstream)
+            .collect();
+        // 100 → 76 → 59.2 → 47.44 → 39.208 (target 20).
+        assert_eq!(sizes, [76, 59, 47, 39]);
+        for _ in 0..100 {
+            ctl.step(&c, &worst);
+        }
+        assert_eq!(ctl.page_size(&c).upstream, 20, "converges to the minimum");
+    }
+
+    #[test]
+    fn alpha_one_means_no_smoothing() {
+        let c = PagingConfig {
+            ema_alpha: 1.0,
+            ..cfg()
+        };
+        let mut ctl = Controller::new(&c);
+        let d = ctl.step(
+            &c,
+            &Inputs {
+                list_qps: 2000.0,
+                ..Default::default()
+            },
+        );
+        assert_eq!(d.page_size.downstream, 200);
+    }
+
+    #[test]
+    fn a_base_outside_the_bounds_starts_within_them() {
+        let c = PagingConfig {
+            base_page_size: 5000,
+            ..cfg()
+        };
+        assert_eq!(Controller::new(&c).page_size(&c).upstream, 500);
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn page_sizes_stay_within_the_bounds_for_any_inputs(
+            steps in proptest::collection::vec(
+                (proptest::num::f64::ANY, proptest::option::of(0u64..100_000),
+                 proptest::option::of(proptest::num::f64::ANY)),
+                1..50,
+            ),
+            min in 1u32..100,
+            span in 0u32..1000,
+            base in 1u32..2000,
+        ) {
+            let c = PagingConfig {
+                min_page_size: min,
+                max_page_size: min + span,
+                base_page_size: base,
+                ..cfg()
+            };
+            let mut ctl = Controller::new(&c);
+            for (qps, p95, load) in steps {
+                let d = ctl.step(&c, &Inputs {
+                    list_qps: qps,
+                    list_p95: p95.map(Duration::from_millis),
+                    upstream_p95: p95.map(Duration::from_millis),
+                    load,
+                });
+                for s in [d.page_size.upstream, d.page_size.downstream] {
+                    proptest::prop_assert!((min..=min + span).contains(&s), "{s} {d:?}");
+                }
+            }
+        }
+    }
+
+    /// Synthetic load curves: idle, a LIST QPS spike, an etcd overload (high load score,
+    /// slow requests), recovery. Checks direction, bounds and smoothing at every step.
+    #[test]
+    fn simulation_follows_spike_overload_and_recovery_smoothly() {
+        let c = cfg();
+        let mut ctl = Controller::new(&c);
+        struct Phase {
+            name: &'static str,
+            inputs: Inputs,
+            target: f64,
+        }
+        let phases = [
+            Phase {
+                name: "idle",
+                inputs: Inputs {
+                    list_qps: 50.0,
+                    list_p95: Some(MS(20)),
+                    upstream_p95: Some(MS(30)),
+                    load: Some(0.2),
+                },
+                target: 55.0,
+            },
+            Phase {
+                name: "qps spike",
+                inputs: Inputs {
+                    list_qps: 2500.0,
+                    list_p95: Some(MS(60)),
+                    upstream_p95: Some(MS(40)),
+                    load: Some(0.3),
+                },
+                target: 200.0,
+            },
+            Phase {
+                name: "etcd overload",
+                inputs: Inputs {
+                    list_qps: 2500.0,
+                    list_p95: Some(MS(300)),
+                    upstream_p95: Some(MS(800)),
+                    load: Some(0.97),
+                },
+                target: 48.0,
+            },
+            Phase {
+                name: "recovery",
+                inputs: Inputs {
+                    list_qps: 300.0,
+                    list_p95: Some(MS(25)),
+                    upstream_p95: Some(MS(30)),
+                    load: Some(0.4),
+                },
+                target: 80.0,
+            },
+        ];
+        let mut prev = 100.0;
+        let mut trace = Vec::new();
+        for p in &phases {
+            let rising = p.target > prev;
+            for i in 0..30 {
+                let d = ctl.step(&c, &p.inputs);
+                let s = d.smoothed.upstream;
+                trace.push((p.name, d.page_size.upstream));
+                assert!(approx(d.target.upstream, p.target), "{}: {d:?}", p.name);
+                // Bounds.
+                assert!((20..=500).contains(&d.page_size.upstream));
+                assert!((20..=500).contains(&d.page_size.downstream));
+                // Direction: monotone towards the phase's target, never past it.
+                if rising {
+                    assert!(
+                        s > prev && s <= p.target + 1e-9,
+                        "{} step {i}: {prev} -> {s}",
+                        p.name
+                    );
+                } else {
+                    assert!(
+                        s < prev && s >= p.target - 1e-9,
+                        "{} step {i}: {prev} -> {s}",
+                        p.name
+                    );
+                }
+                // Smoothing: exactly alpha of the remaining gap, so no jump to the target.
+                assert!(
+                    (s - prev - 0.3 * (d.target.upstream - prev)).abs() < 1e-9,
+                    "{} step {i}",
+                    p.name
+                );
+                prev = s;
+            }
+            // After 30 intervals the average has settled (0.7^30 of the gap is left).
+            assert!((prev - p.target).abs() < 0.01, "{}: {prev}", p.name);
+        }
+        // The first step of the spike moved 30% of the way, not all of it.
+        assert_eq!(trace[30], ("qps spike", 99));
+        // And of the overload: from 200 to 200 - 0.3 * 152.
+        assert_eq!(trace[60], ("etcd overload", 154));
+        eprintln!("simulated upstream page sizes: {trace:?}");
+    }
+
+    #[test]
+    fn histogram_quantile_interpolates_like_prometheus() {
+        let b = [(0.1, 50.0), (0.2, 100.0), (f64::INFINITY, 100.0)];
+        assert!(approx(histogram_quantile(0.5, &b).unwrap(), 0.1));
+        assert!(approx(histogram_quantile(0.75, &b).unwrap(), 0.15));
+        assert!(approx(histogram_quantile(0.25, &b).unwrap(), 0.05));
+        // A rank in the +Inf bucket gives the highest finite bound.
+        let inf = [(0.1, 0.0), (0.2, 1.0), (f64::INFINITY, 10.0)];
+        assert_eq!(histogram_quantile(0.99, &inf), Some(0.2));
+        assert_eq!(
+            histogram_quantile(0.5, &[(0.1, 0.0), (f64::INFINITY, 0.0)]),
+            None
+        );
+        assert_eq!(histogram_quantile(0.5, &[]), None);
+        assert_eq!(
+            histogram_quantile(0.5, &[(0.1, 3.0)]),
+            None,
+            "no +Inf bucket"
+        );
+    }
+
+    #[test]
+    fn latency_window_p95_and_reset() {
+        let w = LatencyWindow::default();
+        assert_eq!(w.take().quantile(0.95), None);
+        for _ in 0..95 {
+            w.observe(MS(10));
+        }
+        for _ in 0..5 {
+            w.observe(Duration::from_secs(2));
+        }
+        let t = w.take();
+        assert_eq!(t.count(), 100);
+        let p95 = t.quantile(0.95).unwrap();
+        // Within the 9% bucket holding 10 ms.
+        assert!(p95 > MS(9) && p95 <= MS(11), "{p95:?}");
+        let p99 = t.quantile(0.99).unwrap();
+        assert!(
+            p99 > Duration::from_millis(1800) && p99 <= Duration::from_millis(2100),
+            "{p99:?}"
+        );
+        assert_eq!(w.take().count(), 0, "take resets the window");
+    }
+
+    #[test]
+    fn latency_window_decides_the_default_threshold_exactly() {
+        let c = cfg();
+        for (d, want) in [(MS(150), 1.0), (Duration::from_micros(150_500), 0.6)] {
+            let w = LatencyWindow::default();
+            for _ in 0..100 {
+                w.observe(d);
+            }
+            assert_eq!(latency_factor(&c, w.take().quantile(0.95)), want, "{d:?}");
+        }
+        // Extremes land in the end buckets instead of panicking.
+        let w = LatencyWindow::default();
+        w.observe(Duration::ZERO);
+        w.observe(Duration::from_secs(100_000));
+        assert_eq!(w.take().count(), 2);
+    }
+
+    const APISERVER_TEXT: &str = r#"# HELP etcd_request_duration_seconds [ALPHA] Etcd request latency in seconds for each operation and object type.
+# TYPE etcd_request_duration_seconds histogram
+etcd_request_duration_seconds_bucket{operation="get",type="/registry/pods",le="0.005"} 90
+etcd_request_duration_seconds_bucket{operation="get",type="/registry/pods",le="0.1"} 100
+etcd_request_duration_seconds_bucket{operation="get",type="/registry/pods",le="+Inf"} 100
+etcd_request_duration_seconds_bucket{operation="get",type="/registry/configmaps",le="0.005"} 10
+etcd_request_duration_seconds_bucket{operation="get",type="/registry/configmaps",le="0.1"} 10
+etcd_request_duration_seconds_bucket{operation="get",type="/registry/configmaps",le="+Inf"} 10
+etcd_request_duration_seconds_bucket{operation="listWithCount",type="/registry/pods",le="0.005"} 0
+etcd_request_duration_seconds_bucket{operation="listWithCount",type="/registry/pods",le="0.1"} 4
+etcd_request_duration_seconds_bucket{operation="listWithCount",type="/registry/pods",le="+Inf"} 4
+etcd_request_duration_seconds_sum{operation="get",type="/registry/pods"} 0.3
+etcd_request_duration_seconds_count{operation="get",type="/registry/pods"} 100
+# TYPE apiserver_flowcontrol_current_inqueue_requests gauge
+apiserver_flowcontrol_current_inqueue_requests{flow_schema="a",priority_level="workload-low"} 3
+apiserver_flowcontrol_current_inqueue_requests{flow_schema="b",priority_level="global-default"} 2
+apiserver_flowcontrol_rejected_requests_total{flow_schema="a",priority_level="workload-low",reason="queue-full"} 7
+apiserver_storage_objects{resource="pods"} 1500
+apiserver_storage_objects{resource="configmaps"} 500
+apiserver_resource_objects{group="",resource="pods"} 1500
+apiserver_request_total{code="200",verb="GET"} 12345
+"#;
+
+    #[test]
+    fn parser_reads_names_labels_escapes_and_special_values() {
+        let text = "# HELP x y\n\
+            a 1\n\
+            a{} 2 1700000000000\n\
+            a{k=\"v\",j=\"say \\\"hi\\\"\\\\\\n\",} 3\n\
+            a { k = \"sp aced\" } 4\n\
+            a{le=\"+Inf\"} +Inf\n\
+            a NaN\n\
+            a 1e3\n\
+            b 9\n\
+            a{k=\"unterminated} 5\n\
+            a{k} 6\n\
+            a\n\
+            \n";
+        let s = parse_samples(text, |n| n == "a");
+        let values: Vec<f64> = s.iter().map(|s| s.value).collect();
+        assert_eq!(values.len(), 7, "{s:?}");
+        assert_eq!(&values[..5], &[1.0, 2.0, 3.0, 4.0, f64::INFINITY]);
+        assert!(values[5].is_nan());
+        assert_eq!(values[6], 1000.0);
+        assert_eq!(s[2].label("k"), Some("v"));
+        assert_eq!(s[2].label("j"), Some("say \"hi\"\\\n"));
+        assert_eq!(s[3].label("k"), Some("sp aced"));
+        assert_eq!(s[4].label("le"), Some("+Inf"));
+    }
+
+    #[test]
+    fn apiserver_scrape_sums_series_by_operation_and_prefers_one_objects_name() {
+        let s = ApiserverScrape::parse(APISERVER_TEXT);
+        assert_eq!(s.inqueue, Some(5.0));
+        assert_eq!(s.rejected_total, Some(7.0));
+        assert_eq!(
+            s.storage_objects,
+            Some(2000.0),
+            "apiserver_storage_objects only"
+        );
+        let get = &s.etcd_request.iter().find(|(o, _)| o == "get").unwrap().1;
+        assert_eq!(
+            get.0,
+            vec![(0.005, 100.0), (0.1, 110.0), (f64::INFINITY, 110.0)]
+        );
+        assert_eq!(s.etcd_request.len(), 2);
+        let only_new = ApiserverScrape::parse("apiserver_resource_objects{resource=\"pods\"} 42\n");
+        assert_eq!(only_new.storage_objects, Some(42.0));
+        assert_eq!(ApiserverScrape::parse(""), ApiserverScrape::default());
+    }
+
+    fn etcd_text(op: &str, fast: u64, slow: u64, rejected: u64) -> String {
+        format!(
+            "etcd_request_duration_seconds_bucket{{operation=\"{op}\",le=\"0.01\"}} {fast}\n\
+             etcd_request_duration_seconds_bucket{{operation=\"{op}\",le=\"2\"}} {}\n\
+             etcd_request_duration_seconds_bucket{{operation=\"{op}\",le=\"+Inf\"}} {}\n\
+             apiserver_flowcontrol_rejected_requests_total{{reason=\"queue-full\"}} {rejected}\n\
+             apiserver_flowcontrol_current_inqueue_requests 10\n",
+            fast + slow,
+            fast + slow
+        )
+    }
+
+    #[test]
+    fn load_uses_deltas_between_scrapes_and_the_worst_signal() {
+        let lc = LoadConfig::default();
+        let mut t = LoadTracker::default();
+        let s = |text: &str| Ok(ApiserverScrape::parse(text));
+        let tenth = Duration::from_secs(10);
+        // First scrape: only gauges (inqueue 10 / 100).
+        let r = t.update(&lc, s(&etcd_text("get", 1000, 0, 0)), None, tenth);
+        assert_eq!(r.signals.len(), 1, "{r:?}");
+        assert!(approx(r.score.unwrap(), 0.1));
+        // Then 100 requests, all slow, and 5 rejections in 10 s: the history of fast
+        // requests does not hide the current slowness.
+        let r = t.update(&lc, s(&etcd_text("get", 1000, 100, 5)), None, tenth);
+        let p99 = r
+            .signals
+            .iter()
+            .find(|s| s.name == "etcdRequestP99Seconds")
+            .unwrap();
+        assert_eq!(p99.operation.as_deref(), Some("get"));
+        assert!(p99.value > 1.9 && p99.value <= 2.0, "{p99:?}");
+        assert_eq!(p99.score, 1.0, "capped at 1");
+        let rej = r
+            .signals
+            .iter()
+            .find(|s| s.name == "rejectedPerSecond")
+            .unwrap();
+        assert!(approx(rej.value, 0.5) && approx(rej.score, 0.5));
+        assert_eq!(r.score, Some(1.0));
+        // Quiet interval: no etcd requests, no p99; the inqueue gauge remains.
+        let r = t.update(&lc, s(&etcd_text("get", 1000, 100, 5)), None, tenth);
+        assert!(approx(r.score.unwrap(), 0.1), "{r:?}");
+        // A counter reset (apiserver restart) skips the rates once instead of going negative.
+        let r = t.update(&lc, s(&etcd_text("get", 3, 0, 0)), None, tenth);
+        assert_eq!(r.signals.len(), 1, "{r:?}");
+    }
+
+    #[test]
+    fn failed_scrapes_keep_the_last_score_for_a_while_then_it_is_unknown() {
+        let lc = LoadConfig::default();
+        let mut t = LoadTracker::default();
+        let d = Duration::from_secs(10);
+        let ok = || Ok(ApiserverScrape::parse(&etcd_text("get", 1, 0, 0)));
+        assert!(approx(t.update(&lc, ok(), None, d).score.unwrap(), 0.1));
+        for i in 1..=STALE_SAMPLES {
+            let r = t.update(&lc, Err("timed out".into()), None, d);
+            assert!(approx(r.score.unwrap(), 0.1));
+            assert_eq!(r.stale_samples, i);
+            assert_eq!(r.errors, ["apiserver: timed out"]);
+        }
+        let r = t.update(&lc, Err("timed out".into()), None, d);
+        assert_eq!(r.score, None);
+        assert_eq!(load_factor(&cfg(), r.score), 1.0);
+        // A scrape that works but has none of the metrics is the same as no signal.
+        let mut t = LoadTracker::default();
+        let r = t.update(&lc, Ok(ApiserverScrape::default()), None, d);
+        assert_eq!(r.score, None);
+        assert!(r.errors.is_empty());
+    }
+
+    #[test]
+    fn etcd_signals_join_the_score() {
+        let lc = LoadConfig::default();
+        let mut t = LoadTracker::default();
+        let etcd = |fast: u64, slow: u64, pending: u64| {
+            Some(Ok(EtcdScrape::parse(&format!(
+                "etcd_disk_backend_commit_duration_seconds_bucket{{le=\"0.008\"}} {fast}\n\
+                 etcd_disk_backend_commit_duration_seconds_bucket{{le=\"0.256\"}} {}\n\
+                 etcd_disk_backend_commit_duration_seconds_bucket{{le=\"+Inf\"}} {}\n\
+                 etcd_server_proposals_pending {pending}\n",
+                fast + slow,
+                fast + slow
+            ))))
+        };
+        let d = Duration::from_secs(10);
+        let r = t.update(&lc, Err("403 Forbidden".into()), etcd(10, 0, 20), d);
+        assert!(approx(r.score.unwrap(), 0.2), "pending 20 / 100: {r:?}");
+        let r = t.update(&lc, Err("403 Forbidden".into()), etcd(10, 50, 20), d);
+        let commit = r
+            .signals
+            .iter()
+            .find(|s| s.name == "etcdCommitP99Seconds")
+            .unwrap();
+        assert!(commit.value > 0.2 && commit.value <= 0.256, "{commit:?}");
+        assert!(r.score.unwrap() > 0.8, "{r:?}");
+        let r = t.update(
+            &lc,
+            Ok(ApiserverScrape::default()),
+            Some(Err("refused".into())),
+            d,
+        );
+        assert_eq!(r.errors, ["etcd: refused"]);
+    }
+
+    #[test]
+    fn samples_measure_qps_publish_sizes_and_keep_bounded_history() {
+        let c = PagingConfig {
+            history_size: 3,
+            ..cfg()
+        };
+        let p = Paging::new(c, 500);
+        assert_eq!(p.upstream_page_size(), 100, "the base before any sample");
+        assert_eq!(p.downstream_cap(), Some(100));
+        for _ in 0..20_000 {
+            p.record_list(MS(5));
+        }
+        let mut now = Instant::now() + Duration::from_secs(10);
+        let up = LatencyWindow::default();
+        up.observe(MS(400));
+        let r = p.sample_at(now, up.take(), Ok(ApiserverScrape::default()), None);
+        // 20000 LISTs in the ~10 s since the controller was created.
+        assert!((r.interval_seconds - 10.0).abs() < 1.0, "{r:?}");
+        assert!(approx(
+            r.inputs.downstream_list_qps,
+            20_000.0 / r.interval_seconds
+        ));
+        assert_eq!(r.decision.factors.qps, 2.0);
+        assert_eq!(r.decision.factors.upstream_latency, 0.6);
+        assert_eq!(r.decision.factors.downstream_latency, 1.0);
+        // upstream 100 + 0.3 * (120 - 100) = 106; downstream 100 + 0.3 * (200 - 100) = 130.
+        assert_eq!(p.upstream_page_size(), 106);
+        assert_eq!(p.downstream_cap(), Some(130));
+        assert_eq!(p.upstream_source().unwrap().get(), 106);
+        for _ in 0..5 {
+            now += Duration::from_secs(10);
+            p.sample_at(now, Window { cumulative: vec![] }, Err("down".into()), None);
+        }
+        let j = p.debug_json();
+        assert_eq!(j["history"].as_array().unwrap().len(), 3);
+        assert_eq!(j["current"]["inputs"]["downstreamListQps"], 0.0);
+        assert_eq!(
+            j["current"]["inputs"]["load"]["errors"][0],
+            "apiserver: down"
+        );
+        assert_eq!(j["current"]["pageSize"]["upstream"], p.upstream_page_size());
+        assert_eq!(j["pageSize"]["downstream"], p.downstream_cap().unwrap());
+    }
+
+    #[test]
+    fn switched_off_targets_use_the_static_size_and_no_cap() {
+        let c = PagingConfig {
+            adapt_upstream: false,
+            cap_downstream: false,
+            ..cfg()
+        };
+        let p = Paging::new(c, 500);
+        assert_eq!(p.upstream_source(), None);
+        assert_eq!(p.upstream_page_size(), 500);
+        assert_eq!(p.downstream_cap(), None);
+    }
+
+    #[test]
+    fn gauges_report_sizes_inputs_and_factors() {
+        let p = Paging::new(cfg(), 500);
+        let m = crate::metrics::Metrics::new();
+        m.register_collector(Box::new(PagingCollector(p.clone())));
+        let before = m.encode();
+        assert!(
+            before.contains("kube_cache_proxy_page_size{target=\"upstream\"} 100"),
+            "{before}"
+        );
+        assert!(before.contains("kube_cache_proxy_page_size{target=\"downstream\"} 100"));
+        assert!(
+            !before.contains("kube_cache_proxy_paging_factor"),
+            "no sample yet"
+        );
+        let up = LatencyWindow::default();
+        up.observe(MS(20));
+        p.sample(up.take(), Ok(ApiserverScrape::parse(APISERVER_TEXT)), None);
+        let text = m.encode();
+        for want in [
+            "kube_cache_proxy_paging_factor{factor=\"qps\"} 0.5",
+            "kube_cache_proxy_paging_factor{factor=\"load\"} 1.0",
+            "kube_cache_proxy_paging_factor{factor=\"upstream_latency\"} 1.0",
+            "kube_cache_proxy_paging_load_signal{signal=\"storageObjects\"} 2000.0",
+            "kube_cache_proxy_paging_load_signal_score{signal=\"inqueueRequests\"} 0.05",
+            "kube_cache_proxy_paging_load_score 0.05",
+            "kube_cache_proxy_paging_downstream_list_qps 0.0",
+            "kube_cache_proxy_paging_upstream_latency_p95_seconds 0.0",
+        ] {
+            assert!(text.contains(want), "{want} missing:\n{text}");
+        }
+        assert!(
+            !text.contains("kube_cache_proxy_paging_downstream_list_latency_p95_seconds "),
+            "no LIST, no p95"
+        );
     }
 }

@@ -492,7 +492,11 @@ pub struct ApiserverScrape {
 const ETCD_REQUEST_BUCKET: &str = "etcd_request_duration_seconds_bucket";
 const INQUEUE: &str = "apiserver_flowcontrol_current_inqueue_requests";
 const REJECTED: &str = "apiserver_flowcontrol_rejected_requests_total";
-const STORAGE_OBJECTS: &[&str] = &["apiserver_storage_objects", "apiserver_resource_objects"];
+/// `apiserver_resource_objects` replaced `apiserver_storage_objects` (deprecated in 1.34;
+/// 1.36 still declares it but exports no samples). Both are refreshed about once a minute
+/// (`--etcd-count-metric-poll-period`), read 0 until the first check and -1 for a resource
+/// whose count failed.
+const STORAGE_OBJECTS: &[&str] = &["apiserver_resource_objects", "apiserver_storage_objects"];
 const ETCD_COMMIT_BUCKET: &str = "etcd_disk_backend_commit_duration_seconds_bucket";
 const ETCD_PENDING: &str = "etcd_server_proposals_pending";
 
@@ -533,7 +537,9 @@ impl ApiserverScrape {
                 }
                 INQUEUE => sum(&mut out.inqueue, s.value),
                 REJECTED => sum(&mut out.rejected_total, s.value),
-                n if Some(&n) == storage_name => sum(&mut out.storage_objects, s.value),
+                n if Some(&n) == storage_name && s.value >= 0.0 => {
+                    sum(&mut out.storage_objects, s.value)
+                }
                 _ => {}
             }
         }
@@ -1681,8 +1687,8 @@ apiserver_request_total{code="200",verb="GET"} 12345
         assert_eq!(s.rejected_total, Some(7.0));
         assert_eq!(
             s.storage_objects,
-            Some(2000.0),
-            "apiserver_storage_objects only"
+            Some(1500.0),
+            "apiserver_resource_objects only"
         );
         let get = &s.etcd_request.iter().find(|(o, _)| o == "get").unwrap().1;
         assert_eq!(
@@ -1690,8 +1696,11 @@ apiserver_request_total{code="200",verb="GET"} 12345
             vec![(0.005, 100.0), (0.1, 110.0), (f64::INFINITY, 110.0)]
         );
         assert_eq!(s.etcd_request.len(), 2);
-        let only_new = ApiserverScrape::parse("apiserver_resource_objects{resource=\"pods\"} 42\n");
-        assert_eq!(only_new.storage_objects, Some(42.0));
+        let only_old = ApiserverScrape::parse(
+            "apiserver_storage_objects{resource=\"pods\"} 42\n\
+             apiserver_storage_objects{resource=\"nodes\"} -1\n",
+        );
+        assert_eq!(only_old.storage_objects, Some(42.0), "-1 is a failed count");
         assert_eq!(ApiserverScrape::parse(""), ApiserverScrape::default());
     }
 
@@ -1880,7 +1889,7 @@ apiserver_request_total{code="200",verb="GET"} 12345
             "kube_cache_proxy_paging_factor{factor=\"qps\"} 0.5",
             "kube_cache_proxy_paging_factor{factor=\"load\"} 1.0",
             "kube_cache_proxy_paging_factor{factor=\"upstream_latency\"} 1.0",
-            "kube_cache_proxy_paging_load_signal{signal=\"storageObjects\"} 2000.0",
+            "kube_cache_proxy_paging_load_signal{signal=\"storageObjects\"} 1500.0",
             "kube_cache_proxy_paging_load_signal_score{signal=\"inqueueRequests\"} 0.05",
             "kube_cache_proxy_paging_load_score 0.05",
             "kube_cache_proxy_paging_downstream_list_qps 0.0",

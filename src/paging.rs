@@ -316,7 +316,7 @@ impl Window {
 /// `+Inf` bucket gives the highest finite bound. `None` without observations.
 pub fn histogram_quantile(q: f64, cumulative: &[(f64, f64)]) -> Option<f64> {
     let &(last_le, total) = cumulative.last()?;
-    if !(total > 0.0) || !last_le.is_infinite() || cumulative.len() < 2 {
+    if total.is_nan() || total <= 0.0 || !last_le.is_infinite() || cumulative.len() < 2 {
         return None;
     }
     let rank = clamp(q, 0.0, 1.0) * total;

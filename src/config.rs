@@ -720,6 +720,42 @@ mod tests {
     }
 
     #[test]
+    fn paging_fields_are_validated_with_their_paths() {
+        let cfg = Config::from_yaml(
+            "insecureListen: 127.0.0.1:8080\npaging:\n  minPageSize: 600\n  emaAlpha: 0\n  \
+             latencyPenalty: -1\n  highLoad: 0.5\n  etcdMetricsUrl: https://etcd:2379\n  \
+             load:\n    etcdRequestP99: 0s\n",
+        )
+        .unwrap();
+        let ConfigError::Invalid(errs) = cfg.validate().unwrap_err() else {
+            panic!()
+        };
+        let mut paths: Vec<_> = errs.iter().map(|e| e.path.as_str()).collect();
+        paths.sort();
+        assert_eq!(
+            paths,
+            [
+                "paging.emaAlpha",
+                "paging.etcdMetricsUrl",
+                "paging.highLoad",
+                "paging.latencyPenalty",
+                "paging.load.etcdRequestP99",
+                "paging.maxPageSize",
+            ]
+        );
+        let ok = Config::from_yaml(
+            "insecureListen: 127.0.0.1:8080\npaging:\n  etcdMetricsUrl: http://127.0.0.1:2381\n",
+        )
+        .unwrap();
+        ok.validate().unwrap();
+        let e = Config::from_yaml("paging:\n  emaAlfa: 0.5\n").unwrap_err();
+        let ConfigError::Invalid(errs) = e else {
+            panic!()
+        };
+        assert_eq!(errs[0].path, "paging.emaAlfa");
+    }
+
+    #[test]
     fn non_loopback_insecure_listener_needs_the_explicit_override() {
         let mut cfg = Config {
             insecure_listen: Some("0.0.0.0:8080".parse().unwrap()),

@@ -849,18 +849,6 @@ impl Paging {
         self.lists.observe(latency);
     }
 
-    /// Folds in the first scrapes without a controller step, so counters and histograms
-    /// have a baseline at the first sample.
-    pub fn prime(
-        &self,
-        api: Result<ApiserverScrape, String>,
-        etcd: Option<Result<EtcdScrape, String>>,
-    ) {
-        let mut inner = self.lock();
-        let elapsed = inner.last_sample.elapsed();
-        inner.load.update(&self.cfg.load, api, etcd, elapsed);
-    }
-
     /// One sample: reads the downstream recorder, takes the upstream window and scrapes
     /// given, steps the controller, publishes the sizes and records the sample.
     pub fn sample(
@@ -983,15 +971,14 @@ impl Paging {
                 };
                 tokio::join!(api, etcd)
             };
-            let (api, etcd) = tokio::select! {
-                _ = shutdown.cancelled() => return,
-                r = scrape_all() => r,
-            };
-            let mut last_errors = log_errors(&api, &etcd, &[]);
-            this.prime(api, etcd);
+            // The first scrape is one interval after start, not at once: the reflectors' initial
+            // lists use the base size meanwhile, and a proxy that is restarted in a loop does
+            // not add a multi-MiB /metrics read to each start. Counters and histograms need two
+            // scrapes, so those signals appear from the second sample.
             let mut tick = tokio::time::interval(this.cfg.interval);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             tick.tick().await;
+            let mut last_errors = Vec::new();
             loop {
                 let (api, etcd) = tokio::select! {
                     _ = shutdown.cancelled() => return,

@@ -107,18 +107,22 @@ async fn real_apiserver_and_etcd_metrics_feed_a_sane_page_size() {
     };
     let cur = &found["current"];
     eprintln!("observed paging sample against the real apiserver:\n{cur:#}");
-    let sizes: Vec<(Value, Value)> = found["history"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|r| {
-            (
-                r["pageSize"]["upstream"].clone(),
-                r["pageSize"]["downstream"].clone(),
-            )
-        })
-        .collect();
-    eprintln!("page sizes (upstream, downstream) per sample: {sizes:?}");
+    for r in found["history"].as_array().unwrap() {
+        let i = &r["inputs"];
+        eprintln!(
+            "sample: listQps={:.1} listP95={} upstreamP95={} load={} factors(qps={:.3} load={} upLat={} downLat={}) -> upstream {} downstream {}",
+            i["downstreamListQps"].as_f64().unwrap_or(0.0),
+            i["downstreamListLatencyP95Seconds"],
+            i["upstreamLatencyP95Seconds"],
+            i["load"]["score"],
+            r["factors"]["qps"].as_f64().unwrap_or(0.0),
+            r["factors"]["load"],
+            r["factors"]["upstreamLatency"],
+            r["factors"]["downstreamLatency"],
+            r["pageSize"]["upstream"],
+            r["pageSize"]["downstream"],
+        );
+    }
 
     // Inputs populated from the real endpoints.
     let inputs = &cur["inputs"];

@@ -24,6 +24,8 @@
 //! - [`watch`]: downstream watches served from the cache (start points, bookmarks, timeouts).
 //! - [`list`]: GET and LIST served from the cache: snapshots, pages, every resourceVersion form.
 //! - [`token`]: signed continue tokens bound to the caller and the query; key rotation.
+//! - [`paging`]: the adaptive page-size controller (QPS, latency and apiserver/etcd load in,
+//!   upstream page size and downstream page cap out).
 //! - [`selector`]: label and field selectors, parsed and evaluated as the apiserver does.
 //! - [`passthrough`]: streaming proxying of requests, watches and protocol upgrades.
 //! - [`drain`]: body wrappers ending watch streams cleanly at shutdown, request accounting.
@@ -50,6 +52,7 @@ pub mod hub;
 pub mod identity;
 pub mod list;
 pub mod metrics;
+pub mod paging;
 pub mod passthrough;
 pub mod reflector;
 pub mod request_info;

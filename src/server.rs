@@ -47,6 +47,8 @@ pub struct State {
     /// Continue-token keys.
     pub keys: Arc<crate::token::Keys>,
     pub consistency: Arc<crate::consistency::Consistency>,
+    /// The adaptive page-size controller.
+    pub paging: Arc<crate::paging::Paging>,
     /// Cancelled when draining starts: long-running responses end cleanly.
     pub drain: CancellationToken,
 }
@@ -63,8 +65,10 @@ impl State {
             snapshot_retention: config.lists.snapshot_retention,
             snapshot_max: config.lists.snapshot_max,
         };
+        let paging = crate::paging::Paging::new(config.paging.clone(), c.upstream_page_size);
         let reflector = crate::reflector::ReflectorConfig {
             page_size: c.upstream_page_size,
+            adaptive_page_size: paging.upstream_source(),
             ..Default::default()
         };
         let caches = crate::cache::registry::Caches::start(
@@ -107,6 +111,7 @@ impl State {
         metrics.register_collector(Box::new(crate::cache::metrics::CacheCollector(
             caches.clone(),
         )));
+        metrics.register_collector(Box::new(crate::paging::PagingCollector(paging.clone())));
         Arc::new(State {
             config,
             upstream,
@@ -118,6 +123,7 @@ impl State {
             lists,
             keys,
             consistency,
+            paging,
             drain,
         })
     }
@@ -496,7 +502,7 @@ async fn serve_from_cache(
                 keys: &state.keys,
                 binding: list_binding(&caller, info, &params),
                 accepts_gzip: accepts_gzip(req.headers()),
-                page_cap: None,
+                page_cap: state.paging.downstream_cap().map(|c| c as u64),
             };
             match crate::list::list(&cache, &filter, enc, &params, &cx, latest).await {
                 crate::list::Outcome::Served(r) => Some(r),
@@ -682,6 +688,11 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
             );
             return r;
         }
+        // Served like /metrics (unauthenticated for now; both get the authentication
+        // issue's treatment together).
+        if path == "/debug/paging" {
+            return state.paging.debug_response();
+        }
     }
 
     let info = RequestInfo::parse(&method, &path, query.as_deref());
@@ -738,6 +749,7 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         "request"
     );
     let scope = info.metrics_scope().to_string();
+    let paging = (verb == "LIST").then(|| state.paging.clone());
     let hist = state
         .metrics
         .request_duration
@@ -754,6 +766,9 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
     let (parts, b) = resp.into_parts();
     let b = Tracked::new(b, start, move |start| {
         hist.observe(start.elapsed().as_secs_f64());
+        if let Some(p) = &paging {
+            p.record_list(start.elapsed());
+        }
         inflight.dec();
     });
     Response::from_parts(parts, body::boxed(b))
@@ -835,6 +850,9 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
     let insecure_addr = insecure.as_ref().and_then(|l| l.local_addr().ok());
     let state = State::new(config, upstream);
     state.spawn_upstream_probe();
+    state
+        .paging
+        .spawn(state.upstream.clone(), state.drain.clone());
     let stop = CancellationToken::new();
     let task = tokio::spawn(run(
         state.clone(),

@@ -64,6 +64,8 @@ pub struct Upstream {
     caller_h1: HttpService,
     proxy: HttpService,
     proxy_h1: HttpService,
+    /// Latency of the proxy's own non-long-running requests, for adaptive paging.
+    latency: std::sync::Arc<crate::paging::LatencyWindow>,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -163,6 +165,7 @@ impl Upstream {
             caller_h1: build(caller_tls, false, None),
             proxy: build(proxy_tls.clone(), true, auth()?),
             proxy_h1: build(proxy_tls, false, auth()?),
+            latency: Default::default(),
         })
     }
 
@@ -181,8 +184,33 @@ impl Upstream {
     }
 
     /// Sends a request with the given identity; `http1` selects the HTTP/1.1 pool (upgrades
-    /// and long-running requests, see the module docs).
+    /// and long-running requests, see the module docs). The time to response headers of the
+    /// proxy's own short requests (`As::Proxy`, not `http1`) goes into [`Upstream::latency`].
     pub fn send(
+        &self,
+        req: Request<Body>,
+        who: As,
+        http1: bool,
+    ) -> impl Future<Output = Result<Response<Incoming>, BoxError>> + Send + 'static {
+        let timed = (who == As::Proxy && !http1).then(|| self.latency.clone());
+        let start = std::time::Instant::now();
+        let sent = self.send_untimed(req, who, http1);
+        async move {
+            let r = sent.await;
+            if let (Some(w), Ok(_)) = (timed, &r) {
+                w.observe(start.elapsed());
+            }
+            r
+        }
+    }
+
+    /// The latency window of the proxy's own upstream requests (see [`Upstream::send`]).
+    pub fn latency(&self) -> &std::sync::Arc<crate::paging::LatencyWindow> {
+        &self.latency
+    }
+
+    /// [`Upstream::send`] without latency accounting.
+    pub fn send_untimed(
         &self,
         req: Request<Body>,
         who: As,

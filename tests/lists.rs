@@ -311,3 +311,34 @@ async fn bounded_reads_see_the_writes_made_through_the_proxy() {
             >= 200
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_adaptive_cap_shortens_pages_whose_limit_is_above_it() {
+    let (_fake, proxy) = setup(|c| {
+        // A fixed cap of 3 (the controller's bounds pin it).
+        c.paging.base_page_size = 3;
+        c.paging.min_page_size = 3;
+        c.paging.max_page_size = 3;
+    })
+    .await;
+    let base = "/api/v1/namespaces/a/configmaps";
+    let (code, first) = get(&proxy, &format!("{base}?limit=5"), "alice").await;
+    assert_eq!(code, 200);
+    assert_eq!(names(&first), ["cm-0", "cm-1", "cm-2"]);
+    assert_eq!(first["metadata"]["remainingItemCount"], 4);
+    let mut all = names(&first);
+    let mut next = first["metadata"]["continue"].as_str().map(str::to_string);
+    while let Some(t) = next.take() {
+        let (code, page) = get(&proxy, &format!("{base}?limit=5&continue={t}"), "alice").await;
+        assert_eq!(code, 200);
+        assert!(names(&page).len() <= 3);
+        all.extend(names(&page));
+        next = page["metadata"]["continue"].as_str().map(str::to_string);
+    }
+    assert_eq!(all, (0..7).map(|i| format!("cm-{i}")).collect::<Vec<_>>());
+    // Below the cap, and without limit, nothing changes.
+    let (_, small) = get(&proxy, &format!("{base}?limit=2"), "alice").await;
+    assert_eq!(names(&small).len(), 2);
+    let (_, all) = get(&proxy, base, "alice").await;
+    assert_eq!(names(&all).len(), 7);
+}

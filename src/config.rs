@@ -29,6 +29,8 @@ pub struct Config {
     pub shutdown: ShutdownConfig,
     pub log: LogConfig,
     pub cache: CacheConfig,
+    pub lists: ListsConfig,
+    pub tokens: TokensConfig,
 }
 
 impl Default for Config {
@@ -43,6 +45,8 @@ impl Default for Config {
             shutdown: ShutdownConfig::default(),
             log: LogConfig::default(),
             cache: CacheConfig::default(),
+            lists: ListsConfig::default(),
+            tokens: TokensConfig::default(),
         }
     }
 }
@@ -251,6 +255,78 @@ impl Default for CacheConfig {
     }
 }
 
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct ListsConfig {
+    /// How reads with resourceVersion unset ("most recent") are served: `bounded` (from the
+    /// cache while its upstream watch is up and confirmed, after the proxy's own writes are
+    /// reflected) or `strict` (exactly as fresh as the apiserver: each read is confirmed
+    /// against the upstream's current revision; costlier). See src/consistency.rs.
+    pub consistency: crate::consistency::Mode,
+    /// Per-resource overrides of `consistency`, keyed like `cache.resources`.
+    pub consistency_by_resource: std::collections::BTreeMap<String, crate::consistency::Mode>,
+    /// How long a consistent read may wait for confirmation before it passes through.
+    #[serde(with = "humantime_serde")]
+    pub consistency_timeout: Duration,
+    /// A snapshot used by a paginated list stays available this long after its last page
+    /// (KEP-4988: 75 s). Older walks continue from the event history while it covers them,
+    /// else get 410 Expired with an inconsistent-continue token, as from the apiserver.
+    #[serde(with = "humantime_serde")]
+    pub snapshot_retention: Duration,
+    /// Snapshots retained per resource at most (least recently used dropped first).
+    pub snapshot_max: usize,
+    /// How long a list waits for the cache to reach a requested resourceVersion before the
+    /// apiserver answers it instead.
+    #[serde(with = "humantime_serde")]
+    pub wait_for_resource_version: Duration,
+    /// Responses at least this large are gzipped for clients that accept it (kube-apiserver:
+    /// 128 KiB); 0 turns compression off.
+    pub gzip_min_bytes: usize,
+    /// 1 (fastest) to 9 (smallest).
+    pub gzip_level: u32,
+}
+
+impl Default for ListsConfig {
+    fn default() -> Self {
+        ListsConfig {
+            consistency: crate::consistency::Mode::Bounded,
+            consistency_by_resource: Default::default(),
+            consistency_timeout: Duration::from_secs(3),
+            snapshot_retention: Duration::from_secs(75),
+            snapshot_max: 256,
+            wait_for_resource_version: Duration::from_secs(3),
+            gzip_min_bytes: 128 * 1024,
+            gzip_level: 1,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct TokensConfig {
+    /// The continue-token HMAC keys: one `<id> <base64 secret>` per line (secrets of at least
+    /// 32 bytes), the first signs, the others still verify (rotation: add the new key on top,
+    /// drop the old one after `ttl`). Shared by all replicas (a Secret); re-read when it
+    /// changes. Unset: a random key per process, with a warning.
+    pub key_file: Option<PathBuf>,
+    /// How long a continue token is accepted.
+    #[serde(with = "humantime_serde")]
+    pub ttl: Duration,
+    /// How often the key file is checked for changes.
+    #[serde(with = "humantime_serde")]
+    pub reload_interval: Duration,
+}
+
+impl Default for TokensConfig {
+    fn default() -> Self {
+        TokensConfig {
+            key_file: None,
+            ttl: Duration::from_secs(600),
+            reload_interval: Duration::from_secs(10),
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum LogFormat {
@@ -419,6 +495,25 @@ impl Config {
                     format!("{r:?} is not `resource` or `resource.group`"),
                 );
             }
+        }
+        if !(1..=9).contains(&self.lists.gzip_level) {
+            err("lists.gzipLevel", "must be between 1 and 9".into());
+        }
+        if self.lists.snapshot_max == 0 {
+            err("lists.snapshotMax", "must be at least 1".into());
+        }
+        if self.tokens.ttl.is_zero() {
+            err("tokens.ttl", "must be greater than 0".into());
+        }
+        if self.tokens.reload_interval.is_zero() {
+            err("tokens.reloadInterval", "must be greater than 0".into());
+        }
+        if let Some(p) = &self.tokens.key_file
+            && let Err(e) = std::fs::read_to_string(p)
+                .map_err(|e| e.to_string())
+                .and_then(|t| crate::token::KeySet::parse(&t))
+        {
+            err("tokens.keyFile", format!("{}: {e}", p.display()));
         }
         if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
             err("log.level", format!("invalid filter: {e}"));

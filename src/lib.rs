@@ -15,13 +15,15 @@
 //! - [`request_info`]: path hygiene and the apiserver's `RequestInfo` (verb, resource, scope).
 //! - [`upstream`]: clients to kube-apiserver from kubeconfig / in-cluster config.
 //! - [`router`]: the pure cache-or-passthrough decision.
+//! - [`consistency`]: when an unset-resourceVersion read may come from the cache (strict, bounded).
 //! - [`authz`]: authorization of cache-served reads by the apiserver's access reviews.
 //! - [`cache`]: per-resource store (objects as bytes + parsed metadata, snapshots, history),
 //!   readiness, the registry of cached resources and their metrics.
 //! - [`reflector`]: the upstream LIST+WATCH state machine feeding a cache.
 //! - [`hub`]: watch fan-out with bounded per-watcher queues and the slow-watcher policy.
 //! - [`watch`]: downstream watches served from the cache (start points, bookmarks, timeouts).
-//! - [`list`]: GET and LIST `resourceVersion=0` served from the cache.
+//! - [`list`]: GET and LIST served from the cache: snapshots, pages, every resourceVersion form.
+//! - [`token`]: signed continue tokens bound to the caller and the query; key rotation.
 //! - [`selector`]: label and field selectors, parsed and evaluated as the apiserver does.
 //! - [`passthrough`]: streaming proxying of requests, watches and protocol upgrades.
 //! - [`drain`]: body wrappers ending watch streams cleanly at shutdown, request accounting.
@@ -40,6 +42,7 @@ pub mod body;
 pub mod cache;
 pub mod cli;
 pub mod config;
+pub mod consistency;
 pub mod devcluster;
 pub mod drain;
 pub mod health;
@@ -54,5 +57,6 @@ pub mod router;
 pub mod selector;
 pub mod server;
 pub mod tls;
+pub mod token;
 pub mod upstream;
 pub mod watch;

@@ -43,6 +43,10 @@ pub struct State {
     pub caches: Arc<crate::cache::registry::Caches>,
     pub authz: crate::authz::Authorizer,
     pub watch: crate::watch::WatchConfig,
+    pub lists: crate::list::ListConfig,
+    /// Continue-token keys.
+    pub keys: Arc<crate::token::Keys>,
+    pub consistency: Arc<crate::consistency::Consistency>,
     /// Cancelled when draining starts: long-running responses end cleanly.
     pub drain: CancellationToken,
 }
@@ -56,6 +60,8 @@ impl State {
             history_max_age: c.history_max_age,
             watcher_queue: c.watcher_queue,
             dispatch_budget: c.dispatch_budget,
+            snapshot_retention: config.lists.snapshot_retention,
+            snapshot_max: config.lists.snapshot_max,
         };
         let reflector = crate::reflector::ReflectorConfig {
             page_size: c.upstream_page_size,
@@ -77,6 +83,23 @@ impl State {
             bookmark_interval: c.bookmark_interval,
             ..Default::default()
         };
+        let l = &config.lists;
+        let lists = crate::list::ListConfig {
+            wait_for_rv: l.wait_for_resource_version,
+            gzip_min_bytes: l.gzip_min_bytes,
+            gzip_level: l.gzip_level,
+            ..Default::default()
+        };
+        let keys = crate::token::Keys::load(config.tokens.key_file.as_deref(), config.tokens.ttl)
+            .unwrap_or_else(|e| {
+                // `check-config` and startup validation refuse a bad key file; this only
+                // happens if it broke in between.
+                tracing::error!(error = %e, "continue-token keys: using a random key");
+                crate::token::Keys::load(None, config.tokens.ttl).expect("generated keys")
+            });
+        keys.spawn_reloader(config.tokens.reload_interval);
+        let consistency =
+            crate::consistency::Consistency::new(upstream.clone(), l.consistency_timeout);
         let metrics = Metrics::new();
         metrics.register_collector(Box::new(crate::cache::metrics::CacheCollector(
             caches.clone(),
@@ -89,6 +112,9 @@ impl State {
             caches,
             authz,
             watch,
+            lists,
+            keys,
+            consistency,
             drain,
         })
     }
@@ -429,9 +455,93 @@ async fn serve_from_cache(
         .await
         .ok(),
         Route::Get { cache, enc } => crate::list::get(&cache, &info.namespace, &info.name, enc),
-        Route::List { cache, filter, enc } => Some(crate::list::list(&cache, &filter, enc)),
+        Route::List {
+            cache,
+            filter,
+            enc,
+            params,
+        } => {
+            let latest = if params.rv == crate::list::Rv::Unset && params.continue_.is_none() {
+                let l = &state.config.lists;
+                let mode = l
+                    .consistency_by_resource
+                    .get(&cache.resource.label())
+                    .copied()
+                    .unwrap_or(l.consistency);
+                state.consistency.latest(&cache, mode).await
+            } else {
+                None
+            };
+            let cx = crate::list::ListContext {
+                cfg: &state.lists,
+                keys: &state.keys,
+                binding: list_binding(&caller, info, &params),
+                accepts_gzip: accepts_gzip(req.headers()),
+                page_cap: None,
+            };
+            match crate::list::list(&cache, &filter, enc, &params, &cx, latest).await {
+                crate::list::Outcome::Served(r) => Some(r),
+                crate::list::Outcome::Passthrough(why) => {
+                    tracing::trace!(reason = why, path = %req.uri().path(), "list passthrough");
+                    None
+                }
+            }
+        }
         Route::Passthrough(_) => None,
     }
+}
+
+/// What a continue token is bound to: the caller (a hash of its credential or certificate
+/// identity; the tenant once tenancy exists), the resource, the namespace and the selectors.
+fn list_binding(
+    caller: &crate::identity::Caller,
+    info: &RequestInfo,
+    p: &crate::list::ListParams,
+) -> crate::token::Binding {
+    use sha2::Digest;
+    let identity: [u8; 32] = match caller {
+        crate::identity::Caller::Bearer(t) => sha2::Sha256::digest(t.as_bytes()).into(),
+        crate::identity::Caller::Certificate { user, groups } => {
+            let mut h = sha2::Sha256::new();
+            h.update(b"x509\0");
+            for part in std::iter::once(user).chain(groups) {
+                h.update((part.len() as u64).to_be_bytes());
+                h.update(part.as_bytes());
+            }
+            h.finalize().into()
+        }
+        crate::identity::Caller::Anonymous => sha2::Sha256::digest(b"anonymous").into(),
+    };
+    let tenant = "";
+    crate::token::Binding::new(&[
+        tenant.as_bytes(),
+        &identity,
+        info.api_group.as_bytes(),
+        info.api_version.as_bytes(),
+        info.resource.as_bytes(),
+        info.namespace.as_bytes(),
+        p.label_selector.as_bytes(),
+        p.field_selector.as_bytes(),
+    ])
+}
+
+/// Whether `Accept-Encoding` allows gzip (`gzip;q=0` does not).
+fn accepts_gzip(headers: &http::HeaderMap) -> bool {
+    headers
+        .get_all(header::ACCEPT_ENCODING)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|item| {
+            let mut parts = item.split(';').map(str::trim);
+            let coding = parts.next().unwrap_or("");
+            let q_zero = parts.any(|p| {
+                p.strip_prefix("q=")
+                    .and_then(|q| q.parse::<f32>().ok())
+                    .is_some_and(|q| q == 0.0)
+            });
+            (coding.eq_ignore_ascii_case("gzip") || coding == "*") && !q_zero
+        })
 }
 
 /// Sum of header name and value lengths, as Go's `MaxHeaderBytes` roughly counts them.

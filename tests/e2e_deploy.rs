@@ -1,9 +1,11 @@
 //! deploy/ checked against a real kube-apiserver: the rendered Kustomize base, HA overlay and
-//! Helm chart pass a server-side dry run; their RBAC is wildcard-free and grants exactly what
-//! the proxy caches; the proxy runs with exactly that RBAC (a token for its ServiceAccount,
-//! the default cluster-wide grants removed) and its caches, impersonation and access reviews
-//! work; and the in-cluster configuration path (ServiceAccount files plus
-//! KUBERNETES_SERVICE_HOST/PORT) works in the real binary with the deploy configuration.
+//! Helm chart pass a server-side dry run (and the namespace's Pod Security "restricted"
+//! check); their RBAC is wildcard-free and grants exactly what the configuration caches; the
+//! proxy runs with exactly that RBAC (a token for its ServiceAccount, the clusters' default
+//! grants to all authenticated users removed) and its caches, impersonation and access reviews
+//! work; and the real binary, as replicas of the Deployment, runs on the in-cluster
+//! configuration (ServiceAccount files plus KUBERNETES_SERVICE_HOST/PORT), continues another
+//! replica's lists with the shared key file, and shuts down within the grace period.
 //!
 //! Tools: kubectl from the control-plane build (`tests/e2e/build-control-plane.sh`), helm from
 //! `tests/e2e/build-helm.sh` (both cached under ~/.cache/kube-cache-proxy/).
@@ -29,6 +31,15 @@ const BOUND: Duration = Duration::from_secs(90);
 const NS: &str = "kube-cache-proxy";
 /// The Helm release name; with it the chart's object names equal the Kustomize base's.
 const RELEASE: &str = "kube-cache-proxy";
+
+/// The proxy binary: cargo's build of this package, or `KCP_TEST_PROXY_BIN` (for a target
+/// directory shared by several checkouts, where the binary cargo links there may be another
+/// checkout's build).
+fn proxy_bin() -> PathBuf {
+    std::env::var_os("KCP_TEST_PROXY_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kube-cache-proxy")))
+}
 
 fn repo() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -210,15 +221,21 @@ fn proxy_config(docs: &[Value]) -> (String, Config) {
     (text, cfg)
 }
 
-/// `kube-cache-proxy check-config` on `text`, as the container would run it.
+/// `kube-cache-proxy check-config` on `text`, as the container would run it. check-config
+/// reads the continue-token key file, which only exists in the pod (the Secret): a key file is
+/// provided at a temporary path instead (`check_render` checks the real path is mounted).
 fn check_config(text: &str) {
     let dir = tempfile::tempdir().unwrap();
+    let mut cfg: Value = serde_saphyr::from_str(text).unwrap();
+    if cfg["tokens"]["keyFile"].is_string() {
+        let keys = dir.path().join("keys");
+        std::fs::write(&keys, key_line("k1")).unwrap();
+        cfg["tokens"]["keyFile"] = json!(keys);
+    }
     let file = dir.path().join("config.yaml");
-    std::fs::write(&file, text).unwrap();
+    std::fs::write(&file, cfg.to_string()).unwrap();
     let out = run(
-        Command::new(env!("CARGO_BIN_EXE_kube-cache-proxy"))
-            .arg("check-config")
-            .arg(&file),
+        Command::new(proxy_bin()).arg("check-config").arg(&file),
         None,
     );
     let stdout = ok_stdout("check-config", out);
@@ -480,11 +497,13 @@ fn check_render(what: &str, docs: &[Value]) -> Config {
     {
         mounted(ca, "configMap");
     }
-    assert!(
-        mounts
-            .get("/etc/kube-cache-proxy/tokens")
-            .is_some_and(|v| v.get("secret").is_some()),
-        "{what}: the continue-token key Secret is mounted"
+    // The continue-token keys: one Secret shared by all replicas.
+    mounted(
+        cfg.tokens
+            .key_file
+            .as_deref()
+            .unwrap_or_else(|| panic!("{what}: tokens.keyFile is set")),
+        "secret",
     );
 
     // Service, PodDisruptionBudget and NetworkPolicy select the pods and the TLS port.
@@ -640,7 +659,7 @@ async fn rendered_manifests_pass_a_server_side_dry_run() {
                 "tls.clientCAConfigMap=kube-cache-proxy-client-ca",
                 "priorityClassName=system-cluster-critical",
                 "networkPolicy.apiserverCIDRs[0].cidr=10.0.0.1/32",
-                "tokens.keyFile=keys",
+                "tokens.keyFile=signing-keys",
             ]),
         ),
     ];
@@ -1089,103 +1108,236 @@ async fn poll(client: &kube::Client, url: &str, ok: impl Fn(u16, &str) -> bool) 
     }
 }
 
+/// A line of a continue-token key file: `<id> <base64 secret>` with 32 random bytes.
+fn key_line(id: &str) -> String {
+    use base64::Engine as _;
+    let mut secret = [0u8; 32];
+    std::io::Read::read_exact(
+        &mut std::fs::File::open("/dev/urandom").unwrap(),
+        &mut secret,
+    )
+    .unwrap();
+    format!(
+        "{id} {}\n",
+        base64::engine::general_purpose::STANDARD.encode(secret)
+    )
+}
+
+/// One replica of the Deployment, as a process outside a pod: the real binary with the deploy
+/// configuration, only its file paths and listen address changed, the in-cluster environment
+/// (ServiceAccount files, KUBERNETES_SERVICE_HOST/PORT) and nothing else.
+struct Replica {
+    child: tokio::process::Child,
+    /// The admin's token through this replica, trusting its serving CA.
+    client: kube::Client,
+    log: PathBuf,
+}
+
+impl Replica {
+    async fn start(
+        cp: &ControlPlane,
+        dir: &Path,
+        name: &str,
+        deploy_config: &str,
+        sa_dir: &Path,
+        key_file: &Path,
+    ) -> Replica {
+        let dir = dir.join(name);
+        std::fs::create_dir_all(dir.join("home")).unwrap();
+        // The serving pair the TLS Secret would hold.
+        let (ca_pem, cert, key) =
+            kube_cache_proxy::tls::generate_serving_pair(&["127.0.0.1", "localhost"]).unwrap();
+        std::fs::write(dir.join("tls.crt"), cert).unwrap();
+        std::fs::write(dir.join("tls.key"), key).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut cfg: Value = serde_saphyr::from_str(deploy_config).unwrap();
+        cfg["listen"] = json!(format!("127.0.0.1:{port}"));
+        cfg["tls"]["certFile"] = json!(dir.join("tls.crt"));
+        cfg["tls"]["keyFile"] = json!(dir.join("tls.key"));
+        cfg["tokens"]["keyFile"] = json!(key_file);
+        cfg["upstream"]["serviceAccountDir"] = json!(sa_dir);
+        let cfg_file = dir.join("config.yaml");
+        std::fs::write(&cfg_file, cfg.to_string()).unwrap();
+        let (api_host, api_port) = cp
+            .url
+            .strip_prefix("https://")
+            .and_then(|a| a.rsplit_once(':'))
+            .unwrap();
+        let log = dir.join("proxy.log");
+        let child = tokio::process::Command::new(proxy_bin())
+            .args(["serve", "--config"])
+            .arg(&cfg_file)
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            // No kubeconfig to fall back on: in-cluster or nothing.
+            .env("HOME", dir.join("home"))
+            .env("KUBERNETES_SERVICE_HOST", api_host)
+            .env("KUBERNETES_SERVICE_PORT", api_port)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let client =
+            kube_cache_proxy::devcluster::client_from_kubeconfig(&ControlPlane::kubeconfig_yaml(
+                &format!("https://127.0.0.1:{port}"),
+                Some(&ca_pem),
+                Some(cp.admin_token()),
+                None,
+            ))
+            .await
+            .unwrap();
+        Replica { child, client, log }
+    }
+
+    /// Waits for `/readyz` and checks every cache is listed ok.
+    async fn wait_ready(&mut self, cached: &[String]) {
+        let log = |r: &Replica| std::fs::read_to_string(&r.log).unwrap_or_default();
+        let deadline = tokio::time::Instant::now() + BOUND;
+        let readyz = loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("the proxy exited ({status}):\n{}", log(self));
+            }
+            let (code, body) = self.get_text("/readyz?verbose").await;
+            if code == 200 {
+                break body;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "not ready: {code} {body}\n{}",
+                log(self)
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        };
+        for res in cached {
+            assert!(
+                readyz.lines().any(|l| l == format!("[+]cache:{res} ok")),
+                "{res}: {readyz}\n{}",
+                log(self)
+            );
+        }
+    }
+
+    async fn get_text(&self, path: &str) -> (u16, String) {
+        let req = http::Request::get(path).body(Vec::new()).unwrap();
+        match self.client.send(req.map(Into::into)).await {
+            Ok(r) => {
+                let code = r.status().as_u16();
+                let b = http_body_util::BodyExt::collect(r.into_body())
+                    .await
+                    .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+                    .unwrap_or_default();
+                (code, b)
+            }
+            Err(e) => (0, e.to_string()),
+        }
+    }
+
+    async fn get(&self, path: &str) -> (u16, Value) {
+        let req = http::Request::get(path).body(Vec::new()).unwrap();
+        let r = self.client.send(req.map(Into::into)).await.unwrap();
+        let code = r.status().as_u16();
+        let b = http_body_util::BodyExt::collect(r.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        (code, serde_json::from_slice(&b).unwrap_or(Value::Null))
+    }
+
+    async fn served_from_cache(&self, resource: &str, verb: &str) -> f64 {
+        let m = poll(&self.client, "/metrics", |code, _| code == 200).await;
+        m.lines()
+            .filter(|l| {
+                l.starts_with("kube_cache_proxy_requests_total{")
+                    && l.contains(&format!("resource=\"{resource}\""))
+                    && l.contains(&format!("verb=\"{verb}\""))
+                    && l.contains("served_by=\"cache\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_binary_uses_the_in_cluster_config_with_the_deploy_configuration() {
+async fn replicas_run_on_the_in_cluster_config_and_share_continue_tokens() {
     let (cp, dir, kc) = start_control_plane().await;
     let base = docs(&kustomize("base"));
     let (text, deploy_cfg) = proxy_config(&base);
     let token = install_rbac_and_get_token(&kc, &base);
+    let ns = "e2e-replicas";
+    cp.create_default_service_account(ns).await.unwrap();
+    let cms: Vec<Value> = (0..3)
+        .map(|i| json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": format!("cm-{i}"), "namespace": ns}}))
+        .collect();
+    ok_stdout(
+        "creating configmaps",
+        kubectl(
+            &kc,
+            &["apply", "-f", "-"],
+            Some(&json!({"apiVersion": "v1", "kind": "List", "items": cms}).to_string()),
+        ),
+    );
 
-    // What the kubelet mounts in the pod: token, CA bundle and namespace.
+    // What the kubelet mounts in every pod: the ServiceAccount's token, CA bundle and
+    // namespace, and the continue-token key Secret.
     let sa_dir = dir.path().join("serviceaccount");
     std::fs::create_dir_all(&sa_dir).unwrap();
     std::fs::write(sa_dir.join("token"), &token).unwrap();
     std::fs::write(sa_dir.join("ca.crt"), &cp.ca_pem).unwrap();
     std::fs::write(sa_dir.join("namespace"), NS).unwrap();
-    // The serving pair the Secret would hold.
-    let (ca_pem, cert, key) =
-        kube_cache_proxy::tls::generate_serving_pair(&["127.0.0.1", "localhost"]).unwrap();
-    std::fs::write(dir.path().join("tls.crt"), cert).unwrap();
-    std::fs::write(dir.path().join("tls.key"), key).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let shared_keys = dir.path().join("keys");
+    std::fs::write(&shared_keys, key_line("k1")).unwrap();
+    // A replica started without the shared Secret (its own key) for contrast.
+    let other_keys = dir.path().join("other-keys");
+    std::fs::write(&other_keys, key_line("other")).unwrap();
 
-    // The deploy configuration, with only the paths and the listen address changed for a
-    // process outside a pod.
-    let mut cfg: Value = serde_saphyr::from_str(&text).unwrap();
-    cfg["listen"] = json!(format!("127.0.0.1:{port}"));
-    cfg["tls"]["certFile"] = json!(dir.path().join("tls.crt"));
-    cfg["tls"]["keyFile"] = json!(dir.path().join("tls.key"));
-    cfg["upstream"]["serviceAccountDir"] = json!(sa_dir);
-    let cfg_text = cfg.to_string();
-    check_config(&cfg_text);
-    let cfg_file = dir.path().join("config.yaml");
-    std::fs::write(&cfg_file, &cfg_text).unwrap();
-
-    let (api_host, api_port) = cp
-        .url
-        .strip_prefix("https://")
-        .and_then(|a| a.rsplit_once(':'))
-        .unwrap();
-    let home = dir.path().join("home");
-    std::fs::create_dir_all(&home).unwrap();
-    let log = std::fs::File::create(dir.path().join("proxy.log")).unwrap();
-    let mut child = tokio::process::Command::new(env!("CARGO_BIN_EXE_kube-cache-proxy"))
-        .args(["serve", "--config"])
-        .arg(&cfg_file)
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        // No kubeconfig to fall back on: in-cluster or nothing.
-        .env("HOME", &home)
-        .env("KUBERNETES_SERVICE_HOST", api_host)
-        .env("KUBERNETES_SERVICE_PORT", api_port)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(log)
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let log_path = dir.path().join("proxy.log");
-
-    // Clients of the proxy: the admin's token, trusting the serving CA.
-    let via_proxy =
-        kube_cache_proxy::devcluster::client_from_kubeconfig(&ControlPlane::kubeconfig_yaml(
-            &format!("https://127.0.0.1:{port}"),
-            Some(&ca_pem),
-            Some(cp.admin_token()),
-            None,
-        ))
-        .await
-        .unwrap();
-    let readyz = poll(&via_proxy, "/readyz?verbose", |code, _| code == 200).await;
-    for res in &deploy_cfg.cache.resources {
-        assert!(
-            readyz.lines().any(|l| l == format!("[+]cache:{res} ok")),
-            "{res}: {readyz}\n{}",
-            std::fs::read_to_string(&log_path).unwrap_or_default()
-        );
+    let mut a = Replica::start(&cp, dir.path(), "a", &text, &sa_dir, &shared_keys).await;
+    let mut b = Replica::start(&cp, dir.path(), "b", &text, &sa_dir, &shared_keys).await;
+    let mut c = Replica::start(&cp, dir.path(), "c", &text, &sa_dir, &other_keys).await;
+    for r in [&mut a, &mut b, &mut c] {
+        // The caches synced with the ServiceAccount's token read from the file: the process
+        // had no other credential.
+        r.wait_ready(&deploy_cfg.cache.resources).await;
     }
-    // The caches synced with the ServiceAccount's token read from the file: the process had
-    // no other credential. A list through it, from the cache:
-    let list = poll(
-        &via_proxy,
-        "/api/v1/namespaces/kube-system/configmaps?resourceVersion=0",
-        |code, _| code == 200,
-    )
-    .await;
-    let list: Value = serde_json::from_str(&list).unwrap();
-    assert_eq!(list["kind"], "ConfigMapList");
-    let metrics = poll(&via_proxy, "/metrics", |code, _| code == 200).await;
+
+    // A paginated list started on one replica continues on another holding the same keys,
+    // from the cache on both.
+    let base_path = format!("/api/v1/namespaces/{ns}/configmaps");
+    let (code, first) = a.get(&format!("{base_path}?limit=2")).await;
+    assert_eq!(code, 200, "{first}");
+    assert_eq!(first["items"].as_array().unwrap().len(), 2, "{first}");
+    let cont = first["metadata"]["continue"]
+        .as_str()
+        .expect("a continue token");
+    let cont = percent_encode(cont);
+    assert_eq!(a.served_from_cache("configmaps", "LIST").await, 1.0);
+    let (code, second) = b.get(&format!("{base_path}?limit=2&continue={cont}")).await;
+    assert_eq!(code, 200, "{second}");
+    let names: Vec<&str> = first["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(second["items"].as_array().unwrap())
+        .map(|i| i["metadata"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["cm-0", "cm-1", "cm-2"]);
+    assert_eq!(b.served_from_cache("configmaps", "LIST").await, 1.0);
+    // A replica with other keys (no shared Secret) cannot verify it: 400 BadRequest, which a
+    // client's pager does not recover from by itself.
+    let (code, refused) = c.get(&format!("{base_path}?limit=2&continue={cont}")).await;
+    assert_eq!(code, 400, "{refused}");
+    assert_eq!(refused["reason"], "BadRequest", "{refused}");
     assert!(
-        metrics
-            .lines()
-            .any(|l| l.starts_with("kube_cache_proxy_requests_total{")
-                && l.contains("resource=\"configmaps\"")
-                && l.contains("served_by=\"cache\"")),
-        "{metrics}"
+        refused["message"]
+            .as_str()
+            .unwrap()
+            .contains("continue key is not valid"),
+        "{refused}"
     );
 
     // SIGTERM: /readyz fails at once while the listener stays open for shutdown.delay, then
@@ -1194,13 +1346,16 @@ async fn the_binary_uses_the_in_cluster_config_with_the_deploy_configuration() {
         one(&base, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
             .as_u64()
             .unwrap();
+    let Replica {
+        mut child, client, ..
+    } = a;
     let pid = child.id().unwrap();
     let term = std::time::Instant::now();
     ok_stdout(
         "kill -TERM",
         run(Command::new("kill").args(["-TERM", &pid.to_string()]), None),
     );
-    let readyz = poll(&via_proxy, "/readyz?verbose", |code, _| code == 500).await;
+    let readyz = poll(&client, "/readyz?verbose", |code, _| code == 500).await;
     assert!(readyz.contains("[-]shutdown failed"), "{readyz}");
     let status = tokio::time::timeout(Duration::from_secs(grace), child.wait())
         .await
@@ -1211,5 +1366,18 @@ async fn the_binary_uses_the_in_cluster_config_with_the_deploy_configuration() {
         term.elapsed() >= deploy_cfg.shutdown.delay,
         "listeners closed before shutdown.delay"
     );
+    drop((b, c));
     cp.stop().await;
+}
+
+/// Percent-encodes a query parameter value.
+fn percent_encode(v: &str) -> String {
+    v.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
 }

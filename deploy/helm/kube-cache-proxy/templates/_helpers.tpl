@@ -73,9 +73,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if .Values.tenants -}}
 {{- $_ := set $cfg "tenants" .Values.tenants -}}
 {{- end -}}
-{{- if .Values.tokens.keyFileField -}}
 {{- $_ := set $cfg "tokens" (dict "keyFile" (printf "/etc/kube-cache-proxy/tokens/%s" .Values.tokens.keyFile)) -}}
-{{- end -}}
 {{- $cfg = mergeOverwrite $cfg (deepCopy .Values.config) -}}
 {{- toYaml $cfg -}}
 {{- end -}}

@@ -583,6 +583,14 @@ fn rendered_rbac_is_wildcard_free_and_matches_the_configuration() {
     assert_eq!(pod["terminationGracePeriodSeconds"], 85);
     assert_eq!(pod["priorityClassName"], "system-cluster-critical");
     assert!(proxy_config(opts).1.tls.client_ca_file.is_some());
+    // The optional objects can be turned off.
+    let minimal = docs(&helm_template(&[
+        "podDisruptionBudget.enabled=false",
+        "networkPolicy.enabled=false",
+    ]));
+    check_render("helm minimal", &minimal);
+    assert!(of_kind(&minimal, "PodDisruptionBudget").is_empty());
+    assert!(of_kind(&minimal, "NetworkPolicy").is_empty());
     // CRD-dependent objects only when enabled.
     for (what, docs, _) in &renders {
         for kind in ["ServiceMonitor", "Certificate"] {

@@ -546,6 +546,7 @@ fn rendered_rbac_is_wildcard_free_and_matches_the_configuration() {
                 "shutdown.delaySeconds=20",
                 "shutdown.drainTimeoutSeconds=60",
                 "networkPolicy.apiserverCIDRs[0].cidr=10.0.0.1/32",
+                "config.cache.historyMaxAge=5m",
             ])),
             true,
         ),
@@ -582,7 +583,10 @@ fn rendered_rbac_is_wildcard_free_and_matches_the_configuration() {
     let pod = &one(opts, "Deployment")["spec"]["template"]["spec"];
     assert_eq!(pod["terminationGracePeriodSeconds"], 85);
     assert_eq!(pod["priorityClassName"], "system-cluster-critical");
-    assert!(proxy_config(opts).1.tls.client_ca_file.is_some());
+    let opts_cfg = proxy_config(opts).1;
+    assert!(opts_cfg.tls.client_ca_file.is_some());
+    // The passthrough `config` block reaches the proxy's configuration.
+    assert_eq!(opts_cfg.cache.history_max_age, Duration::from_secs(300));
     // The optional objects can be turned off.
     let minimal = docs(&helm_template(&[
         "podDisruptionBudget.enabled=false",

@@ -46,15 +46,86 @@ pub enum Mode {
 }
 
 /// Counters for metrics.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Stats {
     pub probes: std::sync::atomic::AtomicU64,
     pub probe_watches: std::sync::atomic::AtomicU64,
     pub probe_failures: std::sync::atomic::AtomicU64,
     pub fallbacks: std::sync::atomic::AtomicU64,
-    /// Sum of wait time in microseconds and the number of waits (a histogram lives in the
-    /// metrics layer).
-    pub waits: Mutex<Vec<f64>>,
+    /// Time unset-resourceVersion reads waited for confirmation, by mode.
+    pub waits: prometheus_client::metrics::family::Family<
+        ModeLabels,
+        prometheus_client::metrics::histogram::Histogram,
+    >,
+}
+
+impl Default for Stats {
+    fn default() -> Self {
+        Stats {
+            probes: Default::default(),
+            probe_watches: Default::default(),
+            probe_failures: Default::default(),
+            fallbacks: Default::default(),
+            waits: prometheus_client::metrics::family::Family::new_with_constructor(|| {
+                prometheus_client::metrics::histogram::Histogram::new([
+                    0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0,
+                ])
+            }),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct ModeLabels {
+    pub mode: &'static str,
+}
+
+/// Exposes [`Stats`].
+#[derive(Debug)]
+pub struct ConsistencyCollector(pub Arc<Consistency>);
+
+impl prometheus_client::collector::Collector for ConsistencyCollector {
+    fn encode(&self, mut enc: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use std::sync::atomic::Ordering::Relaxed;
+        let st = &self.0.stats;
+        let w = &st.waits;
+        let e = enc.encode_descriptor(
+            "kube_cache_proxy_consistent_read_wait_seconds",
+            "Time unset-resourceVersion reads waited before the cache could answer (or fell back)",
+            None,
+            w.metric_type(),
+        )?;
+        w.encode(e)?;
+        for (name, help, v) in [
+            (
+                "kube_cache_proxy_consistency_probes",
+                "Upstream current-revision probes (strict mode)",
+                st.probes.load(Relaxed),
+            ),
+            (
+                "kube_cache_proxy_consistency_probe_watches",
+                "Probes that needed an upstream watch up to a bookmark",
+                st.probe_watches.load(Relaxed),
+            ),
+            (
+                "kube_cache_proxy_consistency_probe_failures",
+                "Probes that failed or timed out",
+                st.probe_failures.load(Relaxed),
+            ),
+            (
+                "kube_cache_proxy_consistency_fallbacks",
+                "Unset-resourceVersion reads passed to the apiserver because the cache could not be confirmed",
+                st.fallbacks.load(Relaxed),
+            ),
+        ] {
+            let c = ConstCounter::new(v);
+            let e = enc.encode_descriptor(name, help, None, c.metric_type())?;
+            c.encode(e)?;
+        }
+        Ok(())
+    }
 }
 
 /// One resource's probe rounds.
@@ -133,11 +204,15 @@ impl Consistency {
                         .unwrap_or(false)
             }
         };
-        if let Ok(mut w) = self.stats.waits.lock()
-            && w.len() < 100_000
-        {
-            w.push(start.elapsed().as_secs_f64());
-        }
+        self.stats
+            .waits
+            .get_or_create(&ModeLabels {
+                mode: match mode {
+                    Mode::Strict => "strict",
+                    Mode::Bounded => "bounded",
+                },
+            })
+            .observe(start.elapsed().as_secs_f64());
         if !ok {
             self.stats.fallbacks.fetch_add(1, Relaxed);
             return None;
@@ -184,11 +259,13 @@ impl Consistency {
                     .lock()
                     .unwrap_or_else(|p| p.into_inner())
                     .started;
-                let ok = matches!(
-                    tokio::time::timeout(self.timeout, self.probe(&cache)).await,
-                    Ok(Ok(()))
-                );
-                if !ok {
+                let outcome = match tokio::time::timeout(self.timeout, self.probe(&cache)).await {
+                    Ok(r) => r,
+                    Err(_) => Err("timed out".into()),
+                };
+                let ok = outcome.is_ok();
+                if let Err(e) = outcome {
+                    tracing::warn!(resource = %cache.resource.label(), error = %e, "consistency probe failed; reads pass through");
                     self.stats
                         .probe_failures
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -243,12 +320,15 @@ impl Consistency {
             return Ok(());
         }
         // Nothing of this resource may have changed since the cache's resourceVersion: ask
-        // the apiserver for everything after it, up to a bookmark.
+        // the apiserver for everything after it, up to a bookmark. The apiserver sends one
+        // 2 s before a watch's deadline (and none if that moment has passed when the watch
+        // starts), so timeoutSeconds=3: the bookmark comes after about 1-2 s. This is the
+        // slow path of strict reads, taken when other resources' writes moved the revision.
         self.stats.probe_watches.fetch_add(1, Relaxed);
         let from = cache.rv();
         let resp = self
             .get(&format!(
-                "{collection}?watch=1&resourceVersion={from}&allowWatchBookmarks=true&timeoutSeconds=2"
+                "{collection}?watch=1&resourceVersion={from}&allowWatchBookmarks=true&timeoutSeconds=3"
             ))
             .await?;
         let mut body = resp.into_body();

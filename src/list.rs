@@ -413,6 +413,32 @@ pub async fn list(
     cx: &ListContext<'_>,
     latest: Option<Snapshot>,
 ) -> Outcome {
+    use std::sync::atomic::Ordering::Relaxed;
+    let out = list_inner(cache, filter, enc, p, cx, latest).await;
+    let st = &cache.list_stats;
+    match &out {
+        Outcome::Served(r) => {
+            st.from_cache.fetch_add(1, Relaxed);
+            if p.continue_.is_some() && r.status().is_success() {
+                st.continued.fetch_add(1, Relaxed);
+            }
+        }
+        Outcome::Passthrough(_) => {
+            st.passed_through.fetch_add(1, Relaxed);
+        }
+    }
+    out
+}
+
+async fn list_inner(
+    cache: &Arc<ResourceCache>,
+    filter: &Filter,
+    enc: Encoding,
+    p: &ListParams,
+    cx: &ListContext<'_>,
+    latest: Option<Snapshot>,
+) -> Outcome {
+    use std::sync::atomic::Ordering::Relaxed;
     let mut limit = if p.rv == Rv::Zero { 0 } else { p.limit };
     // The snapshot, the list's resourceVersion, where the page starts, index use.
     let (snap, list_rv, pos, use_index) = if let Some(c) = &p.continue_ {
@@ -428,12 +454,14 @@ pub async fn list(
             Ok(t) => t,
             Err(TokenError::Foreign) => return Outcome::Passthrough("foreign continue token"),
             Err(TokenError::Invalid) => {
+                cache.list_stats.token_invalid.fetch_add(1, Relaxed);
                 return Outcome::Served(
                     Status::bad_request("invalid continue token: continue key is not valid")
                         .into_response(),
                 );
             }
             Err(TokenError::Expired) => {
+                cache.list_stats.token_expired.fetch_add(1, Relaxed);
                 return Outcome::Served(
                     Status::failure(
                         StatusCode::GONE,
@@ -465,6 +493,7 @@ pub async fn list(
                 cache.wait_for_rv(t.rv, cx.cfg.wait_for_rv).await;
             }
             let Some(snap) = cache.snapshot_at(t.rv) else {
+                cache.list_stats.snapshot_gone.fetch_add(1, Relaxed);
                 return Outcome::Served(expired_continue(cx, t.after));
             };
             (

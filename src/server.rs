@@ -101,6 +101,9 @@ impl State {
         let consistency =
             crate::consistency::Consistency::new(upstream.clone(), l.consistency_timeout);
         let metrics = Metrics::new();
+        metrics.register_collector(Box::new(crate::consistency::ConsistencyCollector(
+            consistency.clone(),
+        )));
         metrics.register_collector(Box::new(crate::cache::metrics::CacheCollector(
             caches.clone(),
         )));
@@ -491,6 +494,55 @@ async fn serve_from_cache(
     }
 }
 
+/// A successful write to a cached resource: remembers the resourceVersion it produced, so
+/// later unset-resourceVersion reads through this proxy wait until the cache reflects it
+/// (read-your-writes in the bounded consistency mode). The response of a write is one small
+/// object; it is buffered (up to 1 MiB) to read that number and sent on unchanged.
+async fn read_your_writes(
+    state: &State,
+    info: &RequestInfo,
+    resp: Response<Body>,
+) -> Response<Body> {
+    if !matches!(info.verb.as_str(), "create" | "update" | "patch" | "delete")
+        || !resp.status().is_success()
+        || !info.subresource.is_empty() && info.subresource != "status"
+    {
+        return resp;
+    }
+    let Some(cache) = state
+        .caches
+        .get(&info.api_group, &info.api_version, &info.resource)
+    else {
+        return resp;
+    };
+    let small = resp
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+        .is_some_and(|n| n <= 1 << 20);
+    let plain = resp.headers().get(header::CONTENT_ENCODING).is_none();
+    if !small || !plain {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    match http_body_util::BodyExt::collect(body).await {
+        Ok(b) => {
+            let b = b.to_bytes();
+            if let Some(rv) = crate::consistency::body_rv(&b) {
+                state.consistency.record_write(&cache.resource.label(), rv);
+            }
+            Response::from_parts(parts, body::full(b))
+        }
+        Err(e) => Status::failure(
+            StatusCode::BAD_GATEWAY,
+            Reason::InternalError,
+            format!("the apiserver's response to the write broke off: {e}"),
+        )
+        .into_response(),
+    }
+}
+
 /// What a continue token is bound to: the caller (a hash of its credential or certificate
 /// identity; the tenant once tenancy exists), the resource, the namespace and the selectors.
 fn list_binding(
@@ -627,10 +679,10 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
     let (resp, served_by) = match serve_from_cache(state, conn, &req, &info, query.as_deref()).await
     {
         Some(r) => (r, "cache"),
-        None => (
-            passthrough::forward(state, conn, req, &info, long_running).await,
-            "upstream",
-        ),
+        None => {
+            let resp = passthrough::forward(state, conn, req, &info, long_running).await;
+            (read_your_writes(state, &info, resp).await, "upstream")
+        }
     };
 
     let code = resp.status();

@@ -273,3 +273,41 @@ async fn strict_reads_see_every_direct_write_and_nothing_stale_when_the_upstream
     let (code, v) = get(&proxy, &format!("{base}?resourceVersion=0"), "alice").await;
     assert_eq!(code, 200, "{v}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bounded_reads_see_the_writes_made_through_the_proxy() {
+    let (_fake, proxy) = setup(|c| {
+        c.lists.consistency = kube_cache_proxy::consistency::Mode::Bounded;
+    })
+    .await;
+    let base = "/api/v1/namespaces/b/configmaps";
+    let c = plain_client(false);
+    for i in 0..200 {
+        let name = format!("ryw-{i}");
+        let r = c
+            .request(
+                http::Request::post(proxy.http(base))
+                    .header("authorization", "Bearer alice")
+                    .header("content-type", "application/json")
+                    .body(http_body_util::Full::from(
+                        json!({"metadata": {"name": name}}).to_string(),
+                    ))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 201);
+        let (code, v) = get(&proxy, base, "alice").await;
+        assert_eq!(code, 200);
+        assert!(names(&v).contains(&name), "iteration {i}: {name} missing");
+    }
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    let cache = state.caches.get("", "v1", "configmaps").unwrap();
+    assert!(
+        cache
+            .list_stats
+            .from_cache
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 200
+    );
+}

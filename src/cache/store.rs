@@ -107,6 +107,21 @@ pub struct ResourceCache {
     relists: std::sync::atomic::AtomicU64,
     /// Snapshots served to paginated lists, by resourceVersion.
     retained: Mutex<VecDeque<Retained>>,
+    pub list_stats: ListStats,
+}
+
+/// Counters of the lists of one resource (read by the metrics collector).
+#[derive(Debug, Default)]
+pub struct ListStats {
+    /// Lists answered from the cache (every page counts).
+    pub from_cache: std::sync::atomic::AtomicU64,
+    /// Lists the cache declined (they went to the apiserver).
+    pub passed_through: std::sync::atomic::AtomicU64,
+    /// Pages after the first, served from a snapshot.
+    pub continued: std::sync::atomic::AtomicU64,
+    pub token_invalid: std::sync::atomic::AtomicU64,
+    pub token_expired: std::sync::atomic::AtomicU64,
+    pub snapshot_gone: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for ResourceCache {
@@ -168,6 +183,7 @@ impl ResourceCache {
             unhealthy: Mutex::new(Some("not synced yet".into())),
             relists: Default::default(),
             retained: Mutex::new(VecDeque::new()),
+            list_stats: ListStats::default(),
         });
         // The dispatcher: one task per resource, events in order.
         tokio::spawn(async move {
@@ -271,6 +287,21 @@ impl ResourceCache {
     pub fn retained_snapshots(&self) -> (usize, Option<u64>) {
         let r = self.retained.lock().unwrap_or_else(|p| p.into_inner());
         (r.len(), r.front().map(|x| x.snap.rv))
+    }
+
+    /// Bytes of object bodies kept alive by retained snapshots only: the states replaced or
+    /// deleted after the oldest snapshot (an estimate from the history; the tree nodes the
+    /// snapshots share are not counted).
+    pub fn retained_bytes(&self) -> usize {
+        let Some(oldest) = self.retained_snapshots().1 else {
+            return 0;
+        };
+        let s = self.read();
+        let from = s.history.partition_point(|e| e.rv <= oldest);
+        s.history
+            .range(from..)
+            .filter_map(|e| e.prev.as_ref().map(|p| p.body.len()))
+            .sum()
     }
 
     /// The state exactly at `rv` (as the apiserver's `resourceVersionMatch=Exact`): a

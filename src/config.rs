@@ -94,6 +94,10 @@ pub struct UpstreamConfig {
     pub kubeconfig: Option<PathBuf>,
     /// Kubeconfig context; unset means the current context.
     pub context: Option<String>,
+    /// Directory of the ServiceAccount `token`, `ca.crt` and `namespace` used by the
+    /// in-cluster config. Unset: `/var/run/secrets/kubernetes.io/serviceaccount`, where the
+    /// kubelet mounts them; set it only when they are elsewhere (tests use it).
+    pub service_account_dir: Option<PathBuf>,
     /// TCP+TLS connect timeout to the apiserver.
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
@@ -111,6 +115,7 @@ impl Default for UpstreamConfig {
         UpstreamConfig {
             kubeconfig: None,
             context: None,
+            service_account_dir: None,
             connect_timeout: Duration::from_secs(10),
             health_check_interval: Duration::from_secs(5),
             keepalive_interval: Duration::from_secs(30),

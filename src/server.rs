@@ -145,6 +145,14 @@ impl State {
                 };
                 (format!("cache:{}", c.resource.label()), r)
             })
+            // A configured resource not discovered yet has no cache to sync: not ready either,
+            // or a new replica would report ready before it caches anything.
+            .chain(self.caches.missing.iter().map(|m| {
+                (
+                    format!("cache:{}", m.key()),
+                    Err(format!("not discovered yet: {}", m.value())),
+                )
+            }))
             .collect()
     }
 

@@ -395,7 +395,7 @@ fn check_render(what: &str, docs: &[Value]) -> Config {
         g.impersonate,
         set(&[("", "users"), ("", "groups"), ("", "serviceaccounts")])
     );
-    let mut want_urls: BTreeSet<String> = ["/api", "/api/v1", "/apis", "/readyz"]
+    let mut want_urls: BTreeSet<String> = ["/api", "/api/v1", "/apis", "/metrics", "/readyz"]
         .map(String::from)
         .into();
     for (grp, _) in &cached {

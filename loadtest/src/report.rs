@@ -306,6 +306,26 @@ pub fn markdown(run: &Run, svg_name: &str) -> String {
             p.c_walks,
             run.c_create_rate.unwrap_or(0.0)
         );
+        if let Some(r) = run.c.iter().find(|r| r.side == "proxy") {
+            let upstream = r
+                .usage
+                .configmaps_requests
+                .get("LIST")
+                .copied()
+                .unwrap_or(0);
+            let how = if upstream as usize >= r.result.pages {
+                "passed these lists through to the apiserver (one upstream LIST per page)"
+            } else if upstream == 0 {
+                "served every page from its cache"
+            } else {
+                "served part of the pages from its cache"
+            };
+            let _ = writeln!(
+                md,
+                "Through the proxy the apiserver received {upstream} LIST requests for {} pages: at this commit the proxy {how}.\n",
+                r.result.pages
+            );
+        }
         md.push_str("| side | walks | pages | page latency p50 / p99 / max (ms) | walk time p50 / max (s) | objects/s | MB/s | upstream LISTs |\n|---|---|---|---|---|---|---|---|\n");
         for r in &run.c {
             let l = &r.result;
@@ -478,8 +498,8 @@ pub fn p99_pairs(run: &Run) -> Vec<(String, f64, f64)> {
 /// each pair scaled to its larger value (the numbers are printed on the bars).
 pub fn svg(run: &Run) -> String {
     let pairs = p99_pairs(run);
-    let (w, label_w, row_h, top) = (760.0, 230.0, 46.0, 50.0);
-    let h = top + row_h * pairs.len() as f64 + 30.0;
+    let (w, label_w, row_h, top) = (760.0, 230.0, 46.0, 66.0);
+    let h = top + row_h * pairs.len() as f64 + 20.0;
     let bar_w = w - label_w - 90.0;
     let mut s = String::new();
     let _ = writeln!(
@@ -488,12 +508,12 @@ pub fn svg(run: &Run) -> String {
     );
     let _ = writeln!(
         s,
-        r##"<rect width="100%" height="100%" fill="white"/><text x="10" y="20" font-size="14" font-weight="bold">p99 latency (ms), {} profile, {}: proxy vs kube-apiserver (each pair scaled to its larger value)</text>"##,
+        r##"<rect width="100%" height="100%" fill="white"/><text x="10" y="20" font-size="14" font-weight="bold">p99 latency (ms): proxy vs kube-apiserver, {} profile, {}</text><text x="10" y="38" font-size="11">Lower is better. The two bars of a row are scaled to the larger of the two; the value is printed after each bar.</text>"##,
         run.profile.name, run.date
     );
     let _ = writeln!(
         s,
-        r##"<rect x="{label_w}" y="30" width="12" height="10" fill="#2b7bba"/><text x="{}" y="39">proxy</text><rect x="{}" y="30" width="12" height="10" fill="#d9822b"/><text x="{}" y="39">apiserver</text>"##,
+        r##"<rect x="{label_w}" y="46" width="12" height="10" fill="#2b7bba"/><text x="{}" y="55">proxy</text><rect x="{}" y="46" width="12" height="10" fill="#d9822b"/><text x="{}" y="55">kube-apiserver</text>"##,
         label_w + 16.0,
         label_w + 80.0,
         label_w + 96.0

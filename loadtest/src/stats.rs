@@ -173,10 +173,11 @@ impl ApiCounts {
             if l.starts_with("apiserver_request_total{") {
                 let v = value();
                 c.all_requests += v;
-                if l.contains(&res) && l.contains("subresource=\"\"") {
-                    if let Some(verb) = label(l, "verb") {
-                        *c.requests.entry(verb.to_string()).or_default() += v;
-                    }
+                if l.contains(&res)
+                    && l.contains("subresource=\"\"")
+                    && let Some(verb) = label(l, "verb")
+                {
+                    *c.requests.entry(verb.to_string()).or_default() += v;
                 }
             } else if l.starts_with("apiserver_longrunning_requests{")
                 && l.contains("verb=\"WATCH\"")

@@ -477,7 +477,20 @@ async fn scenarios_all(
                 None
             };
             let t = proxy.as_ref().map_or(d, |p| &p.target);
-            let mut before = before_start;
+            // One warm-up informer of each mode first, so neither storm pays for first-request
+            // costs alone (the proxy's access-review cache, connection set-up). Its upstream
+            // requests count for the proxy (they must be served from its cache) and not for
+            // the apiserver, whose counters are read after it.
+            for mode in [StartMode::Legacy, StartMode::WatchList] {
+                let (_, held) = scenarios::informer_storm(t, "lt-b", 1, mode, p.b_objects).await?;
+                drop(held);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            let mut before = if via_proxy {
+                before_start
+            } else {
+                env.scrape().await?
+            };
             for mode in [StartMode::Legacy, StartMode::WatchList] {
                 let sampler = Sampler::start(&env.procs(proxy.as_ref()));
                 let t0 = Instant::now();

@@ -176,6 +176,8 @@ pub struct Usage {
     pub configmaps_requests: BTreeMap<String, u64>,
     /// `apiserver_request_total` over all resources during the phase.
     pub all_requests: u64,
+    /// Access reviews (`selfsubjectaccessreviews`, `subjectaccessreviews`) during the phase.
+    pub access_reviews: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -300,6 +302,7 @@ impl Env {
                 procs,
                 configmaps_requests: after.delta(&before),
                 all_requests: after.all_requests.saturating_sub(before.all_requests),
+                access_reviews: after.access_reviews.saturating_sub(before.access_reviews),
             },
         ))
     }
@@ -514,6 +517,7 @@ async fn scenarios_all(
                         procs,
                         configmaps_requests: delta,
                         all_requests: after.all_requests.saturating_sub(before.all_requests),
+                        access_reviews: after.access_reviews.saturating_sub(before.access_reviews),
                     },
                 });
                 before = after;

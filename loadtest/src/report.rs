@@ -194,13 +194,14 @@ fn verbs(u: &Usage) -> String {
 fn usage_row(md: &mut String, scenario: &str, side: &str, u: &Usage) {
     let _ = writeln!(
         md,
-        "| {scenario} | {side} | {:.1} | {} | {} | {} | {} | {} | {} |",
+        "| {scenario} | {side} | {:.1} | {} | {} | {} | {} | {} | {} | {} |",
         u.wall_s,
         cpu_rss(u, "proxy"),
         cpu_rss(u, "kube-apiserver"),
         cpu_rss(u, "etcd"),
         cpu_rss(u, "driver"),
         verbs(u),
+        u.access_reviews,
         u.all_requests
     );
 }
@@ -403,7 +404,7 @@ pub fn markdown(run: &Run, svg_name: &str) -> String {
         }
     }
 
-    md.push_str("\n## CPU, memory and apiserver requests per phase\n\nCPU seconds during the phase (percent of one core over the phase), peak RSS. Requests: the apiserver's `apiserver_request_total` for configmaps during the phase by verb (WATCH is counted when a watch ends), and over all resources (the proxy's access reviews and other resources' lists show up there).\n\n| scenario | side | wall (s) | proxy | kube-apiserver | etcd | driver | configmaps requests | all requests |\n|---|---|---|---|---|---|---|---|---|\n");
+    md.push_str("\n## CPU, memory and apiserver requests per phase\n\nCPU seconds during the phase (percent of one core over the phase), peak RSS. Requests: the apiserver's `apiserver_request_total` for configmaps during the phase by verb (WATCH is counted when a watch ends), access reviews (the proxy authorizes each cache-served read with a SelfSubjectAccessReview, remembered per caller, verb, namespace and name), and requests over all resources (also the proxy's start-up lists of its other cached resources).\n\n| scenario | side | wall (s) | proxy | kube-apiserver | etcd | driver | configmaps requests | access reviews | all requests |\n|---|---|---|---|---|---|---|---|---|---|\n");
     fn rows<T>(md: &mut String, s: &str, v: &[Row<T>]) {
         for r in v {
             usage_row(md, s, r.side, &r.usage);

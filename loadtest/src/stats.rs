@@ -157,6 +157,9 @@ pub struct ApiCounts {
     pub open_watches: u64,
     /// `apiserver_request_total` over every resource and verb.
     pub all_requests: u64,
+    /// `apiserver_request_total` for (self)subjectaccessreviews: the proxy's authorization of
+    /// cache-served reads.
+    pub access_reviews: u64,
 }
 
 impl ApiCounts {
@@ -173,6 +176,11 @@ impl ApiCounts {
             if l.starts_with("apiserver_request_total{") {
                 let v = value();
                 c.all_requests += v;
+                if l.contains("resource=\"selfsubjectaccessreviews\"")
+                    || l.contains("resource=\"subjectaccessreviews\"")
+                {
+                    c.access_reviews += v;
+                }
                 if l.contains(&res)
                     && l.contains("subresource=\"\"")
                     && let Some(verb) = label(l, "verb")
@@ -261,6 +269,7 @@ apiserver_request_total{code="200",component="apiserver",dry_run="",group="",res
 apiserver_request_total{code="200",component="apiserver",dry_run="",group="",resource="configmaps",scope="cluster",subresource="",verb="LIST",version="v1"} 1
 apiserver_request_total{code="200",component="apiserver",dry_run="",group="",resource="pods",scope="cluster",subresource="",verb="LIST",version="v1"} 2
 apiserver_request_total{code="0",component="apiserver",dry_run="",group="",resource="configmaps",scope="namespace",subresource="",verb="WATCH",version="v1"} 3
+apiserver_request_total{code="201",component="apiserver",dry_run="",group="authorization.k8s.io",resource="selfsubjectaccessreviews",scope="cluster",subresource="",verb="POST",version="v1"} 5
 apiserver_longrunning_requests{component="apiserver",group="",resource="configmaps",scope="namespace",subresource="",verb="WATCH",version="v1"} 4
 apiserver_longrunning_requests{component="apiserver",group="",resource="pods",scope="namespace",subresource="",verb="WATCH",version="v1"} 9
 "#;
@@ -268,7 +277,8 @@ apiserver_longrunning_requests{component="apiserver",group="",resource="pods",sc
         assert_eq!(c.requests["LIST"], 8);
         assert_eq!(c.requests["WATCH"], 3);
         assert_eq!(c.open_watches, 4);
-        assert_eq!(c.all_requests, 13);
+        assert_eq!(c.all_requests, 18);
+        assert_eq!(c.access_reviews, 5);
         let mut before = c.clone();
         before.requests.insert("LIST".into(), 5);
         assert_eq!(c.delta(&before), BTreeMap::from([("LIST".to_string(), 3)]));

@@ -600,12 +600,13 @@ pub fn headline(run: &Run, md_name: &str) -> String {
     for r in &run.a {
         let _ = writeln!(
             s,
-            "\nWatch fan-out, {}: {:.0} deliveries/s to {} watchers, {} missed, {} duplicated.",
+            "\nWatch fan-out, {}: {:.0} deliveries/s to {} watchers, {} missed, {} duplicated; {} access reviews.",
             r.side,
             r.result.deliveries_per_s,
             r.result.watchers,
             r.result.missed,
-            r.result.duplicated
+            r.result.duplicated,
+            r.usage.access_reviews
         );
     }
     s

@@ -209,6 +209,8 @@ async fn main() {
     cfg.tls.key_file = Some(dir.path().join("k"));
     cfg.log.level = "warn".into();
     cfg.cache.resources = vec!["pods".into(), "configmaps".into()];
+    // Pages of exactly `limit` (the adaptive cap would shorten them to ~100 on an idle proxy).
+    cfg.paging.cap_downstream = false;
     let kc = kube::config::Kubeconfig::from_yaml(&cp.admin_kubeconfig_yaml()).unwrap();
     let kube = kube::Config::from_custom_kubeconfig(kc, &Default::default())
         .await

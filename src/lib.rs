@@ -15,7 +15,10 @@
 //! - [`request_info`]: path hygiene and the apiserver's `RequestInfo` (verb, resource, scope).
 //! - [`upstream`]: clients to kube-apiserver from kubeconfig / in-cluster config.
 //! - [`router`]: the pure cache-or-passthrough decision.
-//! - [`authz`]: authorization of cache-served reads by the apiserver's access reviews.
+//! - [`authn`]: authentication of cache-served requests (client certificates, token file,
+//!   offline-verified ServiceAccount JWTs, TokenReview); verified identities and tenants.
+//! - [`authz`]: authorization of cache-served reads by SubjectAccessReview, the apiserver's
+//!   403, impersonation checks for client-certificate callers.
 //! - [`cache`]: per-resource store (objects as bytes + parsed metadata, snapshots, history),
 //!   readiness, the registry of cached resources and their metrics.
 //! - [`reflector`]: the upstream LIST+WATCH state machine feeding a cache.
@@ -35,6 +38,7 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod authn;
 pub mod authz;
 pub mod body;
 pub mod cache;

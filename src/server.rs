@@ -41,6 +41,7 @@ pub struct State {
     pub health: Health,
     /// Cached resources (filled in the background as they are discovered and synced).
     pub caches: Arc<crate::cache::registry::Caches>,
+    pub authn: crate::authn::Authenticator,
     pub authz: crate::authz::Authorizer,
     pub watch: crate::watch::WatchConfig,
     /// Cancelled when draining starts: long-running responses end cleanly.
@@ -48,7 +49,11 @@ pub struct State {
 }
 
 impl State {
-    pub fn new(config: Config, upstream: Upstream) -> Arc<State> {
+    pub fn new(
+        config: Config,
+        upstream: Upstream,
+        authn: crate::authn::Authenticator,
+    ) -> Arc<State> {
         let drain = CancellationToken::new();
         let c = &config.cache;
         let store = crate::cache::StoreConfig {
@@ -87,6 +92,7 @@ impl State {
             metrics,
             health: Health::new(),
             caches,
+            authn,
             authz,
             watch,
             drain,
@@ -392,17 +398,8 @@ async fn serve_from_cache(
         }
         return None;
     }
-    let caller = crate::identity::Caller::identify(conn.cert.as_deref(), req.headers());
-    let attrs = crate::authz::Attributes {
-        verb: info.verb.clone(),
-        group: info.api_group.clone(),
-        version: info.api_version.clone(),
-        resource: info.resource.clone(),
-        namespace: info.namespace.clone(),
-        name: info.name.clone(),
-    };
-    if !state.authz.allowed(&caller, &attrs).await {
-        return None;
+    if let Err(resp) = authenticate_and_authorize(state, conn, req, info).await {
+        return resp;
     }
     match route {
         Route::Watch {
@@ -423,6 +420,93 @@ async fn serve_from_cache(
         Route::Get { cache, enc } => crate::list::get(&cache, &info.namespace, &info.name, enc),
         Route::List { cache, filter, enc } => Some(crate::list::list(&cache, &filter, enc)),
         Route::Passthrough(_) => None,
+    }
+}
+
+/// Authentication and authorization of a cache-served request (`authn`, `authz`): `Ok` to
+/// serve it; `Err(Some(status))` the 401/403/503 to answer; `Err(None)` to pass it through
+/// (impersonation requests, which the apiserver or [`impersonation_gate`] authorize).
+async fn authenticate_and_authorize(
+    state: &State,
+    conn: &ConnInfo,
+    req: &Request<Incoming>,
+    info: &RequestInfo,
+) -> Result<Arc<crate::authn::Identity>, Option<Response<Body>>> {
+    use crate::authn::Outcome;
+    use crate::authz::Decision;
+    if has_impersonation(req.headers()) {
+        return Err(None);
+    }
+    let id = match state
+        .authn
+        .authenticate(conn.cert.as_deref(), req.headers())
+        .await
+    {
+        Outcome::Authenticated(id, _) => id,
+        Outcome::Unauthorized => return Err(Some(Status::unauthorized().into_response())),
+        Outcome::Unavailable(e) => {
+            let msg = format!("authentication is unavailable: {e}");
+            return Err(Some(Status::service_unavailable(msg, 1).into_response()));
+        }
+    };
+    let attrs = crate::authz::Attributes {
+        verb: info.verb.clone(),
+        group: info.api_group.clone(),
+        version: info.api_version.clone(),
+        resource: info.resource.clone(),
+        subresource: info.subresource.clone(),
+        namespace: info.namespace.clone(),
+        name: info.name.clone(),
+    };
+    match state.authz.authorize(&id, &attrs).await {
+        Decision::Allow => Ok(id),
+        Decision::Deny(reason) => Err(Some(
+            crate::authz::forbidden(&id, &attrs, &reason).into_response(),
+        )),
+        Decision::Error(e) => {
+            let msg = format!("authorization is unavailable: {e}");
+            Err(Some(Status::service_unavailable(msg, 1).into_response()))
+        }
+    }
+}
+
+fn has_impersonation(h: &http::HeaderMap) -> bool {
+    h.keys().any(|k| k.as_str().starts_with("impersonate-"))
+}
+
+/// A client-certificate caller's `Impersonate-*` headers, authorized as the apiserver's
+/// impersonation filter would (its requests travel with the proxy's credentials, so the
+/// apiserver cannot): `Err` is the refusal; `Ok(Some(conn))` the connection info to pass
+/// through as the impersonated user; `Ok(None)` nothing to do.
+async fn impersonation_gate(
+    state: &State,
+    conn: &ConnInfo,
+    req: &Request<Incoming>,
+) -> Result<Option<ConnInfo>, Response<Body>> {
+    let Some(cert) = conn.cert.as_deref() else {
+        return Ok(None);
+    };
+    if !has_impersonation(req.headers()) {
+        return Ok(None);
+    }
+    let id = match state.authn.authenticate(Some(cert), req.headers()).await {
+        crate::authn::Outcome::Authenticated(id, _) => id,
+        _ => return Err(Status::unauthorized().into_response()),
+    };
+    match state.authz.impersonate(&id, req.headers()).await {
+        Ok(Some(target)) => Ok(Some(ConnInfo {
+            peer: conn.peer,
+            cert: Some(Arc::new(CertIdentity {
+                user: target.user,
+                groups: target
+                    .groups
+                    .into_iter()
+                    .filter(|g| g != "system:authenticated")
+                    .collect(),
+            })),
+        })),
+        Ok(None) => Ok(None),
+        Err(status) => Err(status.into_response()),
     }
 }
 
@@ -506,13 +590,19 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         .clone();
     inflight.inc();
 
-    let (resp, served_by) = match serve_from_cache(state, conn, &req, &info, query.as_deref()).await
-    {
-        Some(r) => (r, "cache"),
-        None => (
-            passthrough::forward(state, conn, req, &info, long_running).await,
+    let (resp, served_by) = match impersonation_gate(state, conn, &req).await {
+        Err(refused) => (refused, "proxy"),
+        Ok(Some(as_target)) => (
+            passthrough::forward(state, &as_target, req, &info, long_running).await,
             "upstream",
         ),
+        Ok(None) => match serve_from_cache(state, conn, &req, &info, query.as_deref()).await {
+            Some(r) => (r, "cache"),
+            None => (
+                passthrough::forward(state, conn, req, &info, long_running).await,
+                "upstream",
+            ),
+        },
     };
 
     let code = resp.status();
@@ -569,6 +659,8 @@ pub enum StartError {
     Upstream(#[from] crate::upstream::UpstreamError),
     #[error(transparent)]
     Tls(#[from] crate::tls::TlsError),
+    #[error(transparent)]
+    Authn(#[from] crate::authn::AuthnError),
     #[error("binding {addr}: {source}")]
     Bind {
         addr: SocketAddr,
@@ -635,7 +727,12 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
     };
     let tls_addr = tls.as_ref().and_then(|(l, _)| l.local_addr().ok());
     let insecure_addr = insecure.as_ref().and_then(|l| l.local_addr().ok());
-    let state = State::new(config, upstream);
+    let authn = crate::authn::Authenticator::new(
+        config.authentication.clone(),
+        crate::authn::TenantMapper::new(config.tenants.clone()),
+        upstream.clone(),
+    )?;
+    let state = State::new(config, upstream, authn);
     state.spawn_upstream_probe();
     let stop = CancellationToken::new();
     let task = tokio::spawn(run(

@@ -148,18 +148,19 @@ pub const METHODS: [AuthnMethod; 5] = [
     AuthnMethod::Anonymous,
 ];
 
-/// A user of the static token file.
-#[derive(Debug, Clone)]
-struct StaticUser {
-    user: String,
-    uid: String,
-    groups: Vec<String>,
+/// One row of the static token file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenFileRow {
+    pub token: String,
+    pub user: String,
+    pub uid: String,
+    pub groups: Vec<String>,
 }
 
 /// Parses kube-apiserver's `--token-auth-file` CSV: `token,user,uid[,"group1,group2"]`
 /// (further columns ignored, as the apiserver does). Lines starting with `#` and blank
 /// lines are skipped.
-pub fn parse_token_file(text: &str) -> Result<Vec<(String, String, String, Vec<String>)>, String> {
+pub fn parse_token_file(text: &str) -> Result<Vec<TokenFileRow>, String> {
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate() {
         let line = line.trim();
@@ -187,12 +188,12 @@ pub fn parse_token_file(text: &str) -> Result<Vec<(String, String, String, Vec<S
                     .collect()
             })
             .unwrap_or_default();
-        out.push((
-            fields[0].clone(),
-            fields[1].clone(),
-            fields[2].clone(),
+        out.push(TokenFileRow {
+            token: fields[0].clone(),
+            user: fields[1].clone(),
+            uid: fields[2].clone(),
             groups,
-        ));
+        });
     }
     Ok(out)
 }
@@ -555,7 +556,7 @@ pub struct Authenticator {
     cfg: AuthenticationConfig,
     upstream: Upstream,
     tenants: TenantMapper,
-    static_tokens: HashMap<[u8; 32], StaticUser>,
+    static_tokens: HashMap<[u8; 32], TokenFileRow>,
     keys: RwLock<Option<(Arc<KeySet>, Instant)>>,
     refresh: tokio::sync::Mutex<Refresh>,
     ok_cache: moka::future::Cache<[u8; 32], Cached>,
@@ -602,8 +603,10 @@ impl Authenticator {
                 path: path.clone(),
                 message,
             })?;
-            for (token, user, uid, groups) in rows {
-                static_tokens.insert(sha256(token.as_bytes()), StaticUser { user, uid, groups });
+            for mut row in rows {
+                // Only the hash of a token is kept.
+                let key = sha256(std::mem::take(&mut row.token).as_bytes());
+                static_tokens.insert(key, row);
             }
         }
         let mut ok = moka::future::Cache::builder().max_capacity(100_000);
@@ -836,20 +839,28 @@ impl Authenticator {
         struct Discovery {
             issuer: String,
         }
-        let d = self.get("/.well-known/openid-configuration").await?;
+        let d = self
+            .get("/.well-known/openid-configuration", "application/json")
+            .await?;
         let d: Discovery =
             serde_json::from_slice(&d).map_err(|e| format!("discovery document: {e}"))?;
         // The document's jwks_uri names the issuer's external URL; the same keys are served
         // by the apiserver at this path, reached through the proxy's upstream client.
-        let jwks = self.get("/openid/v1/jwks").await?;
+        // The apiserver answers 406 to this path for `Accept: application/json` alone.
+        let jwks = self
+            .get(
+                "/openid/v1/jwks",
+                "application/jwk-set+json, application/json",
+            )
+            .await?;
         KeySet::from_jwks(&d.issuer, &jwks)
     }
 
-    async fn get(&self, path: &str) -> Result<bytes::Bytes, String> {
+    async fn get(&self, path: &str, accept: &'static str) -> Result<bytes::Bytes, String> {
         let mut req = Request::new(body::empty());
         *req.uri_mut() = self.upstream.uri(path);
         req.headers_mut()
-            .insert(header::ACCEPT, HeaderValue::from_static("application/json"));
+            .insert(header::ACCEPT, HeaderValue::from_static(accept));
         let fut = self.upstream.send(req, As::Proxy, false);
         let resp = tokio::time::timeout(self.timeout, fut)
             .await
@@ -1201,10 +1212,11 @@ mod tests {
         )
         .unwrap();
         assert_eq!(rows.len(), 3);
-        assert_eq!(rows[0].3, ["dev", "ops"]);
-        assert!(rows[1].3.is_empty());
-        assert_eq!(rows[2].1, "carol, c");
-        assert_eq!(rows[2].3, ["solo"]);
+        assert_eq!(rows[0].token, "t1");
+        assert_eq!(rows[0].groups, ["dev", "ops"]);
+        assert!(rows[1].groups.is_empty());
+        assert_eq!(rows[2].user, "carol, c");
+        assert_eq!(rows[2].groups, ["solo"]);
         assert!(parse_token_file("t1,alice\n").is_err());
         assert!(parse_token_file("t1,\"alice,u1\n").is_err());
     }

@@ -19,6 +19,7 @@
 //!   offline-verified ServiceAccount JWTs, TokenReview); verified identities and tenants.
 //! - [`authz`]: authorization of cache-served reads by SubjectAccessReview, the apiserver's
 //!   403, impersonation checks for client-certificate callers.
+//! - [`tenancy`]: tenants' quotas (watches, read rate, list size) and filtered cluster views.
 //! - [`cache`]: per-resource store (objects as bytes + parsed metadata, snapshots, history),
 //!   readiness, the registry of cached resources and their metrics.
 //! - [`reflector`]: the upstream LIST+WATCH state machine feeding a cache.
@@ -57,6 +58,7 @@ pub mod request_info;
 pub mod router;
 pub mod selector;
 pub mod server;
+pub mod tenancy;
 pub mod tls;
 pub mod upstream;
 pub mod watch;

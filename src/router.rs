@@ -97,6 +97,7 @@ fn filter_for(
         namespace: (!namespace.is_empty()).then(|| namespace.to_string()),
         labels,
         fields,
+        namespaces: None,
     })
 }
 

@@ -43,6 +43,7 @@ pub struct State {
     pub caches: Arc<crate::cache::registry::Caches>,
     pub authn: crate::authn::Authenticator,
     pub authz: crate::authz::Authorizer,
+    pub tenancy: crate::tenancy::Tenancy,
     pub watch: crate::watch::WatchConfig,
     /// Cancelled when draining starts: long-running responses end cleanly.
     pub drain: CancellationToken,
@@ -78,6 +79,7 @@ impl State {
             c.authorization_allow_ttl,
             c.authorization_deny_ttl,
         );
+        let tenancy = crate::tenancy::Tenancy::new(&config.tenants);
         let watch = crate::watch::WatchConfig {
             bookmark_interval: c.bookmark_interval,
             ..Default::default()
@@ -94,6 +96,7 @@ impl State {
             caches,
             authn,
             authz,
+            tenancy,
             watch,
             drain,
         })
@@ -398,27 +401,74 @@ async fn serve_from_cache(
         }
         return None;
     }
-    if let Err(resp) = authenticate_and_authorize(state, conn, req, info).await {
-        return resp;
+    let namespaced = match &route {
+        Route::Watch { cache, .. } | Route::Get { cache, .. } | Route::List { cache, .. } => {
+            cache.resource.namespaced
+        }
+        Route::Passthrough(_) => false,
+    };
+    let (id, view) = match authenticate_and_authorize(state, conn, req, info, namespaced).await {
+        Ok(x) => x,
+        Err(resp) => return resp,
+    };
+    // Tenant quotas (`tenancy`); the unnamed tenant has none.
+    let tenant = state.tenancy.get(&id.tenant);
+    let mut permit = None;
+    if let Some(t) = tenant {
+        let admitted = match &route {
+            Route::Watch { .. } => t.admit_watch().map(|p| permit = p),
+            _ => t.admit_read(),
+        };
+        if let Err(status) = admitted {
+            return Some(status.into_response());
+        }
     }
     match route {
         Route::Watch {
             cache,
             params,
-            filter,
+            mut filter,
             enc,
-        } => crate::watch::serve(
-            cache,
-            params,
-            filter,
-            enc,
-            &state.watch,
-            state.drain.clone(),
-        )
-        .await
-        .ok(),
+        } => {
+            filter.namespaces = view;
+            let resp = crate::watch::serve(
+                cache,
+                params,
+                filter,
+                enc,
+                &state.watch,
+                state.drain.clone(),
+            )
+            .await
+            .ok()?;
+            // The tenant's watch slot is held as long as the stream.
+            let (parts, b) = resp.into_parts();
+            let b = Tracked::new(b, Instant::now(), move |_| drop(permit));
+            Some(Response::from_parts(parts, body::boxed(b)))
+        }
         Route::Get { cache, enc } => crate::list::get(&cache, &info.namespace, &info.name, enc),
-        Route::List { cache, filter, enc } => Some(crate::list::list(&cache, &filter, enc)),
+        Route::List {
+            cache,
+            mut filter,
+            enc,
+        } => {
+            filter.namespaces = view;
+            if let Some(t) = tenant
+                && t.config.quotas.max_list_objects.is_some()
+                && !has_limit(query)
+            {
+                let n = cache
+                    .snapshot()
+                    .0
+                    .values()
+                    .filter(|o| filter.matches(o))
+                    .count();
+                if let Err(status) = t.admit_list_size(n) {
+                    return Some(status.into_response());
+                }
+            }
+            Some(crate::list::list(&cache, &filter, enc))
+        }
         Route::Passthrough(_) => None,
     }
 }
@@ -426,12 +476,15 @@ async fn serve_from_cache(
 /// Authentication and authorization of a cache-served request (`authn`, `authz`): `Ok` to
 /// serve it; `Err(Some(status))` the 401/403/503 to answer; `Err(None)` to pass it through
 /// (impersonation requests, which the apiserver or [`impersonation_gate`] authorize).
+/// A cluster-wide list/watch RBAC denies may still be served as the tenant's filtered view:
+/// the namespace set comes back with the identity.
 async fn authenticate_and_authorize(
     state: &State,
     conn: &ConnInfo,
     req: &Request<Incoming>,
     info: &RequestInfo,
-) -> Result<Arc<crate::authn::Identity>, Option<Response<Body>>> {
+    namespaced: bool,
+) -> Result<AuthorizedView, Option<Response<Body>>> {
     use crate::authn::Outcome;
     use crate::authz::Decision;
     if has_impersonation(req.headers()) {
@@ -459,15 +512,39 @@ async fn authenticate_and_authorize(
         name: info.name.clone(),
     };
     match state.authz.authorize(&id, &attrs).await {
-        Decision::Allow => Ok(id),
-        Decision::Deny(reason) => Err(Some(
-            crate::authz::forbidden(&id, &attrs, &reason).into_response(),
-        )),
+        Decision::Allow => Ok((id, None)),
+        Decision::Deny(reason) => {
+            let ns_cache = state.caches.get("", "v1", "namespaces");
+            let view = state
+                .tenancy
+                .filtered_view(&state.authz, ns_cache.as_deref(), &id, &attrs, namespaced)
+                .await;
+            match view {
+                Some(set) => Ok((id, Some(set))),
+                None => Err(Some(
+                    crate::authz::forbidden(&id, &attrs, &reason).into_response(),
+                )),
+            }
+        }
         Decision::Error(e) => {
             let msg = format!("authorization is unavailable: {e}");
             Err(Some(Status::service_unavailable(msg, 1).into_response()))
         }
     }
+}
+
+type AuthorizedView = (
+    Arc<crate::authn::Identity>,
+    Option<Arc<std::collections::BTreeSet<String>>>,
+);
+
+/// Whether a list asks for pages (`limit` > 0).
+fn has_limit(query: Option<&str>) -> bool {
+    query.unwrap_or("").split('&').any(|kv| {
+        kv.strip_prefix("limit=")
+            .and_then(|v| v.parse::<u64>().ok())
+            .is_some_and(|n| n > 0)
+    })
 }
 
 fn has_impersonation(h: &http::HeaderMap) -> bool {

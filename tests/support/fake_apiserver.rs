@@ -111,6 +111,7 @@ struct Shared {
     /// Tokens and user names that are not authorized for anything (see [`Faults::deny`]).
     deny: Mutex<HashSet<String>>,
     impersonators: Mutex<HashSet<String>>,
+    only_in: Mutex<std::collections::HashMap<String, HashSet<String>>>,
     shutdown: CancellationToken,
 }
 
@@ -144,6 +145,7 @@ impl FakeApiServer {
             bookmark_interval: Mutex::new(DEFAULT_BOOKMARK_INTERVAL),
             deny: Mutex::new(HashSet::new()),
             impersonators: Mutex::new(HashSet::new()),
+            only_in: Mutex::new(std::collections::HashMap::new()),
             shutdown: CancellationToken::new(),
         });
         for ns in INITIAL_NAMESPACES {
@@ -334,6 +336,15 @@ impl Faults {
     /// for such users.
     pub fn allow_impersonation(&self, user: &str) {
         lock(&self.shared.impersonators).insert(user.to_string());
+    }
+
+    /// SubjectAccessReviews about `user` are allowed only in these namespaces (denied at
+    /// cluster scope and elsewhere), like a user with RoleBindings in just those.
+    pub fn allow_only_in(&self, user: &str, namespaces: &[&str]) {
+        lock(&self.shared.only_in).insert(
+            user.to_string(),
+            namespaces.iter().map(|n| n.to_string()).collect(),
+        );
     }
 
     /// Period of BOOKMARK events on watches with `allowWatchBookmarks=true` (default 1 s).
@@ -1026,7 +1037,15 @@ fn access_review(
             .cloned()
             .unwrap_or_default();
         let impersonate = spec.pointer("/resourceAttributes/verb") == Some(&json!("impersonate"));
-        (!impersonate || lock(&shared.impersonators).contains(user))
+        let ns = spec
+            .pointer("/resourceAttributes/namespace")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        let in_scope = lock(&shared.only_in)
+            .get(user)
+            .is_none_or(|set| set.contains(ns));
+        in_scope
+            && (!impersonate || lock(&shared.impersonators).contains(user))
             && !deny.contains(user)
             && !groups
                 .iter()

@@ -41,9 +41,9 @@ pub struct State {
     pub health: Health,
     /// Cached resources (filled in the background as they are discovered and synced).
     pub caches: Arc<crate::cache::registry::Caches>,
-    pub authn: crate::authn::Authenticator,
-    pub authz: crate::authz::Authorizer,
-    pub tenancy: crate::tenancy::Tenancy,
+    pub authn: Arc<crate::authn::Authenticator>,
+    pub authz: Arc<crate::authz::Authorizer>,
+    pub tenancy: Arc<crate::tenancy::Tenancy>,
     pub watch: crate::watch::WatchConfig,
     /// Cancelled when draining starts: long-running responses end cleanly.
     pub drain: CancellationToken,
@@ -74,12 +74,13 @@ impl State {
             reflector,
             drain.clone(),
         );
-        let authz = crate::authz::Authorizer::new(
+        let authz = Arc::new(crate::authz::Authorizer::new(
             upstream.clone(),
             c.authorization_allow_ttl,
             c.authorization_deny_ttl,
-        );
-        let tenancy = crate::tenancy::Tenancy::new(&config.tenants);
+        ));
+        let authn = Arc::new(authn);
+        let tenancy = Arc::new(crate::tenancy::Tenancy::new(&config.tenants));
         let watch = crate::watch::WatchConfig {
             bookmark_interval: c.bookmark_interval,
             ..Default::default()
@@ -88,6 +89,11 @@ impl State {
         metrics.register_collector(Box::new(crate::cache::metrics::CacheCollector(
             caches.clone(),
         )));
+        metrics.register_collector(Box::new(crate::metrics::AuthCollector {
+            authn: authn.clone(),
+            authz: authz.clone(),
+            tenancy: tenancy.clone(),
+        }));
         Arc::new(State {
             config,
             upstream,

@@ -236,5 +236,20 @@ async fn over_quota_requests_get_429_with_an_integer_retry_after() {
     assert_eq!(client.get(&list, Some("s-1")).await.status(), 200);
     let paged = proxy.https("/api/v1/configmaps?resourceVersion=0&limit=1");
     assert_ne!(client.get(&paged, Some("s-1")).await.status(), 429);
+
+    // Rejections by tenant and quota, and the auth counters, on /metrics.
+    let metrics = proxy.running.as_ref().unwrap().state.metrics.encode();
+    for line in [
+        "kube_cache_proxy_quota_rejections_total{tenant=\"rate\",quota=\"rate\"} 1",
+        "kube_cache_proxy_quota_rejections_total{tenant=\"watches\",quota=\"watches\"} 1",
+        "kube_cache_proxy_quota_rejections_total{tenant=\"size\",quota=\"list_size\"} 1",
+        // Nine requests by six tokens: six TokenReviews, three answered from the token cache.
+        "kube_cache_proxy_authentications_total{method=\"token_review\",result=\"success\"} 9",
+        "kube_cache_proxy_authentication_cache_total{result=\"hit\"} 3",
+    ] {
+        assert!(metrics.contains(line), "{line} missing:\n{metrics}");
+    }
+    assert!(metrics.contains("kube_cache_proxy_authorization_cache_lookups_total{result=\"hit\"}"));
+    assert!(metrics.contains("kube_cache_proxy_authorization_decisions_total{result=\"allowed\"}"));
     proxy.shutdown().await;
 }

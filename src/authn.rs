@@ -609,10 +609,10 @@ impl Authenticator {
                 static_tokens.insert(key, row);
             }
         }
-        let mut ok = moka::future::Cache::builder().max_capacity(100_000);
-        if !cfg.cache_ttl.is_zero() {
-            ok = ok.time_to_live(cfg.cache_ttl);
-        }
+        // A zero TTL turns the cache off (nothing is inserted); moka needs a positive one.
+        let ok = moka::future::Cache::builder()
+            .max_capacity(100_000)
+            .time_to_live(cfg.cache_ttl.max(Duration::from_millis(1)));
         let fail_ttl = cfg.failure_cache_ttl.max(Duration::from_millis(1));
         Ok(Authenticator {
             ok_cache: ok.build(),
@@ -707,14 +707,18 @@ impl Authenticator {
         }
         let (outcome, until) = self.authenticate_token(token).await;
         match &outcome {
-            Outcome::Authenticated(id, m) => {
+            Outcome::Authenticated(id, m) if !self.cfg.cache_ttl.is_zero() => {
                 let c = Cached {
                     outcome: Some((id.clone(), *m)),
                     until,
                 };
                 self.ok_cache.insert(key, c).await;
             }
-            Outcome::Unauthorized => self.fail_cache.insert(key, ()).await,
+            Outcome::Authenticated(..) => {}
+            Outcome::Unauthorized if !self.cfg.failure_cache_ttl.is_zero() => {
+                self.fail_cache.insert(key, ()).await
+            }
+            Outcome::Unauthorized => {}
             Outcome::Unavailable(_) => {}
         }
         outcome

@@ -7,7 +7,10 @@
 //! A small in-process upstream answers discovery, JWKS, TokenReview and SubjectAccessReview,
 //! so the first (cold) calls succeed; the measured iterations never reach it.
 //!
-//! Run: `cargo bench --bench authn`.
+//! Run: `cargo bench --bench authn`. Measured on the 2-core dev machine (Nov 2026, shared),
+//! median of 50 samples: static token 0.60 µs, ServiceAccount JWT 1.30 µs, client certificate
+//! 0.44 µs per request (authn + authz, warm); one cold offline JWT verification (ES256, the
+//! `rust_crypto` backend) 307 µs, paid once per token per `authentication.cacheTtl`.
 
 use std::convert::Infallible;
 use std::hint::black_box;

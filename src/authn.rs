@@ -1309,4 +1309,84 @@ mod tests {
         assert!(!glob("a*b*c", "axxc"));
         assert!(glob("*", ""));
     }
+
+    fn offline_authenticator(cfg: AuthenticationConfig) -> Authenticator {
+        crate::tls::install_crypto_provider();
+        // Never contacted: these paths need no upstream.
+        let kube = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let up = Upstream::new(&kube, &crate::config::UpstreamConfig::default()).unwrap();
+        Authenticator::new(cfg, TenantMapper::default(), up).unwrap()
+    }
+
+    fn headers(auth: Option<&str>) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        if let Some(a) = auth {
+            h.insert(header::AUTHORIZATION, HeaderValue::from_str(a).unwrap());
+        }
+        h
+    }
+
+    #[tokio::test]
+    async fn the_chain_without_upstream_calls_certificates_token_file_anonymous_and_401() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("tokens.csv");
+        std::fs::write(&file, "tok-1,alice,uid-1,\"dev,ops\"\n").unwrap();
+        let cfg = AuthenticationConfig {
+            token_auth_file: Some(file),
+            service_account_jwt: false,
+            token_review: false,
+            ..AuthenticationConfig::default()
+        };
+        let a = offline_authenticator(cfg.clone());
+        let Outcome::Authenticated(id, m) =
+            a.authenticate(None, &headers(Some("Bearer tok-1"))).await
+        else {
+            panic!("static token not accepted");
+        };
+        assert_eq!(m, AuthnMethod::StaticToken);
+        assert_eq!((id.user.as_str(), id.uid.as_str()), ("alice", "uid-1"));
+        assert_eq!(id.groups, ["dev", "ops", "system:authenticated"]);
+        // A certificate wins over a token.
+        let cert = CertIdentity {
+            user: "carol".into(),
+            groups: vec!["ops".into()],
+        };
+        let Outcome::Authenticated(id, m) = a
+            .authenticate(Some(&cert), &headers(Some("Bearer tok-1")))
+            .await
+        else {
+            panic!("certificate not accepted");
+        };
+        assert_eq!((id.user.as_str(), m), ("carol", AuthnMethod::Certificate));
+        for bad in [
+            Some("Bearer nope"),
+            Some("Bearer "),
+            None,
+            Some("Basic YTpi"),
+        ] {
+            assert!(
+                matches!(
+                    a.authenticate(None, &headers(bad)).await,
+                    Outcome::Unauthorized
+                ),
+                "{bad:?}"
+            );
+        }
+        let anon = offline_authenticator(AuthenticationConfig {
+            anonymous: true,
+            ..cfg
+        });
+        let Outcome::Authenticated(id, m) = anon.authenticate(None, &headers(None)).await else {
+            panic!("anonymous not accepted");
+        };
+        assert_eq!(m, AuthnMethod::Anonymous);
+        assert_eq!(id.user, "system:anonymous");
+        assert_eq!(id.groups, ["system:unauthenticated"]);
+        // An invalid token is not anonymous, even with anonymous enabled.
+        assert!(matches!(
+            anon.authenticate(None, &headers(Some("Bearer nope"))).await,
+            Outcome::Unauthorized
+        ));
+        assert_eq!(a.stats.unauthorized.load(Relaxed), 4);
+    }
 }

@@ -151,6 +151,14 @@ impl Status {
         self
     }
 
+    /// Sets `metadata.continue` (a 410 for an expired list offers an inconsistent
+    /// continuation this way).
+    pub fn with_continue(mut self, token: String) -> Self {
+        self.metadata
+            .insert("continue".into(), serde_json::Value::String(token));
+        self
+    }
+
     pub fn code(&self) -> u16 {
         self.code
     }

@@ -29,6 +29,9 @@ pub struct Config {
     pub shutdown: ShutdownConfig,
     pub log: LogConfig,
     pub cache: CacheConfig,
+    pub lists: ListsConfig,
+    pub tokens: TokensConfig,
+    pub paging: PagingConfig,
     pub authentication: AuthenticationConfig,
     /// Tenants: who belongs to which, their namespaces and quotas (see [`TenantConfig`]).
     /// Callers no tenant matches belong to the unnamed tenant `""`, without quotas.
@@ -47,6 +50,9 @@ impl Default for Config {
             shutdown: ShutdownConfig::default(),
             log: LogConfig::default(),
             cache: CacheConfig::default(),
+            lists: ListsConfig::default(),
+            tokens: TokensConfig::default(),
+            paging: PagingConfig::default(),
             authentication: AuthenticationConfig::default(),
             tenants: Vec::new(),
         }
@@ -210,6 +216,10 @@ pub struct UpstreamConfig {
     pub kubeconfig: Option<PathBuf>,
     /// Kubeconfig context; unset means the current context.
     pub context: Option<String>,
+    /// Directory of the ServiceAccount `token`, `ca.crt` and `namespace` used by the
+    /// in-cluster config. Unset: `/var/run/secrets/kubernetes.io/serviceaccount`, where the
+    /// kubelet mounts them; set it only when they are elsewhere (tests use it).
+    pub service_account_dir: Option<PathBuf>,
     /// TCP+TLS connect timeout to the apiserver.
     #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
@@ -227,6 +237,7 @@ impl Default for UpstreamConfig {
         UpstreamConfig {
             kubeconfig: None,
             context: None,
+            service_account_dir: None,
             connect_timeout: Duration::from_secs(10),
             health_check_interval: Duration::from_secs(5),
             keepalive_interval: Duration::from_secs(30),
@@ -325,7 +336,7 @@ pub struct CacheConfig {
     /// Interval of BOOKMARK events to watchers that allow them (kube-apiserver: ~1 minute).
     #[serde(with = "humantime_serde")]
     pub bookmark_interval: Duration,
-    /// Items per page of the proxy's own upstream LISTs.
+    /// Items per page of the proxy's own upstream LISTs when `paging.adaptUpstream` is off.
     pub upstream_page_size: u32,
     /// A cached decision that a caller may read something lasts this long (kube-apiserver's
     /// `--authorization-webhook-cache-authorized-ttl`: 5 minutes; it bounds how long a
@@ -365,6 +376,283 @@ impl Default for CacheConfig {
             upstream_page_size: 500,
             authorization_allow_ttl: Duration::from_secs(300),
             authorization_deny_ttl: Duration::from_secs(30),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct ListsConfig {
+    /// How reads with resourceVersion unset ("most recent") are served: `bounded` (from the
+    /// cache while its upstream watch is up and confirmed, after the proxy's own writes are
+    /// reflected) or `strict` (exactly as fresh as the apiserver: each read is confirmed
+    /// against the upstream's current revision; costlier). See src/consistency.rs.
+    pub consistency: crate::consistency::Mode,
+    /// Per-resource overrides of `consistency`, keyed like `cache.resources`.
+    pub consistency_by_resource: std::collections::BTreeMap<String, crate::consistency::Mode>,
+    /// How long a consistent read may wait for confirmation before it passes through.
+    #[serde(with = "humantime_serde")]
+    pub consistency_timeout: Duration,
+    /// A snapshot used by a paginated list stays available this long after its last page
+    /// (KEP-4988: 75 s). Older walks continue from the event history while it covers them,
+    /// else get 410 Expired with an inconsistent-continue token, as from the apiserver.
+    #[serde(with = "humantime_serde")]
+    pub snapshot_retention: Duration,
+    /// Snapshots retained per resource at most (least recently used dropped first).
+    pub snapshot_max: usize,
+    /// How long a list waits for the cache to reach a requested resourceVersion before the
+    /// apiserver answers it instead.
+    #[serde(with = "humantime_serde")]
+    pub wait_for_resource_version: Duration,
+    /// Responses at least this large are gzipped for clients that accept it (kube-apiserver:
+    /// 128 KiB); 0 turns compression off.
+    pub gzip_min_bytes: usize,
+    /// 1 (fastest) to 9 (smallest).
+    pub gzip_level: u32,
+}
+
+impl Default for ListsConfig {
+    fn default() -> Self {
+        ListsConfig {
+            consistency: crate::consistency::Mode::Bounded,
+            consistency_by_resource: Default::default(),
+            consistency_timeout: Duration::from_secs(3),
+            snapshot_retention: Duration::from_secs(75),
+            snapshot_max: 256,
+            wait_for_resource_version: Duration::from_secs(3),
+            gzip_min_bytes: 128 * 1024,
+            gzip_level: 1,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct TokensConfig {
+    /// The continue-token HMAC keys: one `<id> <base64 secret>` per line (secrets of at least
+    /// 32 bytes), the first signs, the others still verify (rotation: add the new key on top,
+    /// drop the old one after `ttl`). Shared by all replicas (a Secret); re-read when it
+    /// changes. Unset: a random key per process, with a warning.
+    pub key_file: Option<PathBuf>,
+    /// How long a continue token is accepted.
+    #[serde(with = "humantime_serde")]
+    pub ttl: Duration,
+    /// How often the key file is checked for changes.
+    #[serde(with = "humantime_serde")]
+    pub reload_interval: Duration,
+}
+
+impl Default for TokensConfig {
+    fn default() -> Self {
+        TokensConfig {
+            key_file: None,
+            ttl: Duration::from_secs(600),
+            reload_interval: Duration::from_secs(10),
+        }
+    }
+}
+
+/// The adaptive page-size controller (`src/paging.rs`): every `interval` it reads the
+/// downstream LIST rate and latency, the upstream request latency and the apiserver's (and
+/// optionally etcd's) load, and computes
+/// `clamp(basePageSize * qpsFactor * latencyFactor * loadFactor, minPageSize, maxPageSize)`,
+/// smoothed by an exponential moving average. The defaults are the policy of issue 7.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct PagingConfig {
+    /// The proxy's own upstream LISTs (initial sync, relists) use the adaptive page size;
+    /// off: `cache.upstreamPageSize`.
+    pub adapt_upstream: bool,
+    /// Downstream LISTs with a `limit` above the adaptive size get a shorter page with a
+    /// continue token (the API conventions allow fewer items than `limit`); requests
+    /// without `limit` are never capped.
+    pub cap_downstream: bool,
+    /// How often the inputs are sampled and the page size recomputed.
+    #[serde(with = "humantime_serde")]
+    pub interval: Duration,
+    /// The page size when every factor is 1.
+    pub base_page_size: u32,
+    /// Bounds of the unsmoothed page size.
+    pub min_page_size: u32,
+    pub max_page_size: u32,
+    /// QPS factor `clamp(1 + (qps - qpsPivot) / qpsScale, minQpsFactor, maxQpsFactor)`,
+    /// where qps is the downstream LIST rate: busy readers get bigger pages (fewer round
+    /// trips), idle ones smaller.
+    pub qps_pivot: f64,
+    pub qps_scale: f64,
+    pub min_qps_factor: f64,
+    pub max_qps_factor: f64,
+    /// A p95 latency above this multiplies the page size by `latencyPenalty`.
+    #[serde(with = "humantime_serde")]
+    pub latency_threshold: Duration,
+    pub latency_penalty: f64,
+    /// Load factor: 1 below `moderateLoad`, `moderateLoadFactor` from `moderateLoad` to
+    /// `highLoad` inclusive, `highLoadFactor` above.
+    pub moderate_load: f64,
+    pub high_load: f64,
+    pub moderate_load_factor: f64,
+    pub high_load_factor: f64,
+    /// Weight of the newest sample in the moving average (1: no smoothing).
+    pub ema_alpha: f64,
+    /// Samples kept for `GET /debug/paging`.
+    pub history_size: usize,
+    /// etcd's metrics endpoint (`http://host:port`, etcd's `--listen-metrics-urls`), read for
+    /// backend commit latency and pending proposals. Unset: apiserver signals only.
+    pub etcd_metrics_url: Option<String>,
+    pub load: LoadConfig,
+}
+
+impl Default for PagingConfig {
+    fn default() -> Self {
+        PagingConfig {
+            adapt_upstream: true,
+            cap_downstream: true,
+            interval: Duration::from_secs(10),
+            base_page_size: 100,
+            min_page_size: 20,
+            max_page_size: 500,
+            qps_pivot: 500.0,
+            qps_scale: 1000.0,
+            min_qps_factor: 0.5,
+            max_qps_factor: 2.0,
+            latency_threshold: Duration::from_millis(150),
+            latency_penalty: 0.6,
+            moderate_load: 0.7,
+            high_load: 0.9,
+            moderate_load_factor: 0.7,
+            high_load_factor: 0.4,
+            ema_alpha: 0.3,
+            history_size: 60,
+            etcd_metrics_url: None,
+            load: LoadConfig::default(),
+        }
+    }
+}
+
+impl PagingConfig {
+    /// Adds a problem for each field out of its domain (see [`Config::validate`]).
+    fn validate_into(&self, err: &mut impl FnMut(&str, String)) {
+        let positive = |v: f64| v.is_finite() && v > 0.0;
+        if self.interval.is_zero() {
+            err("paging.interval", "must be greater than 0".into());
+        }
+        if self.min_page_size == 0 {
+            err("paging.minPageSize", "must be at least 1".into());
+        }
+        if self.min_page_size > self.max_page_size {
+            err(
+                "paging.maxPageSize",
+                format!("must be at least minPageSize ({})", self.min_page_size),
+            );
+        }
+        if self.base_page_size == 0 {
+            err("paging.basePageSize", "must be at least 1".into());
+        }
+        for (path, v) in [
+            ("paging.qpsScale", self.qps_scale),
+            ("paging.minQpsFactor", self.min_qps_factor),
+            ("paging.maxQpsFactor", self.max_qps_factor),
+            ("paging.latencyPenalty", self.latency_penalty),
+            ("paging.moderateLoadFactor", self.moderate_load_factor),
+            ("paging.highLoadFactor", self.high_load_factor),
+            ("paging.load.inqueueRequests", self.load.inqueue_requests),
+            (
+                "paging.load.rejectedPerSecond",
+                self.load.rejected_per_second,
+            ),
+            ("paging.load.storageObjects", self.load.storage_objects),
+            (
+                "paging.load.etcdPendingProposals",
+                self.load.etcd_pending_proposals,
+            ),
+        ] {
+            if !positive(v) {
+                err(path, format!("must be a number greater than 0, not {v}"));
+            }
+        }
+        if !self.qps_pivot.is_finite() {
+            err("paging.qpsPivot", "must be a finite number".into());
+        }
+        if self.min_qps_factor > self.max_qps_factor {
+            err(
+                "paging.maxQpsFactor",
+                "must be at least minQpsFactor".into(),
+            );
+        }
+        if !(self.moderate_load.is_finite()
+            && self.high_load.is_finite()
+            && self.moderate_load <= self.high_load)
+        {
+            err(
+                "paging.highLoad",
+                "must be a number at least moderateLoad".into(),
+            );
+        }
+        if !(self.ema_alpha > 0.0 && self.ema_alpha <= 1.0) {
+            err("paging.emaAlpha", "must be in (0, 1]".into());
+        }
+        if self.history_size == 0 {
+            err("paging.historySize", "must be at least 1".into());
+        }
+        if self.load.etcd_request_p99.is_zero() {
+            err(
+                "paging.load.etcdRequestP99",
+                "must be greater than 0".into(),
+            );
+        }
+        if self.load.etcd_commit_p99.is_zero() {
+            err("paging.load.etcdCommitP99", "must be greater than 0".into());
+        }
+        if let Some(url) = &self.etcd_metrics_url {
+            let ok = url
+                .parse::<http::Uri>()
+                .is_ok_and(|u| u.scheme_str() == Some("http") && u.host().is_some());
+            if !ok {
+                err(
+                    "paging.etcdMetricsUrl",
+                    format!("{url:?} is not an http://host:port URL"),
+                );
+            }
+        }
+    }
+}
+
+/// How each load signal maps to 0..1: `min(value / saturation, 1)`; the load score is the
+/// highest of the signals present (one saturated resource is overload, and a missing
+/// signal cannot dilute the others).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct LoadConfig {
+    /// p99 of `etcd_request_duration_seconds` (the worst operation) counted as full load.
+    /// Healthy etcd answers in a few milliseconds; a second is far past any SLO.
+    #[serde(with = "humantime_serde")]
+    pub etcd_request_p99: Duration,
+    /// Requests waiting in API Priority and Fairness queues
+    /// (`apiserver_flowcontrol_current_inqueue_requests`, all levels) counted as full load.
+    pub inqueue_requests: f64,
+    /// Rate of `apiserver_flowcontrol_rejected_requests_total` (per second) counted as full
+    /// load: sustained rejections are overload by definition.
+    pub rejected_per_second: f64,
+    /// Objects in storage (`apiserver_storage_objects`, all resources) counted as full load:
+    /// big stores make every range read heavier.
+    pub storage_objects: f64,
+    /// p99 of etcd's `etcd_disk_backend_commit_duration_seconds` counted as full load (etcd
+    /// guidance: below 25 ms).
+    #[serde(with = "humantime_serde")]
+    pub etcd_commit_p99: Duration,
+    /// `etcd_server_proposals_pending` counted as full load.
+    pub etcd_pending_proposals: f64,
+}
+
+impl Default for LoadConfig {
+    fn default() -> Self {
+        LoadConfig {
+            etcd_request_p99: Duration::from_secs(1),
+            inqueue_requests: 100.0,
+            rejected_per_second: 1.0,
+            storage_objects: 1_000_000.0,
+            etcd_commit_p99: Duration::from_millis(250),
+            etcd_pending_proposals: 100.0,
         }
     }
 }
@@ -527,6 +815,7 @@ impl Config {
         if self.cache.bookmark_interval.is_zero() {
             err("cache.bookmarkInterval", "must be greater than 0".into());
         }
+        self.paging.validate_into(&mut err);
         for (i, r) in self.cache.resources.iter().enumerate() {
             let ok = !r.is_empty()
                 && r.chars()
@@ -563,6 +852,25 @@ impl Config {
                     "must be a positive number".into(),
                 );
             }
+        }
+        if !(1..=9).contains(&self.lists.gzip_level) {
+            err("lists.gzipLevel", "must be between 1 and 9".into());
+        }
+        if self.lists.snapshot_max == 0 {
+            err("lists.snapshotMax", "must be at least 1".into());
+        }
+        if self.tokens.ttl.is_zero() {
+            err("tokens.ttl", "must be greater than 0".into());
+        }
+        if self.tokens.reload_interval.is_zero() {
+            err("tokens.reloadInterval", "must be greater than 0".into());
+        }
+        if let Some(p) = &self.tokens.key_file
+            && let Err(e) = std::fs::read_to_string(p)
+                .map_err(|e| e.to_string())
+                .and_then(|t| crate::token::KeySet::parse(&t))
+        {
+            err("tokens.keyFile", format!("{}: {e}", p.display()));
         }
         if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
             err("log.level", format!("invalid filter: {e}"));
@@ -658,6 +966,42 @@ mod tests {
             "{paths:?}"
         );
         assert!(paths.contains(&"log.level"), "{paths:?}");
+    }
+
+    #[test]
+    fn paging_fields_are_validated_with_their_paths() {
+        let cfg = Config::from_yaml(
+            "insecureListen: 127.0.0.1:8080\npaging:\n  minPageSize: 600\n  emaAlpha: 0\n  \
+             latencyPenalty: -1\n  highLoad: 0.5\n  etcdMetricsUrl: https://etcd:2379\n  \
+             load:\n    etcdRequestP99: 0s\n",
+        )
+        .unwrap();
+        let ConfigError::Invalid(errs) = cfg.validate().unwrap_err() else {
+            panic!()
+        };
+        let mut paths: Vec<_> = errs.iter().map(|e| e.path.as_str()).collect();
+        paths.sort();
+        assert_eq!(
+            paths,
+            [
+                "paging.emaAlpha",
+                "paging.etcdMetricsUrl",
+                "paging.highLoad",
+                "paging.latencyPenalty",
+                "paging.load.etcdRequestP99",
+                "paging.maxPageSize",
+            ]
+        );
+        let ok = Config::from_yaml(
+            "insecureListen: 127.0.0.1:8080\npaging:\n  etcdMetricsUrl: http://127.0.0.1:2381\n",
+        )
+        .unwrap();
+        ok.validate().unwrap();
+        let e = Config::from_yaml("paging:\n  emaAlfa: 0.5\n").unwrap_err();
+        let ConfigError::Invalid(errs) = e else {
+            panic!()
+        };
+        assert_eq!(errs[0].path, "paging.emaAlfa");
     }
 
     #[test]

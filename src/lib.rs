@@ -15,6 +15,7 @@
 //! - [`request_info`]: path hygiene and the apiserver's `RequestInfo` (verb, resource, scope).
 //! - [`upstream`]: clients to kube-apiserver from kubeconfig / in-cluster config.
 //! - [`router`]: the pure cache-or-passthrough decision.
+//! - [`consistency`]: when an unset-resourceVersion read may come from the cache (strict, bounded).
 //! - [`authn`]: authentication of cache-served requests (client certificates, token file,
 //!   offline-verified ServiceAccount JWTs, TokenReview); verified identities and tenants.
 //! - [`authz`]: authorization of cache-served reads by SubjectAccessReview, the apiserver's
@@ -25,7 +26,10 @@
 //! - [`reflector`]: the upstream LIST+WATCH state machine feeding a cache.
 //! - [`hub`]: watch fan-out with bounded per-watcher queues and the slow-watcher policy.
 //! - [`watch`]: downstream watches served from the cache (start points, bookmarks, timeouts).
-//! - [`list`]: GET and LIST `resourceVersion=0` served from the cache.
+//! - [`list`]: GET and LIST served from the cache: snapshots, pages, every resourceVersion form.
+//! - [`token`]: signed continue tokens bound to the caller and the query; key rotation.
+//! - [`paging`]: the adaptive page-size controller (QPS, latency and apiserver/etcd load in,
+//!   upstream page size and downstream page cap out).
 //! - [`selector`]: label and field selectors, parsed and evaluated as the apiserver does.
 //! - [`passthrough`]: streaming proxying of requests, watches and protocol upgrades.
 //! - [`drain`]: body wrappers ending watch streams cleanly at shutdown, request accounting.
@@ -45,6 +49,7 @@ pub mod body;
 pub mod cache;
 pub mod cli;
 pub mod config;
+pub mod consistency;
 pub mod devcluster;
 pub mod drain;
 pub mod health;
@@ -52,6 +57,7 @@ pub mod hub;
 pub mod identity;
 pub mod list;
 pub mod metrics;
+pub mod paging;
 pub mod passthrough;
 pub mod reflector;
 pub mod request_info;
@@ -60,5 +66,6 @@ pub mod selector;
 pub mod server;
 pub mod tenancy;
 pub mod tls;
+pub mod token;
 pub mod upstream;
 pub mod watch;

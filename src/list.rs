@@ -1,18 +1,193 @@
-//! GET and LIST with `resourceVersion=0` served from the cache (the full list rules,
-//! pagination and continue tokens come with the lists issue).
+//! GET and LIST served from the cache, with the apiserver's list semantics
+//! (k8s.io/apiserver `cacher.GetList`, `watchCache.waitUntilFreshAndList`, `PrepareContinueToken`):
+//!
+//! | resourceVersion | match | served at |
+//! | --- | --- | --- |
+//! | unset | - | the current state, once the consistency policy allows ([`crate::consistency`]) |
+//! | `0` | unset / NotOlderThan | the current state; `limit` ignored (as the watch cache does) |
+//! | N | NotOlderThan, or unset without `limit` | the current state once the cache reached N |
+//! | N | Exact, or unset with `limit` | the snapshot at exactly N |
+//!
+//! Pages: every page of one walk comes from one snapshot (retained while the walk goes on,
+//! or rebuilt from the event history); the continue token ([`crate::token`]) is signed,
+//! bound to the caller and the query, and positions by key. `remainingItemCount` is set when
+//! there are no selectors, as the apiserver does. A page holds at most `limit` items and may
+//! hold fewer (the page-size cap of adaptive paging).
+//!
+//! The first page of a latest-state list uses the apiserver's "indexes": pods'
+//! `spec.nodeName=X` reads only that node's pods, and `metadata.name=X` in a namespace (or on a
+//! cluster-scoped resource) reads one key — which decides whether a continue token is
+//! returned when nothing further matches, exactly as the apiserver decides it.
+//!
+//! Anything the cache cannot answer exactly passes through (a snapshot older than the
+//! history, a resourceVersion the cache has not reached in time, tokens that are not the
+//! proxy's). Bodies are written without re-encoding objects; an unpaginated list streams in
+//! chunks from its snapshot, so memory per request stays near one chunk; large bodies are
+//! gzipped when the client accepts it (the apiserver's 128 KiB threshold).
 
+use std::io::Write;
+use std::ops::Bound;
 use std::sync::Arc;
+use std::time::Duration;
 
-use bytes::{BufMut, BytesMut};
-use http::{HeaderValue, Response, header};
+use bytes::{BufMut, Bytes, BytesMut};
+use http::{HeaderValue, Response, StatusCode, header};
 
+use crate::api::{Reason, Status};
 use crate::body::{self, Body};
-use crate::cache::ResourceCache;
 use crate::cache::event::{Encoding, put_object};
+use crate::cache::store::Snapshot;
+use crate::cache::{CachedObject, ObjectKey, ResourceCache};
 use crate::hub::Filter;
+use crate::token::{Binding, Keys, TokenError};
 
-fn json(b: BytesMut) -> Response<Body> {
-    let mut r = Response::new(body::full(b.freeze()));
+/// `resourceVersion` of a list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rv {
+    Unset,
+    Zero,
+    At(u64),
+}
+
+/// `resourceVersionMatch` of a list.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RvMatch {
+    Unset,
+    NotOlderThan,
+    Exact,
+}
+
+/// The list parameters the cache understands; anything else passes through.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ListParams {
+    pub rv: Rv,
+    pub rv_match: RvMatch,
+    /// 0: no limit.
+    pub limit: u64,
+    pub continue_: Option<String>,
+    pub label_selector: String,
+    pub field_selector: String,
+}
+
+impl ListParams {
+    /// Parses a list query, or says why the apiserver must answer it (unknown parameters,
+    /// and every invalid combination: the apiserver writes those errors exactly).
+    pub fn parse(query: Option<&str>) -> Result<ListParams, &'static str> {
+        let mut p = ListParams {
+            rv: Rv::Unset,
+            rv_match: RvMatch::Unset,
+            limit: 0,
+            continue_: None,
+            label_selector: String::new(),
+            field_selector: String::new(),
+        };
+        let mut seen = std::collections::HashSet::new();
+        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            let plus = v.replace('+', " ");
+            let v = percent_encoding::percent_decode_str(&plus)
+                .decode_utf8()
+                .map_err(|_| "query encoding")?;
+            // A repeated parameter: Go's url.Values takes the first; let the apiserver decide.
+            if !seen.insert(k.to_string()) {
+                return Err("repeated list parameter");
+            }
+            match k {
+                "resourceVersion" => {
+                    p.rv = match &*v {
+                        "" => Rv::Unset,
+                        "0" => Rv::Zero,
+                        n => Rv::At(
+                            n.parse::<u64>()
+                                .ok()
+                                .filter(|n| *n > 0)
+                                .ok_or("resourceVersion")?,
+                        ),
+                    }
+                }
+                "resourceVersionMatch" => {
+                    p.rv_match = match &*v {
+                        "" => RvMatch::Unset,
+                        "NotOlderThan" => RvMatch::NotOlderThan,
+                        "Exact" => RvMatch::Exact,
+                        _ => return Err("resourceVersionMatch"),
+                    }
+                }
+                "limit" => {
+                    let l = v.parse::<i64>().map_err(|_| "limit")?;
+                    p.limit = l.max(0) as u64;
+                }
+                "continue" if !v.is_empty() => p.continue_ = Some(v.into_owned()),
+                "continue" => {}
+                "watch" if v == "false" || v == "0" => {}
+                "labelSelector" => p.label_selector = v.into_owned(),
+                "fieldSelector" => p.field_selector = v.into_owned(),
+                "timeout" | "timeoutSeconds" => {}
+                _ => return Err("list parameters"),
+            }
+        }
+        // Combinations the apiserver refuses (ValidateListOptions): it writes the error.
+        match (p.rv, p.rv_match) {
+            (Rv::Unset, RvMatch::NotOlderThan | RvMatch::Exact) => return Err("match without rv"),
+            (Rv::Zero, RvMatch::Exact) => return Err("exact rv 0"),
+            _ => {}
+        }
+        if let Some(c) = &p.continue_ {
+            if !c.starts_with("k1.") {
+                return Err("continue token not issued by the proxy");
+            }
+            if p.rv_match != RvMatch::Unset {
+                return Err("continue with resourceVersionMatch");
+            }
+        }
+        Ok(p)
+    }
+}
+
+/// Settings of cache-served lists.
+#[derive(Debug, Clone)]
+pub struct ListConfig {
+    /// How long a list waits for the cache to reach a requested resourceVersion before the
+    /// apiserver answers instead (the apiserver itself waits 3 s, then 504).
+    pub wait_for_rv: Duration,
+    /// Bodies at least this large are gzipped for clients that accept it (kube-apiserver:
+    /// 128 KiB); 0 turns compression off.
+    pub gzip_min_bytes: usize,
+    /// flate2 level, 1 (fast) to 9.
+    pub gzip_level: u32,
+    /// Chunk size of streamed, unpaginated lists.
+    pub chunk_bytes: usize,
+}
+
+impl Default for ListConfig {
+    fn default() -> Self {
+        ListConfig {
+            wait_for_rv: Duration::from_secs(3),
+            gzip_min_bytes: 128 * 1024,
+            gzip_level: 1,
+            chunk_bytes: 256 * 1024,
+        }
+    }
+}
+
+/// What the list code decided.
+pub enum Outcome {
+    Served(Response<Body>),
+    /// The apiserver answers, for this reason.
+    Passthrough(&'static str),
+}
+
+impl std::fmt::Debug for Outcome {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Outcome::Served(r) => write!(f, "Served({})", r.status()),
+            Outcome::Passthrough(w) => write!(f, "Passthrough({w})"),
+        }
+    }
+}
+
+fn json(b: Bytes) -> Response<Body> {
+    let mut r = Response::new(body::full(b));
     r.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),
@@ -25,6 +200,7 @@ fn json(b: BytesMut) -> Response<Body> {
 /// still found).
 pub fn get(
     cache: &ResourceCache,
+    snap: &Snapshot,
     namespace: &str,
     name: &str,
     enc: Encoding,
@@ -34,19 +210,124 @@ pub fn get(
     } else {
         ""
     };
-    let (obj, _) = cache.get(ns, name);
-    let obj = obj?;
+    let obj = snap.objects.get(&ObjectKey::new(ns, name))?;
     let mut b = BytesMut::with_capacity(obj.body.len() + 64);
     put_object(&mut b, &cache.resource, &obj.body, enc);
-    Some(json(b))
+    Some(json(b.freeze()))
 }
 
-/// Every object matching `filter`, at the cache's current resourceVersion, in key order.
-pub fn list(cache: &Arc<ResourceCache>, filter: &Filter, enc: Encoding) -> Response<Body> {
-    // An O(1) snapshot; serialisation happens without any lock.
-    let (objects, rv) = cache.snapshot();
+/// The candidates of a page, in key order: the request's scope from after `after`,
+/// narrowed by an index when the apiserver would use one.
+struct Candidates<'a> {
+    snap: &'a Snapshot,
+    namespace: Option<&'a str>,
+    single: Option<ObjectKey>,
+    node_name: Option<&'a str>,
+}
+
+impl<'a> Candidates<'a> {
+    fn new(
+        cache: &ResourceCache,
+        snap: &'a Snapshot,
+        filter: &'a Filter,
+        use_index: bool,
+    ) -> Candidates<'a> {
+        let namespace = filter.namespace.as_deref();
+        // registry `Store.ListPredicate`: metadata.name=X reads one key when the key can be
+        // built (a namespaced request, or a cluster-scoped resource) — on every page kind.
+        let single = filter
+            .fields
+            .exact_value("metadata.name")
+            .filter(|_| namespace.is_some() || !cache.resource.namespaced)
+            .map(|n| ObjectKey::new(namespace.unwrap_or(""), n));
+        // Pods' spec.nodeName index (pod strategy `IndexFields`), used by latest-state lists.
+        let node_name =
+            (use_index && cache.resource.group.is_empty() && cache.resource.resource == "pods")
+                .then(|| filter.fields.exact_value("spec.nodeName"))
+                .flatten();
+        Candidates {
+            snap,
+            namespace,
+            single,
+            node_name,
+        }
+    }
+
+    fn iter(
+        &self,
+        after: Option<&ObjectKey>,
+    ) -> Box<dyn Iterator<Item = (&'a ObjectKey, &'a Arc<CachedObject>)> + 'a> {
+        let objects = &self.snap.objects;
+        if let Some(k) = &self.single {
+            let hit = objects
+                .get_key_value(k)
+                .filter(|(key, _)| after.is_none_or(|a| *key > a));
+            return Box::new(hit.into_iter());
+        }
+        let start = match (after, self.namespace) {
+            (Some(a), _) => Bound::Excluded(a.clone()),
+            (None, Some(ns)) => Bound::Included(ObjectKey::new(ns, "")),
+            (None, None) => Bound::Unbounded,
+        };
+        let ns = self.namespace;
+        let node = self.node_name;
+        Box::new(
+            objects
+                .range((start, Bound::Unbounded))
+                .take_while(move |(k, _)| ns.is_none_or(|ns| &*k.namespace == ns))
+                .filter(move |(_, o)| node.is_none_or(|n| o.field("spec.nodeName") == Some(n))),
+        )
+    }
+
+    /// Candidates after `after` (all of them when `None`): remainingItemCount without
+    /// selectors.
+    fn count(&self, after: Option<&ObjectKey>) -> u64 {
+        match (after, self.namespace, &self.single) {
+            (None, None, None) if self.node_name.is_none() => self.snap.objects.len() as u64,
+            _ => self.iter(after).count() as u64,
+        }
+    }
+}
+
+/// Where a page starts: a verified token, or the beginning.
+struct Position {
+    after: Option<ObjectKey>,
+    seen: u64,
+    total: Option<u64>,
+}
+
+struct Page {
+    items: Vec<Arc<CachedObject>>,
+    /// Set when candidates remain after the last item.
+    next: Option<(ObjectKey, u64)>,
+}
+
+fn select_page(cands: &Candidates<'_>, filter: &Filter, pos: &Position, limit: u64) -> Page {
+    let mut items = Vec::new();
+    let mut it = cands.iter(pos.after.as_ref()).peekable();
+    let mut seen = pos.seen;
+    let mut last = None;
+    while let Some((k, o)) = it.next() {
+        seen += 1;
+        if filter.matches(o) {
+            items.push(o.clone());
+            last = Some(k);
+        }
+        if limit > 0 && items.len() as u64 >= limit {
+            // cacher.GetList: more when any candidate follows.
+            let next = it
+                .peek()
+                .is_some()
+                .then(|| last.map(|k| (k.clone(), seen)))
+                .flatten();
+            return Page { items, next };
+        }
+    }
+    Page { items, next: None }
+}
+
+fn put_list_head(b: &mut BytesMut, cache: &ResourceCache, enc: Encoding) {
     let r = &cache.resource;
-    let mut b = BytesMut::with_capacity(4096);
     match enc {
         Encoding::Json => {
             b.put_slice(b"{\"kind\":\"");
@@ -59,31 +340,743 @@ pub fn list(cache: &Arc<ResourceCache>, filter: &Filter, enc: Encoding) -> Respo
             b"{\"kind\":\"PartialObjectMetadataList\",\"apiVersion\":\"meta.k8s.io/v1\"",
         ),
     }
-    b.put_slice(format!(",\"metadata\":{{\"resourceVersion\":\"{rv}\"}},\"items\":[").as_bytes());
-    let mut first = true;
-    // Keys order by namespace first, so a namespace's objects are one contiguous range: a
-    // namespaced list reads only its namespace.
-    let scoped: Box<dyn Iterator<Item = &Arc<crate::cache::CachedObject>>> = match &filter.namespace
+}
+
+fn put_item(b: &mut BytesMut, cache: &ResourceCache, o: &CachedObject, enc: Encoding) {
+    match enc {
+        // List items carry no kind/apiVersion, as the apiserver writes them.
+        Encoding::Json => b.put_slice(&o.body),
+        Encoding::Metadata => put_object(b, &cache.resource, &o.body, enc),
+    }
+}
+
+fn gzip(data: &[u8], level: u32) -> Option<Vec<u8>> {
+    let mut e = flate2::write::GzEncoder::new(
+        Vec::with_capacity(data.len() / 4),
+        flate2::Compression::new(level),
+    );
+    e.write_all(data).ok()?;
+    e.finish().ok()
+}
+
+fn respond(b: BytesMut, cfg: &ListConfig, accepts_gzip: bool) -> Response<Body> {
+    if accepts_gzip
+        && cfg.gzip_min_bytes > 0
+        && b.len() >= cfg.gzip_min_bytes
+        && let Some(z) = gzip(&b, cfg.gzip_level)
     {
-        Some(ns) => Box::new(
-            objects
-                .range(crate::cache::ObjectKey::new(ns, "")..)
-                .take_while(move |(k, _)| &*k.namespace == ns.as_str())
-                .map(|(_, o)| o),
-        ),
-        None => Box::new(objects.values()),
-    };
-    for o in scoped.filter(|o| filter.matches(o)) {
-        if !first {
-            b.put_u8(b',');
+        let mut r = json(Bytes::from(z));
+        r.headers_mut()
+            .insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        r.headers_mut()
+            .insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
+        return r;
+    }
+    json(b.freeze())
+}
+
+/// Everything a list needs besides its request.
+pub struct ListContext<'a> {
+    pub cfg: &'a ListConfig,
+    pub keys: &'a Keys,
+    /// Binds continue tokens to the caller and the query.
+    pub binding: Binding,
+    pub accepts_gzip: bool,
+    /// Largest page the proxy writes (adaptive paging); `None`: the client's limit.
+    pub page_cap: Option<u64>,
+}
+
+fn expired_continue(cx: &ListContext<'_>, after: ObjectKey) -> Response<Body> {
+    // etcd3 `handleCompactedErrorForPaging`: 410 with a token that continues the walk from
+    // the same key at the latest state (rv 0 in the proxy's tokens).
+    let token = cx.keys.sign(&cx.binding, 0, after, 0, 0);
+    Status::failure(
+        StatusCode::GONE,
+        Reason::Expired,
+        "The provided continue parameter is too old to display a consistent list result. You \
+         can start a new list without the continue parameter, or use the continue token in \
+         this response to retrieve the remainder of the results. Continuing with the \
+         provided token results in an inconsistent list - objects that were created, \
+         modified, or deleted between the time the first chunk was returned and now may \
+         show up in the list.",
+    )
+    .with_continue(token)
+    .into_response()
+}
+
+/// Serves a list. `latest` is the current state the consistency policy allows for an
+/// unset resourceVersion (the caller obtains it; other forms ignore it).
+pub async fn list(
+    cache: &Arc<ResourceCache>,
+    filter: &Filter,
+    enc: Encoding,
+    p: &ListParams,
+    cx: &ListContext<'_>,
+    latest: Option<Snapshot>,
+) -> Outcome {
+    use std::sync::atomic::Ordering::Relaxed;
+    let out = list_inner(cache, filter, enc, p, cx, latest).await;
+    let st = &cache.list_stats;
+    match &out {
+        Outcome::Served(r) => {
+            st.from_cache.fetch_add(1, Relaxed);
+            if p.continue_.is_some() && r.status().is_success() {
+                st.continued.fetch_add(1, Relaxed);
+            }
         }
-        first = false;
-        match enc {
-            // List items carry no kind/apiVersion, as the apiserver writes them.
-            Encoding::Json => b.put_slice(&o.body),
-            Encoding::Metadata => put_object(&mut b, r, &o.body, enc),
+        Outcome::Passthrough(_) => {
+            st.passed_through.fetch_add(1, Relaxed);
         }
     }
+    out
+}
+
+async fn list_inner(
+    cache: &Arc<ResourceCache>,
+    filter: &Filter,
+    enc: Encoding,
+    p: &ListParams,
+    cx: &ListContext<'_>,
+    latest: Option<Snapshot>,
+) -> Outcome {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut limit = if p.rv == Rv::Zero { 0 } else { p.limit };
+    // The snapshot, the list's resourceVersion, where the page starts, index use.
+    let (snap, list_rv, pos, use_index) = if let Some(c) = &p.continue_ {
+        if let Rv::At(_) = p.rv {
+            return Outcome::Served(
+                Status::bad_request(
+                    "specifying resource version is not allowed when using continue",
+                )
+                .into_response(),
+            );
+        }
+        let t = match cx.keys.verify(&cx.binding, c) {
+            Ok(t) => t,
+            Err(TokenError::Foreign) => return Outcome::Passthrough("foreign continue token"),
+            Err(TokenError::Invalid) => {
+                cache.list_stats.token_invalid.fetch_add(1, Relaxed);
+                return Outcome::Served(
+                    Status::bad_request("invalid continue token: continue key is not valid")
+                        .into_response(),
+                );
+            }
+            Err(TokenError::Expired) => {
+                cache.list_stats.token_expired.fetch_add(1, Relaxed);
+                return Outcome::Served(
+                    Status::failure(
+                        StatusCode::GONE,
+                        Reason::Expired,
+                        "The provided continue parameter is too old to display a consistent \
+                         list result. You can start a new list without the continue parameter.",
+                    )
+                    .into_response(),
+                );
+            }
+        };
+        if t.rv == 0 {
+            // An inconsistent continuation: the latest state from that key on.
+            let snap = cache.current();
+            let rv = snap.rv;
+            (
+                snap,
+                rv,
+                Position {
+                    after: Some(t.after),
+                    seen: 0,
+                    total: None,
+                },
+                false,
+            )
+        } else {
+            if t.rv > cache.rv() {
+                // Issued by a replica whose cache is ahead.
+                cache.wait_for_rv(t.rv, cx.cfg.wait_for_rv).await;
+            }
+            let Some(snap) = cache.snapshot_at(t.rv) else {
+                cache.list_stats.snapshot_gone.fetch_add(1, Relaxed);
+                return Outcome::Served(expired_continue(cx, t.after));
+            };
+            (
+                snap,
+                t.rv,
+                Position {
+                    after: Some(t.after),
+                    seen: t.seen,
+                    total: Some(t.total),
+                },
+                false,
+            )
+        }
+    } else {
+        let start = Position {
+            after: None,
+            seen: 0,
+            total: None,
+        };
+        let exact = p.rv_match == RvMatch::Exact
+            || (p.rv_match == RvMatch::Unset && limit > 0 && matches!(p.rv, Rv::At(_)));
+        match p.rv {
+            Rv::At(n) if exact => {
+                if cache.rv() < n && !cache.wait_for_rv(n, cx.cfg.wait_for_rv).await {
+                    return Outcome::Passthrough("resourceVersion not reached");
+                }
+                let Some(snap) = cache.snapshot_at(n) else {
+                    return Outcome::Passthrough("snapshot older than the history");
+                };
+                (snap, n, start, false)
+            }
+            Rv::At(n) => {
+                if cache.rv() < n && !cache.wait_for_rv(n, cx.cfg.wait_for_rv).await {
+                    return Outcome::Passthrough("resourceVersion not reached");
+                }
+                let snap = cache.current();
+                let rv = snap.rv;
+                (snap, rv, start, true)
+            }
+            Rv::Zero => {
+                let snap = cache.current();
+                let rv = snap.rv;
+                (snap, rv, start, true)
+            }
+            Rv::Unset => {
+                let Some(snap) = latest else {
+                    return Outcome::Passthrough("consistent read not confirmed");
+                };
+                let rv = snap.rv;
+                (snap, rv, start, true)
+            }
+        }
+    };
+    let no_selectors = filter.labels.is_everything() && filter.fields.is_everything();
+    let cands = Candidates::new(cache, &snap, filter, use_index && pos.after.is_none());
+    if limit == 0 {
+        // A continue with no limit (legal, if odd) resumes after its key.
+        if pos.after.is_some() {
+            let page = select_page(&cands, filter, &pos, 0);
+            return Outcome::Served(write_page(cache, enc, cx, list_rv, &page, None));
+        }
+        return Outcome::Served(stream_all(cache.clone(), &cands, filter, enc, cx, list_rv));
+    }
+    if let Some(cap) = cx.page_cap {
+        limit = limit.min(cap.max(1));
+    }
+    let page = select_page(&cands, filter, &pos, limit);
+    let meta = page.next.as_ref().map(|(last, seen)| {
+        let total = if no_selectors {
+            // Counted once per walk (the first page, or an inconsistent continuation), then
+            // carried in the token.
+            pos.total
+                .unwrap_or_else(|| pos.seen + cands.count(pos.after.as_ref()))
+        } else {
+            0
+        };
+        cache.retain(&snap);
+        let token = cx
+            .keys
+            .sign(&cx.binding, list_rv, last.clone(), *seen, total);
+        (token, no_selectors.then(|| total.saturating_sub(*seen)))
+    });
+    Outcome::Served(write_page(cache, enc, cx, list_rv, &page, meta))
+}
+
+/// A page's body: `meta` is the continue token and remainingItemCount, if any.
+fn write_page(
+    cache: &ResourceCache,
+    enc: Encoding,
+    cx: &ListContext<'_>,
+    list_rv: u64,
+    page: &Page,
+    meta: Option<(String, Option<u64>)>,
+) -> Response<Body> {
+    let mut b =
+        BytesMut::with_capacity(256 + page.items.iter().map(|o| o.body.len() + 1).sum::<usize>());
+    put_list_head(&mut b, cache, enc);
+    b.put_slice(format!(",\"metadata\":{{\"resourceVersion\":\"{list_rv}\"").as_bytes());
+    if let Some((token, remaining)) = meta {
+        b.put_slice(b",\"continue\":\"");
+        b.put_slice(token.as_bytes());
+        b.put_u8(b'"');
+        if let Some(n) = remaining {
+            b.put_slice(format!(",\"remainingItemCount\":{n}").as_bytes());
+        }
+    }
+    b.put_slice(b"},\"items\":[");
+    for (i, o) in page.items.iter().enumerate() {
+        if i > 0 {
+            b.put_u8(b',');
+        }
+        put_item(&mut b, cache, o, enc);
+    }
     b.put_slice(b"]}");
-    json(b)
+    respond(b, cx.cfg, cx.accepts_gzip)
+}
+
+/// An unpaginated list, written in chunks straight from its snapshot: each chunk resumes the
+/// key range after the previous one, so nothing but the chunk being written is buffered.
+fn stream_all(
+    cache: Arc<ResourceCache>,
+    cands: &Candidates<'_>,
+    filter: &Filter,
+    enc: Encoding,
+    cx: &ListContext<'_>,
+    list_rv: u64,
+) -> Response<Body> {
+    struct Gen {
+        cache: Arc<ResourceCache>,
+        snap: Snapshot,
+        filter: Filter,
+        single: Option<ObjectKey>,
+        node_name: Option<String>,
+        enc: Encoding,
+        chunk: usize,
+        /// Resume after this key; `None` at the start. `done` once the list is closed.
+        after: Option<ObjectKey>,
+        started: bool,
+        any_item: bool,
+        done: bool,
+        list_rv: u64,
+    }
+    impl Gen {
+        fn next(&mut self) -> Option<BytesMut> {
+            if self.done {
+                return None;
+            }
+            let mut b = BytesMut::with_capacity(self.chunk + 64 * 1024);
+            if !self.started {
+                self.started = true;
+                put_list_head(&mut b, &self.cache, self.enc);
+                b.put_slice(
+                    format!(
+                        ",\"metadata\":{{\"resourceVersion\":\"{}\"}},\"items\":[",
+                        self.list_rv
+                    )
+                    .as_bytes(),
+                );
+            }
+            let cands = Candidates {
+                snap: &self.snap,
+                namespace: self.filter.namespace.as_deref(),
+                single: self.single.clone(),
+                node_name: self.node_name.as_deref(),
+            };
+            let mut last = None;
+            for (k, o) in cands.iter(self.after.as_ref()) {
+                if !self.filter.matches(o) {
+                    continue;
+                }
+                if self.any_item {
+                    b.put_u8(b',');
+                }
+                self.any_item = true;
+                put_item(&mut b, &self.cache, o, self.enc);
+                if b.len() >= self.chunk {
+                    last = Some(k.clone());
+                    break;
+                }
+            }
+            match last {
+                Some(k) => self.after = Some(k),
+                None => {
+                    b.put_slice(b"]}");
+                    self.done = true;
+                }
+            }
+            Some(b)
+        }
+    }
+    let mut g = Gen {
+        cache,
+        snap: cands.snap.clone(),
+        filter: filter.clone(),
+        single: cands.single.clone(),
+        node_name: cands.node_name.map(str::to_string),
+        enc,
+        chunk: cx.cfg.chunk_bytes.max(4096),
+        after: None,
+        started: false,
+        any_item: false,
+        done: false,
+        list_rv,
+    };
+    let first = g.next().unwrap_or_default();
+    if g.done {
+        return respond(first, cx.cfg, cx.accepts_gzip);
+    }
+    // More than one chunk: at least `chunk_bytes`, so past the gzip threshold.
+    let gz = (cx.accepts_gzip && cx.cfg.gzip_min_bytes > 0 && first.len() >= cx.cfg.gzip_min_bytes)
+        .then(|| {
+            flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::new(cx.cfg.gzip_level))
+        });
+    let compressed = gz.is_some();
+    let stream = futures_util::stream::unfold(
+        (Some(first), g, gz),
+        |(pending, mut g, mut gz)| async move {
+            let chunk = match pending {
+                Some(c) => Some(c),
+                None => g.next(),
+            };
+            let out = match (chunk, gz.as_mut()) {
+                (Some(c), None) => c.freeze(),
+                (Some(c), Some(z)) => {
+                    if let Err(e) = z.write_all(&c) {
+                        return Some((Err(body::BoxError::from(e)), (None, g, None)));
+                    }
+                    Bytes::from(std::mem::take(z.get_mut()))
+                }
+                (None, Some(_)) => {
+                    let z = gz.take()?;
+                    match z.finish() {
+                        Ok(v) => Bytes::from(v),
+                        Err(e) => return Some((Err(body::BoxError::from(e)), (None, g, None))),
+                    }
+                }
+                (None, None) => return None,
+            };
+            Some((Ok(http_body::Frame::data(out)), (None, g, gz)))
+        },
+    );
+    let mut r = Response::new(body::boxed(http_body_util::StreamBody::new(stream)));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    if compressed {
+        r.headers_mut()
+            .insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        r.headers_mut()
+            .insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
+    }
+    r
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::{EventKind, ReflectorSink, Resource, StoreConfig};
+    use crate::selector::{FieldSelector, LabelSelector};
+    use crate::token::KeySet;
+    use http_body_util::BodyExt;
+    use proptest::prelude::*;
+
+    fn cm(ns: &str, name: &str, app: &str, rv: u64) -> CachedObject {
+        let raw = format!(
+            r#"{{"metadata":{{"name":"{name}","namespace":"{ns}","resourceVersion":"{rv}","labels":{{"app":"{app}"}}}},"data":{{"k":"v{rv}"}}}}"#
+        );
+        CachedObject::parse(
+            Bytes::from(raw),
+            &Resource::core("configmaps", "ConfigMap", true),
+        )
+        .unwrap()
+    }
+
+    async fn body_json(r: Response<Body>) -> serde_json::Value {
+        let gz = r.headers().get(header::CONTENT_ENCODING).is_some();
+        let b = r.into_body().collect().await.unwrap().to_bytes();
+        let b = if gz {
+            let mut out = Vec::new();
+            std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&b[..]), &mut out)
+                .unwrap();
+            out
+        } else {
+            b.to_vec()
+        };
+        serde_json::from_slice(&b).unwrap()
+    }
+
+    fn key_of(v: &serde_json::Value) -> String {
+        format!(
+            "{}/{}",
+            v["metadata"]["namespace"].as_str().unwrap_or(""),
+            v["metadata"]["name"].as_str().unwrap()
+        )
+    }
+
+    struct Walk {
+        items: Vec<String>,
+        rvs: Vec<String>,
+        remaining: Vec<Option<u64>>,
+        pages: usize,
+    }
+
+    /// Walks every page; `between` runs between pages (concurrent writes).
+    async fn walk(
+        cache: &Arc<ResourceCache>,
+        filter: &Filter,
+        limit: u64,
+        keys: &Keys,
+        mut between: impl FnMut(usize),
+    ) -> Walk {
+        let cfg = ListConfig {
+            chunk_bytes: 4096,
+            ..Default::default()
+        };
+        let cx = ListContext {
+            cfg: &cfg,
+            keys,
+            binding: Binding::new(&[b"t", b"me"]),
+            accepts_gzip: true,
+            page_cap: None,
+        };
+        let mut w = Walk {
+            items: vec![],
+            rvs: vec![],
+            remaining: vec![],
+            pages: 0,
+        };
+        let mut cont: Option<String> = None;
+        loop {
+            let p = ListParams {
+                rv: Rv::Unset,
+                rv_match: RvMatch::Unset,
+                limit,
+                continue_: cont.take(),
+                label_selector: String::new(),
+                field_selector: String::new(),
+            };
+            let latest = Some(cache.current());
+            let Outcome::Served(r) = list(cache, filter, Encoding::Json, &p, &cx, latest).await
+            else {
+                panic!("passed through");
+            };
+            assert_eq!(r.status(), 200);
+            let v = body_json(r).await;
+            w.pages += 1;
+            w.rvs.push(
+                v["metadata"]["resourceVersion"]
+                    .as_str()
+                    .unwrap()
+                    .to_string(),
+            );
+            w.remaining
+                .push(v["metadata"]["remainingItemCount"].as_u64());
+            for i in v["items"].as_array().unwrap() {
+                w.items.push(key_of(i));
+            }
+            match v["metadata"]["continue"].as_str() {
+                Some(c) => {
+                    between(w.pages);
+                    cont = Some(c.to_string());
+                }
+                None => return w,
+            }
+        }
+    }
+
+    fn keys() -> Arc<Keys> {
+        Keys::fixed(KeySet::generate(), Duration::from_secs(60))
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(40))]
+
+        /// Walking every page with any limit yields exactly the first page's snapshot, once
+        /// each, in the apiserver's key order, while writes land between the pages.
+        #[test]
+        fn pages_walk_one_snapshot_exactly_once(
+            objects in proptest::collection::btree_map(
+                ("(a|a-b|b|c)", "[a-z]{1,3}"), "(x|y)", 0..40),
+            writes in proptest::collection::vec(
+                (("(a|a-b|b|c)", "[a-z]{1,3}"), "(x|y)", any::<bool>()), 0..30),
+            limit in 1u64..12,
+            selector in proptest::option::of("(x|y)"),
+            namespace in proptest::option::of("(a|a-b|b)"),
+        ) {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async {
+                let cache = ResourceCache::new(
+                    Resource::core("configmaps", "ConfigMap", true),
+                    StoreConfig::default(),
+                );
+                let mut rv = 10;
+                let items: Vec<CachedObject> = objects
+                    .iter()
+                    .map(|((ns, n), app)| { rv += 1; cm(ns, n, app, rv) })
+                    .collect();
+                cache.replace(items, rv);
+                cache.set_unhealthy(None);
+                let filter = Filter {
+                    namespace: namespace.clone(),
+                    labels: LabelSelector::parse(
+                        &selector.as_ref().map(|s| format!("app={s}")).unwrap_or_default()
+                    ).unwrap(),
+                    fields: FieldSelector::default(),
+                    namespaces: None,
+                };
+                let expected: Vec<String> = {
+                    let snap = cache.current();
+                    snap.objects
+                        .values()
+                        .filter(|o| filter.matches(o))
+                        .map(|o| format!("{}/{}", o.meta.namespace, o.meta.name))
+                        .collect()
+                };
+                let keys = keys();
+                let mut pending = writes.clone().into_iter();
+                let c2 = cache.clone();
+                let walk = walk(&cache, &filter, limit, &keys, |_| {
+                    // Two writes between pages: the walk must not see them.
+                    for ((ns, n), app, delete) in pending.by_ref().take(2) {
+                        rv += 1;
+                        let o = cm(&ns, &n, &app, rv);
+                        let kind = if delete { EventKind::Deleted } else { EventKind::Modified };
+                        c2.apply(kind, o);
+                    }
+                }).await;
+                prop_assert_eq!(&walk.items, &expected);
+                // One snapshot: every page carries the first page's resourceVersion.
+                prop_assert!(walk.rvs.iter().all(|r| *r == walk.rvs[0]));
+                // Pages hold `limit` items except the last.
+                prop_assert!(walk.pages <= expected.len() / limit as usize + 1);
+                if selector.is_none() {
+                    // remainingItemCount: what is left after each page, without selectors.
+                    for (i, rem) in walk.remaining.iter().enumerate() {
+                        if let Some(rem) = rem {
+                            prop_assert_eq!(*rem as usize, expected.len() - (i + 1) * limit as usize);
+                        }
+                    }
+                } else {
+                    prop_assert!(walk.remaining.iter().all(Option::is_none));
+                }
+                Ok(())
+            })?;
+        }
+    }
+
+    #[tokio::test]
+    async fn exact_resource_versions_are_rebuilt_from_the_history() {
+        let cache = ResourceCache::new(
+            Resource::core("configmaps", "ConfigMap", true),
+            StoreConfig::default(),
+        );
+        cache.replace(vec![cm("a", "one", "x", 5), cm("a", "two", "x", 6)], 10);
+        cache.apply(EventKind::Added, cm("a", "three", "x", 11));
+        cache.apply(EventKind::Deleted, cm("a", "one", "x", 12));
+        cache.apply(EventKind::Modified, cm("a", "two", "y", 13));
+        let names = |s: &Snapshot| {
+            s.objects
+                .values()
+                .map(|o| format!("{}@{}", o.meta.name, o.meta.resource_version))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(names(&cache.snapshot_at(10).unwrap()), ["one@5", "two@6"]);
+        assert_eq!(
+            names(&cache.snapshot_at(11).unwrap()),
+            ["one@5", "three@11", "two@6"]
+        );
+        assert_eq!(
+            names(&cache.snapshot_at(12).unwrap()),
+            ["three@11", "two@6"]
+        );
+        assert_eq!(
+            names(&cache.snapshot_at(13).unwrap()),
+            ["three@11", "two@13"]
+        );
+        // Older than the history (it starts at the list at 10), or newer than the cache.
+        assert!(cache.snapshot_at(9).is_none());
+        assert!(cache.snapshot_at(14).is_none());
+        // A rebuilt snapshot is retained for the pages that follow.
+        assert_eq!(cache.retained_snapshots().0, 3);
+    }
+
+    #[tokio::test]
+    async fn tokens_are_bound_to_the_caller_and_rejected_when_tampered_or_expired() {
+        let cache = ResourceCache::new(
+            Resource::core("configmaps", "ConfigMap", true),
+            StoreConfig::default(),
+        );
+        cache.replace(
+            (0..5)
+                .map(|i| cm("a", &format!("c{i}"), "x", 5 + i))
+                .collect(),
+            20,
+        );
+        let cfg = ListConfig::default();
+        let keys = keys();
+        let filter = Filter::default();
+        let serve = |binding: &'static [u8], cont: Option<String>, limit: u64| {
+            let cache = cache.clone();
+            let filter = filter.clone();
+            let keys = keys.clone();
+            let cfg = cfg.clone();
+            async move {
+                let cx = ListContext {
+                    cfg: &cfg,
+                    keys: &keys,
+                    binding: Binding::new(&[binding]),
+                    accepts_gzip: false,
+                    page_cap: None,
+                };
+                let p = ListParams {
+                    rv: Rv::Unset,
+                    rv_match: RvMatch::Unset,
+                    limit,
+                    continue_: cont,
+                    label_selector: String::new(),
+                    field_selector: String::new(),
+                };
+                match list(
+                    &cache,
+                    &filter,
+                    Encoding::Json,
+                    &p,
+                    &cx,
+                    Some(cache.current()),
+                )
+                .await
+                {
+                    Outcome::Served(r) => (r.status().as_u16(), body_json(r).await),
+                    Outcome::Passthrough(w) => panic!("passthrough: {w}"),
+                }
+            }
+        };
+        let (code, first) = serve(b"alice", None, 2).await;
+        assert_eq!(code, 200);
+        let token = first["metadata"]["continue"].as_str().unwrap().to_string();
+        assert_eq!(first["metadata"]["remainingItemCount"], 3);
+        let (code, _) = serve(b"alice", Some(token.clone()), 2).await;
+        assert_eq!(code, 200);
+        let (code, v) = serve(b"mallory", Some(token.clone()), 2).await;
+        assert_eq!((code, v["reason"].as_str()), (400, Some("BadRequest")));
+        let mut bad = token.clone().into_bytes();
+        let last = bad.len() - 1;
+        bad[last] = if bad[last] == b'A' { b'B' } else { b'A' };
+        let (code, _) = serve(b"alice", Some(String::from_utf8(bad).unwrap()), 2).await;
+        assert_eq!(code, 400);
+        // Expired: signed with a lifetime that has passed.
+        let old = Keys::fixed((*keys.current()).clone(), Duration::ZERO);
+        let expired = old.sign(
+            &Binding::new(&[b"alice"]),
+            20,
+            ObjectKey::new("a", "c1"),
+            2,
+            5,
+        );
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+        let (code, v) = serve(b"alice", Some(expired), 2).await;
+        assert_eq!((code, v["reason"].as_str()), (410, Some("Expired")));
+    }
+
+    #[test]
+    fn list_params_leave_invalid_combinations_to_the_apiserver() {
+        let ok = |q: &str| ListParams::parse(Some(q));
+        assert_eq!(ok("limit=5&resourceVersion=0").unwrap().rv, Rv::Zero);
+        assert_eq!(
+            ok("resourceVersion=12&resourceVersionMatch=Exact")
+                .unwrap()
+                .rv_match,
+            RvMatch::Exact
+        );
+        assert!(ok("resourceVersionMatch=Exact").is_err());
+        assert!(ok("resourceVersion=0&resourceVersionMatch=Exact").is_err());
+        assert!(ok("resourceVersionMatch=NotOlderThan").is_err());
+        assert!(ok("resourceVersionMatch=Bogus&resourceVersion=3").is_err());
+        assert!(ok("resourceVersion=abc").is_err());
+        assert!(ok("limit=abc").is_err());
+        assert!(ok("limit=1&limit=2").is_err());
+        assert!(ok("continue=eyJ2IjoibWV0YS5rOHMuaW8vdjEifQ").is_err());
+        assert!(ok("continue=k1.dev.AAAA&resourceVersionMatch=Exact").is_err());
+        assert_eq!(ok("limit=-3").unwrap().limit, 0);
+        assert!(ok("pretty=true").is_err());
+    }
 }

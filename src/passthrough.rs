@@ -82,9 +82,11 @@ pub async fn forward(
     *up.uri_mut() = state.upstream.uri(&pq);
     *up.headers_mut() = headers;
 
+    // Untimed: callers' requests (even those sent with the proxy's identity for client
+    // certificates) are not the proxy's own upstream latency that adaptive paging reads.
     let sent = state
         .upstream
-        .send(up, caller.upstream_as(), upgrade.is_some() || long_running)
+        .send_untimed(up, caller.upstream_as(), upgrade.is_some() || long_running)
         .await;
     let verb = info.metrics_verb(&method, None, upgrade.is_some());
     let count = |code: &str| {

@@ -91,6 +91,9 @@ const MAX_RESERVE: usize = 1 << 20;
 pub struct ReflectorConfig {
     /// Items per LIST page (`limit`). client-go's pager default is 500.
     pub page_size: u32,
+    /// When set, the adaptive page size ([`crate::paging`]), read for every page, instead of
+    /// `page_size`.
+    pub adaptive_page_size: Option<crate::paging::SharedPageSize>,
     /// With no event and no BOOKMARK for this long, the watch is dropped and re-established
     /// from the last resourceVersion. The apiserver sends a BOOKMARK about every minute to
     /// watches with `allowWatchBookmarks=true` (the cacher's bookmark frequency), so 3 minutes
@@ -114,10 +117,21 @@ pub struct ReflectorConfig {
     pub request_timeout: Duration,
 }
 
+impl ReflectorConfig {
+    /// The `limit` of the next LIST page.
+    pub fn current_page_size(&self) -> u32 {
+        self.adaptive_page_size
+            .as_ref()
+            .map_or(self.page_size, |s| s.get())
+            .max(1)
+    }
+}
+
 impl Default for ReflectorConfig {
     fn default() -> Self {
         ReflectorConfig {
             page_size: 500,
+            adaptive_page_size: None,
             stall_timeout: Duration::from_secs(180),
             watch_timeout: Duration::from_secs(300),
             backoff_initial: Duration::from_millis(800),
@@ -1083,13 +1097,15 @@ impl Reflector {
         let mut cont: Option<String> = None;
         loop {
             let on_continue = cont.is_some();
+            // Read per page: an adaptive size follows the load even during a long list (the
+            // apiserver accepts a different limit with each continue token).
+            let limit = self.cfg.current_page_size();
             let pq = match (&cont, paged) {
                 (Some(c), _) => format!(
-                    "{path}?limit={}&continue={}",
-                    self.cfg.page_size,
+                    "{path}?limit={limit}&continue={}",
                     utf8_percent_encode(c, NON_ALPHANUMERIC)
                 ),
-                (None, true) => format!("{path}?limit={}", self.cfg.page_size),
+                (None, true) => format!("{path}?limit={limit}"),
                 (None, false) => path.clone(),
             };
             ReflectorStats::inc(&self.stats.list_pages);

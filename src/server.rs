@@ -45,6 +45,12 @@ pub struct State {
     pub authz: Arc<crate::authz::Authorizer>,
     pub tenancy: Arc<crate::tenancy::Tenancy>,
     pub watch: crate::watch::WatchConfig,
+    pub lists: crate::list::ListConfig,
+    /// Continue-token keys.
+    pub keys: Arc<crate::token::Keys>,
+    pub consistency: Arc<crate::consistency::Consistency>,
+    /// The adaptive page-size controller.
+    pub paging: Arc<crate::paging::Paging>,
     /// Cancelled when draining starts: long-running responses end cleanly.
     pub drain: CancellationToken,
 }
@@ -62,9 +68,13 @@ impl State {
             history_max_age: c.history_max_age,
             watcher_queue: c.watcher_queue,
             dispatch_budget: c.dispatch_budget,
+            snapshot_retention: config.lists.snapshot_retention,
+            snapshot_max: config.lists.snapshot_max,
         };
+        let paging = crate::paging::Paging::new(config.paging.clone(), c.upstream_page_size);
         let reflector = crate::reflector::ReflectorConfig {
             page_size: c.upstream_page_size,
+            adaptive_page_size: paging.upstream_source(),
             ..Default::default()
         };
         let caches = crate::cache::registry::Caches::start(
@@ -85,7 +95,27 @@ impl State {
             bookmark_interval: c.bookmark_interval,
             ..Default::default()
         };
+        let l = &config.lists;
+        let lists = crate::list::ListConfig {
+            wait_for_rv: l.wait_for_resource_version,
+            gzip_min_bytes: l.gzip_min_bytes,
+            gzip_level: l.gzip_level,
+            ..Default::default()
+        };
+        let keys = crate::token::Keys::load(config.tokens.key_file.as_deref(), config.tokens.ttl)
+            .unwrap_or_else(|e| {
+                // `check-config` and startup validation refuse a bad key file; this only
+                // happens if it broke in between.
+                tracing::error!(error = %e, "continue-token keys: using a random key");
+                crate::token::Keys::load(None, config.tokens.ttl).expect("generated keys")
+            });
+        keys.spawn_reloader(config.tokens.reload_interval);
+        let consistency =
+            crate::consistency::Consistency::new(upstream.clone(), l.consistency_timeout);
         let metrics = Metrics::new();
+        metrics.register_collector(Box::new(crate::consistency::ConsistencyCollector(
+            consistency.clone(),
+        )));
         metrics.register_collector(Box::new(crate::cache::metrics::CacheCollector(
             caches.clone(),
         )));
@@ -94,6 +124,7 @@ impl State {
             authz: authz.clone(),
             tenancy: tenancy.clone(),
         }));
+        metrics.register_collector(Box::new(crate::paging::PagingCollector(paging.clone())));
         Arc::new(State {
             config,
             upstream,
@@ -104,6 +135,10 @@ impl State {
             authz,
             tenancy,
             watch,
+            lists,
+            keys,
+            consistency,
+            paging,
             drain,
         })
     }
@@ -125,6 +160,14 @@ impl State {
                 };
                 (format!("cache:{}", c.resource.label()), r)
             })
+            // A configured resource not discovered yet has no cache to sync: not ready either,
+            // or a new replica would report ready before it caches anything.
+            .chain(self.caches.missing.iter().map(|m| {
+                (
+                    format!("cache:{}", m.key()),
+                    Err(format!("not discovered yet: {}", m.value())),
+                )
+            }))
             .collect()
     }
 
@@ -436,6 +479,17 @@ async fn serve_from_cache(
             mut filter,
             enc,
         } => {
+            // Most recent state (a watch or WatchList without resourceVersion): only once the
+            // consistency policy confirms the cache.
+            if params.resource_version.as_deref().unwrap_or("").is_empty()
+                && state
+                    .consistency
+                    .latest(&cache, consistency_mode(state, &cache))
+                    .await
+                    .is_none()
+            {
+                return None;
+            }
             filter.namespaces = view;
             let resp = crate::watch::serve(
                 cache,
@@ -452,11 +506,26 @@ async fn serve_from_cache(
             let b = Tracked::new(b, Instant::now(), move |_| drop(permit));
             Some(Response::from_parts(parts, body::boxed(b)))
         }
-        Route::Get { cache, enc } => crate::list::get(&cache, &info.namespace, &info.name, enc),
+        Route::Get {
+            cache,
+            enc,
+            consistent,
+        } => {
+            let snap = if consistent {
+                state
+                    .consistency
+                    .latest(&cache, consistency_mode(state, &cache))
+                    .await?
+            } else {
+                cache.current()
+            };
+            crate::list::get(&cache, &snap, &info.namespace, &info.name, enc)
+        }
         Route::List {
             cache,
             mut filter,
             enc,
+            params,
         } => {
             filter.namespaces = view;
             if let Some(t) = tenant
@@ -464,8 +533,8 @@ async fn serve_from_cache(
                 && !has_limit(query)
             {
                 let n = cache
-                    .snapshot()
-                    .0
+                    .current()
+                    .objects
                     .values()
                     .filter(|o| filter.matches(o))
                     .count();
@@ -473,7 +542,28 @@ async fn serve_from_cache(
                     return Some(status.into_response());
                 }
             }
-            Some(crate::list::list(&cache, &filter, enc))
+            let latest = if params.rv == crate::list::Rv::Unset && params.continue_.is_none() {
+                state
+                    .consistency
+                    .latest(&cache, consistency_mode(state, &cache))
+                    .await
+            } else {
+                None
+            };
+            let cx = crate::list::ListContext {
+                cfg: &state.lists,
+                keys: &state.keys,
+                binding: list_binding(&id, info, &params),
+                accepts_gzip: accepts_gzip(req.headers()),
+                page_cap: state.paging.downstream_cap().map(|c| c as u64),
+            };
+            match crate::list::list(&cache, &filter, enc, &params, &cx, latest).await {
+                crate::list::Outcome::Served(r) => Some(r),
+                crate::list::Outcome::Passthrough(why) => {
+                    tracing::trace!(reason = why, path = %req.uri().path(), "list passthrough");
+                    None
+                }
+            }
         }
         Route::Passthrough(_) => None,
     }
@@ -593,6 +683,107 @@ async fn impersonation_gate(
     }
 }
 
+/// A successful write to a cached resource: remembers the resourceVersion it produced, so
+/// later unset-resourceVersion reads through this proxy wait until the cache reflects it
+/// (read-your-writes in the bounded consistency mode). The response of a write is one small
+/// object; it is buffered (up to 1 MiB) to read that number and sent on unchanged.
+async fn read_your_writes(
+    state: &State,
+    info: &RequestInfo,
+    resp: Response<Body>,
+) -> Response<Body> {
+    if !matches!(info.verb.as_str(), "create" | "update" | "patch" | "delete")
+        || !resp.status().is_success()
+        || !info.subresource.is_empty() && info.subresource != "status"
+    {
+        return resp;
+    }
+    let Some(cache) = state
+        .caches
+        .get(&info.api_group, &info.api_version, &info.resource)
+    else {
+        return resp;
+    };
+    let small = resp
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+        .is_some_and(|n| n <= 1 << 20);
+    let plain = resp.headers().get(header::CONTENT_ENCODING).is_none();
+    if !small || !plain {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    match http_body_util::BodyExt::collect(body).await {
+        Ok(b) => {
+            let b = b.to_bytes();
+            if let Some(rv) = crate::consistency::body_rv(&b) {
+                state.consistency.record_write(&cache.resource.label(), rv);
+            }
+            Response::from_parts(parts, body::full(b))
+        }
+        Err(e) => Status::failure(
+            StatusCode::BAD_GATEWAY,
+            Reason::InternalError,
+            format!("the apiserver's response to the write broke off: {e}"),
+        )
+        .into_response(),
+    }
+}
+
+/// The consistency mode configured for a resource.
+fn consistency_mode(
+    state: &State,
+    cache: &crate::cache::ResourceCache,
+) -> crate::consistency::Mode {
+    let l = &state.config.lists;
+    l.consistency_by_resource
+        .get(&cache.resource.label())
+        .copied()
+        .unwrap_or(l.consistency)
+}
+
+/// What a continue token is bound to: the caller's tenant and verified identity
+/// (`authn::Identity::identity_hash`), the resource, the namespace and the selectors.
+fn list_binding(
+    id: &crate::authn::Identity,
+    info: &RequestInfo,
+    p: &crate::list::ListParams,
+) -> crate::token::Binding {
+    let identity = id.identity_hash();
+    let tenant = id.tenant.as_str();
+    crate::token::Binding::new(&[
+        tenant.as_bytes(),
+        &identity,
+        info.api_group.as_bytes(),
+        info.api_version.as_bytes(),
+        info.resource.as_bytes(),
+        info.namespace.as_bytes(),
+        p.label_selector.as_bytes(),
+        p.field_selector.as_bytes(),
+    ])
+}
+
+/// Whether `Accept-Encoding` allows gzip (`gzip;q=0` does not).
+fn accepts_gzip(headers: &http::HeaderMap) -> bool {
+    headers
+        .get_all(header::ACCEPT_ENCODING)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|item| {
+            let mut parts = item.split(';').map(str::trim);
+            let coding = parts.next().unwrap_or("");
+            let q_zero = parts.any(|p| {
+                p.strip_prefix("q=")
+                    .and_then(|q| q.parse::<f32>().ok())
+                    .is_some_and(|q| q == 0.0)
+            });
+            (coding.eq_ignore_ascii_case("gzip") || coding == "*") && !q_zero
+        })
+}
+
 /// Sum of header name and value lengths, as Go's `MaxHeaderBytes` roughly counts them.
 fn header_bytes(req: &Request<Incoming>) -> usize {
     req.headers()
@@ -651,6 +842,11 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
             );
             return r;
         }
+        // Served like /metrics (unauthenticated for now; both get the authentication
+        // issue's treatment together).
+        if path == "/debug/paging" {
+            return state.paging.debug_response();
+        }
     }
 
     let info = RequestInfo::parse(&method, &path, query.as_deref());
@@ -681,10 +877,10 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         ),
         Ok(None) => match serve_from_cache(state, conn, &req, &info, query.as_deref()).await {
             Some(r) => (r, "cache"),
-            None => (
-                passthrough::forward(state, conn, req, &info, long_running).await,
-                "upstream",
-            ),
+            None => {
+                let resp = passthrough::forward(state, conn, req, &info, long_running).await;
+                (read_your_writes(state, &info, resp).await, "upstream")
+            }
         },
     };
 
@@ -713,6 +909,7 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         "request"
     );
     let scope = info.metrics_scope().to_string();
+    let paging = (verb == "LIST").then(|| state.paging.clone());
     let hist = state
         .metrics
         .request_duration
@@ -729,6 +926,9 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
     let (parts, b) = resp.into_parts();
     let b = Tracked::new(b, start, move |start| {
         hist.observe(start.elapsed().as_secs_f64());
+        if let Some(p) = &paging {
+            p.record_list(start.elapsed());
+        }
         inflight.dec();
     });
     Response::from_parts(parts, body::boxed(b))
@@ -817,6 +1017,9 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
     )?;
     let state = State::new(config, upstream, authn);
     state.spawn_upstream_probe();
+    state
+        .paging
+        .spawn(state.upstream.clone(), state.drain.clone());
     let stop = CancellationToken::new();
     let task = tokio::spawn(run(
         state.clone(),

@@ -168,9 +168,10 @@ impl Tenant {
     pub fn namespaces(&self, namespace_cache: Option<&ResourceCache>) -> BTreeSet<String> {
         let mut out: BTreeSet<String> = self.config.namespaces.iter().cloned().collect();
         if let (Some(sel), Some(cache)) = (&self.selector, namespace_cache) {
-            let (objects, _) = cache.snapshot();
             out.extend(
-                objects
+                cache
+                    .current()
+                    .objects
                     .values()
                     .filter(|o| sel.matches(|k| o.label(k)))
                     .map(|o| o.meta.name.to_string()),

@@ -38,7 +38,13 @@ pub enum UpstreamError {
     #[error("loading kubeconfig: {0}")]
     Kubeconfig(#[source] kube::config::KubeconfigError),
     #[error("in-cluster config: {0}")]
-    InCluster(#[source] kube::config::InClusterError),
+    InClusterEnv(String),
+    #[error("in-cluster config: reading {path}: {source}")]
+    InClusterFile {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("building TLS client configuration: {0}")]
     Tls(#[source] kube::Error),
     #[error("building credentials: {0}")]
@@ -64,6 +70,8 @@ pub struct Upstream {
     caller_h1: HttpService,
     proxy: HttpService,
     proxy_h1: HttpService,
+    /// Latency of the proxy's own non-long-running requests, for adaptive paging.
+    latency: std::sync::Arc<crate::paging::LatencyWindow>,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -74,10 +82,14 @@ impl std::fmt::Debug for Upstream {
     }
 }
 
+/// Where the kubelet mounts a pod's ServiceAccount token, CA bundle and namespace; the fixed
+/// path client-go and kube-rs read in-cluster credentials from.
+pub const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+
 /// Loads the kube config the proxy talks to the apiserver with.
 ///
 /// Order: an explicit kubeconfig path; else in-cluster (when `KUBERNETES_SERVICE_HOST` is
-/// set, as in a pod); else `$KUBECONFIG` / `~/.kube/config`.
+/// set, as in a pod; see [`in_cluster_config`]); else `$KUBECONFIG` / `~/.kube/config`.
 pub async fn load_kube_config(cfg: &UpstreamConfig) -> Result<kube::Config, UpstreamError> {
     let opts = kube::config::KubeConfigOptions {
         context: cfg.context.clone(),
@@ -89,7 +101,11 @@ pub async fn load_kube_config(cfg: &UpstreamConfig) -> Result<kube::Config, Upst
             .await
             .map_err(UpstreamError::Kubeconfig)?
     } else if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
-        kube::Config::incluster().map_err(UpstreamError::InCluster)?
+        let dir = cfg
+            .service_account_dir
+            .as_deref()
+            .unwrap_or(std::path::Path::new(SERVICE_ACCOUNT_DIR));
+        in_cluster_config(dir)?
     } else {
         kube::Config::from_kubeconfig(&opts)
             .await
@@ -99,6 +115,79 @@ pub async fn load_kube_config(cfg: &UpstreamConfig) -> Result<kube::Config, Upst
     // Watches are long-lived: no read timeout on the stream itself; liveness comes from
     // HTTP/2 keepalive pings.
     kc.read_timeout = None;
+    Ok(kc)
+}
+
+/// In-cluster config, as client-go's `rest.InClusterConfig` builds it: the apiserver at
+/// `https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT`, trusting `dir/ca.crt`, with the
+/// bearer token in `dir/token`. Both files are re-read while running (the kubelet rotates
+/// the projected token; CA bundles rotate too), as kube-rs does for its own in-cluster config.
+/// `dir` is [`SERVICE_ACCOUNT_DIR`] in a pod; `upstream.serviceAccountDir` overrides it
+/// (tests, or credentials mounted elsewhere).
+///
+/// # Errors
+/// A missing or unparsable variable, or an unreadable token or CA file.
+pub fn in_cluster_config(dir: &std::path::Path) -> Result<kube::Config, UpstreamError> {
+    let env = |name: &str| {
+        std::env::var(name).map_err(|e| UpstreamError::InClusterEnv(format!("{name}: {e}")))
+    };
+    in_cluster_config_from(
+        &env("KUBERNETES_SERVICE_HOST")?,
+        &env("KUBERNETES_SERVICE_PORT")?,
+        dir,
+    )
+}
+
+/// [`in_cluster_config`] with the two variables' values given.
+fn in_cluster_config_from(
+    host: &str,
+    port: &str,
+    dir: &std::path::Path,
+) -> Result<kube::Config, UpstreamError> {
+    use rustls_pki_types::CertificateDer;
+    use rustls_pki_types::pem::PemObject;
+
+    let port: u16 = port
+        .parse()
+        .map_err(|e| UpstreamError::InClusterEnv(format!("KUBERNETES_SERVICE_PORT: {e}")))?;
+    // An IPv6 address needs brackets in a URL.
+    let host = match host.parse::<std::net::IpAddr>() {
+        Ok(std::net::IpAddr::V6(ip)) => format!("[{ip}]"),
+        _ => host.to_string(),
+    };
+    let url: Uri = format!("https://{host}:{port}").parse().map_err(|e| {
+        UpstreamError::InClusterEnv(format!("apiserver URL from {host}:{port}: {e}"))
+    })?;
+    let read = |name: &str| {
+        let path = dir.join(name);
+        std::fs::read(&path).map_err(|source| UpstreamError::InClusterFile { path, source })
+    };
+    let ca_path = dir.join("ca.crt");
+    let ca = read("ca.crt")?;
+    let certs: Vec<Vec<u8>> = CertificateDer::pem_slice_iter(&ca)
+        .filter_map(Result::ok)
+        .map(|c| c.to_vec())
+        .collect();
+    if certs.is_empty() {
+        return Err(UpstreamError::InClusterFile {
+            path: ca_path,
+            source: std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                "no PEM certificate in the CA bundle",
+            ),
+        });
+    }
+    // Fail at start, not on the first request, when the token is missing.
+    let token_path = dir.join("token");
+    read("token")?;
+    let mut kc = kube::Config::new(url);
+    // The namespace file is informational for the proxy (it names no namespace itself).
+    if let Ok(ns) = read("namespace") {
+        kc.default_namespace = String::from_utf8_lossy(&ns).trim().to_string();
+    }
+    kc.root_cert = Some(certs);
+    kc.root_cert_file = Some(ca_path);
+    kc.auth_info.token_file = Some(token_path.to_string_lossy().into_owned());
     Ok(kc)
 }
 
@@ -163,6 +252,7 @@ impl Upstream {
             caller_h1: build(caller_tls, false, None),
             proxy: build(proxy_tls.clone(), true, auth()?),
             proxy_h1: build(proxy_tls, false, auth()?),
+            latency: Default::default(),
         })
     }
 
@@ -181,8 +271,33 @@ impl Upstream {
     }
 
     /// Sends a request with the given identity; `http1` selects the HTTP/1.1 pool (upgrades
-    /// and long-running requests, see the module docs).
+    /// and long-running requests, see the module docs). The time to response headers of the
+    /// proxy's own short requests (`As::Proxy`, not `http1`) goes into [`Upstream::latency`].
     pub fn send(
+        &self,
+        req: Request<Body>,
+        who: As,
+        http1: bool,
+    ) -> impl Future<Output = Result<Response<Incoming>, BoxError>> + Send + 'static {
+        let timed = (who == As::Proxy && !http1).then(|| self.latency.clone());
+        let start = std::time::Instant::now();
+        let sent = self.send_untimed(req, who, http1);
+        async move {
+            let r = sent.await;
+            if let (Some(w), Ok(_)) = (timed, &r) {
+                w.observe(start.elapsed());
+            }
+            r
+        }
+    }
+
+    /// The latency window of the proxy's own upstream requests (see [`Upstream::send`]).
+    pub fn latency(&self) -> &std::sync::Arc<crate::paging::LatencyWindow> {
+        &self.latency
+    }
+
+    /// [`Upstream::send`] without latency accounting.
+    pub fn send_untimed(
         &self,
         req: Request<Body>,
         who: As,
@@ -195,5 +310,64 @@ impl Upstream {
             (As::Proxy, true) => &self.proxy_h1,
         };
         svc.clone().oneshot(req)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ca() -> String {
+        crate::tls::generate_serving_pair(&["localhost"]).unwrap().0
+    }
+
+    fn sa_dir(files: &[(&str, &str)]) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().unwrap();
+        for (name, content) in files {
+            std::fs::write(dir.path().join(name), content).unwrap();
+        }
+        dir
+    }
+
+    #[test]
+    fn in_cluster_config_reads_the_service_account_directory() {
+        // The port stays in the URL, as client-go's net.JoinHostPort(host, port) keeps it.
+        let dir = sa_dir(&[
+            ("token", "t0ken"),
+            ("ca.crt", &ca()),
+            ("namespace", "kcp\n"),
+        ]);
+        let kc = in_cluster_config_from("10.96.0.1", "443", dir.path()).unwrap();
+        assert_eq!(kc.cluster_url.to_string(), "https://10.96.0.1:443/");
+        assert_eq!(kc.default_namespace, "kcp");
+        assert_eq!(kc.root_cert.as_ref().map(Vec::len), Some(1));
+        assert_eq!(
+            kc.root_cert_file.as_deref(),
+            Some(dir.path().join("ca.crt").as_path())
+        );
+        assert_eq!(
+            kc.auth_info.token_file.as_deref(),
+            Some(dir.path().join("token").to_str().unwrap())
+        );
+    }
+
+    #[test]
+    fn in_cluster_config_brackets_ipv6_and_keeps_the_port() {
+        let dir = sa_dir(&[("token", "t"), ("ca.crt", &ca())]);
+        let kc = in_cluster_config_from("fd00::1", "6443", dir.path()).unwrap();
+        assert_eq!(kc.cluster_url.to_string(), "https://[fd00::1]:6443/");
+        assert_eq!(kc.default_namespace, "default");
+    }
+
+    #[test]
+    fn in_cluster_config_names_what_is_missing() {
+        let dir = sa_dir(&[("ca.crt", &ca())]);
+        let e = in_cluster_config_from("10.0.0.1", "443", dir.path()).unwrap_err();
+        assert!(e.to_string().contains("token"), "{e}");
+        let dir = sa_dir(&[("token", "t"), ("ca.crt", "not a certificate")]);
+        let e = in_cluster_config_from("10.0.0.1", "443", dir.path()).unwrap_err();
+        assert!(e.to_string().contains("ca.crt"), "{e}");
+        let e = in_cluster_config_from("10.0.0.1", "https", dir.path()).unwrap_err();
+        assert!(e.to_string().contains("KUBERNETES_SERVICE_PORT"), "{e}");
     }
 }

@@ -609,6 +609,40 @@ async fn graceful_shutdown_fails_readiness_then_ends_watches_cleanly() {
 }
 
 #[tokio::test]
+async fn a_configured_resource_not_yet_discovered_keeps_the_proxy_unready() {
+    // The fake apiserver serves no group example.com, so discovery of widgets keeps failing:
+    // the proxy must not report ready (a new replica would take traffic it cannot cache).
+    let fake = FakeApiServer::start().await;
+    let proxy = TestProxy::start(&fake.url(), |c| {
+        c.cache.resources = vec!["configmaps".into(), "widgets.example.com".into()];
+    })
+    .await;
+    let c = proxy.client(None, false);
+    let deadline = tokio::time::Instant::now() + BOUND;
+    let body = loop {
+        let r = c.get(&proxy.https("/readyz?verbose"), None).await;
+        let code = r.status();
+        let body = body_string(r).await;
+        if body.contains("[+]upstream ok") {
+            assert_eq!(code, 500, "{body}");
+            break body;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{body}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(
+        body.lines()
+            .any(|l| l == "[-]cache:widgets.example.com failed: reason withheld"),
+        "{body}"
+    );
+    let r = c
+        .get(&proxy.https("/readyz/cache:widgets.example.com"), None)
+        .await;
+    assert_eq!(r.status(), 500);
+    assert!(body_string(r).await.contains("not discovered yet"));
+}
+
+#[tokio::test]
 async fn health_and_metrics_endpoints_answer_in_the_apiservers_format() {
     let (_fake, proxy) = setup().await;
     let c = proxy.client(None, false);

@@ -179,6 +179,7 @@ fn query_param(r: &LoggedRequest, key: &str) -> Option<String> {
 fn config() -> ReflectorConfig {
     ReflectorConfig {
         page_size: 2,
+        adaptive_page_size: None,
         stall_timeout: Duration::from_secs(30),
         watch_timeout: Duration::from_secs(60),
         backoff_initial: Duration::from_millis(20),

@@ -23,6 +23,12 @@ struct ReasonLabels {
     reason: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ServedByLabels {
+    resource: String,
+    served_by: String,
+}
+
 #[derive(Debug)]
 pub struct CacheCollector(pub Arc<Caches>);
 
@@ -44,6 +50,11 @@ impl Collector for CacheCollector {
         let events_sent = Family::<ResourceLabels, Counter>::default();
         let relists = Family::<ReasonLabels, Counter>::default();
         let terminated = Family::<ReasonLabels, Counter>::default();
+        let lists = Family::<ServedByLabels, Counter>::default();
+        let pages = Family::<ResourceLabels, Counter>::default();
+        let rejections = Family::<ReasonLabels, Counter>::default();
+        let snapshots = Family::<ResourceLabels, Gauge>::default();
+        let snapshot_bytes = Family::<ResourceLabels, Gauge>::default();
         for e in self.0.entries() {
             let resource = e.cache.resource.label();
             let l = ResourceLabels {
@@ -68,6 +79,37 @@ impl Collector for CacheCollector {
                     })
                     .inc_by(snap.lists(reason));
             }
+            let ls = &e.cache.list_stats;
+            for (by, n) in [
+                ("cache", ls.from_cache.load(Relaxed)),
+                ("apiserver", ls.passed_through.load(Relaxed)),
+            ] {
+                lists
+                    .get_or_create(&ServedByLabels {
+                        resource: resource.clone(),
+                        served_by: by.into(),
+                    })
+                    .inc_by(n);
+            }
+            pages.get_or_create(&l).inc_by(ls.continued.load(Relaxed));
+            for (reason, n) in [
+                ("invalid", ls.token_invalid.load(Relaxed)),
+                ("expired", ls.token_expired.load(Relaxed)),
+                ("snapshot_gone", ls.snapshot_gone.load(Relaxed)),
+            ] {
+                rejections
+                    .get_or_create(&ReasonLabels {
+                        resource: resource.clone(),
+                        reason: reason.into(),
+                    })
+                    .inc_by(n);
+            }
+            snapshots
+                .get_or_create(&l)
+                .set(e.cache.retained_snapshots().0 as i64);
+            snapshot_bytes
+                .get_or_create(&l)
+                .set(e.cache.retained_bytes() as i64);
             for (reason, n) in [
                 ("slow_consumer", e.cache.hub.stats.closed_slow.load(Relaxed)),
                 ("relist", e.cache.hub.stats.closed_relist.load(Relaxed)),
@@ -115,6 +157,36 @@ impl Collector for CacheCollector {
             "kube_cache_proxy_watchers_terminated",
             "Downstream watchers closed by the proxy, by reason",
             &terminated,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_list_requests",
+            "LIST requests for cached resources by who answered them (cache or apiserver)",
+            &lists,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_list_continued_pages",
+            "List pages after the first served from a retained or rebuilt snapshot",
+            &pages,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_continue_token_rejections",
+            "Continue tokens refused: invalid (forged, tampered, another caller or query), expired, snapshot gone",
+            &rejections,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_list_snapshots",
+            "Snapshots retained for paginated lists",
+            &snapshots,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_list_snapshot_bytes",
+            "Object bytes kept alive only by retained snapshots (estimate)",
+            &snapshot_bytes,
         )?;
         Ok(())
     }

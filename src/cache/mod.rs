@@ -116,4 +116,4 @@ pub mod metrics;
 pub mod registry;
 pub mod store;
 
-pub use store::{Readiness, ResourceCache, Start, StoreConfig, WatchError};
+pub use store::{ListStats, Readiness, ResourceCache, Start, StoreConfig, WatchError};

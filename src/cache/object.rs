@@ -119,11 +119,40 @@ impl CachedObject {
     }
 }
 
-/// The cache's key: namespace then name, ordered as etcd keys (`/registry/pods/<ns>/<name>`).
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+/// The cache's key: namespace then name, ordered as etcd keys (`/registry/pods/<ns>/<name>`)
+/// compare, byte by byte over `<ns>/<name>`. That is not tuple order: `-` sorts before `/`,
+/// so namespace `a-b`'s objects come before namespace `a`'s, as in the apiserver's lists.
+/// One namespace's keys are still one contiguous range, starting at `ObjectKey::new(ns, "")`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ObjectKey {
     pub namespace: Box<str>,
     pub name: Box<str>,
+}
+
+impl ObjectKey {
+    fn storage_bytes(&self) -> impl Iterator<Item = u8> + '_ {
+        self.namespace
+            .bytes()
+            .chain(std::iter::once(b'/'))
+            .chain(self.name.bytes())
+    }
+}
+
+impl Ord for ObjectKey {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        // Fast path: different namespaces that are not prefixes of each other, or the same
+        // namespace, compare as tuples do.
+        if self.namespace == other.namespace {
+            return self.name.cmp(&other.name);
+        }
+        self.storage_bytes().cmp(other.storage_bytes())
+    }
+}
+
+impl PartialOrd for ObjectKey {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
 }
 
 impl ObjectKey {
@@ -240,6 +269,35 @@ mod tests {
                 .map(|k| format!("{}/{}", k.namespace, k.name))
                 .collect::<Vec<_>>(),
             ["a/b", "a/z", "b/a"]
+        );
+    }
+
+    #[test]
+    fn keys_order_as_etcd_keys_not_as_tuples() {
+        // etcd orders "/registry/x/a-b/n" before "/registry/x/a/n" ('-' < '/').
+        let mut keys = [
+            ObjectKey::new("a", "n"),
+            ObjectKey::new("a-b", "n"),
+            ObjectKey::new("a", ""),
+            ObjectKey::new("a0", "n"),
+        ];
+        keys.sort();
+        assert_eq!(
+            keys.iter()
+                .map(|k| format!("{}/{}", k.namespace, k.name))
+                .collect::<Vec<_>>(),
+            ["a-b/n", "a/", "a/n", "a0/n"]
+        );
+        let mut strings: Vec<String> = keys
+            .iter()
+            .map(|k| format!("{}/{}", k.namespace, k.name))
+            .collect();
+        strings.sort();
+        assert_eq!(
+            strings,
+            keys.iter()
+                .map(|k| format!("{}/{}", k.namespace, k.name))
+                .collect::<Vec<_>>()
         );
     }
 }

@@ -112,7 +112,6 @@ impl Caches {
                 for name in pending {
                     match discover(&upstream, &name).await {
                         Ok(resource) => {
-                            c.missing.remove(&name);
                             let cache = ResourceCache::new(resource.clone(), store.clone());
                             let handle = Reflector::spawn(
                                 resource,
@@ -125,6 +124,8 @@ impl Caches {
                                 cache,
                                 reflector: handle,
                             });
+                            // Only now, so readiness never sees the name in neither map.
+                            c.missing.remove(&name);
                         }
                         Err(Discovery::Refused(e)) => {
                             tracing::warn!(resource = %name, reason = %e, "not caching this resource; its requests pass through");

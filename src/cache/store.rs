@@ -28,6 +28,11 @@ pub struct StoreConfig {
     pub watcher_queue: usize,
     /// Shared wait for slow watchers per event before they are closed.
     pub dispatch_budget: Duration,
+    /// A snapshot served to a paginated list stays available this long after its last use
+    /// (KEP-4988 keeps the apiserver's for 75 s).
+    pub snapshot_retention: Duration,
+    /// Snapshots retained at most; the least recently used go first.
+    pub snapshot_max: usize,
 }
 
 impl Default for StoreConfig {
@@ -40,8 +45,36 @@ impl Default for StoreConfig {
             watcher_queue: 1024,
             // k8s.io/apiserver cacher: 100 ms dispatch budget per event.
             dispatch_budget: Duration::from_millis(100),
+            snapshot_retention: Duration::from_secs(75),
+            snapshot_max: 256,
         }
     }
+}
+
+/// The cache's objects, in the apiserver's key order.
+pub type Objects = imbl::OrdMap<ObjectKey, Arc<CachedObject>>;
+
+/// An immutable state of a resource at a resourceVersion. Cloning is O(1); snapshots share
+/// structure with each other and the live map, so each one costs only the tree nodes that
+/// changed after it (the replaced objects themselves are also held by the event history).
+#[derive(Clone)]
+pub struct Snapshot {
+    pub rv: u64,
+    pub objects: Objects,
+}
+
+impl std::fmt::Debug for Snapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Snapshot")
+            .field("rv", &self.rv)
+            .field("len", &self.objects.len())
+            .finish()
+    }
+}
+
+struct Retained {
+    snap: Snapshot,
+    last_used: Instant,
 }
 
 /// Readiness of a resource's cache (k8s.io/apiserver `cacher/ready.go`).
@@ -55,7 +88,7 @@ pub enum Readiness {
 }
 
 struct State {
-    objects: imbl::OrdMap<ObjectKey, Arc<CachedObject>>,
+    objects: Objects,
     rv: u64,
     history: VecDeque<Arc<Event>>,
     /// History holds every event with rv > oldest_rv.
@@ -72,6 +105,23 @@ pub struct ResourceCache {
     ready_tx: watch::Sender<Readiness>,
     unhealthy: Mutex<Option<String>>,
     relists: std::sync::atomic::AtomicU64,
+    /// Snapshots served to paginated lists, by resourceVersion.
+    retained: Mutex<VecDeque<Retained>>,
+    pub list_stats: ListStats,
+}
+
+/// Counters of the lists of one resource (read by the metrics collector).
+#[derive(Debug, Default)]
+pub struct ListStats {
+    /// Lists answered from the cache (every page counts).
+    pub from_cache: std::sync::atomic::AtomicU64,
+    /// Lists the cache declined (they went to the apiserver).
+    pub passed_through: std::sync::atomic::AtomicU64,
+    /// Pages after the first, served from a snapshot.
+    pub continued: std::sync::atomic::AtomicU64,
+    pub token_invalid: std::sync::atomic::AtomicU64,
+    pub token_expired: std::sync::atomic::AtomicU64,
+    pub snapshot_gone: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for ResourceCache {
@@ -132,6 +182,8 @@ impl ResourceCache {
             ready_tx: watch::channel(Readiness::Pending).0,
             unhealthy: Mutex::new(Some("not synced yet".into())),
             relists: Default::default(),
+            retained: Mutex::new(VecDeque::new()),
+            list_stats: ListStats::default(),
         });
         // The dispatcher: one task per resource, events in order.
         tokio::spawn(async move {
@@ -198,10 +250,101 @@ impl ResourceCache {
         self.state.write().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A consistent snapshot: (objects in key order, resourceVersion).
-    pub fn snapshot(&self) -> (imbl::OrdMap<ObjectKey, Arc<CachedObject>>, u64) {
+    /// The current state: an O(1) consistent snapshot.
+    pub fn current(&self) -> Snapshot {
         let s = self.read();
-        (s.objects.clone(), s.rv)
+        Snapshot {
+            rv: s.rv,
+            objects: s.objects.clone(),
+        }
+    }
+
+    /// Keeps `snap` available for [`ResourceCache::snapshot_at`] (the later pages of a list
+    /// continue from it), refreshing its retention if it is already kept.
+    pub fn retain(&self, snap: &Snapshot) {
+        let now = Instant::now();
+        let mut r = self.retained.lock().unwrap_or_else(|p| p.into_inner());
+        r.retain(|x| now.duration_since(x.last_used) < self.cfg.snapshot_retention);
+        match r.binary_search_by_key(&snap.rv, |x| x.snap.rv) {
+            Ok(i) => r[i].last_used = now,
+            Err(i) => r.insert(
+                i,
+                Retained {
+                    snap: snap.clone(),
+                    last_used: now,
+                },
+            ),
+        }
+        while r.len() > self.cfg.snapshot_max {
+            // The least recently used goes.
+            if let Some((i, _)) = r.iter().enumerate().min_by_key(|(_, x)| x.last_used) {
+                r.remove(i);
+            }
+        }
+    }
+
+    /// (snapshots retained, resourceVersion of the oldest).
+    pub fn retained_snapshots(&self) -> (usize, Option<u64>) {
+        let r = self.retained.lock().unwrap_or_else(|p| p.into_inner());
+        (r.len(), r.front().map(|x| x.snap.rv))
+    }
+
+    /// Bytes of object bodies kept alive by retained snapshots only: the states replaced or
+    /// deleted after the oldest snapshot (an estimate from the history; the tree nodes the
+    /// snapshots share are not counted).
+    pub fn retained_bytes(&self) -> usize {
+        let Some(oldest) = self.retained_snapshots().1 else {
+            return 0;
+        };
+        let s = self.read();
+        let from = s.history.partition_point(|e| e.rv <= oldest);
+        s.history
+            .range(from..)
+            .filter_map(|e| e.prev.as_ref().map(|p| p.body.len()))
+            .sum()
+    }
+
+    /// The state exactly at `rv` (as the apiserver's `resourceVersionMatch=Exact`): a
+    /// retained snapshot, the current state if nothing changed after `rv`, or the current
+    /// state with the history's later events undone. `None` when `rv` is newer than the
+    /// cache or older than both the retained snapshots and the history.
+    pub fn snapshot_at(&self, rv: u64) -> Option<Snapshot> {
+        {
+            let now = Instant::now();
+            let mut r = self.retained.lock().unwrap_or_else(|p| p.into_inner());
+            if let Ok(i) = r.binary_search_by_key(&rv, |x| x.snap.rv)
+                && now.duration_since(r[i].last_used) < self.cfg.snapshot_retention
+            {
+                r[i].last_used = now;
+                return Some(r[i].snap.clone());
+            }
+        }
+        let (mut objects, undo) = {
+            let s = self.read();
+            if rv > s.rv || rv < s.oldest_rv {
+                return None;
+            }
+            let from = s.history.partition_point(|e| e.rv <= rv);
+            let undo: Vec<Arc<Event>> = s.history.range(from..).cloned().collect();
+            (s.objects.clone(), undo)
+        };
+        // Undone outside the lock, newest first.
+        for e in undo.iter().rev() {
+            let key = e.object.key();
+            match &e.prev {
+                Some(p) => {
+                    objects.insert(key, p.clone());
+                }
+                None => {
+                    objects.remove(&key);
+                }
+            }
+        }
+        let snap = Snapshot { rv, objects };
+        if !undo.is_empty() {
+            self.retain(&snap);
+        }
+        Some(snap)
     }
 
     pub fn get(&self, namespace: &str, name: &str) -> (Option<Arc<CachedObject>>, u64) {

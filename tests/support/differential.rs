@@ -860,6 +860,14 @@ pub async fn observe(b: &Backend, req: &Request, mode: Mode) -> Observation {
         observe_watch(&mut o, b, req, mode).await;
         return o;
     }
+    observe_pages(&mut o, b, req, mode).await;
+    if mode == Mode::Exact {
+        latest_state_rv(&mut o, req, &b.symbols);
+    }
+    o
+}
+
+async fn observe_pages(o: &mut Observation, b: &Backend, req: &Request, mode: Mode) {
     let mut query = req.query.clone();
     for page in 0..MAX_PAGES {
         let p = if page == 0 {
@@ -881,10 +889,10 @@ pub async fn observe(b: &Backend, req: &Request, mode: Mode) -> Observation {
             Ok(r) => r,
             Err(e) => {
                 o.set(format!("{p}error"), e);
-                return o;
+                return;
             }
         };
-        let next = observe_reply(&mut o, &p, &reply, mode);
+        let next = observe_reply(o, &p, &reply, mode);
         match next {
             Some(token) if req.pages => {
                 query.retain(|(k, _)| {
@@ -895,11 +903,46 @@ pub async fn observe(b: &Backend, req: &Request, mode: Mode) -> Observation {
                 });
                 query.push(("continue".into(), token));
             }
-            _ => return o,
+            _ => return,
         }
     }
     o.set("error", format!("more than {MAX_PAGES} pages"));
-    o
+}
+
+/// A list answered at the latest state (resourceVersion unset, "0", or N without `limit`, or
+/// `NotOlderThan`) may carry any resourceVersion not older than the one asked for: the
+/// apiserver's watch cache also advances on etcd progress notifications, which outside
+/// clients cannot request, so the exact number is not part of the contract. Such a list's
+/// resourceVersion is recorded as "latest >= N" when it satisfies the contract (later pages
+/// must repeat the first page's number exactly: they come from the same snapshot).
+fn latest_state_rv(o: &mut Observation, req: &Request, symbols: &Symbols) {
+    if req.param("continue").is_some() {
+        return;
+    }
+    let rv = req.param("resourceVersion").map(|v| symbols.resolve(v));
+    let rv_match = req.param("resourceVersionMatch").unwrap_or("");
+    let limited = req
+        .param("limit")
+        .and_then(|l| l.parse::<i64>().ok())
+        .is_some_and(|l| l > 0);
+    let min = match (rv.as_deref(), rv_match) {
+        (None | Some(""), "") => 0,
+        (Some("0"), "" | "NotOlderThan") => 0,
+        (Some(n), "NotOlderThan") => n.parse::<u64>().unwrap_or(u64::MAX),
+        (Some(n), "") if !limited => n.parse::<u64>().unwrap_or(u64::MAX),
+        _ => return,
+    };
+    let key = "metadata.resourceVersion";
+    let Some(first) = o.fields.get(key).cloned() else {
+        return;
+    };
+    if first.parse::<u64>().is_ok_and(|v| v >= min) {
+        for (k, v) in o.fields.iter_mut() {
+            if k.ends_with(key) && *v == first {
+                *v = format!("latest >= {min}");
+            }
+        }
+    }
 }
 
 fn event_summary(e: &Value, mode: Mode) -> Option<String> {

@@ -9,8 +9,8 @@
 //!
 //! # Layout
 //! - [`FakeApiServer`]: lifecycle, request log, direct store helpers.
-//! - [`Faults`]: fault switches (fail next requests, delays, refusing connections, ending watches,
-//!   denying callers).
+//! - [`Faults`]: fault switches (fail next requests, delays, refusing connections, ending or
+//!   expiring watches, denying callers, the `/metrics` text).
 //! - `Store`: objects per kind, event history for watch resume and Exact lists, open watchers.
 //! - request handling: routing, list, watch, writes, upgrades, discovery, access reviews.
 //! - selectors, continue tokens, `Status` construction, small helpers (timestamps, the WebSocket accept key).
@@ -98,6 +98,9 @@ pub struct Faults {
     shared: Arc<Shared>,
 }
 
+/// Makes the `/metrics` text of the n-th scrape (counting from 1).
+type MetricsText = Arc<dyn Fn(u64) -> String + Send + Sync>;
+
 struct Shared {
     addr: SocketAddr,
     store: Mutex<Store>,
@@ -112,6 +115,8 @@ struct Shared {
     deny: Mutex<HashSet<String>>,
     impersonators: Mutex<HashSet<String>>,
     only_in: Mutex<std::collections::HashMap<String, HashSet<String>>>,
+    /// The `/metrics` text for the n-th scrape (see [`Faults::set_metrics`]), and scrapes so far.
+    metrics: Mutex<(MetricsText, u64)>,
     shutdown: CancellationToken,
 }
 
@@ -146,6 +151,7 @@ impl FakeApiServer {
             deny: Mutex::new(HashSet::new()),
             impersonators: Mutex::new(HashSet::new()),
             only_in: Mutex::new(std::collections::HashMap::new()),
+            metrics: Mutex::new((Arc::new(|_| String::new()), 0)),
             shutdown: CancellationToken::new(),
         });
         for ns in INITIAL_NAMESPACES {
@@ -345,6 +351,27 @@ impl Faults {
             user.to_string(),
             namespaces.iter().map(|n| n.to_string()).collect(),
         );
+    }
+
+    /// Ends every open watch with an ERROR event carrying 410 Expired ("too old resource
+    /// version"), as the apiserver does when a watcher falls behind its window; a client must
+    /// relist.
+    pub fn expire_watches(&self) {
+        let mut store = self.shared.store();
+        let rv = store.rv;
+        let status = Status::expired(&format!("too old resource version: {rv} ({})", rv + 1));
+        let obj: Value = serde_json::from_str(&status.to_json()).unwrap_or(Value::Null);
+        for w in store.watchers.drain(..) {
+            let _ = w.tx.send(WatchMsg::Line(event_line("ERROR", &obj)));
+            let _ = w.tx.send(WatchMsg::End);
+        }
+    }
+
+    /// Serves `GET /metrics` (Prometheus text) from `text(n)` for the n-th scrape, counting
+    /// from 1, so a test can make counters and histograms move between scrapes. Default: an
+    /// empty exposition.
+    pub fn set_metrics(&self, text: impl Fn(u64) -> String + Send + Sync + 'static) {
+        lock(&self.shared.metrics).0 = Arc::new(text);
     }
 
     /// Period of BOOKMARK events on watches with `allowWatchBookmarks=true` (default 1 s).
@@ -783,6 +810,19 @@ async fn route(
     match path {
         "/livez" | "/readyz" | "/healthz" => return Ok(text_response(StatusCode::OK, "ok")),
         "/version" => return Ok(json_response(StatusCode::OK, version_json())),
+        "/metrics" => {
+            let (text, n) = {
+                let mut m = lock(&shared.metrics);
+                m.1 += 1;
+                (m.0.clone(), m.1)
+            };
+            let mut resp = Response::new(full_body(text(n)));
+            resp.headers_mut().insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            return Ok(resp);
+        }
         "/api" => {
             return Ok(json_response(
                 StatusCode::OK,

@@ -73,12 +73,15 @@ impl TestProxy {
     /// proxy's own credential `Bearer proxy-token`, TLS + mTLS on one port and plain HTTP on
     /// another. `tweak` adjusts the config first.
     /// The cache is off unless `tweak` configures resources: these tests are about the
-    /// transparent proxy, and the fake apiserver implements no access reviews.
+    /// transparent proxy, and the fake apiserver implements no access reviews. Adaptive
+    /// paging samples (and scrapes the fake's `/metrics`) only if `tweak` shortens
+    /// `paging.interval`, so tests that count or fault upstream requests meet no scrape.
     pub async fn start(upstream_url: &str, tweak: impl FnOnce(&mut Config)) -> TestProxy {
         let mut kube = kube::Config::new(upstream_url.parse().unwrap());
         kube.auth_info.token = Some("proxy-token".to_string().into());
         Self::start_with_kube(kube, |c| {
             c.cache.resources.clear();
+            c.paging.interval = std::time::Duration::from_secs(3600);
             tweak(c)
         })
         .await

@@ -1,0 +1,175 @@
+//! HTTP/2 over TLS to one target (the proxy or kube-apiserver), with explicit connections so a
+//! scenario decides how many streams share one connection, and a line reader for watch bodies.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::{Context as _, bail};
+use bytes::{Buf as _, Bytes, BytesMut};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::{BodyExt as _, Full};
+use hyper::body::Incoming;
+use hyper::client::conn::http2::SendRequest;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rustls_pki_types::pem::PemObject as _;
+use rustls_pki_types::{CertificateDer, ServerName};
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+
+/// One HTTP/2 connection; clones share it (one stream per request).
+pub type Conn = SendRequest<Full<Bytes>>;
+
+/// Where requests go and with which credential.
+#[derive(Clone)]
+pub struct Target {
+    /// `proxy` or `apiserver`: the side in reports.
+    pub side: &'static str,
+    pub addr: SocketAddr,
+    tls: TlsConnector,
+    token: Arc<str>,
+}
+
+impl Target {
+    /// A target at `addr` whose serving certificate is signed by `ca_pem` and valid for
+    /// `localhost` (both the apiserver's and the proxy's generated certificates are).
+    pub fn new(side: &'static str, addr: SocketAddr, ca_pem: &str, token: &str) -> Target {
+        kube_cache_proxy::tls::install_crypto_provider();
+        let mut roots = rustls::RootCertStore::empty();
+        for c in CertificateDer::pem_slice_iter(ca_pem.as_bytes()).flatten() {
+            let _ = roots.add(c);
+        }
+        let mut cfg = rustls::ClientConfig::builder()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        cfg.alpn_protocols = vec![b"h2".to_vec()];
+        Target {
+            side,
+            addr,
+            tls: TlsConnector::from(Arc::new(cfg)),
+            token: token.into(),
+        }
+    }
+
+    /// Opens one TLS + HTTP/2 connection.
+    pub async fn connect(&self) -> anyhow::Result<Conn> {
+        let tcp = TcpStream::connect(self.addr)
+            .await
+            .with_context(|| format!("connecting to {} at {}", self.side, self.addr))?;
+        tcp.set_nodelay(true)?;
+        let name = ServerName::try_from("localhost")?.to_owned();
+        let tls = self.tls.connect(name, tcp).await?;
+        let (send, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            // client-go's window sizes are Go's defaults; adaptive windows keep large lists
+            // from being flow-control bound on loopback.
+            .adaptive_window(true)
+            .max_concurrent_reset_streams(10_000)
+            .handshake(TokioIo::new(tls))
+            .await?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Ok(send)
+    }
+
+    /// A request for `path_and_query` with this target's bearer token.
+    pub fn request(&self, method: Method, path: &str, body: Option<Bytes>) -> Request<Full<Bytes>> {
+        let mut b = Request::builder()
+            .method(method.clone())
+            .uri(format!("https://localhost:{}{path}", self.addr.port()))
+            .header("authorization", format!("Bearer {}", self.token))
+            .header("accept", "application/json");
+        if body.is_some() {
+            let ct = if method == Method::PATCH {
+                "application/merge-patch+json"
+            } else {
+                "application/json"
+            };
+            b = b.header("content-type", ct);
+        }
+        b.body(Full::new(body.unwrap_or_default()))
+            .expect("static request parts")
+    }
+}
+
+/// Sends `req` on `conn` and returns the response head and streaming body.
+pub async fn send(conn: &Conn, req: Request<Full<Bytes>>) -> anyhow::Result<Response<Incoming>> {
+    let mut c = conn.clone();
+    c.ready().await?;
+    Ok(c.send_request(req).await?)
+}
+
+/// Sends `req` and reads the whole body; non-2xx is an error with the body's start.
+pub async fn fetch(conn: &Conn, req: Request<Full<Bytes>>) -> anyhow::Result<Bytes> {
+    let what = format!("{} {}", req.method(), req.uri().path());
+    let resp = send(conn, req).await?;
+    let status = resp.status();
+    let body = resp.into_body().collect().await?.to_bytes();
+    if !status.is_success() {
+        bail!(
+            "{what}: {status}: {}",
+            String::from_utf8_lossy(&body[..body.len().min(300)])
+        );
+    }
+    Ok(body)
+}
+
+/// Reads newline-delimited watch events as raw lines.
+pub struct LineReader {
+    body: Incoming,
+    buf: BytesMut,
+}
+
+impl LineReader {
+    pub fn new(resp: Response<Incoming>) -> LineReader {
+        LineReader {
+            body: resp.into_body(),
+            buf: BytesMut::new(),
+        }
+    }
+
+    /// The next line (without `\n`), `None` at the end of the stream.
+    pub async fn next(&mut self) -> anyhow::Result<Option<Bytes>> {
+        loop {
+            if let Some(i) = self.buf.iter().position(|b| *b == b'\n') {
+                let line = self.buf.split_to(i + 1).freeze();
+                return Ok(Some(line.slice(..i)));
+            }
+            match self.body.frame().await {
+                None => return Ok(None),
+                Some(Err(e)) => return Err(e.into()),
+                Some(Ok(f)) => {
+                    if let Ok(mut d) = f.into_data() {
+                        while d.has_remaining() {
+                            let chunk = d.chunk();
+                            self.buf.extend_from_slice(chunk);
+                            let n = chunk.len();
+                            d.advance(n);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Checks a response status, reading the body for the error message.
+pub async fn expect_ok(resp: Response<Incoming>, what: &str) -> anyhow::Result<Response<Incoming>> {
+    if resp.status() == StatusCode::OK {
+        return Ok(resp);
+    }
+    let status = resp.status();
+    let body = resp.into_body().collect().await?.to_bytes();
+    bail!(
+        "{what}: {status}: {}",
+        String::from_utf8_lossy(&body[..body.len().min(300)])
+    )
+}
+
+/// Unix time in nanoseconds (write timestamps in objects are compared with receipt times).
+pub fn unix_nanos() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO)
+        .as_nanos() as u64
+}

@@ -1,0 +1,643 @@
+//! Load driver: kube-cache-proxy and kube-apiserver side by side, on one machine, in one run.
+//!
+//! Starts a real etcd + kube-apiserver (`kube_cache_proxy::devcluster`, built from source and
+//! cached), seeds ConfigMaps, and runs each scenario twice: straight against the apiserver, then
+//! through the proxy (a child process, restarted per scenario, see `proxy.rs`). Writes always go
+//! straight to the apiserver. Every phase records the CPU and RSS of the proxy, kube-apiserver,
+//! etcd and this driver (`/proc/PID/stat`, `/proc/PID/status`), and the apiserver's own request
+//! counters (`apiserver_request_total`, `apiserver_longrunning_requests` from its `/metrics`).
+//!
+//! ```text
+//! cargo run --release -p loadtest -- --profile default   # < 10 min on 2 cores
+//! cargo run --release -p loadtest -- --profile smoke     # < 1 min (the test suite runs it)
+//! ```
+//!
+//! Results: `loadtest/results/<profile>-<UTC time>.{json,md,svg}`; the default profile also
+//! refreshes the headline block of `loadtest/README.md`. Exit status 1 when a correctness check
+//! fails (missed or duplicated watch events, wrong object counts, errors, or the proxy opening
+//! more than one upstream LIST+WATCH in the informer storm).
+
+/// Progress on stderr, with seconds since the driver started.
+macro_rules! say {
+    ($($arg:tt)*) => {
+        eprintln!("loadtest [{:>5.1}s] {}", crate::STARTED.get_or_init(std::time::Instant::now).elapsed().as_secs_f64(), format!($($arg)*))
+    };
+}
+
+static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+
+mod client;
+mod proxy;
+mod report;
+mod scenarios;
+mod stats;
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::Context as _;
+use clap::Parser;
+use http::Method;
+use kube_cache_proxy::devcluster::{ControlPlane, ControlPlaneOptions};
+use serde::Serialize;
+
+use crate::client::{Conn, Target, fetch};
+use crate::proxy::{ProxyChild, ProxyFiles};
+use crate::scenarios::{
+    FanoutOpts, FanoutResult, GetResult, ListResult, StartMode, StormResult, create_configmaps,
+    create_namespace,
+};
+use crate::stats::{ApiCounts, ProcUsage, Sampler};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "loadtest",
+    about = "kube-cache-proxy vs kube-apiserver load driver"
+)]
+struct Args {
+    /// `smoke` (under a minute) or `default` (under ten minutes on 2 cores).
+    #[arg(long, default_value = "default")]
+    profile: String,
+    /// Where results go (default: loadtest/results).
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Do not rewrite the headline block of loadtest/README.md.
+    #[arg(long)]
+    no_readme: bool,
+    /// Run this `kube-cache-proxy` binary (`serve`) instead of this driver's own copy.
+    #[arg(long)]
+    proxy_bin: Option<PathBuf>,
+    /// Scenarios to run, e.g. `a,b` (default: all).
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// Overrides: scenario a watchers, streams per HTTP/2 connection, writes per second.
+    #[arg(long)]
+    watchers: Option<usize>,
+    #[arg(long)]
+    streams_per_conn: Option<usize>,
+    #[arg(long)]
+    churn_rate: Option<f64>,
+    /// Override: scenario b clients.
+    #[arg(long)]
+    clients: Option<usize>,
+    /// Override: scenario c objects.
+    #[arg(long)]
+    list_objects: Option<usize>,
+}
+
+/// Sizes of one profile.
+#[derive(Debug, Clone, Serialize)]
+pub struct Profile {
+    pub name: String,
+    pub a: FanoutOpts,
+    pub b_clients: usize,
+    pub b_objects: usize,
+    pub c_objects: usize,
+    pub c_clients: usize,
+    pub c_walks: usize,
+    pub c_limit: usize,
+    pub d_objects: usize,
+    pub d_rate: f64,
+    pub d_secs: f64,
+    pub e_secs: f64,
+    pub e_watchers: usize,
+    pub e_churn_rate: f64,
+    pub e_get_rate: f64,
+    pub e_list_clients: usize,
+    pub e_list_limit: usize,
+    pub loopback_bytes: u64,
+}
+
+impl Profile {
+    fn named(name: &str) -> anyhow::Result<Profile> {
+        let a = |watchers, streams_per_conn, rate, objects, duration_s| FanoutOpts {
+            namespace: "lt-a".into(),
+            watchers,
+            streams_per_conn,
+            rate,
+            objects,
+            duration_s,
+        };
+        // Cluster-wide ConfigMaps stay under one page of the proxy's upstream list (500) until
+        // scenario c creates its set, so the storm's "one upstream LIST" is one request.
+        match name {
+            "smoke" => Ok(Profile {
+                name: name.into(),
+                a: a(20, 10, 20.0, 10, 3.0),
+                b_clients: 10,
+                b_objects: 30,
+                c_objects: 1_000,
+                c_clients: 2,
+                c_walks: 1,
+                c_limit: 500,
+                d_objects: 10,
+                d_rate: 50.0,
+                d_secs: 1.5,
+                e_secs: 3.0,
+                e_watchers: 10,
+                e_churn_rate: 10.0,
+                e_get_rate: 25.0,
+                e_list_clients: 1,
+                e_list_limit: 10,
+                loopback_bytes: 256 << 20,
+            }),
+            "default" => Ok(Profile {
+                name: name.into(),
+                a: a(1_000, 100, 50.0, 50, 30.0),
+                b_clients: 200,
+                b_objects: 300,
+                c_objects: 100_000,
+                c_clients: 4,
+                c_walks: 1,
+                c_limit: 500,
+                d_objects: 50,
+                d_rate: 200.0,
+                d_secs: 15.0,
+                e_secs: 30.0,
+                e_watchers: 250,
+                e_churn_rate: 25.0,
+                e_get_rate: 100.0,
+                e_list_clients: 2,
+                e_list_limit: 100,
+                loopback_bytes: 2 << 30,
+            }),
+            other => anyhow::bail!("unknown profile {other:?} (smoke, default)"),
+        }
+    }
+}
+
+/// CPU, memory and apiserver counters of one phase.
+#[derive(Debug, Clone, Serialize)]
+pub struct Usage {
+    pub wall_s: f64,
+    pub procs: Vec<ProcUsage>,
+    /// `apiserver_request_total{resource="configmaps"}` during the phase, by verb.
+    pub configmaps_requests: BTreeMap<String, u64>,
+    /// `apiserver_request_total` over all resources during the phase.
+    pub all_requests: u64,
+    /// Access reviews (`selfsubjectaccessreviews`, `subjectaccessreviews`) during the phase.
+    pub access_reviews: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Row<T> {
+    pub side: &'static str,
+    pub result: T,
+    pub usage: Usage,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StormRow {
+    pub side: &'static str,
+    pub mode: StartMode,
+    pub result: StormResult,
+    pub usage: Usage,
+    /// Upstream LIST requests for configmaps (proxy side: counted from before the proxy
+    /// started, so its own initial list is included).
+    pub upstream_lists: u64,
+    /// Upstream configmaps watches open with every client synced, minus those open before.
+    pub upstream_watches_opened: i64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct MixedResult {
+    pub watch: FanoutResult,
+    pub lists: ListResult,
+    pub gets: GetResult,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    pub name: String,
+    pub pass: bool,
+    pub detail: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Machine {
+    pub cpus: usize,
+    pub cpu_model: String,
+    pub mem_gb: f64,
+    pub kernel: String,
+    pub loadavg_at_start: String,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Run {
+    pub date: String,
+    pub commit: String,
+    pub machine: Machine,
+    pub profile: Profile,
+    pub loopback_gbps: f64,
+    /// ConfigMaps created per second while seeding scenario c (straight to the apiserver).
+    pub c_create_rate: Option<f64>,
+    pub wall_s: f64,
+    pub a: Vec<Row<FanoutResult>>,
+    pub b: Vec<StormRow>,
+    pub c: Vec<Row<ListResult>>,
+    pub d: Vec<Row<GetResult>>,
+    pub e: Vec<Row<MixedResult>>,
+    pub checks: Vec<Check>,
+}
+
+struct Env {
+    cp: ControlPlane,
+    direct: Target,
+    admin: Conn,
+    files: ProxyFiles,
+    proxy_bin: Option<PathBuf>,
+    token: String,
+}
+
+impl Env {
+    async fn scrape(&self) -> anyhow::Result<ApiCounts> {
+        let b = fetch(
+            &self.admin,
+            self.direct.request(Method::GET, "/metrics", None),
+        )
+        .await?;
+        Ok(ApiCounts::parse(&String::from_utf8_lossy(&b), "configmaps"))
+    }
+
+    fn procs(&self, proxy: Option<&ProxyChild>) -> Vec<(String, u32)> {
+        let pids = self.cp.pids();
+        let mut v = vec![
+            ("etcd".to_string(), pids[0]),
+            ("kube-apiserver".to_string(), pids[1]),
+        ];
+        if let Some(p) = proxy {
+            v.push(("proxy".to_string(), p.pid));
+        }
+        v.push(("driver".to_string(), std::process::id()));
+        v
+    }
+
+    async fn start_proxy(&self) -> anyhow::Result<ProxyChild> {
+        ProxyChild::start(&self.files, self.proxy_bin.as_deref(), &self.token).await
+    }
+
+    /// Runs `f` as one measured phase.
+    async fn measure<T, Fut>(
+        &self,
+        proxy: Option<&ProxyChild>,
+        f: Fut,
+    ) -> anyhow::Result<(T, Usage)>
+    where
+        Fut: std::future::Future<Output = anyhow::Result<T>>,
+    {
+        let before = self.scrape().await?;
+        let sampler = Sampler::start(&self.procs(proxy));
+        let t0 = Instant::now();
+        let r = f.await?;
+        let wall_s = t0.elapsed().as_secs_f64();
+        let procs = sampler.finish().await;
+        // WATCH requests are counted when they end; give closed streams a moment.
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        let after = self.scrape().await?;
+        Ok((
+            r,
+            Usage {
+                wall_s,
+                procs,
+                configmaps_requests: after.delta(&before),
+                all_requests: after.all_requests.saturating_sub(before.all_requests),
+                access_reviews: after.access_reviews.saturating_sub(before.access_reviews),
+            },
+        ))
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let mut argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some("serve-proxy") {
+        return proxy::serve_main(argv.split_off(2));
+    }
+    let args = Args::parse();
+    STARTED.get_or_init(Instant::now);
+    let rt = tokio::runtime::Runtime::new()?;
+    let ok = rt.block_on(run(args))?;
+    if !ok {
+        std::process::exit(1);
+    }
+    Ok(())
+}
+
+fn side(proxy: bool) -> &'static str {
+    if proxy { "proxy" } else { "apiserver" }
+}
+
+async fn run(args: Args) -> anyhow::Result<bool> {
+    let started = Instant::now();
+    let mut p = Profile::named(&args.profile)?;
+    if let Some(v) = args.watchers {
+        p.a.watchers = v;
+    }
+    if let Some(v) = args.streams_per_conn {
+        p.a.streams_per_conn = v;
+    }
+    if let Some(v) = args.churn_rate {
+        p.a.rate = v;
+    }
+    if let Some(v) = args.clients {
+        p.b_clients = v;
+    }
+    if let Some(v) = args.list_objects {
+        p.c_objects = v;
+    }
+    let want = |s: &str| args.only.is_empty() || args.only.iter().any(|o| o == s);
+    let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let out = args.out.clone().unwrap_or_else(|| manifest.join("results"));
+    std::fs::create_dir_all(&out)?;
+    let machine = report::machine();
+
+    say!("loopback TCP ...");
+    let loopback_gbps = stats::loopback_gbps(p.loopback_bytes).await?;
+    say!("loopback {loopback_gbps:.2} GB/s; starting kube-apiserver + etcd ...");
+
+    let work = std::env::temp_dir().join(format!("kcp-loadtest-{}", std::process::id()));
+    std::fs::create_dir_all(&work)?;
+    let cp = ControlPlane::start(ControlPlaneOptions {
+        dir: Some(work.join("cp")),
+        log_dir: None,
+    })
+    .await
+    .context("starting the control plane")?;
+    let api_addr = cp
+        .url
+        .trim_start_matches("https://")
+        .parse()
+        .context("apiserver address")?;
+    let token = cp.admin_token().to_string();
+    let direct = Target::new("apiserver", api_addr, &cp.ca_pem, &token);
+    let admin = direct.connect().await?;
+    let files = ProxyFiles::write(&work, &cp.admin_kubeconfig_yaml())?;
+    let env = Env {
+        cp,
+        direct,
+        admin,
+        files,
+        proxy_bin: args.proxy_bin.clone(),
+        token,
+    };
+    let result = scenarios_all(&env, &p, &want).await;
+    env.cp.stop().await;
+    let _ = std::fs::remove_dir_all(&work);
+    let (a, b, c, d, e, c_create_rate) = result?;
+
+    let mut run = Run {
+        date: report::utc_now(),
+        commit: report::commit(&manifest),
+        machine,
+        profile: p,
+        loopback_gbps,
+        c_create_rate,
+        wall_s: started.elapsed().as_secs_f64(),
+        a,
+        b,
+        c,
+        d,
+        e,
+        checks: Vec::new(),
+    };
+    run.checks = report::checks(&run);
+    let paths = report::write(&run, &out)?;
+    if run.profile.name == "default" && !args.no_readme && args.out.is_none() {
+        report::update_readme(&run, &manifest.join("README.md"), &paths)?;
+    }
+    eprintln!(
+        "loadtest: {} in {:.0}s; report {}",
+        run.profile.name,
+        run.wall_s,
+        paths.md.display()
+    );
+    let failed: Vec<&Check> = run.checks.iter().filter(|c| !c.pass).collect();
+    for c in &failed {
+        say!("CHECK FAILED: {}: {}", c.name, c.detail);
+    }
+    Ok(failed.is_empty())
+}
+
+type AllResults = (
+    Vec<Row<FanoutResult>>,
+    Vec<StormRow>,
+    Vec<Row<ListResult>>,
+    Vec<Row<GetResult>>,
+    Vec<Row<MixedResult>>,
+    Option<f64>,
+);
+
+async fn scenarios_all(
+    env: &Env,
+    p: &Profile,
+    want: &dyn Fn(&str) -> bool,
+) -> anyhow::Result<AllResults> {
+    let d = &env.direct;
+    say!("seeding ...");
+    for ns in ["lt-a", "lt-b", "lt-c", "lt-d"] {
+        create_namespace(d, &env.admin, ns).await?;
+    }
+    create_configmaps(d, "lt-a", "w", p.a.objects, 512, 64).await?;
+    create_configmaps(d, "lt-b", "b", p.b_objects, 512, 64).await?;
+    create_configmaps(d, "lt-d", "d", p.d_objects, 512, 64).await?;
+
+    let (mut a, mut b, mut c, mut dd, mut e) = (vec![], vec![], vec![], vec![], vec![]);
+    if want("a") {
+        for via_proxy in [false, true] {
+            say!("a. watch fan-out via {}", side(via_proxy));
+            let proxy = if via_proxy {
+                Some(env.start_proxy().await?)
+            } else {
+                None
+            };
+            let t = proxy.as_ref().map_or(d, |p| &p.target);
+            let (result, usage) = env
+                .measure(
+                    proxy.as_ref(),
+                    scenarios::watch_fanout(t, d, &env.admin, &p.a),
+                )
+                .await?;
+            a.push(Row {
+                side: side(via_proxy),
+                result,
+                usage,
+            });
+            if let Some(px) = proxy {
+                px.stop().await;
+            }
+        }
+    }
+    if want("b") {
+        for via_proxy in [false, true] {
+            // For the proxy, counting starts before it starts: its own LIST+WATCH is the
+            // upstream cost of every informer behind it.
+            let before_start = env.scrape().await?;
+            let proxy = if via_proxy {
+                say!("b. informer storms via proxy (starting it)");
+                Some(env.start_proxy().await?)
+            } else {
+                say!("b. informer storms via apiserver");
+                None
+            };
+            let t = proxy.as_ref().map_or(d, |p| &p.target);
+            // One warm-up informer of each mode first, so neither storm pays for first-request
+            // costs alone (the proxy's access-review cache, connection set-up). Its upstream
+            // requests count for the proxy (they must be served from its cache) and not for
+            // the apiserver, whose counters are read after it.
+            for mode in [StartMode::Legacy, StartMode::WatchList] {
+                let (_, held) = scenarios::informer_storm(t, "lt-b", 1, mode, p.b_objects).await?;
+                drop(held);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+            let mut before = if via_proxy {
+                before_start
+            } else {
+                env.scrape().await?
+            };
+            for mode in [StartMode::Legacy, StartMode::WatchList] {
+                let sampler = Sampler::start(&env.procs(proxy.as_ref()));
+                let t0 = Instant::now();
+                let (result, held) =
+                    scenarios::informer_storm(t, "lt-b", p.b_clients, mode, p.b_objects).await?;
+                let wall_s = t0.elapsed().as_secs_f64();
+                let procs = sampler.finish().await;
+                let peak = env.scrape().await?;
+                drop(held);
+                tokio::time::sleep(std::time::Duration::from_millis(1000)).await;
+                let after = env.scrape().await?;
+                let delta = after.delta(&before);
+                b.push(StormRow {
+                    side: side(via_proxy),
+                    mode,
+                    result,
+                    upstream_lists: delta.get("LIST").copied().unwrap_or(0),
+                    upstream_watches_opened: peak.open_watches as i64 - before.open_watches as i64,
+                    usage: Usage {
+                        wall_s,
+                        procs,
+                        configmaps_requests: delta,
+                        all_requests: after.all_requests.saturating_sub(before.all_requests),
+                        access_reviews: after.access_reviews.saturating_sub(before.access_reviews),
+                    },
+                });
+                before = after;
+            }
+            if let Some(px) = proxy {
+                px.stop().await;
+            }
+        }
+    }
+    if want("d") {
+        for via_proxy in [false, true] {
+            say!("d. GETs via {}", side(via_proxy));
+            let proxy = if via_proxy {
+                Some(env.start_proxy().await?)
+            } else {
+                None
+            };
+            let t = proxy.as_ref().map_or(d, |p| &p.target);
+            for rv0 in [false, true] {
+                let (result, usage) = env
+                    .measure(
+                        proxy.as_ref(),
+                        scenarios::get_rate(t, "lt-d", p.d_objects, p.d_rate, p.d_secs, rv0),
+                    )
+                    .await?;
+                dd.push(Row {
+                    side: side(via_proxy),
+                    result,
+                    usage,
+                });
+            }
+            if let Some(px) = proxy {
+                px.stop().await;
+            }
+        }
+    }
+    if want("e") {
+        for via_proxy in [false, true] {
+            say!("e. mixed via {}", side(via_proxy));
+            let proxy = if via_proxy {
+                Some(env.start_proxy().await?)
+            } else {
+                None
+            };
+            let t = proxy.as_ref().map_or(d, |p| &p.target);
+            let fan = FanoutOpts {
+                watchers: p.e_watchers,
+                rate: p.e_churn_rate,
+                duration_s: p.e_secs,
+                ..p.a.clone()
+            };
+            let mixed = async {
+                let until = Instant::now() + std::time::Duration::from_secs_f64(p.e_secs);
+                let (watch, lists, gets) = tokio::join!(
+                    scenarios::watch_fanout(t, d, &env.admin, &fan),
+                    scenarios::list_storm(
+                        t,
+                        "lt-b",
+                        p.e_list_clients,
+                        0,
+                        p.e_list_limit,
+                        p.b_objects,
+                        Some(until)
+                    ),
+                    scenarios::get_rate(t, "lt-d", p.d_objects, p.e_get_rate, p.e_secs, false),
+                );
+                anyhow::Ok(MixedResult {
+                    watch: watch?,
+                    lists: lists?,
+                    gets: gets?,
+                })
+            };
+            let (result, usage) = env.measure(proxy.as_ref(), mixed).await?;
+            e.push(Row {
+                side: side(via_proxy),
+                result,
+                usage,
+            });
+            if let Some(px) = proxy {
+                px.stop().await;
+            }
+        }
+    }
+    let mut c_create_rate = None;
+    if want("c") {
+        say!("c. creating {} ConfigMaps ...", p.c_objects);
+        let rate = create_configmaps(d, "lt-c", "c", p.c_objects, 256, 128).await?;
+        say!("c. created at {rate:.0}/s");
+        c_create_rate = Some(rate);
+        for via_proxy in [false, true] {
+            say!("c. paginated list storm via {}", side(via_proxy));
+            let proxy = if via_proxy {
+                Some(env.start_proxy().await?)
+            } else {
+                None
+            };
+            let t = proxy.as_ref().map_or(d, |p| &p.target);
+            let (result, usage) = env
+                .measure(
+                    proxy.as_ref(),
+                    scenarios::list_storm(
+                        t,
+                        "lt-c",
+                        p.c_clients,
+                        p.c_walks,
+                        p.c_limit,
+                        p.c_objects,
+                        None,
+                    ),
+                )
+                .await?;
+            c.push(Row {
+                side: side(via_proxy),
+                result,
+                usage,
+            });
+            if let Some(px) = proxy {
+                px.stop().await;
+            }
+        }
+    }
+    Ok((a, b, c, dd, e, c_create_rate))
+}

@@ -1,0 +1,162 @@
+//! The proxy under test as a child process, so its CPU and RSS are its own.
+//!
+//! By default the child is this binary again (`loadtest serve-proxy ...`), which runs exactly
+//! what `kube-cache-proxy serve` runs (the same flags, [`ServeArgs::resolve`] and
+//! [`kube_cache_proxy::server::start`]) from the library this driver was built with: no separate
+//! binary to build or to go stale, same build profile as the driver. `--proxy-bin` runs another
+//! `kube-cache-proxy` binary with the same arguments instead.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use clap::Parser as _;
+use http::Method;
+use kube_cache_proxy::cli::{Cli, Command};
+
+use crate::client::{Target, fetch};
+
+/// `loadtest serve-proxy ARGS`: the `serve` command of `kube-cache-proxy`, with ARGS.
+pub fn serve_main(args: Vec<String>) -> anyhow::Result<()> {
+    let argv = ["kube-cache-proxy".to_string(), "serve".to_string()]
+        .into_iter()
+        .chain(args);
+    let Command::Serve(args) = Cli::parse_from(argv).command else {
+        bail!("serve-proxy takes the flags of `kube-cache-proxy serve`");
+    };
+    let cfg = args.resolve()?;
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async move {
+        kube_cache_proxy::cli::init_logging(&cfg.log.level, cfg.log.format);
+        kube_cache_proxy::tls::install_crypto_provider();
+        let kube = kube_cache_proxy::upstream::load_kube_config(&cfg.upstream).await?;
+        let running = kube_cache_proxy::server::start(cfg, &kube).await?;
+        kube_cache_proxy::cli::termination_signal().await;
+        running.shutdown().await;
+        anyhow::Ok(())
+    })
+}
+
+/// Files the proxy child needs: upstream kubeconfig and its serving certificate.
+pub struct ProxyFiles {
+    pub kubeconfig: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca_pem: String,
+    pub log: PathBuf,
+}
+
+impl ProxyFiles {
+    pub fn write(dir: &Path, upstream_kubeconfig: &str) -> anyhow::Result<ProxyFiles> {
+        let (ca_pem, cert, key) =
+            kube_cache_proxy::tls::generate_serving_pair(&["127.0.0.1", "localhost"])?;
+        let f = ProxyFiles {
+            kubeconfig: dir.join("upstream.kubeconfig"),
+            cert: dir.join("proxy-tls.crt"),
+            key: dir.join("proxy-tls.key"),
+            ca_pem,
+            log: dir.join("proxy.log"),
+        };
+        std::fs::write(&f.kubeconfig, upstream_kubeconfig)?;
+        std::fs::write(&f.cert, cert)?;
+        std::fs::write(&f.key, key)?;
+        Ok(f)
+    }
+}
+
+pub struct ProxyChild {
+    child: tokio::process::Child,
+    pub pid: u32,
+    pub target: Target,
+}
+
+impl ProxyChild {
+    /// Starts the proxy and waits until its `/readyz` passes (every cache synced).
+    pub async fn start(
+        files: &ProxyFiles,
+        proxy_bin: Option<&Path>,
+        token: &str,
+    ) -> anyhow::Result<ProxyChild> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let args: Vec<String> = vec![
+            "--kubeconfig".into(),
+            files.kubeconfig.display().to_string(),
+            "--listen".into(),
+            addr.to_string(),
+            "--tls-cert-file".into(),
+            files.cert.display().to_string(),
+            "--tls-key-file".into(),
+            files.key.display().to_string(),
+            "--log-level".into(),
+            "warn".into(),
+        ];
+        let mut cmd = match proxy_bin {
+            Some(bin) => {
+                let mut c = tokio::process::Command::new(bin);
+                c.arg("serve");
+                c
+            }
+            None => {
+                let mut c = tokio::process::Command::new(std::env::current_exe()?);
+                c.arg("serve-proxy");
+                c
+            }
+        };
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&files.log)?;
+        let child = cmd
+            .args(&args)
+            .env_remove("KCP_CONFIG")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting the proxy")?;
+        let pid = child.id().context("proxy pid")?;
+        let target = Target::new("proxy", addr, &files.ca_pem, token);
+        let mut p = ProxyChild { child, pid, target };
+        let deadline = Instant::now() + Duration::from_secs(180);
+        loop {
+            if let Some(status) = p.child.try_wait()? {
+                bail!("the proxy exited ({status}); see {}", files.log.display());
+            }
+            let ready = async {
+                let c = p.target.connect().await?;
+                fetch(&c, p.target.request(Method::GET, "/readyz", None)).await
+            };
+            if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(5), ready).await {
+                return Ok(p);
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "the proxy was not ready in 180s; see {}",
+                    files.log.display()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// SIGTERM (graceful drain), then SIGKILL after 15 s.
+    pub async fn stop(mut self) {
+        let _ = tokio::process::Command::new("kill")
+            .arg("-TERM")
+            .arg(self.pid.to_string())
+            .status()
+            .await;
+        if tokio::time::timeout(Duration::from_secs(15), self.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = self.child.kill().await;
+        }
+    }
+}

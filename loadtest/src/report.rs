@@ -1,0 +1,633 @@
+//! The run's JSON, markdown report, SVG plot, correctness checks and README headline.
+
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+use crate::scenarios::{FanoutResult, StartMode};
+use crate::stats::Summary;
+use crate::{Check, Machine, Row, Run, Usage};
+
+pub fn utc_now() -> String {
+    cmd("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]).unwrap_or_else(|| "unknown".into())
+}
+
+fn cmd(prog: &str, args: &[&str]) -> Option<String> {
+    let o = std::process::Command::new(prog).args(args).output().ok()?;
+    o.status
+        .success()
+        .then(|| String::from_utf8_lossy(&o.stdout).trim().to_string())
+}
+
+/// `git describe`-like: short commit, `+dirty` when the tree has changes.
+pub fn commit(dir: &Path) -> String {
+    let d = dir.display().to_string();
+    let head = cmd("git", &["-C", &d, "rev-parse", "--short", "HEAD"]).unwrap_or_default();
+    let dirty = cmd(
+        "git",
+        &["-C", &d, "status", "--porcelain", "--untracked-files=no"],
+    )
+    .is_some_and(|s| !s.is_empty());
+    format!("{head}{}", if dirty { "+dirty" } else { "" })
+}
+
+pub fn machine() -> Machine {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+    let field = |text: &str, key: &str| {
+        text.lines()
+            .find(|l| l.starts_with(key))
+            .and_then(|l| l.split_once(':'))
+            .map(|(_, v)| v.trim().to_string())
+            .unwrap_or_default()
+    };
+    let mem_kb: f64 = field(&meminfo, "MemTotal")
+        .split_whitespace()
+        .next()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0.0);
+    Machine {
+        cpus: std::thread::available_parallelism().map_or(0, |n| n.get()),
+        cpu_model: field(&cpuinfo, "model name"),
+        mem_gb: (mem_kb / 1024.0 / 1024.0 * 10.0).round() / 10.0,
+        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim()
+            .to_string(),
+        loadavg_at_start: std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" "),
+    }
+}
+
+fn check(name: impl Into<String>, pass: bool, detail: String) -> Check {
+    Check {
+        name: name.into(),
+        pass,
+        detail,
+    }
+}
+
+fn fanout_checks(scenario: &str, side: &str, r: &FanoutResult, out: &mut Vec<Check>) {
+    out.push(check(
+        format!("{scenario} {side}: no missed or duplicated events"),
+        r.missed == 0 && r.duplicated == 0 && r.watch_errors == 0,
+        format!(
+            "missed {}, duplicated {}, watch errors {}, rewatches {}",
+            r.missed, r.duplicated, r.watch_errors, r.rewatches
+        ),
+    ));
+    out.push(check(
+        format!("{scenario} {side}: every write reached every watcher"),
+        r.write_errors == 0 && r.deliveries == (r.writes * r.watchers) as u64,
+        format!(
+            "{} writes ({} failed) x {} watchers, {} deliveries",
+            r.writes, r.write_errors, r.watchers, r.deliveries
+        ),
+    ));
+}
+
+/// Correctness checks; any failure makes the driver exit 1.
+pub fn checks(run: &Run) -> Vec<Check> {
+    let mut out = Vec::new();
+    for r in &run.a {
+        fanout_checks("a", r.side, &r.result, &mut out);
+    }
+    let clients = run.profile.b_clients as u64;
+    for r in &run.b {
+        let s = &r.result;
+        out.push(check(
+            format!(
+                "b {} {:?}: every informer synced with every object",
+                r.side, r.mode
+            ),
+            s.errors == 0 && s.wrong_counts == 0 && s.synced == s.clients,
+            format!(
+                "{} of {} synced, {} errors, {} wrong counts",
+                s.synced, s.clients, s.errors, s.wrong_counts
+            ),
+        ));
+        let (lists, watches) = match (r.side, r.mode) {
+            ("proxy", StartMode::Legacy) => (1, 1),
+            ("proxy", StartMode::WatchList) => (0, 0),
+            (_, StartMode::Legacy) => (clients, clients as i64),
+            (_, StartMode::WatchList) => (0, clients as i64),
+        };
+        out.push(check(
+            format!("b {} {:?}: upstream LISTs and WATCHes", r.side, r.mode),
+            r.upstream_lists == lists && r.upstream_watches_opened == watches,
+            format!(
+                "LIST {} (expected {lists}), WATCH opened {} (expected {watches})",
+                r.upstream_lists, r.upstream_watches_opened
+            ),
+        ));
+    }
+    for r in &run.c {
+        let l = &r.result;
+        out.push(check(
+            format!("c {}: every walk returned every object", r.side),
+            l.errors == 0 && l.wrong_counts == 0 && l.walks > 0,
+            format!(
+                "{} walks, {} errors, {} wrong counts",
+                l.walks, l.errors, l.wrong_counts
+            ),
+        ));
+    }
+    for r in &run.d {
+        out.push(check(
+            format!("d {} {}: no errors", r.side, r.result.kind),
+            r.result.errors == 0,
+            format!("{} of {} failed", r.result.errors, r.result.requests),
+        ));
+    }
+    for r in &run.e {
+        fanout_checks("e", r.side, &r.result.watch, &mut out);
+        let m = &r.result;
+        out.push(check(
+            format!("e {}: lists and GETs without errors", r.side),
+            m.lists.errors == 0 && m.lists.wrong_counts == 0 && m.gets.errors == 0,
+            format!(
+                "list errors {}, wrong counts {}, GET errors {}",
+                m.lists.errors, m.lists.wrong_counts, m.gets.errors
+            ),
+        ));
+    }
+    out
+}
+
+pub struct Paths {
+    pub json: PathBuf,
+    pub md: PathBuf,
+    pub svg: PathBuf,
+}
+
+fn lat(s: &Summary) -> String {
+    format!("{:.1} / {:.1} / {:.1}", s.p50_ms, s.p99_ms, s.max_ms)
+}
+
+fn proc<'a>(u: &'a Usage, name: &str) -> Option<&'a crate::stats::ProcUsage> {
+    u.procs.iter().find(|p| p.name == name)
+}
+
+fn cpu_rss(u: &Usage, name: &str) -> String {
+    proc(u, name).map_or("-".into(), |p| {
+        format!(
+            "{:.1} s ({:.0}%), {:.0} MB",
+            p.cpu_s, p.cpu_pct, p.rss_peak_mb
+        )
+    })
+}
+
+fn verbs(u: &Usage) -> String {
+    if u.configmaps_requests.is_empty() {
+        return "-".into();
+    }
+    u.configmaps_requests
+        .iter()
+        .map(|(k, v)| format!("{k} {v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+fn usage_row(md: &mut String, scenario: &str, side: &str, u: &Usage) {
+    let _ = writeln!(
+        md,
+        "| {scenario} | {side} | {:.1} | {} | {} | {} | {} | {} | {} | {} |",
+        u.wall_s,
+        cpu_rss(u, "proxy"),
+        cpu_rss(u, "kube-apiserver"),
+        cpu_rss(u, "etcd"),
+        cpu_rss(u, "driver"),
+        verbs(u),
+        u.access_reviews,
+        u.all_requests
+    );
+}
+
+fn fanout_table(md: &mut String, rows: &[(&str, &FanoutResult)]) {
+    md.push_str(
+        "| side | watchers (connections) | writes (per s) | deliveries | deliveries/s | latency p50 / p99 / max (ms) | missed | duplicated | rewatches |\n|---|---|---|---|---|---|---|---|---|\n",
+    );
+    for (side, r) in rows {
+        let _ = writeln!(
+            md,
+            "| {side} | {} ({}) | {} ({:.1}) | {} | {:.0} | {} | {} | {} | {} |",
+            r.watchers,
+            r.connections,
+            r.writes,
+            r.write_rate,
+            r.deliveries,
+            r.deliveries_per_s,
+            lat(&r.latency),
+            r.missed,
+            r.duplicated,
+            r.rewatches
+        );
+    }
+}
+
+/// The markdown report.
+pub fn markdown(run: &Run, svg_name: &str) -> String {
+    let p = &run.profile;
+    let m = &run.machine;
+    let mut md = String::new();
+    let _ = writeln!(
+        md,
+        "# Load test: kube-cache-proxy vs kube-apiserver ({} profile)\n",
+        p.name
+    );
+    let _ = writeln!(
+        md,
+        "- date: {}; commit: {}; run time {:.0} s\n- machine: {} CPUs ({}), {} GB RAM, Linux {}; load average at start {} (the machine is shared: other work moves wall-clock figures between runs; compare rows of one run)\n- loopback TCP throughput (one connection, 1 MiB writes): **{:.2} GB/s**\n- everything runs on these cores at once: etcd, kube-apiserver, the proxy and this driver (its CPU is in the tables too)\n- writes always go straight to the apiserver; reads and watches go to the side named in each row. The proxy is restarted for each scenario (a child process; its CPU and RSS are its own)",
+        run.date,
+        run.commit,
+        run.wall_s,
+        m.cpus,
+        m.cpu_model,
+        m.mem_gb,
+        m.kernel,
+        m.loadavg_at_start,
+        run.loopback_gbps
+    );
+    let _ = writeln!(md, "\n![p99 latency, proxy vs apiserver]({svg_name})\n");
+
+    md.push_str("## Checks\n\n| check | result | detail |\n|---|---|---|\n");
+    for c in &run.checks {
+        let _ = writeln!(
+            md,
+            "| {} | {} | {} |",
+            c.name,
+            if c.pass { "pass" } else { "**FAIL**" },
+            c.detail
+        );
+    }
+
+    if !run.a.is_empty() {
+        let _ = writeln!(
+            md,
+            "\n## a. Watch fan-out\n\n{} watchers on the ConfigMaps of one namespace, {} HTTP/2 streams per connection, while {:.0} merge patches/s over {} objects go straight to the apiserver for {:.0} s. Latency is from the timestamp the writer puts in the object (just before its PATCH) to the watcher reading the event, so both sides include the apiserver's write path. Missed and duplicated events are counted per watcher against the resourceVersions the writer got back.\n",
+            p.a.watchers, p.a.streams_per_conn, p.a.rate, p.a.objects, p.a.duration_s
+        );
+        let rows: Vec<_> = run.a.iter().map(|r| (r.side, &r.result)).collect();
+        fanout_table(&mut md, &rows);
+    }
+
+    if !run.b.is_empty() {
+        let _ = writeln!(
+            md,
+            "\n## b. Informer start storm\n\n{} clients, each on its own TLS connection, start at once on a namespace of {} ConfigMaps. Legacy: LIST `resourceVersion=0&limit=500`, then WATCH from its resourceVersion (synced when the watch is open). WatchList: one WATCH `sendInitialEvents=true&resourceVersionMatch=NotOlderThan&allowWatchBookmarks=true`, synced at the `k8s.io/initial-events-end` bookmark. Upstream counts are the apiserver's own (`apiserver_request_total` LIST delta; WATCHes open with every client synced, `apiserver_longrunning_requests`, minus before). Through the proxy they are counted from before the proxy started, so its own initial LIST+WATCH is included in the legacy row. Each side first gets one warm-up informer of each mode (not in the times; through the proxy its upstream requests are in the legacy row's counts).\n",
+            p.b_clients, p.b_objects
+        );
+        md.push_str("| side | mode | synced | time to sync p50 / p99 / max (ms) | all synced after (s) | upstream LISTs | upstream WATCHes opened |\n|---|---|---|---|---|---|---|\n");
+        for r in &run.b {
+            let _ = writeln!(
+                md,
+                "| {} | {:?} | {} / {} | {} | {:.2} | {} | {} |",
+                r.side,
+                r.mode,
+                r.result.synced,
+                r.result.clients,
+                lat(&r.result.time_to_sync),
+                r.result.wall_s,
+                r.upstream_lists,
+                r.upstream_watches_opened
+            );
+        }
+    }
+
+    if !run.c.is_empty() {
+        let _ = writeln!(
+            md,
+            "\n## c. Paginated list storm\n\n{} clients in parallel (one connection each) walk {} ConfigMaps (256-byte payloads) with `limit={}` and continue tokens ({} walk(s) each). Seeding created them at {:.0}/s straight to the apiserver.\n",
+            p.c_clients,
+            p.c_objects,
+            p.c_limit,
+            p.c_walks,
+            run.c_create_rate.unwrap_or(0.0)
+        );
+        if let Some(r) = run.c.iter().find(|r| r.side == "proxy") {
+            let upstream = r
+                .usage
+                .configmaps_requests
+                .get("LIST")
+                .copied()
+                .unwrap_or(0);
+            let how = if upstream as usize >= r.result.pages {
+                "passed these lists through to the apiserver (one upstream LIST per page)"
+            } else if upstream == 0 {
+                "served every page from its cache"
+            } else {
+                "served part of the pages from its cache"
+            };
+            let _ = writeln!(
+                md,
+                "Through the proxy the apiserver received {upstream} LIST requests for {} pages: at this commit the proxy {how}.\n",
+                r.result.pages
+            );
+        }
+        md.push_str("| side | walks | pages | page latency p50 / p99 / max (ms) | walk time p50 / max (s) | objects/s | MB/s | upstream LISTs |\n|---|---|---|---|---|---|---|---|\n");
+        for r in &run.c {
+            let l = &r.result;
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {} | {:.2} / {:.2} | {:.0} | {:.1} | {} |",
+                r.side,
+                l.walks,
+                l.pages,
+                lat(&l.page_latency),
+                l.walk_time.p50_ms / 1000.0,
+                l.walk_time.max_ms / 1000.0,
+                l.items_per_s,
+                l.mb_per_s,
+                r.usage
+                    .configmaps_requests
+                    .get("LIST")
+                    .copied()
+                    .unwrap_or(0)
+            );
+        }
+    }
+
+    if !run.d.is_empty() {
+        let _ = writeln!(
+            md,
+            "\n## d. GETs at a fixed rate\n\n{:.0} GETs/s for {:.0} s, open loop, over one HTTP/2 connection, of {} ConfigMaps. `quorum` (no resourceVersion) must be answered by the apiserver: through the proxy it is passthrough. `rv0` (`resourceVersion=0`) may be served from a cache: the proxy's, or the apiserver's watch cache.\n",
+            p.d_rate, p.d_secs, p.d_objects
+        );
+        md.push_str("| side | kind | achieved/s | latency p50 / p99 / max (ms) | errors | upstream GETs |\n|---|---|---|---|---|---|\n");
+        for r in &run.d {
+            let g = &r.result;
+            let _ = writeln!(
+                md,
+                "| {} | {} | {:.0} | {} | {} | {} |",
+                r.side,
+                g.kind,
+                g.achieved_rate,
+                lat(&g.latency),
+                g.errors,
+                r.usage.configmaps_requests.get("GET").copied().unwrap_or(0)
+            );
+        }
+    }
+
+    if !run.e.is_empty() {
+        let _ = writeln!(
+            md,
+            "\n## e. Mixed\n\nFor {:.0} s at once: {} watchers under {:.0} writes/s (as in a), {} clients walking the {} ConfigMaps of scenario b with `limit={}` in a loop, and {:.0} quorum GETs/s.\n",
+            p.e_secs,
+            p.e_watchers,
+            p.e_churn_rate,
+            p.e_list_clients,
+            p.b_objects,
+            p.e_list_limit,
+            p.e_get_rate
+        );
+        md.push_str("| side | watch deliveries/s | watch latency p50 / p99 / max (ms) | missed / duplicated | list walks | list page p50 / p99 (ms) | GET p50 / p99 (ms) |\n|---|---|---|---|---|---|---|\n");
+        for r in &run.e {
+            let x = &r.result;
+            let _ = writeln!(
+                md,
+                "| {} | {:.0} | {} | {} / {} | {} | {:.1} / {:.1} | {:.1} / {:.1} |",
+                r.side,
+                x.watch.deliveries_per_s,
+                lat(&x.watch.latency),
+                x.watch.missed,
+                x.watch.duplicated,
+                x.lists.walks,
+                x.lists.page_latency.p50_ms,
+                x.lists.page_latency.p99_ms,
+                x.gets.latency.p50_ms,
+                x.gets.latency.p99_ms
+            );
+        }
+    }
+
+    md.push_str("\n## CPU, memory and apiserver requests per phase\n\nCPU seconds during the phase (percent of one core over the phase), peak RSS. Requests: the apiserver's `apiserver_request_total` for configmaps during the phase by verb (WATCH is counted when a watch ends), access reviews (the proxy authorizes each cache-served read with a SelfSubjectAccessReview, remembered per caller, verb, namespace and name), and requests over all resources (also the proxy's start-up lists of its other cached resources).\n\n| scenario | side | wall (s) | proxy | kube-apiserver | etcd | driver | configmaps requests | access reviews | all requests |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    fn rows<T>(md: &mut String, s: &str, v: &[Row<T>]) {
+        for r in v {
+            usage_row(md, s, r.side, &r.usage);
+        }
+    }
+    rows(&mut md, "a", &run.a);
+    for r in &run.b {
+        usage_row(&mut md, &format!("b {:?}", r.mode), r.side, &r.usage);
+    }
+    rows(&mut md, "c", &run.c);
+    for r in &run.d {
+        usage_row(&mut md, &format!("d {}", r.result.kind), r.side, &r.usage);
+    }
+    rows(&mut md, "e", &run.e);
+    md
+}
+
+/// (label, proxy p99, apiserver p99) per scenario, for the plot and the headline.
+pub fn p99_pairs(run: &Run) -> Vec<(String, f64, f64)> {
+    let mut v = Vec::new();
+    let pair = |v: &mut Vec<(String, f64, f64)>, label: String, p: Option<f64>, a: Option<f64>| {
+        if let (Some(p), Some(a)) = (p, a) {
+            v.push((label, p, a));
+        }
+    };
+    let find = |rows: &[(&str, f64)], side: &str| rows.iter().find(|r| r.0 == side).map(|r| r.1);
+    let a: Vec<_> = run
+        .a
+        .iter()
+        .map(|r| (r.side, r.result.latency.p99_ms))
+        .collect();
+    pair(
+        &mut v,
+        "a. watch delivery".into(),
+        find(&a, "proxy"),
+        find(&a, "apiserver"),
+    );
+    for mode in [StartMode::Legacy, StartMode::WatchList] {
+        let b: Vec<_> = run
+            .b
+            .iter()
+            .filter(|r| r.mode == mode)
+            .map(|r| (r.side, r.result.time_to_sync.p99_ms))
+            .collect();
+        pair(
+            &mut v,
+            format!("b. {mode:?} time to sync"),
+            find(&b, "proxy"),
+            find(&b, "apiserver"),
+        );
+    }
+    let c: Vec<_> = run
+        .c
+        .iter()
+        .map(|r| (r.side, r.result.page_latency.p99_ms))
+        .collect();
+    // Until lists are served from the cache, say so next to the figure.
+    let passed_through = run.c.iter().any(|r| {
+        r.side == "proxy"
+            && r.usage
+                .configmaps_requests
+                .get("LIST")
+                .copied()
+                .unwrap_or(0) as usize
+                >= r.result.pages
+    });
+    let label = if passed_through {
+        "c. list page (passthrough)"
+    } else {
+        "c. list page"
+    };
+    pair(
+        &mut v,
+        label.into(),
+        find(&c, "proxy"),
+        find(&c, "apiserver"),
+    );
+    for kind in ["quorum", "rv0"] {
+        let d: Vec<_> = run
+            .d
+            .iter()
+            .filter(|r| r.result.kind == kind)
+            .map(|r| (r.side, r.result.latency.p99_ms))
+            .collect();
+        pair(
+            &mut v,
+            format!("d. GET {kind}"),
+            find(&d, "proxy"),
+            find(&d, "apiserver"),
+        );
+    }
+    let e: Vec<_> = run
+        .e
+        .iter()
+        .map(|r| (r.side, r.result.watch.latency.p99_ms))
+        .collect();
+    pair(
+        &mut v,
+        "e. watch delivery (mixed)".into(),
+        find(&e, "proxy"),
+        find(&e, "apiserver"),
+    );
+    v
+}
+
+/// A horizontal bar chart of p99 latencies: per scenario a proxy bar and an apiserver bar,
+/// each pair scaled to its larger value (the numbers are printed on the bars).
+pub fn svg(run: &Run) -> String {
+    let pairs = p99_pairs(run);
+    let (w, label_w, row_h, top) = (760.0, 230.0, 46.0, 66.0);
+    let h = top + row_h * pairs.len() as f64 + 20.0;
+    let bar_w = w - label_w - 90.0;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" font-size="12">"##
+    );
+    let _ = writeln!(
+        s,
+        r##"<rect width="100%" height="100%" fill="white"/><text x="10" y="20" font-size="14" font-weight="bold">p99 latency (ms): proxy vs kube-apiserver, {} profile, {}</text><text x="10" y="38" font-size="11">Lower is better. The two bars of a row are scaled to the larger of the two; the value is printed after each bar.</text>"##,
+        run.profile.name, run.date
+    );
+    let _ = writeln!(
+        s,
+        r##"<rect x="{label_w}" y="46" width="12" height="10" fill="#2b7bba"/><text x="{}" y="55">proxy</text><rect x="{}" y="46" width="12" height="10" fill="#d9822b"/><text x="{}" y="55">kube-apiserver</text>"##,
+        label_w + 16.0,
+        label_w + 80.0,
+        label_w + 96.0
+    );
+    for (i, (label, p, a)) in pairs.iter().enumerate() {
+        let y = top + row_h * i as f64;
+        let max = p.max(*a).max(1e-9);
+        let _ = writeln!(
+            s,
+            r##"<text x="{}" y="{}" text-anchor="end">{label}</text>"##,
+            label_w - 8.0,
+            y + 22.0
+        );
+        for (j, (v, color)) in [(p, "#2b7bba"), (a, "#d9822b")].iter().enumerate() {
+            let by = y + 4.0 + j as f64 * 18.0;
+            let bw = (bar_w * *v / max).max(1.0);
+            let _ = writeln!(
+                s,
+                r##"<rect x="{label_w}" y="{by}" width="{bw:.1}" height="15" fill="{color}"/><text x="{:.1}" y="{:.1}">{v:.1}</text>"##,
+                label_w + bw + 4.0,
+                by + 12.0
+            );
+        }
+    }
+    s.push_str("</svg>\n");
+    s
+}
+
+/// Writes `<profile>-<time>.{json,md,svg}` into `out`.
+pub fn write(run: &Run, out: &Path) -> anyhow::Result<Paths> {
+    let stamp = run.date.replace([':', '-'], "");
+    let base = format!("{}-{stamp}", run.profile.name);
+    let paths = Paths {
+        json: out.join(format!("{base}.json")),
+        md: out.join(format!("{base}.md")),
+        svg: out.join(format!("{base}.svg")),
+    };
+    std::fs::write(&paths.json, serde_json::to_string_pretty(run)?)?;
+    std::fs::write(&paths.svg, svg(run))?;
+    std::fs::write(&paths.md, markdown(run, &format!("{base}.svg")))?;
+    Ok(paths)
+}
+
+const BEGIN: &str = "<!-- headline:begin (written by the driver) -->";
+const END: &str = "<!-- headline:end -->";
+
+/// The headline block of loadtest/README.md.
+pub fn headline(run: &Run, md_name: &str) -> String {
+    let mut s = format!(
+        "Latest `{}` run: {} on {} CPUs ({}), commit {}, loopback TCP {:.2} GB/s; full report: [results/{md_name}](results/{md_name}).\n\n| p99 latency (ms) | proxy | kube-apiserver |\n|---|---|---|\n",
+        run.profile.name,
+        run.date,
+        run.machine.cpus,
+        run.machine.cpu_model,
+        run.commit,
+        run.loopback_gbps
+    );
+    for (label, p, a) in p99_pairs(run) {
+        let _ = writeln!(s, "| {label} | {p:.1} | {a:.1} |");
+    }
+    for r in run.b.iter().filter(|r| r.mode == StartMode::Legacy) {
+        let _ = writeln!(
+            s,
+            "\nInformer storm ({} clients), {}: {} upstream LIST(s), {} upstream WATCH(es).",
+            r.result.clients, r.side, r.upstream_lists, r.upstream_watches_opened
+        );
+    }
+    for r in &run.a {
+        let _ = writeln!(
+            s,
+            "\nWatch fan-out, {}: {:.0} deliveries/s to {} watchers, {} missed, {} duplicated; {} access reviews.",
+            r.side,
+            r.result.deliveries_per_s,
+            r.result.watchers,
+            r.result.missed,
+            r.result.duplicated,
+            r.usage.access_reviews
+        );
+    }
+    s
+}
+
+pub fn update_readme(run: &Run, readme: &Path, paths: &Paths) -> anyhow::Result<()> {
+    let text = std::fs::read_to_string(readme)?;
+    let (Some(i), Some(j)) = (text.find(BEGIN), text.find(END)) else {
+        anyhow::bail!("{} has no headline markers", readme.display());
+    };
+    let name = paths
+        .md
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let new = format!(
+        "{}{BEGIN}\n{}{}",
+        &text[..i],
+        headline(run, &name),
+        &text[j..]
+    );
+    std::fs::write(readme, new)?;
+    Ok(())
+}

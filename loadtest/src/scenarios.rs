@@ -1,0 +1,779 @@
+//! The load shapes: watch fan-out under churn (a), informer start storms (b), paginated list
+//! walks (c), GETs at a fixed rate (d). The mixed scenario (e) runs a, c and d together.
+//!
+//! Each takes a [`Target`] (the proxy or the apiserver) and, where it writes, a connection
+//! straight to the apiserver: writes never go through the proxy, so both sides see the same
+//! write path and differ only in how reads and watches are served.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, bail};
+use bytes::Bytes;
+use http::Method;
+use serde::{Deserialize, Serialize};
+use tokio::sync::{Mutex, Semaphore, watch};
+
+use crate::client::{Conn, LineReader, Target, expect_ok, fetch, send, unix_nanos};
+use crate::stats::{Summary, summarize};
+
+/// The annotation client-go waits for at the end of a WatchList's initial events.
+const INITIAL_EVENTS_END: &str = "k8s.io/initial-events-end";
+
+#[derive(Deserialize)]
+struct ListMeta {
+    #[serde(rename = "resourceVersion", default)]
+    resource_version: String,
+    #[serde(rename = "continue", default)]
+    continue_: Option<String>,
+}
+
+#[derive(Deserialize)]
+struct List {
+    metadata: ListMeta,
+    #[serde(default)]
+    items: Vec<serde::de::IgnoredAny>,
+}
+
+#[derive(Deserialize)]
+struct EventLine {
+    #[serde(rename = "type")]
+    ty: String,
+    object: EventObject,
+}
+
+#[derive(Deserialize)]
+struct EventObject {
+    #[serde(default)]
+    metadata: ObjectMeta,
+    #[serde(default)]
+    data: Option<ChurnData>,
+}
+
+#[derive(Deserialize, Default)]
+struct ObjectMeta {
+    #[serde(rename = "resourceVersion", default)]
+    resource_version: String,
+    #[serde(default)]
+    annotations: Option<HashMap<String, String>>,
+}
+
+#[derive(Deserialize)]
+struct ChurnData {
+    #[serde(default)]
+    ts: Option<String>,
+}
+
+/// Creates namespace `ns` (an existing one is fine).
+pub async fn create_namespace(t: &Target, conn: &Conn, ns: &str) -> anyhow::Result<()> {
+    let body = serde_json::json!({"metadata": {"name": ns}}).to_string();
+    let resp = send(
+        conn,
+        t.request(Method::POST, "/api/v1/namespaces", Some(body.into())),
+    )
+    .await?;
+    if !(resp.status().is_success() || resp.status() == http::StatusCode::CONFLICT) {
+        bail!("creating namespace {ns}: {}", resp.status());
+    }
+    Ok(())
+}
+
+/// Creates `count` ConfigMaps `{prefix}-{i}` in `ns`, each with `payload` bytes of data,
+/// `concurrency` requests in flight over a few connections. Returns objects per second.
+pub async fn create_configmaps(
+    t: &Target,
+    ns: &str,
+    prefix: &str,
+    count: usize,
+    payload: usize,
+    concurrency: usize,
+) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let mut conns = Vec::new();
+    for _ in 0..4 {
+        conns.push(t.connect().await?);
+    }
+    let sem = Arc::new(Semaphore::new(concurrency));
+    let filler = "x".repeat(payload);
+    let path = format!("/api/v1/namespaces/{ns}/configmaps");
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..count {
+        let permit = sem.clone().acquire_owned().await?;
+        let conn = conns[i % conns.len()].clone();
+        let body = serde_json::json!({
+            "metadata": {"name": format!("{prefix}-{i}"), "labels": {"loadtest": prefix}},
+            "data": {"payload": filler, "ts": "0"},
+        })
+        .to_string();
+        let req = t.request(Method::POST, &path, Some(body.into()));
+        tasks.spawn(async move {
+            let _permit = permit;
+            let resp = send(&conn, req).await?;
+            let status = resp.status();
+            if !(status.is_success() || status == http::StatusCode::CONFLICT) {
+                bail!("create: {status}");
+            }
+            anyhow::Ok(())
+        });
+        while let Some(r) = tasks.try_join_next() {
+            r??;
+        }
+    }
+    while let Some(r) = tasks.join_next().await {
+        r??;
+    }
+    Ok(count as f64 / started.elapsed().as_secs_f64())
+}
+
+/// The collection's current resourceVersion (a `limit=1` list, as cheap as lists get).
+pub async fn current_rv(t: &Target, conn: &Conn, ns: &str) -> anyhow::Result<String> {
+    let b = fetch(
+        conn,
+        t.request(
+            Method::GET,
+            &format!("/api/v1/namespaces/{ns}/configmaps?limit=1"),
+            None,
+        ),
+    )
+    .await?;
+    Ok(serde_json::from_slice::<List>(&b)?
+        .metadata
+        .resource_version)
+}
+
+// ---------------------------------------------------------------------------------------------
+// a. Watch fan-out under churn
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Serialize)]
+pub struct FanoutOpts {
+    pub namespace: String,
+    pub watchers: usize,
+    pub streams_per_conn: usize,
+    /// Writes per second, each a merge patch of one of `objects` ConfigMaps `w-{i}`.
+    pub rate: f64,
+    pub objects: usize,
+    pub duration_s: f64,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FanoutResult {
+    pub watchers: usize,
+    pub connections: usize,
+    pub writes: usize,
+    pub write_errors: u64,
+    /// Writes made per second (the generator's achieved rate).
+    pub write_rate: f64,
+    pub deliveries: u64,
+    /// Deliveries per second, from the first write to the last event read.
+    pub deliveries_per_s: f64,
+    /// Events written but never delivered, summed over watchers.
+    pub missed: u64,
+    /// Events delivered more than once, summed over watchers.
+    pub duplicated: u64,
+    /// Watch streams that ended early and were resumed from the last resourceVersion.
+    pub rewatches: u64,
+    /// ERROR events and failed (re)watches.
+    pub watch_errors: u64,
+    /// Write (timestamp in the object, taken just before the PATCH) to receipt at a watcher.
+    pub latency: Summary,
+}
+
+/// When a watcher stops: not yet known, at a resourceVersion (the last write), or now (the
+/// drain deadline passed; what it has not received by then counts as missed).
+#[derive(Debug, Clone, Copy)]
+enum Until {
+    Running,
+    Rv(u64),
+    Stop,
+}
+
+struct WatcherLog {
+    rvs: Vec<u64>,
+    lat_us: Vec<u64>,
+    rewatches: u64,
+    errors: u64,
+    last_at: Option<Instant>,
+}
+
+async fn run_watcher(
+    t: Target,
+    conn: Conn,
+    path: String,
+    start_rv: String,
+    ready: tokio::sync::mpsc::Sender<anyhow::Result<()>>,
+    mut until: watch::Receiver<Until>,
+) -> WatcherLog {
+    let mut log = WatcherLog {
+        rvs: Vec::new(),
+        lat_us: Vec::new(),
+        rewatches: 0,
+        errors: 0,
+        last_at: None,
+    };
+    let mut rv = start_rv;
+    let mut max_seen = 0u64;
+    let mut first = true;
+    loop {
+        let url = format!(
+            "{path}?watch=1&resourceVersion={rv}&allowWatchBookmarks=true&timeoutSeconds=1800"
+        );
+        let opened = match send(&conn, t.request(Method::GET, &url, None)).await {
+            Ok(r) => expect_ok(r, "watch").await,
+            Err(e) => Err(e),
+        };
+        let resp = match opened {
+            Ok(r) => r,
+            Err(e) => {
+                log.errors += 1;
+                if first {
+                    let _ = ready.send(Err(e)).await;
+                }
+                return log;
+            }
+        };
+        if first {
+            let _ = ready.send(Ok(())).await;
+            first = false;
+        }
+        let mut lines = LineReader::new(resp);
+        loop {
+            match *until.borrow() {
+                Until::Stop => return log,
+                Until::Rv(target) if max_seen >= target => return log,
+                _ => {}
+            }
+            let line = tokio::select! {
+                l = lines.next() => l,
+                _ = until.changed() => continue,
+            };
+            let line = match line {
+                Ok(Some(l)) => l,
+                Ok(None) => break,
+                Err(_) => {
+                    log.errors += 1;
+                    break;
+                }
+            };
+            let now_ns = unix_nanos();
+            let Ok(ev) = serde_json::from_slice::<EventLine>(&line) else {
+                log.errors += 1;
+                continue;
+            };
+            match ev.ty.as_str() {
+                "ERROR" => {
+                    log.errors += 1;
+                    return log;
+                }
+                "BOOKMARK" => rv = ev.object.metadata.resource_version,
+                _ => {
+                    let r: u64 = ev.object.metadata.resource_version.parse().unwrap_or(0);
+                    log.rvs.push(r);
+                    max_seen = max_seen.max(r);
+                    log.last_at = Some(Instant::now());
+                    if let Some(ts) = ev
+                        .object
+                        .data
+                        .and_then(|d| d.ts)
+                        .and_then(|t| t.parse::<u64>().ok())
+                        .filter(|t| *t > 0)
+                    {
+                        log.lat_us.push(now_ns.saturating_sub(ts) / 1000);
+                    }
+                    rv = ev.object.metadata.resource_version;
+                }
+            }
+        }
+        log.rewatches += 1;
+    }
+}
+
+/// Scenario a: watchers on `target`, churn written to the apiserver through `writer`.
+pub async fn watch_fanout(
+    target: &Target,
+    direct: &Target,
+    writer: &Conn,
+    o: &FanoutOpts,
+) -> anyhow::Result<FanoutResult> {
+    let start_rv = current_rv(direct, writer, &o.namespace).await?;
+    let path = format!("/api/v1/namespaces/{}/configmaps", o.namespace);
+    let n_conns = o.watchers.div_ceil(o.streams_per_conn.max(1));
+    let mut conns = Vec::with_capacity(n_conns);
+    for _ in 0..n_conns {
+        conns.push(target.connect().await?);
+    }
+    let (until_tx, until_rx) = watch::channel(Until::Running);
+    let (ready_tx, mut ready_rx) = tokio::sync::mpsc::channel(o.watchers.max(1));
+    let mut watchers = tokio::task::JoinSet::new();
+    for i in 0..o.watchers {
+        watchers.spawn(run_watcher(
+            target.clone(),
+            conns[i / o.streams_per_conn.max(1)].clone(),
+            path.clone(),
+            start_rv.clone(),
+            ready_tx.clone(),
+            until_rx.clone(),
+        ));
+    }
+    drop(ready_tx);
+    for _ in 0..o.watchers {
+        match tokio::time::timeout(Duration::from_secs(120), ready_rx.recv()).await {
+            Ok(Some(Ok(()))) => {}
+            Ok(Some(Err(e))) => return Err(e.context("opening a watch")),
+            Ok(None) | Err(_) => bail!("watches did not open within 120s"),
+        }
+    }
+
+    // Churn: open loop at the given rate; a slow apiserver gets more requests in flight, not
+    // a lower rate (up to 256 in flight, then the generator falls behind and says so).
+    let written = Arc::new(Mutex::new(Vec::<u64>::new()));
+    let write_errors = Arc::new(AtomicU64::new(0));
+    let sem = Arc::new(Semaphore::new(256));
+    let first_write = Instant::now();
+    let total = (o.rate * o.duration_s).round() as usize;
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / o.rate.max(0.001)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let mut writes = tokio::task::JoinSet::new();
+    for seq in 0..total {
+        tick.tick().await;
+        let permit = sem.clone().acquire_owned().await?;
+        let name = format!("w-{}", seq % o.objects.max(1));
+        let conn = writer.clone();
+        let direct = direct.clone();
+        let path = format!("{path}/{name}");
+        let written = written.clone();
+        let errors = write_errors.clone();
+        writes.spawn(async move {
+            let _permit = permit;
+            let body = format!(r#"{{"data":{{"ts":"{}","seq":"{seq}"}}}}"#, unix_nanos());
+            match fetch(
+                &conn,
+                direct.request(Method::PATCH, &path, Some(Bytes::from(body))),
+            )
+            .await
+            .and_then(|b| Ok(serde_json::from_slice::<EventObject>(&b)?))
+            {
+                Ok(obj) => written
+                    .lock()
+                    .await
+                    .push(obj.metadata.resource_version.parse().unwrap_or(0)),
+                Err(_) => {
+                    errors.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        while writes.try_join_next().is_some() {}
+    }
+    while writes.join_next().await.is_some() {}
+    let write_secs = first_write.elapsed().as_secs_f64();
+    let written = std::mem::take(&mut *written.lock().await);
+    let last = written.iter().copied().max().unwrap_or(0);
+    let _ = until_tx.send(Until::Rv(last));
+
+    // Every watcher should reach the last write; those that do not within 60 s are stopped and
+    // their missing events counted.
+    let mut logs = Vec::with_capacity(o.watchers);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        match tokio::time::timeout_at(deadline, watchers.join_next()).await {
+            Ok(Some(Ok(l))) => logs.push(l),
+            Ok(Some(Err(e))) => bail!("watcher task: {e}"),
+            Ok(None) => break,
+            Err(_) => {
+                let _ = until_tx.send(Until::Stop);
+                while let Some(l) = watchers.join_next().await {
+                    logs.push(l?);
+                }
+                break;
+            }
+        }
+    }
+    drop(conns);
+
+    let expected: std::collections::HashSet<u64> = written.iter().copied().collect();
+    let mut r = FanoutResult {
+        watchers: o.watchers,
+        connections: n_conns,
+        writes: written.len(),
+        write_errors: write_errors.load(Ordering::Relaxed),
+        write_rate: written.len() as f64 / write_secs,
+        ..Default::default()
+    };
+    let mut lat = Vec::new();
+    let mut last_at = first_write;
+    for mut l in logs {
+        r.deliveries += l.rvs.len() as u64;
+        r.rewatches += l.rewatches;
+        r.watch_errors += l.errors;
+        if let Some(t) = l.last_at {
+            last_at = last_at.max(t);
+        }
+        l.rvs.sort_unstable();
+        let before = l.rvs.len();
+        l.rvs.dedup();
+        r.duplicated += (before - l.rvs.len()) as u64;
+        let got = l.rvs.iter().filter(|rv| expected.contains(rv)).count();
+        r.missed += (expected.len() - got) as u64;
+        lat.append(&mut l.lat_us);
+    }
+    r.deliveries_per_s = r.deliveries as f64 / last_at.duration_since(first_write).as_secs_f64();
+    r.latency = summarize(lat);
+    Ok(r)
+}
+
+// ---------------------------------------------------------------------------------------------
+// b. Informer start storm
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub enum StartMode {
+    /// LIST `resourceVersion=0&limit=500` (pages followed), then WATCH from the list's RV.
+    Legacy,
+    /// One WATCH with `sendInitialEvents=true`, synced at the `initial-events-end` bookmark.
+    WatchList,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct StormResult {
+    pub clients: usize,
+    pub synced: usize,
+    pub errors: usize,
+    /// Clients whose initial state did not have the expected number of objects.
+    pub wrong_counts: usize,
+    /// Start (all at once) to synced, per client.
+    pub time_to_sync: Summary,
+    /// Start to the last client synced.
+    pub wall_s: f64,
+}
+
+/// Open watches of a storm, held until dropped (so the apiserver's gauge can be read).
+pub struct Held {
+    _streams: Vec<(Conn, LineReader)>,
+}
+
+async fn start_informer(
+    t: Target,
+    path: String,
+    mode: StartMode,
+    barrier: Arc<tokio::sync::Barrier>,
+) -> anyhow::Result<(u64, usize, Conn, LineReader)> {
+    let conn = t.connect().await?;
+    barrier.wait().await;
+    let started = Instant::now();
+    let mut items = 0usize;
+    let reader = match mode {
+        StartMode::Legacy => {
+            let mut cont: Option<String> = None;
+            let mut rv = String::new();
+            loop {
+                let url = match &cont {
+                    None => format!("{path}?limit=500&resourceVersion=0"),
+                    Some(c) => format!("{path}?limit=500&continue={c}"),
+                };
+                let b = fetch(&conn, t.request(Method::GET, &url, None)).await?;
+                let l: List = serde_json::from_slice(&b)?;
+                items += l.items.len();
+                if rv.is_empty() {
+                    rv = l.metadata.resource_version;
+                }
+                match l.metadata.continue_.filter(|c| !c.is_empty()) {
+                    Some(c) => cont = Some(c),
+                    None => break,
+                }
+            }
+            let url = format!(
+                "{path}?watch=1&resourceVersion={rv}&allowWatchBookmarks=true&timeoutSeconds=600"
+            );
+            let r = expect_ok(
+                send(&conn, t.request(Method::GET, &url, None)).await?,
+                "watch",
+            )
+            .await?;
+            LineReader::new(r)
+        }
+        StartMode::WatchList => {
+            let url = format!(
+                "{path}?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&allowWatchBookmarks=true&timeoutSeconds=600"
+            );
+            let r = expect_ok(
+                send(&conn, t.request(Method::GET, &url, None)).await?,
+                "watch",
+            )
+            .await?;
+            let mut reader = LineReader::new(r);
+            loop {
+                let line = reader
+                    .next()
+                    .await?
+                    .context("watch ended before the initial-events-end bookmark")?;
+                let ev: EventLine = serde_json::from_slice(&line)?;
+                match ev.ty.as_str() {
+                    "ADDED" => items += 1,
+                    "BOOKMARK"
+                        if ev
+                            .object
+                            .metadata
+                            .annotations
+                            .as_ref()
+                            .and_then(|a| a.get(INITIAL_EVENTS_END))
+                            .is_some_and(|v| v == "true") =>
+                    {
+                        break;
+                    }
+                    "ERROR" => bail!("ERROR event: {}", String::from_utf8_lossy(&line)),
+                    _ => {}
+                }
+            }
+            reader
+        }
+    };
+    Ok((started.elapsed().as_micros() as u64, items, conn, reader))
+}
+
+/// Scenario b: `clients` informers start at once on `ns`'s ConfigMaps; returns when all have
+/// synced, with their watches still open.
+pub async fn informer_storm(
+    target: &Target,
+    ns: &str,
+    clients: usize,
+    mode: StartMode,
+    expected_items: usize,
+) -> anyhow::Result<(StormResult, Held)> {
+    let path = format!("/api/v1/namespaces/{ns}/configmaps");
+    let barrier = Arc::new(tokio::sync::Barrier::new(clients + 1));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..clients {
+        tasks.spawn(start_informer(
+            target.clone(),
+            path.clone(),
+            mode,
+            barrier.clone(),
+        ));
+    }
+    barrier.wait().await;
+    let started = Instant::now();
+    let mut r = StormResult {
+        clients,
+        ..Default::default()
+    };
+    let mut times = Vec::new();
+    let mut held = Vec::new();
+    while let Some(res) = tasks.join_next().await {
+        match res? {
+            Ok((us, items, conn, reader)) => {
+                r.synced += 1;
+                times.push(us);
+                if items != expected_items {
+                    r.wrong_counts += 1;
+                }
+                held.push((conn, reader));
+            }
+            Err(e) => {
+                if r.errors == 0 {
+                    say!("informer on {}: {e:#}", target.side);
+                }
+                r.errors += 1;
+            }
+        }
+    }
+    r.wall_s = started.elapsed().as_secs_f64();
+    r.time_to_sync = summarize(times);
+    Ok((r, Held { _streams: held }))
+}
+
+// ---------------------------------------------------------------------------------------------
+// c. Paginated list walks
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ListResult {
+    pub clients: usize,
+    pub walks: usize,
+    pub pages: usize,
+    pub items: usize,
+    /// Walks that did not return exactly the expected number of objects.
+    pub wrong_counts: usize,
+    pub errors: usize,
+    pub bytes: u64,
+    pub wall_s: f64,
+    pub items_per_s: f64,
+    pub mb_per_s: f64,
+    pub page_latency: Summary,
+    pub walk_time: Summary,
+}
+
+/// One `limit`-paged walk over `path`: (page latencies in µs, items, bytes).
+async fn walk(
+    t: &Target,
+    conn: &Conn,
+    path: &str,
+    limit: usize,
+) -> anyhow::Result<(Vec<u64>, usize, u64)> {
+    let mut pages = Vec::new();
+    let mut items = 0;
+    let mut bytes = 0u64;
+    let mut cont: Option<String> = None;
+    loop {
+        let url = match &cont {
+            None => format!("{path}?limit={limit}"),
+            Some(c) => format!("{path}?limit={limit}&continue={c}"),
+        };
+        let t0 = Instant::now();
+        let b = fetch(conn, t.request(Method::GET, &url, None)).await?;
+        pages.push(t0.elapsed().as_micros() as u64);
+        bytes += b.len() as u64;
+        let l: List = serde_json::from_slice(&b)?;
+        items += l.items.len();
+        match l.metadata.continue_.filter(|c| !c.is_empty()) {
+            Some(c) => cont = Some(c),
+            None => return Ok((pages, items, bytes)),
+        }
+    }
+}
+
+/// Scenario c: `clients` parallel clients (one connection each) walk `ns`'s ConfigMaps with
+/// `limit`, `walks` times each, or until `until` when given.
+pub async fn list_storm(
+    target: &Target,
+    ns: &str,
+    clients: usize,
+    walks: usize,
+    limit: usize,
+    expected_items: usize,
+    until: Option<Instant>,
+) -> anyhow::Result<ListResult> {
+    let path = format!("/api/v1/namespaces/{ns}/configmaps");
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..clients {
+        let t = target.clone();
+        let path = path.clone();
+        tasks.spawn(async move {
+            let conn = t.connect().await?;
+            let mut out = Vec::new();
+            let mut i = 0;
+            loop {
+                let done = match until {
+                    Some(u) => Instant::now() >= u,
+                    None => i >= walks,
+                };
+                if done {
+                    break;
+                }
+                let t0 = Instant::now();
+                let r = walk(&t, &conn, &path, limit).await;
+                out.push(r.map(|(p, n, b)| (p, n, b, t0.elapsed().as_micros() as u64)));
+                i += 1;
+            }
+            anyhow::Ok(out)
+        });
+    }
+    let mut r = ListResult {
+        clients,
+        ..Default::default()
+    };
+    let (mut pages, mut walk_times) = (Vec::new(), Vec::new());
+    while let Some(res) = tasks.join_next().await {
+        for w in res?? {
+            match w {
+                Ok((mut p, n, b, us)) => {
+                    r.walks += 1;
+                    r.pages += p.len();
+                    r.items += n;
+                    r.bytes += b;
+                    if n != expected_items {
+                        r.wrong_counts += 1;
+                    }
+                    pages.append(&mut p);
+                    walk_times.push(us);
+                }
+                Err(e) => {
+                    if r.errors == 0 {
+                        say!("list walk on {}: {e:#}", target.side);
+                    }
+                    r.errors += 1;
+                }
+            }
+        }
+    }
+    r.wall_s = started.elapsed().as_secs_f64();
+    r.items_per_s = r.items as f64 / r.wall_s;
+    r.mb_per_s = r.bytes as f64 / r.wall_s / 1e6;
+    r.page_latency = summarize(pages);
+    r.walk_time = summarize(walk_times);
+    Ok(r)
+}
+
+// ---------------------------------------------------------------------------------------------
+// d. GETs at a fixed rate
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct GetResult {
+    /// `quorum` (no resourceVersion: the apiserver must answer) or `rv0` (`resourceVersion=0`).
+    pub kind: String,
+    pub target_rate: f64,
+    pub achieved_rate: f64,
+    pub requests: usize,
+    pub errors: usize,
+    pub latency: Summary,
+}
+
+/// Scenario d: GETs of `d-{i}` in `ns` at `rate` per second for `secs`, open loop, over one
+/// HTTP/2 connection (as one client-go process would).
+pub async fn get_rate(
+    target: &Target,
+    ns: &str,
+    objects: usize,
+    rate: f64,
+    secs: f64,
+    rv0: bool,
+) -> anyhow::Result<GetResult> {
+    let conn = target.connect().await?;
+    let total = (rate * secs).round() as usize;
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate.max(0.001)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let sem = Arc::new(Semaphore::new(1000));
+    let started = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..total {
+        tick.tick().await;
+        let permit = sem.clone().acquire_owned().await?;
+        let q = if rv0 { "?resourceVersion=0" } else { "" };
+        let req = target.request(
+            Method::GET,
+            &format!(
+                "/api/v1/namespaces/{ns}/configmaps/d-{}{q}",
+                i % objects.max(1)
+            ),
+            None,
+        );
+        let conn = conn.clone();
+        tasks.spawn(async move {
+            let _permit = permit;
+            let t0 = Instant::now();
+            fetch(&conn, req)
+                .await
+                .map(|_| t0.elapsed().as_micros() as u64)
+        });
+    }
+    let mut lat = Vec::with_capacity(total);
+    let mut errors = 0;
+    while let Some(r) = tasks.join_next().await {
+        match r? {
+            Ok(us) => lat.push(us),
+            Err(_) => errors += 1,
+        }
+    }
+    let wall = started.elapsed().as_secs_f64();
+    Ok(GetResult {
+        kind: if rv0 { "rv0" } else { "quorum" }.into(),
+        target_rate: rate,
+        achieved_rate: lat.len() as f64 / wall,
+        requests: total,
+        errors,
+        latency: summarize(lat),
+    })
+}

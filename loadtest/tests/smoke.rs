@@ -1,0 +1,102 @@
+//! The smoke profile of the load driver, end to end: a real kube-apiserver + etcd, the proxy
+//! as a child process, every scenario on both sides. The driver exits 1 when a correctness
+//! check fails; the JSON it writes is checked here too.
+
+use std::process::Command;
+
+use serde_json::Value;
+
+#[test]
+fn smoke_profile_runs_every_scenario_on_both_sides_and_passes_its_checks() {
+    let out = tempfile::tempdir().unwrap();
+    let status = Command::new(env!("CARGO_BIN_EXE_loadtest"))
+        .args(["--profile", "smoke", "--no-readme", "--out"])
+        .arg(out.path())
+        .status()
+        .expect("running the driver");
+    let files: Vec<_> = std::fs::read_dir(out.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    let json = files
+        .iter()
+        .find(|p| p.extension().is_some_and(|x| x == "json"))
+        .unwrap_or_else(|| panic!("no JSON written (exit {status}): {files:?}"));
+    let run: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    let failed: Vec<&Value> = run["checks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|c| c["pass"] != true)
+        .collect();
+    assert!(failed.is_empty(), "failed checks: {failed:#?}");
+    assert!(status.success(), "driver exit {status}");
+    for ext in ["md", "svg"] {
+        assert!(
+            files
+                .iter()
+                .any(|p| p.extension().is_some_and(|x| x == ext)),
+            "no .{ext} report"
+        );
+    }
+
+    let sides = |s: &str| -> Vec<String> {
+        run[s]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["side"].as_str().unwrap().to_string())
+            .collect()
+    };
+    for s in ["a", "c", "e"] {
+        assert_eq!(sides(s), ["apiserver", "proxy"], "scenario {s}");
+    }
+    assert_eq!(sides("d"), ["apiserver", "apiserver", "proxy", "proxy"]);
+
+    // a: every write reached every watcher exactly once, on both sides.
+    for r in run["a"].as_array().unwrap() {
+        let a = &r["result"];
+        assert!(a["writes"].as_u64().unwrap() > 0);
+        assert_eq!(a["missed"], 0);
+        assert_eq!(a["duplicated"], 0);
+        assert_eq!(
+            a["deliveries"].as_u64().unwrap(),
+            a["writes"].as_u64().unwrap() * a["watchers"].as_u64().unwrap()
+        );
+    }
+
+    // b: K informers cost the apiserver K LISTs and K WATCHes directly, one of each through
+    // the proxy (its own), and nothing more for the WatchList storm.
+    let k = run["profile"]["b_clients"].as_i64().unwrap();
+    let storm = |side: &str, mode: &str| {
+        run["b"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["side"] == side && r["mode"] == mode)
+            .unwrap_or_else(|| panic!("no b row {side} {mode}"))
+            .clone()
+    };
+    let counts = |r: &Value| {
+        (
+            r["upstream_lists"].as_i64().unwrap(),
+            r["upstream_watches_opened"].as_i64().unwrap(),
+        )
+    };
+    assert_eq!(counts(&storm("apiserver", "Legacy")), (k, k));
+    assert_eq!(counts(&storm("apiserver", "WatchList")), (0, k));
+    assert_eq!(counts(&storm("proxy", "Legacy")), (1, 1));
+    assert_eq!(counts(&storm("proxy", "WatchList")), (0, 0));
+
+    // Process usage was sampled for the proxy child, the apiserver and etcd.
+    let procs: Vec<&str> = run["a"][1]["usage"]["procs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p["name"].as_str().unwrap())
+        .collect();
+    for want in ["etcd", "kube-apiserver", "proxy", "driver"] {
+        assert!(procs.contains(&want), "{want} not sampled: {procs:?}");
+    }
+    assert!(run["loopback_gbps"].as_f64().unwrap() > 0.0);
+}

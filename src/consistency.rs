@@ -1,0 +1,461 @@
+//! When may a read with `resourceVersion` unset ("the most recent state") be answered from
+//! the cache?
+//!
+//! kube-apiserver answers such reads at etcd's current revision; it learns that revision with
+//! a quorum read and waits for its watch cache to get there, which etcd's progress
+//! notifications make possible. The proxy cannot ask etcd, so it offers two modes, chosen per
+//! resource (`lists.consistency`, `lists.consistencyByResource`):
+//!
+//! - `strict`: exactly as fresh as the apiserver. A probe learns the current revision R with
+//!   a `limit=1` list (the apiserver makes that a consistent read), then the cache must be
+//!   shown to hold every change up to R: directly when its resourceVersion already reached R,
+//!   else by a short upstream watch from the cache's resourceVersion with bookmarks — the
+//!   apiserver sends every event after it, then a bookmark (at least R, since its own cache
+//!   reached R for the probe list); once the cache applied the last event seen on the probe,
+//!   the cache is complete up to the bookmark and advances to it. Probes are single-flighted
+//!   per resource: a read joins the next probe that starts after it arrived, so concurrent
+//!   reads share one. When a probe fails or takes longer than `consistencyTimeout`, the read
+//!   passes through to the apiserver (never stale).
+//! - `bounded` (default): served from the cache while its upstream watch is up and confirmed,
+//!   and once the cache reflects every write the proxy itself passed through for that
+//!   resource (read-your-writes); otherwise the read passes through. Staleness is then the
+//!   watch propagation delay (milliseconds), never a disconnected period.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderValue, Method, Request, header};
+use http_body_util::BodyExt;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use crate::body;
+use crate::cache::ReflectorSink;
+use crate::cache::ResourceCache;
+use crate::cache::store::Snapshot;
+use crate::upstream::{As, Upstream};
+
+/// How fresh an unset-resourceVersion read must be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    Strict,
+    #[default]
+    Bounded,
+}
+
+/// Counters for metrics.
+#[derive(Debug)]
+pub struct Stats {
+    pub probes: std::sync::atomic::AtomicU64,
+    pub probe_watches: std::sync::atomic::AtomicU64,
+    pub probe_failures: std::sync::atomic::AtomicU64,
+    pub fallbacks: std::sync::atomic::AtomicU64,
+    /// Time unset-resourceVersion reads waited for confirmation, by mode.
+    pub waits: prometheus_client::metrics::family::Family<
+        ModeLabels,
+        prometheus_client::metrics::histogram::Histogram,
+    >,
+}
+
+impl Default for Stats {
+    fn default() -> Self {
+        Stats {
+            probes: Default::default(),
+            probe_watches: Default::default(),
+            probe_failures: Default::default(),
+            fallbacks: Default::default(),
+            waits: prometheus_client::metrics::family::Family::new_with_constructor(|| {
+                prometheus_client::metrics::histogram::Histogram::new([
+                    0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0,
+                ])
+            }),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+pub struct ModeLabels {
+    pub mode: &'static str,
+}
+
+/// Exposes [`Stats`].
+#[derive(Debug)]
+pub struct ConsistencyCollector(pub Arc<Consistency>);
+
+impl prometheus_client::collector::Collector for ConsistencyCollector {
+    fn encode(&self, mut enc: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use prometheus_client::metrics::counter::ConstCounter;
+        use std::sync::atomic::Ordering::Relaxed;
+        let st = &self.0.stats;
+        let w = &st.waits;
+        let e = enc.encode_descriptor(
+            "kube_cache_proxy_consistent_read_wait_seconds",
+            "Time unset-resourceVersion reads waited before the cache could answer (or fell back)",
+            None,
+            w.metric_type(),
+        )?;
+        w.encode(e)?;
+        for (name, help, v) in [
+            (
+                "kube_cache_proxy_consistency_probes",
+                "Upstream current-revision probes (strict mode)",
+                st.probes.load(Relaxed),
+            ),
+            (
+                "kube_cache_proxy_consistency_probe_watches",
+                "Probes that needed an upstream watch up to a bookmark",
+                st.probe_watches.load(Relaxed),
+            ),
+            (
+                "kube_cache_proxy_consistency_probe_failures",
+                "Probes that failed or timed out",
+                st.probe_failures.load(Relaxed),
+            ),
+            (
+                "kube_cache_proxy_consistency_fallbacks",
+                "Unset-resourceVersion reads passed to the apiserver because the cache could not be confirmed",
+                st.fallbacks.load(Relaxed),
+            ),
+        ] {
+            let c = ConstCounter::new(v);
+            let e = enc.encode_descriptor(name, help, None, c.metric_type())?;
+            c.encode(e)?;
+        }
+        Ok(())
+    }
+}
+
+/// One resource's probe rounds.
+struct Rounds {
+    state: Mutex<RoundState>,
+    /// (round number, outcome) of the last finished round.
+    done: watch::Sender<(u64, bool)>,
+}
+
+#[derive(Default)]
+struct RoundState {
+    started: u64,
+    wanted: u64,
+    running: bool,
+}
+
+pub struct Consistency {
+    upstream: Upstream,
+    timeout: Duration,
+    rounds: dashmap::DashMap<String, Arc<Rounds>>,
+    /// Highest resourceVersion returned by a write passed through, per resource.
+    writes: dashmap::DashMap<String, u64>,
+    pub stats: Stats,
+}
+
+impl std::fmt::Debug for Consistency {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Consistency")
+    }
+}
+
+impl Consistency {
+    pub fn new(upstream: Upstream, timeout: Duration) -> Arc<Consistency> {
+        Arc::new(Consistency {
+            upstream,
+            timeout,
+            rounds: Default::default(),
+            writes: Default::default(),
+            stats: Stats::default(),
+        })
+    }
+
+    /// Records the resourceVersion a write passed through returned (read-your-writes).
+    pub fn record_write(&self, resource: &str, rv: u64) {
+        let mut e = self.writes.entry(resource.to_string()).or_insert(0);
+        if rv > *e {
+            *e = rv;
+        }
+    }
+
+    /// The state an unset-resourceVersion read may be served from, or `None`: pass through.
+    pub async fn latest(
+        self: &Arc<Self>,
+        cache: &Arc<ResourceCache>,
+        mode: Mode,
+    ) -> Option<Snapshot> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let start = Instant::now();
+        let ok = match mode {
+            Mode::Bounded => {
+                if cache.unhealthy().is_some() {
+                    false
+                } else {
+                    let written = self
+                        .writes
+                        .get(&cache.resource.label())
+                        .map(|v| *v)
+                        .unwrap_or(0);
+                    written <= cache.rv() || cache.wait_for_rv(written, self.timeout).await
+                }
+            }
+            Mode::Strict => {
+                cache.unhealthy().is_none()
+                    && tokio::time::timeout(self.timeout, self.confirm(cache))
+                        .await
+                        .unwrap_or(false)
+            }
+        };
+        self.stats
+            .waits
+            .get_or_create(&ModeLabels {
+                mode: match mode {
+                    Mode::Strict => "strict",
+                    Mode::Bounded => "bounded",
+                },
+            })
+            .observe(start.elapsed().as_secs_f64());
+        if !ok {
+            self.stats.fallbacks.fetch_add(1, Relaxed);
+            return None;
+        }
+        Some(cache.current())
+    }
+
+    /// Joins the next probe round of `cache` that starts after now; true when it confirmed
+    /// the cache current.
+    async fn confirm(self: &Arc<Self>, cache: &Arc<ResourceCache>) -> bool {
+        let rounds = self
+            .rounds
+            .entry(cache.resource.label())
+            .or_insert_with(|| {
+                Arc::new(Rounds {
+                    state: Mutex::new(RoundState::default()),
+                    done: watch::channel((0, false)).0,
+                })
+            })
+            .clone();
+        let mut rx = rounds.done.subscribe();
+        let target = {
+            let mut s = rounds.state.lock().unwrap_or_else(|p| p.into_inner());
+            let target = s.started + 1;
+            s.wanted = s.wanted.max(target);
+            if !s.running {
+                s.running = true;
+                s.started += 1;
+                self.clone().spawn_round(rounds.clone(), cache.clone());
+            }
+            target
+        };
+        match rx.wait_for(|(n, _)| *n >= target).await {
+            Ok(v) => v.1,
+            Err(_) => false,
+        }
+    }
+
+    fn spawn_round(self: Arc<Self>, rounds: Arc<Rounds>, cache: Arc<ResourceCache>) {
+        tokio::spawn(async move {
+            loop {
+                let n = rounds
+                    .state
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .started;
+                let outcome = match tokio::time::timeout(self.timeout, self.probe(&cache)).await {
+                    Ok(r) => r,
+                    Err(_) => Err("timed out".into()),
+                };
+                let ok = outcome.is_ok();
+                if let Err(e) = outcome {
+                    tracing::warn!(resource = %cache.resource.label(), error = %e, "consistency probe failed; reads pass through");
+                    self.stats
+                        .probe_failures
+                        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+                rounds.done.send_replace((n, ok));
+                let mut s = rounds.state.lock().unwrap_or_else(|p| p.into_inner());
+                if s.wanted > s.started {
+                    s.started += 1;
+                } else {
+                    s.running = false;
+                    return;
+                }
+            }
+        });
+    }
+
+    async fn get(
+        &self,
+        path_and_query: &str,
+    ) -> Result<http::Response<hyper::body::Incoming>, String> {
+        let mut req = Request::new(body::empty());
+        *req.method_mut() = Method::GET;
+        *req.uri_mut() = self.upstream.uri(path_and_query);
+        req.headers_mut()
+            .insert(header::ACCEPT, HeaderValue::from_static("application/json"));
+        let resp = self
+            .upstream
+            .send(req, As::Proxy, true)
+            .await
+            .map_err(|e| e.to_string())?;
+        if !resp.status().is_success() {
+            return Err(format!("{path_and_query}: {}", resp.status()));
+        }
+        Ok(resp)
+    }
+
+    /// One probe: the current revision, then proof that the cache holds every change up to it.
+    async fn probe(&self, cache: &Arc<ResourceCache>) -> Result<(), String> {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.stats.probes.fetch_add(1, Relaxed);
+        let collection = cache.resource.collection_path(None);
+        let resp = self.get(&format!("{collection}?limit=1")).await?;
+        let body = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        let current = list_rv(&body).ok_or("no resourceVersion in the probe list")?;
+        // Usually the cache is there already, or its watch brings it within milliseconds.
+        if cache.rv() >= current || cache.wait_for_rv(current, Duration::from_millis(50)).await {
+            return Ok(());
+        }
+        // Nothing of this resource may have changed since the cache's resourceVersion: ask
+        // the apiserver for everything after it, up to a bookmark. The apiserver sends one
+        // 2 s before a watch's deadline (and none if that moment has passed when the watch
+        // starts), so timeoutSeconds=3: the bookmark comes after about 1-2 s. This is the
+        // slow path of strict reads, taken when other resources' writes moved the revision.
+        self.stats.probe_watches.fetch_add(1, Relaxed);
+        let from = cache.rv();
+        let resp = self
+            .get(&format!(
+                "{collection}?watch=1&resourceVersion={from}&allowWatchBookmarks=true&timeoutSeconds=3"
+            ))
+            .await?;
+        let mut body = resp.into_body();
+        let mut buf = Vec::new();
+        let mut last_event = from;
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| e.to_string())?;
+            let Some(data) = frame.data_ref() else {
+                continue;
+            };
+            buf.extend_from_slice(data);
+            while let Some(nl) = buf.iter().position(|b| *b == b'\n') {
+                let line: Vec<u8> = buf.drain(..=nl).collect();
+                let Some((ty, rv)) = event_rv(&line) else {
+                    continue;
+                };
+                match ty.as_str() {
+                    "BOOKMARK" if rv >= current => {
+                        // Every event up to `rv` was on this stream; once the cache applied
+                        // the last of them, it is complete up to `rv`.
+                        if last_event > cache.rv()
+                            && !cache.wait_for_rv(last_event, self.timeout).await
+                        {
+                            return Err("the cache did not apply the probed events".into());
+                        }
+                        cache.bookmark(rv);
+                        return Ok(());
+                    }
+                    "BOOKMARK" => {}
+                    "ERROR" => return Err("probe watch error".into()),
+                    _ => last_event = last_event.max(rv),
+                }
+            }
+        }
+        Err("probe watch ended without a bookmark".into())
+    }
+}
+
+fn list_rv(body: &Bytes) -> Option<u64> {
+    #[derive(Deserialize)]
+    struct L {
+        metadata: M,
+    }
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct M {
+        resource_version: String,
+    }
+    serde_json::from_slice::<L>(body)
+        .ok()?
+        .metadata
+        .resource_version
+        .parse()
+        .ok()
+}
+
+fn event_rv(line: &[u8]) -> Option<(String, u64)> {
+    #[derive(Deserialize)]
+    struct E {
+        #[serde(rename = "type")]
+        ty: String,
+        object: O,
+    }
+    #[derive(Deserialize)]
+    struct O {
+        #[serde(default)]
+        metadata: Option<M>,
+    }
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct M {
+        #[serde(default)]
+        resource_version: String,
+    }
+    let e: E = serde_json::from_slice(line).ok()?;
+    let rv = e
+        .object
+        .metadata
+        .and_then(|m| m.resource_version.parse().ok())
+        .unwrap_or(0);
+    Some((e.ty, rv))
+}
+
+/// The resourceVersion in a write's response body (read-your-writes), if it has one.
+pub fn body_rv(body: &[u8]) -> Option<u64> {
+    #[derive(Deserialize)]
+    struct O {
+        metadata: M,
+    }
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct M {
+        resource_version: String,
+    }
+    serde_json::from_slice::<O>(body)
+        .ok()?
+        .metadata
+        .resource_version
+        .parse()
+        .ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_resource_versions_from_lists_events_and_objects() {
+        assert_eq!(
+            list_rv(&Bytes::from_static(
+                br#"{"kind":"PodList","metadata":{"resourceVersion":"42"},"items":[]}"#
+            )),
+            Some(42)
+        );
+        assert_eq!(list_rv(&Bytes::from_static(b"{}")), None);
+        assert_eq!(
+            event_rv(br#"{"type":"BOOKMARK","object":{"kind":"Pod","metadata":{"resourceVersion":"7"}}}"#),
+            Some(("BOOKMARK".into(), 7))
+        );
+        assert_eq!(
+            event_rv(br#"{"type":"ERROR","object":{"kind":"Status","code":410}}"#),
+            Some(("ERROR".into(), 0))
+        );
+        assert_eq!(
+            body_rv(br#"{"metadata":{"name":"a","resourceVersion":"9"}}"#),
+            Some(9)
+        );
+        assert_eq!(body_rv(br#"{"kind":"Status"}"#), None);
+    }
+}

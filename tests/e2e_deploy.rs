@@ -1,0 +1,1395 @@
+//! deploy/ checked against a real kube-apiserver: the rendered Kustomize base, HA overlay and
+//! Helm chart pass a server-side dry run (and the namespace's Pod Security "restricted"
+//! check); their RBAC is wildcard-free and grants exactly what the configuration caches; the
+//! proxy runs with exactly that RBAC (a token for its ServiceAccount, the clusters' default
+//! grants to all authenticated users removed) and its caches, impersonation and access reviews
+//! work; and the real binary, as replicas of the Deployment, runs on the in-cluster
+//! configuration (ServiceAccount files plus KUBERNETES_SERVICE_HOST/PORT), continues another
+//! replica's lists with the shared key file, and shuts down within the grace period.
+//!
+//! Tools: kubectl from the control-plane build (`tests/e2e/build-control-plane.sh`), helm from
+//! `tests/e2e/build-helm.sh` (both cached under ~/.cache/kube-cache-proxy/).
+
+mod support;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use http_body_util::Full;
+use kube_cache_proxy::config::Config;
+use kube_cache_proxy::devcluster::{ControlPlane, ControlPlaneOptions};
+use serde_json::{Value, json};
+use support::proxy::{EventReader, TestProxy, body_json, body_string};
+
+/// Bound on waiting for caches to sync and for the proxy to become ready.
+const BOUND: Duration = Duration::from_secs(90);
+/// The namespace the Kustomize base deploys into (and the chart is installed into here).
+const NS: &str = "kube-cache-proxy";
+/// The Helm release name; with it the chart's object names equal the Kustomize base's.
+const RELEASE: &str = "kube-cache-proxy";
+
+/// The proxy binary: cargo's build of this package, or `KCP_TEST_PROXY_BIN` (for a target
+/// directory shared by several checkouts, where the binary cargo links there may be another
+/// checkout's build).
+fn proxy_bin() -> PathBuf {
+    std::env::var_os("KCP_TEST_PROXY_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_kube-cache-proxy")))
+}
+
+fn repo() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// (kubectl, helm), built once and cached.
+fn tools() -> &'static (PathBuf, PathBuf) {
+    static TOOLS: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
+    TOOLS.get_or_init(|| {
+        let kubectl = kube_cache_proxy::devcluster::ensure_binaries()
+            .expect("control-plane binaries")
+            .join("kubectl");
+        let out = Command::new("bash")
+            .arg(repo().join("tests/e2e/build-helm.sh"))
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("running build-helm.sh");
+        assert!(out.status.success(), "build-helm.sh failed");
+        let dir = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .last()
+            .expect("build-helm.sh prints its bin directory")
+            .trim()
+            .to_string();
+        (kubectl, PathBuf::from(dir).join("helm"))
+    })
+}
+
+fn run(cmd: &mut Command, stdin: Option<&str>) -> Output {
+    let mut child = cmd
+        .stdin(if stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("starting {cmd:?}: {e}"));
+    if let Some(input) = stdin {
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(input.as_bytes())
+            .unwrap();
+    }
+    child.wait_with_output().unwrap()
+}
+
+fn ok_stdout(what: &str, out: Output) -> String {
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
+/// `kubectl kustomize deploy/kustomize/<dir>`.
+fn kustomize(dir: &str) -> String {
+    let out = run(
+        Command::new(&tools().0)
+            .arg("kustomize")
+            .arg(repo().join("deploy/kustomize").join(dir)),
+        None,
+    );
+    ok_stdout(&format!("kubectl kustomize {dir}"), out)
+}
+
+/// A helm command with its state directories in `home` (nothing written to ~).
+fn helm(home: &Path) -> Command {
+    let mut c = Command::new(&tools().1);
+    for (var, sub) in [
+        ("HELM_CACHE_HOME", "cache"),
+        ("HELM_CONFIG_HOME", "config"),
+        ("HELM_DATA_HOME", "data"),
+    ] {
+        c.env(var, home.join(sub));
+    }
+    c
+}
+
+/// `helm template` of the chart with `--set` pairs.
+fn helm_template(sets: &[&str]) -> String {
+    let home = tempfile::tempdir().unwrap();
+    let mut c = helm(home.path());
+    c.args(["template", RELEASE])
+        .arg(repo().join("deploy/helm/kube-cache-proxy"))
+        .args(["--namespace", NS]);
+    for s in sets {
+        c.args(["--set", s]);
+    }
+    ok_stdout(&format!("helm template {sets:?}"), run(&mut c, None))
+}
+
+/// The objects of a multi-document YAML stream.
+fn docs(yaml: &str) -> Vec<Value> {
+    serde_saphyr::from_multiple::<Value>(yaml)
+        .unwrap_or_else(|e| panic!("rendered YAML does not parse: {e}\n{yaml}"))
+        .into_iter()
+        .filter(|d| !d.is_null())
+        .collect()
+}
+
+fn of_kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    docs.iter().filter(|d| d["kind"] == kind).collect()
+}
+
+fn one<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
+    let found = of_kind(docs, kind);
+    assert_eq!(found.len(), 1, "exactly one {kind}");
+    found[0]
+}
+
+fn strings(v: &Value) -> Vec<String> {
+    v.as_array()
+        .map(|a| {
+            a.iter()
+                .map(|s| s.as_str().expect("a string").to_string())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn kubectl(kubeconfig: &Path, args: &[&str], stdin: Option<&str>) -> Output {
+    run(
+        Command::new(&tools().0)
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .args(args),
+        stdin,
+    )
+}
+
+/// `kubectl apply` of `objects` for real.
+fn apply(kubeconfig: &Path, objects: &[&Value]) {
+    let list = json!({"apiVersion": "v1", "kind": "List", "items": objects});
+    ok_stdout(
+        "kubectl apply",
+        kubectl(kubeconfig, &["apply", "-f", "-"], Some(&list.to_string())),
+    );
+}
+
+/// The rendered Deployment's proxy configuration: the ConfigMap file its `--config` names.
+fn proxy_config(docs: &[Value]) -> (String, Config) {
+    let dep = one(docs, "Deployment");
+    let pod = &dep["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    let args = strings(&c["args"]);
+    assert_eq!(args[..2], ["serve", "--config"], "{args:?}");
+    let path = Path::new(&args[2]);
+    let mount = c["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| Path::new(m["mountPath"].as_str().unwrap()) == path.parent().unwrap())
+        .expect("the --config directory is a volume mount");
+    let volume = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == mount["name"])
+        .unwrap();
+    let cm_name = volume["configMap"]["name"]
+        .as_str()
+        .expect("the config volume is a ConfigMap");
+    let cm = of_kind(docs, "ConfigMap")
+        .into_iter()
+        .find(|c| c["metadata"]["name"] == cm_name)
+        .unwrap_or_else(|| panic!("ConfigMap {cm_name} is rendered"));
+    let text = cm["data"][path.file_name().unwrap().to_str().unwrap()]
+        .as_str()
+        .expect("the config file is in the ConfigMap")
+        .to_string();
+    let cfg = Config::from_yaml(&text).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    (text, cfg)
+}
+
+/// `kube-cache-proxy check-config` on `text`, as the container would run it. check-config
+/// reads the continue-token key file, which only exists in the pod (the Secret): a key file is
+/// provided at a temporary path instead (`check_render` checks the real path is mounted).
+fn check_config(text: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg: Value = serde_saphyr::from_str(text).unwrap();
+    if cfg["tokens"]["keyFile"].is_string() {
+        let keys = dir.path().join("keys");
+        std::fs::write(&keys, key_line("k1")).unwrap();
+        cfg["tokens"]["keyFile"] = json!(keys);
+    }
+    let file = dir.path().join("config.yaml");
+    std::fs::write(&file, cfg.to_string()).unwrap();
+    let out = run(
+        Command::new(proxy_bin()).arg("check-config").arg(&file),
+        None,
+    );
+    let stdout = ok_stdout("check-config", out);
+    assert!(stdout.trim_end().ends_with(": ok"), "{stdout}");
+}
+
+/// `resource[.group]` -> (group, resource).
+fn group_resource(name: &str) -> (String, String) {
+    match name.split_once('.') {
+        Some((r, g)) => (g.to_string(), r.to_string()),
+        None => (String::new(), name.to_string()),
+    }
+}
+
+fn default_cached() -> BTreeSet<(String, String)> {
+    Config::default()
+        .cache
+        .resources
+        .iter()
+        .map(|r| group_resource(r))
+        .collect()
+}
+
+/// What a rendered ClusterRole grants, rule by rule; panics on a wildcard or a rule of a kind
+/// the proxy does not need.
+#[derive(Debug, Default)]
+struct Grants {
+    /// (group, resource) with exactly get, list, watch.
+    read: BTreeSet<(String, String)>,
+    /// (group, resource) with exactly get.
+    get_only: BTreeSet<(String, String)>,
+    /// (group, resource) with exactly impersonate.
+    impersonate: BTreeSet<(String, String)>,
+    /// Non-resource URLs with exactly get.
+    urls: BTreeSet<String>,
+}
+
+fn grants(what: &str, role: &Value) -> Grants {
+    let mut g = Grants::default();
+    for rule in role["rules"].as_array().expect("rules") {
+        for field in [
+            "verbs",
+            "apiGroups",
+            "resources",
+            "resourceNames",
+            "nonResourceURLs",
+        ] {
+            for s in strings(&rule[field]) {
+                assert!(
+                    !s.contains('*'),
+                    "{what}: wildcard {s:?} in {field}: {rule}"
+                );
+            }
+        }
+        let verbs: BTreeSet<String> = strings(&rule["verbs"]).into_iter().collect();
+        let verbs: Vec<&str> = verbs.iter().map(String::as_str).collect();
+        let pairs = || {
+            strings(&rule["apiGroups"]).into_iter().flat_map(|grp| {
+                strings(&rule["resources"])
+                    .into_iter()
+                    .map(move |r| (grp.clone(), r))
+            })
+        };
+        assert!(
+            rule.get("resourceNames").is_none(),
+            "{what}: unexpected {rule}"
+        );
+        match (verbs.as_slice(), rule.get("nonResourceURLs")) {
+            (["get"], Some(urls)) => g.urls.extend(strings(urls)),
+            (["get", "list", "watch"], None) => g.read.extend(pairs()),
+            (["get"], None) => g.get_only.extend(pairs()),
+            (["impersonate"], None) => g.impersonate.extend(pairs()),
+            _ => panic!("{what}: a rule the proxy does not need: {rule}"),
+        }
+    }
+    g
+}
+
+fn set(pairs: &[(&str, &str)]) -> BTreeSet<(String, String)> {
+    pairs
+        .iter()
+        .map(|(g, r)| (g.to_string(), r.to_string()))
+        .collect()
+}
+
+fn labels_match(selector: &Value, labels: &Value) {
+    let sel = selector.as_object().expect("matchLabels");
+    assert!(!sel.is_empty());
+    for (k, v) in sel {
+        assert_eq!(
+            &labels[k], v,
+            "selector {k}={v} must match the pods' labels"
+        );
+    }
+}
+
+fn duration_secs(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}
+
+/// The consistency checks every render must pass; returns the rendered configuration.
+fn check_render(what: &str, docs: &[Value]) -> Config {
+    let (text, cfg) = proxy_config(docs);
+    check_config(&text);
+
+    // RBAC: the ServiceAccount the pods run as is bound to the ClusterRole and to
+    // system:auth-delegator, and the role grants exactly what the configuration needs.
+    let sa = one(docs, "ServiceAccount");
+    let sa_subject = (
+        sa["metadata"]["name"].as_str().unwrap(),
+        sa["metadata"]["namespace"].as_str().unwrap(),
+    );
+    assert_eq!(sa_subject.1, NS);
+    let dep = one(docs, "Deployment");
+    let pod = &dep["spec"]["template"]["spec"];
+    assert_eq!(pod["serviceAccountName"], sa_subject.0);
+    let role = one(docs, "ClusterRole");
+    assert!(
+        of_kind(docs, "Role").is_empty(),
+        "{what}: only the ClusterRole"
+    );
+    let role_name = role["metadata"]["name"].as_str().unwrap();
+    let bindings = of_kind(docs, "ClusterRoleBinding");
+    let bound_to = |r: &str| {
+        bindings.iter().any(|b| {
+            b["roleRef"]["kind"] == "ClusterRole"
+                && b["roleRef"]["name"] == r
+                && b["subjects"].as_array().unwrap().iter().all(|s| {
+                    s["kind"] == "ServiceAccount"
+                        && s["name"] == sa_subject.0
+                        && s["namespace"] == sa_subject.1
+                })
+        })
+    };
+    assert!(bound_to(role_name), "{what}: the ClusterRole is bound");
+    assert!(
+        bound_to("system:auth-delegator"),
+        "{what}: system:auth-delegator is bound"
+    );
+    assert_eq!(bindings.len(), 2, "{what}: two bindings, no more");
+    let g = grants(what, role);
+    let cached: BTreeSet<_> = cfg
+        .cache
+        .resources
+        .iter()
+        .map(|r| group_resource(r))
+        .collect();
+    assert_eq!(
+        g.read, cached,
+        "{what}: get/list/watch on exactly cache.resources"
+    );
+    assert_eq!(
+        g.get_only,
+        set(&[("apiextensions.k8s.io", "customresourcedefinitions")])
+    );
+    assert_eq!(
+        g.impersonate,
+        set(&[("", "users"), ("", "groups"), ("", "serviceaccounts")])
+    );
+    let mut want_urls: BTreeSet<String> = ["/api", "/api/v1", "/apis", "/metrics", "/readyz"]
+        .map(String::from)
+        .into();
+    for (grp, _) in &cached {
+        if !grp.is_empty() {
+            want_urls.insert(format!("/apis/{grp}"));
+        }
+    }
+    let missing: Vec<_> = want_urls.difference(&g.urls).collect();
+    assert!(
+        missing.is_empty(),
+        "{what}: discovery URLs missing: {missing:?}"
+    );
+
+    // The Deployment agrees with its configuration.
+    let c = &pod["containers"][0];
+    assert!(dep["spec"]["replicas"].as_u64().unwrap() >= 2, "{what}: HA");
+    let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
+    assert!(
+        grace >= duration_secs(cfg.shutdown.delay + cfg.shutdown.drain_timeout),
+        "{what}: terminationGracePeriodSeconds {grace} < shutdown delay + drain"
+    );
+    assert!(
+        !cfg.shutdown.delay.is_zero(),
+        "{what}: a shutdown delay so Endpoints drain before the listeners close"
+    );
+    let port = c["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "https")
+        .expect("an https port");
+    assert_eq!(port["containerPort"], cfg.listen.port());
+    for (probe, path) in [("livenessProbe", "/livez"), ("readinessProbe", "/readyz")] {
+        let get = &c[probe]["httpGet"];
+        assert_eq!(get["path"], path, "{what}: {probe}");
+        assert_eq!(get["scheme"], "HTTPS", "{what}: {probe}");
+        assert_eq!(get["port"], "https", "{what}: {probe}");
+    }
+    for k in ["cpu", "memory"] {
+        assert!(
+            c["resources"]["requests"][k].is_string(),
+            "{what}: request {k}"
+        );
+        assert!(c["resources"]["limits"][k].is_string(), "{what}: limit {k}");
+    }
+    let sc = &c["securityContext"];
+    assert_eq!(sc["readOnlyRootFilesystem"], true);
+    assert_eq!(sc["allowPrivilegeEscalation"], false);
+    assert_eq!(strings(&sc["capabilities"]["drop"]), ["ALL"]);
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(
+        pod["securityContext"]["seccompProfile"]["type"],
+        "RuntimeDefault"
+    );
+    assert!(
+        !pod["topologySpreadConstraints"]
+            .as_array()
+            .unwrap()
+            .is_empty()
+    );
+    // Every file the configuration names is in a mounted volume (a Secret for key material).
+    let volumes: BTreeMap<&str, &Value> = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| (v["name"].as_str().unwrap(), v))
+        .collect();
+    let mounts: BTreeMap<&str, &Value> = c["volumeMounts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["mountPath"].as_str().unwrap(),
+                volumes[m["name"].as_str().unwrap()],
+            )
+        })
+        .collect();
+    let env_client_ca = c["env"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|e| e["name"] == "KCP_CLIENT_CA_FILE")
+        .map(|e| PathBuf::from(e["value"].as_str().unwrap()));
+    let mounted = |file: &Path, source: &str| {
+        let dir = file.parent().unwrap().to_str().unwrap();
+        let v = mounts
+            .get(dir)
+            .unwrap_or_else(|| panic!("{what}: {} is not in a mounted volume", file.display()));
+        assert!(v.get(source).is_some(), "{what}: {dir} is not a {source}");
+    };
+    mounted(cfg.tls.cert_file.as_deref().expect("TLS"), "secret");
+    mounted(cfg.tls.key_file.as_deref().expect("TLS"), "secret");
+    if let Some(ca) = cfg
+        .tls
+        .client_ca_file
+        .as_deref()
+        .or(env_client_ca.as_deref())
+    {
+        mounted(ca, "configMap");
+    }
+    // The continue-token keys: one Secret shared by all replicas.
+    mounted(
+        cfg.tokens
+            .key_file
+            .as_deref()
+            .unwrap_or_else(|| panic!("{what}: tokens.keyFile is set")),
+        "secret",
+    );
+
+    // Service, PodDisruptionBudget and NetworkPolicy select the pods and the TLS port.
+    let pod_labels = &dep["spec"]["template"]["metadata"]["labels"];
+    labels_match(&dep["spec"]["selector"]["matchLabels"], pod_labels);
+    let svc = one(docs, "Service");
+    labels_match(&svc["spec"]["selector"], pod_labels);
+    let sp = &svc["spec"]["ports"][0];
+    assert_eq!(sp["port"], 443);
+    assert!(sp["targetPort"] == "https" || sp["targetPort"] == cfg.listen.port());
+    for pdb in of_kind(docs, "PodDisruptionBudget") {
+        labels_match(&pdb["spec"]["selector"]["matchLabels"], pod_labels);
+    }
+    for np in of_kind(docs, "NetworkPolicy") {
+        labels_match(&np["spec"]["podSelector"]["matchLabels"], pod_labels);
+        assert_eq!(
+            np["spec"]["ingress"][0]["ports"][0]["port"],
+            cfg.listen.port()
+        );
+    }
+    cfg
+}
+
+#[test]
+fn rendered_rbac_is_wildcard_free_and_matches_the_configuration() {
+    let renders = [
+        ("kustomize base", docs(&kustomize("base")), true),
+        (
+            "kustomize overlays/ha",
+            docs(&kustomize("overlays/ha")),
+            true,
+        ),
+        ("helm defaults", docs(&helm_template(&[])), true),
+        (
+            "helm with options",
+            docs(&helm_template(&[
+                "tls.clientCAConfigMap=kube-cache-proxy-client-ca",
+                "priorityClassName=system-cluster-critical",
+                "replicaCount=3",
+                "shutdown.delaySeconds=20",
+                "shutdown.drainTimeoutSeconds=60",
+                "networkPolicy.apiserverCIDRs[0].cidr=10.0.0.1/32",
+                "config.cache.historyMaxAge=5m",
+            ])),
+            true,
+        ),
+        (
+            "helm with other cached resources",
+            docs(&helm_template(&[
+                "cache.resources={pods,leases.coordination.k8s.io,cronjobs.batch,ingresses.networking.k8s.io}",
+            ])),
+            false,
+        ),
+    ];
+    for (what, docs, default_resources) in &renders {
+        let cfg = check_render(what, docs);
+        if *default_resources {
+            let cached: BTreeSet<_> = cfg
+                .cache
+                .resources
+                .iter()
+                .map(|r| group_resource(r))
+                .collect();
+            assert_eq!(
+                cached,
+                default_cached(),
+                "{what}: caches what the proxy caches by default"
+            );
+        } else {
+            assert_eq!(cfg.cache.resources.len(), 4, "{what}");
+        }
+    }
+    // The overlay and the options took effect.
+    let ha = &renders[1].1;
+    assert_eq!(one(ha, "Deployment")["spec"]["replicas"], 3);
+    let opts = &renders[3].1;
+    let pod = &one(opts, "Deployment")["spec"]["template"]["spec"];
+    assert_eq!(pod["terminationGracePeriodSeconds"], 85);
+    assert_eq!(pod["priorityClassName"], "system-cluster-critical");
+    let opts_cfg = proxy_config(opts).1;
+    assert!(opts_cfg.tls.client_ca_file.is_some());
+    // The passthrough `config` block reaches the proxy's configuration.
+    assert_eq!(opts_cfg.cache.history_max_age, Duration::from_secs(300));
+    // The optional objects can be turned off.
+    let minimal = docs(&helm_template(&[
+        "podDisruptionBudget.enabled=false",
+        "networkPolicy.enabled=false",
+    ]));
+    check_render("helm minimal", &minimal);
+    assert!(of_kind(&minimal, "PodDisruptionBudget").is_empty());
+    assert!(of_kind(&minimal, "NetworkPolicy").is_empty());
+    // CRD-dependent objects only when enabled.
+    for (what, docs, _) in &renders {
+        for kind in ["ServiceMonitor", "Certificate"] {
+            assert!(
+                of_kind(docs, kind).is_empty(),
+                "{what}: no {kind} by default"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_chart_renders_cert_manager_and_service_monitor_objects_when_enabled() {
+    let docs = docs(&helm_template(&[
+        "serviceMonitor.enabled=true",
+        "tls.certManager.enabled=true",
+        "tls.certManager.issuerRef.name=cluster-ca",
+    ]));
+    check_render("helm with cert-manager", &docs);
+    let cert = one(&docs, "Certificate");
+    let svc = one(&docs, "Service");
+    let name = svc["metadata"]["name"].as_str().unwrap();
+    assert!(
+        strings(&cert["spec"]["dnsNames"]).contains(&format!("{name}.{NS}.svc")),
+        "{cert}"
+    );
+    assert_eq!(cert["spec"]["issuerRef"]["name"], "cluster-ca");
+    // The pods mount the Secret cert-manager writes.
+    let pod = &one(&docs, "Deployment")["spec"]["template"]["spec"];
+    let tls = pod["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "tls")
+        .unwrap();
+    assert_eq!(tls["secret"]["secretName"], cert["spec"]["secretName"]);
+    let sm = one(&docs, "ServiceMonitor");
+    assert_eq!(sm["spec"]["endpoints"][0]["path"], "/metrics");
+    assert_eq!(sm["spec"]["endpoints"][0]["port"], "https");
+}
+
+/// An admin kubeconfig file for `cp` in `dir`.
+fn admin_kubeconfig(cp: &ControlPlane, dir: &Path) -> PathBuf {
+    let p = dir.join("admin.kubeconfig");
+    std::fs::write(&p, cp.admin_kubeconfig_yaml()).unwrap();
+    p
+}
+
+async fn start_control_plane() -> (ControlPlane, tempfile::TempDir, PathBuf) {
+    tokio::task::spawn_blocking(tools).await.unwrap();
+    let cp = ControlPlane::start(ControlPlaneOptions::default())
+        .await
+        .expect("control plane starts");
+    let dir = tempfile::tempdir().unwrap();
+    let kc = admin_kubeconfig(&cp, dir.path());
+    (cp, dir, kc)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rendered_manifests_pass_a_server_side_dry_run() {
+    let (cp, dir, kc) = start_control_plane().await;
+    let base = kustomize("base");
+    // The namespace for real first (with its Pod Security labels): a dry run creates nothing,
+    // so the namespaced objects would not find it.
+    let base_docs = docs(&base);
+    apply(&kc, &[one(&base_docs, "Namespace")]);
+    let renders = [
+        ("kustomize base", base),
+        ("kustomize overlays/ha", kustomize("overlays/ha")),
+        ("helm defaults", helm_template(&[])),
+        (
+            "helm with options",
+            helm_template(&[
+                "tls.clientCAConfigMap=kube-cache-proxy-client-ca",
+                "priorityClassName=system-cluster-critical",
+                "networkPolicy.apiserverCIDRs[0].cidr=10.0.0.1/32",
+                "tokens.keyFile=signing-keys",
+            ]),
+        ),
+    ];
+    for (what, yaml) in &renders {
+        let n = docs(yaml).len();
+        let out = kubectl(&kc, &["apply", "--dry-run=server", "-f", "-"], Some(yaml));
+        let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+        let stdout = ok_stdout(&format!("{what}: kubectl apply --dry-run=server"), out);
+        let accepted = stdout
+            .lines()
+            .filter(|l| l.ends_with("(server dry run)"))
+            .count();
+        assert_eq!(accepted, n, "{what}: every object accepted:\n{stdout}");
+        // The namespace warns on Pod Security "restricted" violations of pod templates.
+        assert!(
+            !stderr.contains("Warning"),
+            "{what}: the apiserver warned:\n{stderr}"
+        );
+    }
+    // Nothing but the namespace was created.
+    let out = kubectl(
+        &kc,
+        &[
+            "get",
+            "deployments,services,configmaps",
+            "-n",
+            NS,
+            "-o",
+            "name",
+        ],
+        None,
+    );
+    let names = ok_stdout("kubectl get", out);
+    assert!(
+        !names.contains("kube-cache-proxy"),
+        "a dry run created objects: {names}"
+    );
+
+    // The chart's NOTES print a kubeconfig for controllers that names the Service.
+    let home = tempfile::tempdir().unwrap();
+    let out = run(
+        helm(home.path())
+            .args(["install", RELEASE])
+            .arg(repo().join("deploy/helm/kube-cache-proxy"))
+            .args(["--namespace", NS, "--dry-run=server", "--kubeconfig"])
+            .arg(&kc),
+        None,
+    );
+    let printed = ok_stdout("helm install --dry-run=server", out);
+    let notes = printed
+        .split_once("NOTES:")
+        .expect("helm prints the NOTES")
+        .1;
+    let start = notes
+        .find("apiVersion: v1\nkind: Config")
+        .expect("a kubeconfig");
+    let end = notes[start..].find("current-context:").unwrap() + start;
+    let end = notes[end..].find('\n').unwrap() + end;
+    let snippet = &notes[start..end];
+    let parsed = kube::config::Kubeconfig::from_yaml(snippet)
+        .unwrap_or_else(|e| panic!("NOTES kubeconfig does not parse: {e}\n{snippet}"));
+    assert_eq!(
+        parsed.clusters[0]
+            .cluster
+            .as_ref()
+            .unwrap()
+            .server
+            .as_deref(),
+        Some(format!("https://{RELEASE}.{NS}.svc:443").as_str())
+    );
+    // The example kubeconfig names the same Service.
+    let example =
+        std::fs::read_to_string(repo().join("deploy/examples/controller-kubeconfig.yaml")).unwrap();
+    let example = kube::config::Kubeconfig::from_yaml(&example).unwrap();
+    assert_eq!(
+        example.clusters[0]
+            .cluster
+            .as_ref()
+            .unwrap()
+            .server
+            .as_deref(),
+        Some(format!("https://kube-cache-proxy.{NS}.svc:443").as_str())
+    );
+    drop(dir);
+    cp.stop().await;
+}
+
+/// ClusterRoleBindings every cluster has that grant authenticated users or all
+/// ServiceAccounts something the proxy uses (discovery, /readyz, /version, access reviews of
+/// oneself, the issuer's discovery documents). Removed so the proxy runs with the rules from
+/// deploy/ alone.
+const DEFAULT_GRANTS: [&str; 4] = [
+    "system:discovery",
+    "system:basic-user",
+    "system:public-info-viewer",
+    "system:service-account-issuer-discovery",
+];
+
+/// Applies the rendered base's Namespace, ServiceAccount and RBAC for real, removes the default
+/// cluster-wide grants, and returns a token for the ServiceAccount (TokenRequest API).
+fn install_rbac_and_get_token(kc: &Path, base: &[Value]) -> String {
+    let objects: Vec<&Value> = [
+        "Namespace",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+    ]
+    .iter()
+    .flat_map(|k| of_kind(base, k))
+    .collect();
+    apply(kc, &objects);
+    let mut args = vec!["delete", "clusterrolebinding"];
+    args.extend(DEFAULT_GRANTS);
+    ok_stdout("deleting default grants", kubectl(kc, &args, None));
+    // What is left grants nothing to groups the proxy's ServiceAccount is in.
+    let out = kubectl(
+        kc,
+        &[
+            "get",
+            "clusterrolebindings,rolebindings",
+            "-A",
+            "-o",
+            "json",
+        ],
+        None,
+    );
+    let all: Value = serde_json::from_str(&ok_stdout("kubectl get bindings", out)).unwrap();
+    let sa = one(base, "ServiceAccount")["metadata"]["name"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let ns_group = format!("system:serviceaccounts:{NS}");
+    for b in all["items"].as_array().unwrap() {
+        for s in b["subjects"].as_array().into_iter().flatten() {
+            let name = s["name"].as_str().unwrap_or_default();
+            let ours = s["kind"] == "ServiceAccount" && name == sa && s["namespace"] == NS;
+            let group_of_ours = s["kind"] == "Group"
+                && [
+                    "system:authenticated",
+                    "system:serviceaccounts",
+                    ns_group.as_str(),
+                ]
+                .contains(&name);
+            assert!(!group_of_ours, "a binding still grants {name}: {b}");
+            if ours {
+                let role = b["roleRef"]["name"].as_str().unwrap();
+                assert!(
+                    role == sa || role == "system:auth-delegator",
+                    "unexpected binding of the proxy: {b}"
+                );
+            }
+        }
+    }
+    let out = kubectl(
+        kc,
+        &["create", "token", &sa, "-n", NS, "--duration=1h"],
+        None,
+    );
+    ok_stdout("kubectl create token", out).trim().to_string()
+}
+
+async fn wait_ready(c: &support::proxy::TestClient, url: &str, cached: &[String]) -> String {
+    let deadline = tokio::time::Instant::now() + BOUND;
+    loop {
+        let r = c.get(url, None).await;
+        let code = r.status();
+        let body = body_string(r).await;
+        if code == 200 {
+            for res in cached {
+                assert!(
+                    body.lines().any(|l| l == format!("[+]cache:{res} ok")),
+                    "{res} missing from readyz:\n{body}"
+                );
+            }
+            return body;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not ready after {BOUND:?}:\n{body}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// `kube_cache_proxy_requests_total` served from the cache for `resource` and `verb`.
+async fn served_from_cache(proxy: &TestProxy, resource: &str, verb: &str) -> f64 {
+    let c = proxy.client(None, false);
+    let m = body_string(c.get(&proxy.https("/metrics"), None).await).await;
+    m.lines()
+        .filter(|l| {
+            l.starts_with("kube_cache_proxy_requests_total{")
+                && l.contains(&format!("resource=\"{resource}\""))
+                && l.contains(&format!("verb=\"{verb}\""))
+                && l.contains("served_by=\"cache\"")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_proxy_runs_with_exactly_the_rbac_from_deploy() {
+    let (cp, dir, kc) = start_control_plane().await;
+    let base = docs(&kustomize("base"));
+    let (_, deploy_cfg) = proxy_config(&base);
+    let token = install_rbac_and_get_token(&kc, &base);
+
+    // Test data and the test callers' own permissions (not the proxy's).
+    let ns = "e2e-deploy";
+    cp.create_default_service_account(ns).await.unwrap();
+    let setup = json!({"apiVersion": "v1", "kind": "List", "items": [
+        {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "seed", "namespace": ns}},
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": "robot", "namespace": ns}},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+         "metadata": {"name": "cm-rw", "namespace": ns},
+         "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch", "create"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+         "metadata": {"name": "cm-rw", "namespace": ns},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "cm-rw"},
+         "subjects": [{"kind": "Group", "name": "e2e-writers", "apiGroup": "rbac.authorization.k8s.io"}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+         "metadata": {"name": "e2e-self-review"},
+         "rules": [{"apiGroups": ["authentication.k8s.io"], "resources": ["selfsubjectreviews"], "verbs": ["create"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+         "metadata": {"name": "e2e-self-review"},
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "e2e-self-review"},
+         "subjects": [
+            {"kind": "User", "name": "carol", "apiGroup": "rbac.authorization.k8s.io"},
+            {"kind": "ServiceAccount", "name": "robot", "namespace": ns}]},
+    ]});
+    ok_stdout(
+        "test setup",
+        kubectl(&kc, &["apply", "-f", "-"], Some(&setup.to_string())),
+    );
+
+    // The proxy, in-process, with the ServiceAccount's token as its only credential and the
+    // deploy configuration's cache.
+    let upstream_yaml =
+        ControlPlane::kubeconfig_yaml(&cp.url, Some(&cp.ca_pem), Some(&token), None);
+    let upstream = kube::Config::from_custom_kubeconfig(
+        kube::config::Kubeconfig::from_yaml(&upstream_yaml).unwrap(),
+        &Default::default(),
+    )
+    .await
+    .unwrap();
+    let resources = deploy_cfg.cache.resources.clone();
+    let proxy = TestProxy::start_with_kube(upstream, move |c| c.cache.resources = resources).await;
+    let anon = proxy.client(None, true);
+    let readyz = wait_ready(
+        &anon,
+        &proxy.https("/readyz?verbose"),
+        &deploy_cfg.cache.resources,
+    )
+    .await;
+    assert!(readyz.lines().any(|l| l == "[+]upstream ok"), "{readyz}");
+
+    // A list and a watch through the proxy, served from its cache (bearer caller).
+    let admin = cp.admin_token().to_string();
+    let before_list = served_from_cache(&proxy, "configmaps", "LIST").await;
+    let r = anon
+        .get(
+            &proxy.https(&format!(
+                "/api/v1/namespaces/{ns}/configmaps?resourceVersion=0"
+            )),
+            Some(&admin),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let list = body_json(r).await;
+    let names: Vec<_> = list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["metadata"]["name"].as_str().unwrap().to_string())
+        .collect();
+    assert!(names.contains(&"seed".to_string()), "{list}");
+    assert_eq!(
+        served_from_cache(&proxy, "configmaps", "LIST").await,
+        before_list + 1.0
+    );
+    let rv = list["metadata"]["resourceVersion"].as_str().unwrap();
+    let r = anon
+        .get(
+            &proxy.https(&format!(
+                "/api/v1/namespaces/{ns}/configmaps?watch=1&resourceVersion={rv}"
+            )),
+            Some(&admin),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let mut events = EventReader::new(r);
+    let created = json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "after-watch", "namespace": ns}});
+    ok_stdout(
+        "create configmap",
+        kubectl(&kc, &["apply", "-f", "-"], Some(&created.to_string())),
+    );
+    let ev = tokio::time::timeout(BOUND, events.next())
+        .await
+        .expect("a watch event")
+        .expect("the watch stays open");
+    assert_eq!(ev["type"], "ADDED");
+    assert_eq!(ev["object"]["metadata"]["name"], "after-watch");
+    assert!(served_from_cache(&proxy, "configmaps", "WATCH").await >= 1.0);
+
+    // A client-certificate caller: impersonated towards the apiserver with the proxy's token.
+    let (cert, key) = support::proxy::client_cert(&proxy.client_ca, "carol", &["e2e-writers"]);
+    let carol = proxy.client(Some((&cert, &key)), true);
+    let review = json!({"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"});
+    let post = |path: &str, body: &Value| {
+        http::Request::post(proxy.https(path))
+            .header("content-type", "application/json")
+            .body(Full::from(body.to_string()))
+            .unwrap()
+    };
+    let r = carol
+        .send(post(
+            "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+            &review,
+        ))
+        .await;
+    assert_eq!(r.status(), 201);
+    let who = body_json(r).await;
+    assert_eq!(who["status"]["userInfo"]["username"], "carol", "{who}");
+    assert!(
+        strings(&who["status"]["userInfo"]["groups"]).contains(&"e2e-writers".to_string()),
+        "{who}"
+    );
+    // A write as carol passes through as carol: allowed in her namespace, refused elsewhere
+    // with the apiserver's message naming her (not the proxy).
+    let cm = json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "by-carol"}});
+    let r = carol
+        .send(post(&format!("/api/v1/namespaces/{ns}/configmaps"), &cm))
+        .await;
+    assert_eq!(r.status(), 201);
+    let r = carol
+        .send(post("/api/v1/namespaces/default/configmaps", &cm))
+        .await;
+    assert_eq!(r.status(), 403);
+    let refused = body_json(r).await;
+    assert!(
+        refused["message"]
+            .as_str()
+            .unwrap()
+            .contains("User \"carol\""),
+        "{refused}"
+    );
+    // A cache-served read by carol: authorized by a SubjectAccessReview with the proxy's
+    // credentials (system:auth-delegator), then answered from memory.
+    let allowed_before = proxy
+        .running
+        .as_ref()
+        .unwrap()
+        .state
+        .authz
+        .stats
+        .allowed
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let before_list = served_from_cache(&proxy, "configmaps", "LIST").await;
+    let r = carol
+        .get(
+            &proxy.https(&format!(
+                "/api/v1/namespaces/{ns}/configmaps?resourceVersion=0"
+            )),
+            None,
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        served_from_cache(&proxy, "configmaps", "LIST").await,
+        before_list + 1.0,
+        "carol's list was not served from the cache"
+    );
+    let allowed_after = proxy
+        .running
+        .as_ref()
+        .unwrap()
+        .state
+        .authz
+        .stats
+        .allowed
+        .load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(
+        allowed_after,
+        allowed_before + 1,
+        "one SubjectAccessReview allowed"
+    );
+    // The same cache-served read in a namespace carol may not read: not served from memory;
+    // the apiserver refuses it as carol.
+    let r = carol
+        .get(
+            &proxy.https("/api/v1/namespaces/default/configmaps?resourceVersion=0"),
+            None,
+        )
+        .await;
+    assert_eq!(r.status(), 403);
+
+    // A certificate naming a ServiceAccount impersonates it (impersonate on serviceaccounts).
+    let (cert, key) = support::proxy::client_cert(
+        &proxy.client_ca,
+        &format!("system:serviceaccount:{ns}:robot"),
+        &[],
+    );
+    let robot = proxy.client(Some((&cert, &key)), true);
+    let r = robot
+        .send(post(
+            "/apis/authentication.k8s.io/v1/selfsubjectreviews",
+            &review,
+        ))
+        .await;
+    assert_eq!(r.status(), 201);
+    let who = body_json(r).await;
+    assert_eq!(
+        who["status"]["userInfo"]["username"],
+        format!("system:serviceaccount:{ns}:robot"),
+        "{who}"
+    );
+
+    proxy.shutdown().await;
+    drop(dir);
+    cp.stop().await;
+}
+
+/// Polls `url` through `client` until `ok` holds for (status, body) or BOUND passes.
+async fn poll(client: &kube::Client, url: &str, ok: impl Fn(u16, &str) -> bool) -> String {
+    let deadline = tokio::time::Instant::now() + BOUND;
+    loop {
+        let req = http::Request::get(url).body(Vec::new()).unwrap();
+        let (code, body) = match client.send(req.map(Into::into)).await {
+            Ok(r) => {
+                let code = r.status().as_u16();
+                let b = http_body_util::BodyExt::collect(r.into_body())
+                    .await
+                    .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+                    .unwrap_or_default();
+                (code, b)
+            }
+            Err(e) => (0, e.to_string()),
+        };
+        if ok(code, &body) {
+            return body;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{url}: last answer {code}: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// A line of a continue-token key file: `<id> <base64 secret>` with 32 random bytes.
+fn key_line(id: &str) -> String {
+    use base64::Engine as _;
+    let mut secret = [0u8; 32];
+    std::io::Read::read_exact(
+        &mut std::fs::File::open("/dev/urandom").unwrap(),
+        &mut secret,
+    )
+    .unwrap();
+    format!(
+        "{id} {}\n",
+        base64::engine::general_purpose::STANDARD.encode(secret)
+    )
+}
+
+/// One replica of the Deployment, as a process outside a pod: the real binary with the deploy
+/// configuration, only its file paths and listen address changed, the in-cluster environment
+/// (ServiceAccount files, KUBERNETES_SERVICE_HOST/PORT) and nothing else.
+struct Replica {
+    child: tokio::process::Child,
+    /// The admin's token through this replica, trusting its serving CA.
+    client: kube::Client,
+    log: PathBuf,
+}
+
+impl Replica {
+    async fn start(
+        cp: &ControlPlane,
+        dir: &Path,
+        name: &str,
+        deploy_config: &str,
+        sa_dir: &Path,
+        key_file: &Path,
+    ) -> Replica {
+        let dir = dir.join(name);
+        std::fs::create_dir_all(dir.join("home")).unwrap();
+        // The serving pair the TLS Secret would hold.
+        let (ca_pem, cert, key) =
+            kube_cache_proxy::tls::generate_serving_pair(&["127.0.0.1", "localhost"]).unwrap();
+        std::fs::write(dir.join("tls.crt"), cert).unwrap();
+        std::fs::write(dir.join("tls.key"), key).unwrap();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut cfg: Value = serde_saphyr::from_str(deploy_config).unwrap();
+        cfg["listen"] = json!(format!("127.0.0.1:{port}"));
+        cfg["tls"]["certFile"] = json!(dir.join("tls.crt"));
+        cfg["tls"]["keyFile"] = json!(dir.join("tls.key"));
+        cfg["tokens"]["keyFile"] = json!(key_file);
+        cfg["upstream"]["serviceAccountDir"] = json!(sa_dir);
+        let cfg_file = dir.join("config.yaml");
+        std::fs::write(&cfg_file, cfg.to_string()).unwrap();
+        let (api_host, api_port) = cp
+            .url
+            .strip_prefix("https://")
+            .and_then(|a| a.rsplit_once(':'))
+            .unwrap();
+        let log = dir.join("proxy.log");
+        let child = tokio::process::Command::new(proxy_bin())
+            .args(["serve", "--config"])
+            .arg(&cfg_file)
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            // No kubeconfig to fall back on: in-cluster or nothing.
+            .env("HOME", dir.join("home"))
+            .env("KUBERNETES_SERVICE_HOST", api_host)
+            .env("KUBERNETES_SERVICE_PORT", api_port)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap();
+        let client =
+            kube_cache_proxy::devcluster::client_from_kubeconfig(&ControlPlane::kubeconfig_yaml(
+                &format!("https://127.0.0.1:{port}"),
+                Some(&ca_pem),
+                Some(cp.admin_token()),
+                None,
+            ))
+            .await
+            .unwrap();
+        Replica { child, client, log }
+    }
+
+    /// Waits for `/readyz` and checks every cache is listed ok.
+    async fn wait_ready(&mut self, cached: &[String]) {
+        let log = |r: &Replica| std::fs::read_to_string(&r.log).unwrap_or_default();
+        let deadline = tokio::time::Instant::now() + BOUND;
+        let readyz = loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                panic!("the proxy exited ({status}):\n{}", log(self));
+            }
+            let (code, body) = self.get_text("/readyz?verbose").await;
+            if code == 200 {
+                break body;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "not ready: {code} {body}\n{}",
+                log(self)
+            );
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        };
+        for res in cached {
+            assert!(
+                readyz.lines().any(|l| l == format!("[+]cache:{res} ok")),
+                "{res}: {readyz}\n{}",
+                log(self)
+            );
+        }
+    }
+
+    async fn get_text(&self, path: &str) -> (u16, String) {
+        let req = http::Request::get(path).body(Vec::new()).unwrap();
+        match self.client.send(req.map(Into::into)).await {
+            Ok(r) => {
+                let code = r.status().as_u16();
+                let b = http_body_util::BodyExt::collect(r.into_body())
+                    .await
+                    .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
+                    .unwrap_or_default();
+                (code, b)
+            }
+            Err(e) => (0, e.to_string()),
+        }
+    }
+
+    async fn get(&self, path: &str) -> (u16, Value) {
+        let req = http::Request::get(path).body(Vec::new()).unwrap();
+        let r = self.client.send(req.map(Into::into)).await.unwrap();
+        let code = r.status().as_u16();
+        let b = http_body_util::BodyExt::collect(r.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        (code, serde_json::from_slice(&b).unwrap_or(Value::Null))
+    }
+
+    async fn served_from_cache(&self, resource: &str, verb: &str) -> f64 {
+        let m = poll(&self.client, "/metrics", |code, _| code == 200).await;
+        m.lines()
+            .filter(|l| {
+                l.starts_with("kube_cache_proxy_requests_total{")
+                    && l.contains(&format!("resource=\"{resource}\""))
+                    && l.contains(&format!("verb=\"{verb}\""))
+                    && l.contains("served_by=\"cache\"")
+            })
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_run_on_the_in_cluster_config_and_share_continue_tokens() {
+    let (cp, dir, kc) = start_control_plane().await;
+    let base = docs(&kustomize("base"));
+    let (text, deploy_cfg) = proxy_config(&base);
+    let token = install_rbac_and_get_token(&kc, &base);
+    let ns = "e2e-replicas";
+    cp.create_default_service_account(ns).await.unwrap();
+    let cms: Vec<Value> = (0..3)
+        .map(|i| json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": format!("cm-{i}"), "namespace": ns}}))
+        .collect();
+    ok_stdout(
+        "creating configmaps",
+        kubectl(
+            &kc,
+            &["apply", "-f", "-"],
+            Some(&json!({"apiVersion": "v1", "kind": "List", "items": cms}).to_string()),
+        ),
+    );
+
+    // What the kubelet mounts in every pod: the ServiceAccount's token, CA bundle and
+    // namespace, and the continue-token key Secret.
+    let sa_dir = dir.path().join("serviceaccount");
+    std::fs::create_dir_all(&sa_dir).unwrap();
+    std::fs::write(sa_dir.join("token"), &token).unwrap();
+    std::fs::write(sa_dir.join("ca.crt"), &cp.ca_pem).unwrap();
+    std::fs::write(sa_dir.join("namespace"), NS).unwrap();
+    let shared_keys = dir.path().join("keys");
+    std::fs::write(&shared_keys, key_line("k1")).unwrap();
+    // A replica started without the shared Secret (its own key) for contrast.
+    let other_keys = dir.path().join("other-keys");
+    std::fs::write(&other_keys, key_line("other")).unwrap();
+
+    let mut a = Replica::start(&cp, dir.path(), "a", &text, &sa_dir, &shared_keys).await;
+    let mut b = Replica::start(&cp, dir.path(), "b", &text, &sa_dir, &shared_keys).await;
+    let mut c = Replica::start(&cp, dir.path(), "c", &text, &sa_dir, &other_keys).await;
+    for r in [&mut a, &mut b, &mut c] {
+        // The caches synced with the ServiceAccount's token read from the file: the process
+        // had no other credential.
+        r.wait_ready(&deploy_cfg.cache.resources).await;
+    }
+
+    // A paginated list started on one replica continues on another holding the same keys,
+    // from the cache on both.
+    let base_path = format!("/api/v1/namespaces/{ns}/configmaps");
+    let (code, first) = a.get(&format!("{base_path}?limit=2")).await;
+    assert_eq!(code, 200, "{first}");
+    assert_eq!(first["items"].as_array().unwrap().len(), 2, "{first}");
+    let cont = first["metadata"]["continue"]
+        .as_str()
+        .expect("a continue token");
+    let cont = percent_encode(cont);
+    assert_eq!(a.served_from_cache("configmaps", "LIST").await, 1.0);
+    let (code, second) = b.get(&format!("{base_path}?limit=2&continue={cont}")).await;
+    assert_eq!(code, 200, "{second}");
+    let names: Vec<&str> = first["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(second["items"].as_array().unwrap())
+        .map(|i| i["metadata"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["cm-0", "cm-1", "cm-2"]);
+    assert_eq!(b.served_from_cache("configmaps", "LIST").await, 1.0);
+    // A replica with other keys (no shared Secret) cannot verify it: 400 BadRequest, which a
+    // client's pager does not recover from by itself.
+    let (code, refused) = c.get(&format!("{base_path}?limit=2&continue={cont}")).await;
+    assert_eq!(code, 400, "{refused}");
+    assert_eq!(refused["reason"], "BadRequest", "{refused}");
+    assert!(
+        refused["message"]
+            .as_str()
+            .unwrap()
+            .contains("continue key is not valid"),
+        "{refused}"
+    );
+
+    // SIGTERM: /readyz fails at once while the listener stays open for shutdown.delay, then
+    // the process exits within the Deployment's grace period.
+    let grace =
+        one(&base, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+            .as_u64()
+            .unwrap();
+    let Replica {
+        mut child, client, ..
+    } = a;
+    let pid = child.id().unwrap();
+    let term = std::time::Instant::now();
+    ok_stdout(
+        "kill -TERM",
+        run(Command::new("kill").args(["-TERM", &pid.to_string()]), None),
+    );
+    let readyz = poll(&client, "/readyz?verbose", |code, _| code == 500).await;
+    assert!(readyz.contains("[-]shutdown failed"), "{readyz}");
+    let status = tokio::time::timeout(Duration::from_secs(grace), child.wait())
+        .await
+        .expect("exits within terminationGracePeriodSeconds")
+        .unwrap();
+    assert!(status.success(), "{status}");
+    assert!(
+        term.elapsed() >= deploy_cfg.shutdown.delay,
+        "listeners closed before shutdown.delay"
+    );
+    drop((b, c));
+    cp.stop().await;
+}
+
+/// Percent-encodes a query parameter value.
+fn percent_encode(v: &str) -> String {
+    v.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}

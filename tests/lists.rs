@@ -1,0 +1,344 @@
+//! Lists served from the cache, end to end through the proxy, against the in-process fake
+//! apiserver: pages come from memory (the fake sees no list), continue tokens are bound to the
+//! caller, namespace, selectors and resource, tampered tokens are 400, the apiserver's own
+//! tokens pass through, and consistent reads are never answered stale when the upstream is cut.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+use support::fake_apiserver::FakeApiServer;
+use support::proxy::{TestProxy, body_json, plain_client};
+
+/// Guard against hangs only; no assertion depends on time.
+const GUARD: Duration = Duration::from_secs(30);
+
+async fn get(proxy: &TestProxy, path: &str, token: &str) -> (u16, Value) {
+    let c = plain_client(false);
+    let r = c
+        .request(
+            http::Request::get(proxy.http(path))
+                .header("authorization", format!("Bearer {token}"))
+                .body(http_body_util::Full::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let code = r.status().as_u16();
+    (code, body_json(r).await)
+}
+
+async fn setup(
+    tweak: impl FnOnce(&mut kube_cache_proxy::config::Config),
+) -> (FakeApiServer, TestProxy) {
+    let fake = FakeApiServer::start().await;
+    for ns in ["a", "b"] {
+        fake.create("/api/v1/namespaces", json!({"metadata": {"name": ns}}))
+            .await;
+        for i in 0..7 {
+            fake.create(
+                &format!("/api/v1/namespaces/{ns}/configmaps"),
+                json!({"metadata": {"name": format!("cm-{i}"), "labels": {"app": if i % 2 == 0 {"x"} else {"y"}}}}),
+            )
+            .await;
+        }
+    }
+    let proxy = TestProxy::start(&fake.url(), |c| {
+        c.cache.resources = vec!["configmaps".into(), "pods".into()];
+        tweak(c)
+    })
+    .await;
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    let t0 = Instant::now();
+    while !["configmaps", "pods"].iter().all(|r| {
+        state
+            .caches
+            .get("", "v1", r)
+            .is_some_and(|c| c.is_ready() && c.unhealthy().is_none())
+    }) {
+        assert!(t0.elapsed() < GUARD, "caches never synced");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (fake, proxy)
+}
+
+fn names(v: &Value) -> Vec<String> {
+    v["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["metadata"]["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+fn list_requests(fake: &FakeApiServer, path: &str) -> usize {
+    fake.requests()
+        .iter()
+        .filter(|r| r.path == path && !r.query.as_deref().unwrap_or("").contains("watch"))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paginated_lists_come_from_memory_with_tokens_bound_to_caller_and_query() {
+    let (fake, proxy) = setup(|_| {}).await;
+    fake.clear_requests();
+    let base = "/api/v1/namespaces/a/configmaps";
+
+    // A full walk with limit 3: 7 items, 3 pages, served without any list upstream.
+    let mut all = Vec::new();
+    let (code, first) = get(&proxy, &format!("{base}?limit=3"), "alice").await;
+    assert_eq!(code, 200, "{first}");
+    assert_eq!(first["metadata"]["remainingItemCount"], 4);
+    let token = first["metadata"]["continue"].as_str().unwrap().to_string();
+    assert!(token.starts_with("k1."), "{token}");
+    all.extend(names(&first));
+    let mut next = Some(token.clone());
+    while let Some(t) = next.take() {
+        let (code, page) = get(&proxy, &format!("{base}?limit=3&continue={t}"), "alice").await;
+        assert_eq!(code, 200, "{page}");
+        assert_eq!(
+            page["metadata"]["resourceVersion"],
+            first["metadata"]["resourceVersion"]
+        );
+        all.extend(names(&page));
+        next = page["metadata"]["continue"].as_str().map(str::to_string);
+    }
+    assert_eq!(all, (0..7).map(|i| format!("cm-{i}")).collect::<Vec<_>>());
+    assert_eq!(
+        list_requests(&fake, base),
+        0,
+        "pages must come from the cache"
+    );
+
+    // The same token anywhere else is refused with 400 (and never reaches the apiserver).
+    let reuse = [
+        (format!("{base}?limit=3&continue={token}"), "bob"),
+        (
+            format!("/api/v1/namespaces/b/configmaps?limit=3&continue={token}"),
+            "alice",
+        ),
+        (
+            format!("{base}?limit=3&labelSelector=app%3Dx&continue={token}"),
+            "alice",
+        ),
+        (
+            format!("/api/v1/namespaces/a/pods?limit=3&continue={token}"),
+            "alice",
+        ),
+        (
+            format!("/api/v1/configmaps?limit=3&continue={token}"),
+            "alice",
+        ),
+    ];
+    for (path, who) in &reuse {
+        let (code, v) = get(&proxy, path, who).await;
+        assert_eq!(code, 400, "{path} as {who}: {v}");
+        assert_eq!(v["kind"], "Status");
+        assert_eq!(v["reason"], "BadRequest");
+    }
+    // Every single-character change of the signed part is refused too.
+    let sig_start = token.rfind('.').unwrap() + 1;
+    for i in (sig_start..token.len()).step_by(7) {
+        let mut t = token.clone().into_bytes();
+        t[i] = if t[i] == b'A' { b'B' } else { b'A' };
+        let t = String::from_utf8(t).unwrap();
+        let (code, _) = get(&proxy, &format!("{base}?limit=3&continue={t}"), "alice").await;
+        assert_eq!(code, 400, "tampered at {i}");
+    }
+    // With a resourceVersion: the apiserver's error.
+    let (code, v) = get(
+        &proxy,
+        &format!("{base}?limit=3&resourceVersion=5&continue={token}"),
+        "alice",
+    )
+    .await;
+    assert_eq!(code, 400);
+    assert_eq!(
+        v["message"],
+        "specifying resource version is not allowed when using continue"
+    );
+    assert_eq!(list_requests(&fake, base), 0);
+
+    // An apiserver-format token is not the proxy's: it goes to the apiserver.
+    let apiserver_token = {
+        let c = plain_client(false);
+        let r = c
+            .request(
+                http::Request::get(format!("{}{base}?limit=3", fake.url()))
+                    .body(http_body_util::Full::default())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        body_json(r).await["metadata"]["continue"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    fake.clear_requests();
+    let (code, page) = get(
+        &proxy,
+        &format!("{base}?limit=3&continue={apiserver_token}"),
+        "alice",
+    )
+    .await;
+    assert_eq!(code, 200, "{page}");
+    assert_eq!(names(&page), ["cm-3", "cm-4", "cm-5"]);
+    assert_eq!(list_requests(&fake, base), 1, "foreign tokens pass through");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_and_not_older_than_lists_and_writes_between_pages() {
+    let (fake, proxy) = setup(|_| {}).await;
+    let base = "/api/v1/namespaces/a/configmaps";
+    let (_, first) = get(&proxy, &format!("{base}?limit=4"), "alice").await;
+    let rv: u64 = first["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    // Writes after the first page: the walk still shows the state at `rv`.
+    fake.create(base, json!({"metadata": {"name": "cm-00-new"}}))
+        .await;
+    fake.delete(&format!("{base}/cm-6")).await;
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    let cache = state.caches.get("", "v1", "configmaps").unwrap();
+    let t0 = Instant::now();
+    while cache.rv() < fake.current_rv() {
+        assert!(t0.elapsed() < GUARD);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let t = first["metadata"]["continue"].as_str().unwrap();
+    let (code, second) = get(&proxy, &format!("{base}?limit=4&continue={t}"), "alice").await;
+    assert_eq!(code, 200);
+    assert_eq!(names(&second), ["cm-4", "cm-5", "cm-6"]);
+
+    // Exact at the old rv: the old state, rebuilt from the history.
+    fake.clear_requests();
+    let (code, exact) = get(
+        &proxy,
+        &format!("{base}?resourceVersion={rv}&resourceVersionMatch=Exact"),
+        "alice",
+    )
+    .await;
+    assert_eq!(code, 200);
+    assert_eq!(exact["metadata"]["resourceVersion"], rv.to_string());
+    assert_eq!(names(&exact).len(), 7);
+    assert!(!names(&exact).contains(&"cm-00-new".to_string()));
+    // NotOlderThan the old rv: the current state.
+    let (code, now) = get(
+        &proxy,
+        &format!("{base}?resourceVersion={rv}&resourceVersionMatch=NotOlderThan"),
+        "alice",
+    )
+    .await;
+    assert_eq!(code, 200);
+    assert!(names(&now).contains(&"cm-00-new".to_string()));
+    assert!(!names(&now).contains(&"cm-6".to_string()));
+    assert_eq!(list_requests(&fake, base), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn strict_reads_see_every_direct_write_and_nothing_stale_when_the_upstream_is_cut() {
+    let (fake, proxy) = setup(|c| {
+        c.lists.consistency = kube_cache_proxy::consistency::Mode::Strict;
+        c.lists.consistency_timeout = Duration::from_secs(2);
+    })
+    .await;
+    let base = "/api/v1/namespaces/b/configmaps";
+    for i in 0..200 {
+        let name = format!("w-{i}");
+        fake.create(base, json!({"metadata": {"name": name}})).await;
+        let (code, v) = get(&proxy, base, "alice").await;
+        assert_eq!(code, 200);
+        assert!(names(&v).contains(&name), "iteration {i}: {name} missing");
+    }
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    use std::sync::atomic::Ordering::Relaxed;
+    assert!(state.consistency.stats.probes.load(Relaxed) > 0);
+
+    // The upstream goes away: a consistent read must not come from the (now unconfirmable)
+    // cache. It passes through and fails retryably.
+    fake.faults().set_refuse(true);
+    fake.faults().drop_watches();
+    let (code, v) = get(&proxy, base, "alice").await;
+    assert_ne!(
+        code, 200,
+        "a consistent read was answered while the upstream is cut: {v}"
+    );
+    assert_eq!(v["kind"], "Status");
+    assert_eq!(code, 503);
+    // resourceVersion=0 ("any") may still come from memory.
+    let (code, v) = get(&proxy, &format!("{base}?resourceVersion=0"), "alice").await;
+    assert_eq!(code, 200, "{v}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bounded_reads_see_the_writes_made_through_the_proxy() {
+    let (_fake, proxy) = setup(|c| {
+        c.lists.consistency = kube_cache_proxy::consistency::Mode::Bounded;
+    })
+    .await;
+    let base = "/api/v1/namespaces/b/configmaps";
+    let c = plain_client(false);
+    for i in 0..200 {
+        let name = format!("ryw-{i}");
+        let r = c
+            .request(
+                http::Request::post(proxy.http(base))
+                    .header("authorization", "Bearer alice")
+                    .header("content-type", "application/json")
+                    .body(http_body_util::Full::from(
+                        json!({"metadata": {"name": name}}).to_string(),
+                    ))
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 201);
+        let (code, v) = get(&proxy, base, "alice").await;
+        assert_eq!(code, 200);
+        assert!(names(&v).contains(&name), "iteration {i}: {name} missing");
+    }
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    let cache = state.caches.get("", "v1", "configmaps").unwrap();
+    assert!(
+        cache
+            .list_stats
+            .from_cache
+            .load(std::sync::atomic::Ordering::Relaxed)
+            >= 200
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_adaptive_cap_shortens_pages_whose_limit_is_above_it() {
+    let (_fake, proxy) = setup(|c| {
+        // A fixed cap of 3 (the controller's bounds pin it).
+        c.paging.base_page_size = 3;
+        c.paging.min_page_size = 3;
+        c.paging.max_page_size = 3;
+    })
+    .await;
+    let base = "/api/v1/namespaces/a/configmaps";
+    let (code, first) = get(&proxy, &format!("{base}?limit=5"), "alice").await;
+    assert_eq!(code, 200);
+    assert_eq!(names(&first), ["cm-0", "cm-1", "cm-2"]);
+    assert_eq!(first["metadata"]["remainingItemCount"], 4);
+    let mut all = names(&first);
+    let mut next = first["metadata"]["continue"].as_str().map(str::to_string);
+    while let Some(t) = next.take() {
+        let (code, page) = get(&proxy, &format!("{base}?limit=5&continue={t}"), "alice").await;
+        assert_eq!(code, 200);
+        assert!(names(&page).len() <= 3);
+        all.extend(names(&page));
+        next = page["metadata"]["continue"].as_str().map(str::to_string);
+    }
+    assert_eq!(all, (0..7).map(|i| format!("cm-{i}")).collect::<Vec<_>>());
+    // Below the cap, and without limit, nothing changes.
+    let (_, small) = get(&proxy, &format!("{base}?limit=2"), "alice").await;
+    assert_eq!(names(&small).len(), 2);
+    let (_, all) = get(&proxy, base, "alice").await;
+    assert_eq!(names(&all).len(), 7);
+}

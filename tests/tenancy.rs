@@ -253,3 +253,39 @@ async fn over_quota_requests_get_429_with_an_integer_retry_after() {
     assert!(metrics.contains("kube_cache_proxy_authorization_decisions_total{result=\"allowed\"}"));
     proxy.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_continue_token_replayed_by_another_identity_or_tenant_is_refused() {
+    let (_fake, proxy) = setup(vec![
+        tenant("team-a", "a-*", false, TenantQuotas::default()),
+        tenant("team-b", "b-*", false, TenantQuotas::default()),
+    ])
+    .await;
+    let client = proxy.client(None, true);
+    let first = client
+        .get(&proxy.https("/api/v1/configmaps?limit=1"), Some("a-one"))
+        .await;
+    assert_eq!(first.status(), 200);
+    let page = body_json(first).await;
+    assert_eq!(page["items"].as_array().unwrap().len(), 1);
+    let token = page["metadata"]["continue"]
+        .as_str()
+        .expect("a continue token")
+        .to_string();
+    let next = |who: &'static str| {
+        let url = proxy.https(&format!("/api/v1/configmaps?limit=1&continue={token}"));
+        let client = &client;
+        async move { client.get(&url, Some(who)).await }
+    };
+    // The owner continues; another identity of the same tenant, and a caller of another
+    // tenant, are refused without any object.
+    assert_eq!(next("a-one").await.status(), 200);
+    for other in ["a-two", "b-one"] {
+        let r = next(other).await;
+        assert_eq!(r.status(), 400, "{other}");
+        let body = body_json(r).await;
+        assert_eq!(body["kind"], "Status", "{other}: {body}");
+        assert!(body.get("items").is_none());
+    }
+    proxy.shutdown().await;
+}

@@ -71,9 +71,15 @@ pub struct Status {
     retry_after: Option<u32>,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 #[serde(rename_all = "camelCase")]
 struct Details {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    group: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kind: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     retry_after_seconds: Option<u32>,
 }
@@ -95,6 +101,15 @@ impl Status {
 
     pub fn bad_request(message: impl Into<String>) -> Self {
         Self::failure(StatusCode::BAD_REQUEST, Reason::BadRequest, message)
+    }
+
+    /// The apiserver's 401 for missing or invalid credentials.
+    pub fn unauthorized() -> Self {
+        Self::failure(
+            StatusCode::UNAUTHORIZED,
+            Reason::Unauthorized,
+            "Unauthorized",
+        )
     }
 
     pub fn internal(message: impl Into<String>) -> Self {
@@ -119,9 +134,20 @@ impl Status {
     /// client-go's `ShouldRetry`/`RetryAfterSeconds` read it).
     pub fn with_retry_after(mut self, seconds: u32) -> Self {
         self.retry_after = Some(seconds);
-        self.details = Some(Details {
-            retry_after_seconds: Some(seconds),
-        });
+        self.details
+            .get_or_insert_with(Details::default)
+            .retry_after_seconds = Some(seconds);
+        self
+    }
+
+    /// Sets `details.name`, `details.group` and `details.kind` (the resource, as
+    /// apimachinery's `NewForbidden` fills them); empty values are omitted.
+    pub fn with_details(mut self, name: &str, group: &str, kind: &str) -> Self {
+        let d = self.details.get_or_insert_with(Details::default);
+        let opt = |s: &str| (!s.is_empty()).then(|| s.to_string());
+        d.name = opt(name);
+        d.group = opt(group);
+        d.kind = opt(kind);
         self
     }
 

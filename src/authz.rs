@@ -1,56 +1,76 @@
-//! Authorization of cache-served requests, decided by the apiserver itself.
+//! Authorization of cache-served requests, decided by the apiserver's authorizers.
 //!
 //! Passthrough requests are authorized by the apiserver as they reach it. A request the
-//! proxy answers from memory must get the same decision first, so it asks the apiserver:
-//! - a bearer caller: a `SelfSubjectAccessReview` sent with the caller's own token, which
-//!   also authenticates the token (an invalid token is simply "not allowed");
-//! - a client-certificate caller: a `SubjectAccessReview` for its user and groups, sent with
-//!   the proxy's credentials (the proxy needs `create` on subjectaccessreviews);
-//! - anonymous callers are never served from the cache.
+//! proxy answers from memory gets the same decision first: once `authn` has verified the
+//! caller, a `SubjectAccessReview` with all its attributes (user, uid, groups, extra, verb,
+//! group, resource, subresource, namespace, name) goes to the apiserver with the proxy's
+//! credentials (the proxy needs `create` on subjectaccessreviews: ClusterRole
+//! `system:auth-delegator`).
 //!
-//! Only "allowed" is acted on: anything else (denied, no opinion, error, timeout) sends the
-//! request through to the apiserver, which then answers exactly as it would have (403, 401
-//! with its own message) — failing closed without inventing error texts. Decisions are
-//! cached per (credential hash, attributes): allowed for 2 minutes (the apiserver's webhook
-//! token cache TTL, which bounds how long a revoked token could still read from the cache),
-//! not-allowed for 30 s (its webhook authorizer's unauthorized TTL). Tokens are stored only
-//! as SHA-256 hashes.
+//! - allowed: served from the cache;
+//! - denied (or no opinion): the proxy answers the apiserver's own 403 (`forbidden`, same
+//!   message and details as k8s.io/apiserver's `responsewriters.Forbidden`, with the
+//!   review's reason appended as the apiserver appends its authorizer's);
+//! - the apiserver cannot answer: fail closed with 503 and `Retry-After` (never served).
+//!
+//! Decisions are cached per (identity hash, attributes) for kube-apiserver's webhook
+//! authorizer defaults: allowed 5 minutes, denied 30 s (configurable).
+//!
+//! Client-certificate callers asking to impersonate (`Impersonate-*`) are authorized here
+//! too ([`Authorizer::impersonate`]), as the apiserver's impersonation filter does: the
+//! proxy's own credentials carry their requests, so the apiserver cannot check them.
 
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
 
-use http::{HeaderValue, Method, Request, header};
+use http::{HeaderMap, HeaderValue, Method, Request, StatusCode, header};
 use http_body_util::BodyExt;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
+use crate::api::{Reason, Status};
+use crate::authn::Identity;
 use crate::body;
-use crate::identity::Caller;
 use crate::upstream::{As, Upstream};
 
 /// What is being asked.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub struct Attributes {
     pub verb: String,
     pub group: String,
     pub version: String,
     pub resource: String,
+    pub subresource: String,
     pub namespace: String,
     pub name: String,
+}
+
+/// The apiserver's answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Decision {
+    Allow,
+    /// Denied or no opinion, with the authorizers' reason (often empty for RBAC).
+    Deny(Arc<str>),
+    /// No answer (network, timeout, non-2xx): fail closed.
+    Error(String),
 }
 
 /// Counters for the metrics layer.
 #[derive(Debug, Default)]
 pub struct AuthzStats {
-    pub allowed: std::sync::atomic::AtomicU64,
-    pub not_allowed: std::sync::atomic::AtomicU64,
-    pub errors: std::sync::atomic::AtomicU64,
-    pub cache_hits: std::sync::atomic::AtomicU64,
+    pub allowed: AtomicU64,
+    pub denied: AtomicU64,
+    pub errors: AtomicU64,
+    pub cache_hits: AtomicU64,
+    pub cache_misses: AtomicU64,
 }
 
 pub struct Authorizer {
     upstream: Upstream,
     allowed: moka::future::Cache<[u8; 32], ()>,
-    denied: moka::future::Cache<[u8; 32], ()>,
+    denied: moka::future::Cache<[u8; 32], Arc<str>>,
     timeout: Duration,
     pub stats: AuthzStats,
 }
@@ -70,6 +90,48 @@ struct Review {
 struct ReviewStatus {
     #[serde(default)]
     allowed: bool,
+    #[serde(default)]
+    reason: String,
+    #[serde(default, rename = "evaluationError")]
+    evaluation_error: String,
+}
+
+/// The apiserver's 403 for `id` asking `a` (k8s.io/apiserver `responsewriters.Forbidden` and
+/// apimachinery `NewForbidden`).
+pub fn forbidden(id: &Identity, a: &Attributes, reason: &str) -> Status {
+    let mut resource = a.resource.clone();
+    if !a.subresource.is_empty() {
+        resource = format!("{resource}/{}", a.subresource);
+    }
+    let mut msg = if a.namespace.is_empty() {
+        format!(
+            "User {:?} cannot {} resource {:?} in API group {:?} at the cluster scope",
+            id.user, a.verb, resource, a.group
+        )
+    } else {
+        format!(
+            "User {:?} cannot {} resource {:?} in API group {:?} in the namespace {:?}",
+            id.user, a.verb, resource, a.group, a.namespace
+        )
+    };
+    if !reason.is_empty() {
+        msg = format!("{msg}: {reason}");
+    }
+    let gr = if a.group.is_empty() {
+        a.resource.clone()
+    } else {
+        format!("{}.{}", a.resource, a.group)
+    };
+    let message = if a.name.is_empty() {
+        format!("{gr} is forbidden: {msg}")
+    } else {
+        format!("{gr} {:?} is forbidden: {msg}", a.name)
+    };
+    Status::failure(StatusCode::FORBIDDEN, Reason::Forbidden, message).with_details(
+        &a.name,
+        &a.group,
+        &a.resource,
+    )
 }
 
 impl Authorizer {
@@ -78,148 +140,320 @@ impl Authorizer {
             upstream,
             allowed: moka::future::Cache::builder()
                 .max_capacity(100_000)
-                .time_to_live(allow_ttl)
+                .time_to_live(allow_ttl.max(Duration::from_millis(1)))
                 .build(),
             denied: moka::future::Cache::builder()
                 .max_capacity(100_000)
-                .time_to_live(deny_ttl)
+                .time_to_live(deny_ttl.max(Duration::from_millis(1)))
                 .build(),
             timeout: Duration::from_secs(5),
             stats: AuthzStats::default(),
         }
     }
 
-    fn key(caller: &Caller, a: &Attributes) -> Option<[u8; 32]> {
+    fn key(id: &Identity, a: &Attributes) -> [u8; 32] {
         let mut h = Sha256::new();
-        match caller {
-            Caller::Bearer(t) => {
-                h.update(b"bearer\0");
-                h.update(t.as_bytes());
-            }
-            Caller::Certificate { user, groups } => {
-                h.update(b"x509\0");
-                h.update(user.as_bytes());
-                for g in groups {
-                    h.update(b"\0");
-                    h.update(g.as_bytes());
-                }
-            }
-            Caller::Anonymous => return None,
-        }
+        h.update(id.identity_hash());
         for part in [
             &a.verb,
             &a.group,
             &a.version,
             &a.resource,
+            &a.subresource,
             &a.namespace,
             &a.name,
         ] {
-            h.update(b"\x01");
+            h.update((part.len() as u64).to_be_bytes());
             h.update(part.as_bytes());
         }
-        Some(h.finalize().into())
+        h.finalize().into()
     }
 
-    /// True only when the apiserver says this caller may do this.
-    pub async fn allowed(&self, caller: &Caller, a: &Attributes) -> bool {
-        use std::sync::atomic::Ordering::Relaxed;
-        let Some(key) = Self::key(caller, a) else {
-            return false;
-        };
+    /// The apiserver's decision on `id` doing `a`, from the cache when known.
+    pub async fn authorize(&self, id: &Identity, a: &Attributes) -> Decision {
+        let key = Self::key(id, a);
         if self.allowed.contains_key(&key) {
             self.stats.cache_hits.fetch_add(1, Relaxed);
-            return true;
+            self.stats.allowed.fetch_add(1, Relaxed);
+            return Decision::Allow;
         }
-        if self.denied.contains_key(&key) {
+        if let Some(reason) = self.denied.get(&key).await {
             self.stats.cache_hits.fetch_add(1, Relaxed);
-            return false;
+            self.stats.denied.fetch_add(1, Relaxed);
+            return Decision::Deny(reason);
         }
-        match tokio::time::timeout(self.timeout, self.review(caller, a)).await {
-            Ok(Ok(true)) => {
+        self.stats.cache_misses.fetch_add(1, Relaxed);
+        let d = match tokio::time::timeout(self.timeout, self.review(id, a)).await {
+            Ok(d) => d,
+            Err(_) => Decision::Error("access review timed out".into()),
+        };
+        match &d {
+            Decision::Allow => {
                 self.stats.allowed.fetch_add(1, Relaxed);
                 self.allowed.insert(key, ()).await;
-                true
             }
-            Ok(Ok(false)) => {
-                self.stats.not_allowed.fetch_add(1, Relaxed);
-                self.denied.insert(key, ()).await;
-                false
+            Decision::Deny(r) => {
+                self.stats.denied.fetch_add(1, Relaxed);
+                self.denied.insert(key, r.clone()).await;
             }
-            Ok(Err(e)) => {
+            Decision::Error(e) => {
                 self.stats.errors.fetch_add(1, Relaxed);
-                tracing::warn!(error = %e, "access review failed; passing the request through");
-                false
-            }
-            Err(_) => {
-                self.stats.errors.fetch_add(1, Relaxed);
-                tracing::warn!("access review timed out; passing the request through");
-                false
+                tracing::warn!(error = %e, "access review failed; request refused (fail closed)");
             }
         }
+        d
     }
 
-    async fn review(&self, caller: &Caller, a: &Attributes) -> Result<bool, String> {
-        let ra = serde_json::json!({
-            "verb": a.verb, "group": a.group, "version": a.version, "resource": a.resource,
-            "namespace": a.namespace, "name": a.name,
+    async fn review(&self, id: &Identity, a: &Attributes) -> Decision {
+        let body = serde_json::json!({
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SubjectAccessReview",
+            "spec": {
+                "resourceAttributes": {
+                    "verb": a.verb, "group": a.group, "version": a.version,
+                    "resource": a.resource, "subresource": a.subresource,
+                    "namespace": a.namespace, "name": a.name,
+                },
+                "user": id.user, "uid": id.uid, "groups": id.groups, "extra": id.extra,
+            },
         });
-        let (path, body, who, auth) = match caller {
-            Caller::Bearer(token) => (
-                "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews",
-                serde_json::json!({"apiVersion": "authorization.k8s.io/v1", "kind": "SelfSubjectAccessReview", "spec": {"resourceAttributes": ra}}),
-                As::Caller,
-                Some(token.clone()),
-            ),
-            Caller::Certificate { user, groups } => {
-                // The apiserver adds system:authenticated to every authenticated user.
-                let mut groups = groups.clone();
-                if !groups.iter().any(|g| g == "system:authenticated") {
-                    groups.push("system:authenticated".into());
-                }
-                (
-                    "/apis/authorization.k8s.io/v1/subjectaccessreviews",
-                    serde_json::json!({"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview", "spec": {"resourceAttributes": ra, "user": user, "groups": groups}}),
-                    As::Proxy,
-                    None,
-                )
-            }
-            Caller::Anonymous => return Ok(false),
-        };
-        let mut req = Request::new(body::full(
-            serde_json::to_vec(&body).map_err(|e| e.to_string())?,
-        ));
+        let mut req = Request::new(body::full(body.to_string()));
         *req.method_mut() = Method::POST;
-        *req.uri_mut() = self.upstream.uri(path);
+        *req.uri_mut() = self
+            .upstream
+            .uri("/apis/authorization.k8s.io/v1/subjectaccessreviews");
         req.headers_mut().insert(
             header::CONTENT_TYPE,
             HeaderValue::from_static("application/json"),
         );
         req.headers_mut()
             .insert(header::ACCEPT, HeaderValue::from_static("application/json"));
-        if let Some(t) = auth {
-            req.headers_mut().insert(header::AUTHORIZATION, t);
-        }
-        let resp = self
-            .upstream
-            .send(req, who, false)
-            .await
-            .map_err(|e| e.to_string())?;
+        let resp = match self.upstream.send(req, As::Proxy, false).await {
+            Ok(r) => r,
+            Err(e) => return Decision::Error(format!("access review: {e}")),
+        };
         let status = resp.status();
-        let bytes = resp
-            .into_body()
-            .collect()
-            .await
-            .map_err(|e| e.to_string())?
-            .to_bytes();
-        if status == http::StatusCode::UNAUTHORIZED || status == http::StatusCode::FORBIDDEN {
-            // An invalid token, or a caller not allowed to review itself: not allowed here,
-            // and the apiserver will say so in its own words.
-            return Ok(false);
-        }
+        let bytes = match resp.into_body().collect().await {
+            Ok(b) => b.to_bytes(),
+            Err(e) => return Decision::Error(format!("access review: {e}")),
+        };
         if !status.is_success() {
-            return Err(format!("access review returned {status}"));
+            return Decision::Error(format!("access review returned {status}"));
         }
-        let r: Review = serde_json::from_slice(&bytes).map_err(|e| e.to_string())?;
-        Ok(r.status.is_some_and(|s| s.allowed))
+        match serde_json::from_slice::<Review>(&bytes) {
+            Ok(Review {
+                status: Some(s), ..
+            }) if s.allowed => Decision::Allow,
+            Ok(Review { status: Some(s) }) => {
+                if !s.evaluation_error.is_empty() {
+                    tracing::debug!(error = %s.evaluation_error, "access review evaluation error");
+                }
+                Decision::Deny(Arc::from(s.reason))
+            }
+            Ok(Review { status: None }) => Decision::Deny(Arc::from("")),
+            Err(e) => Decision::Error(format!("access review: {e}")),
+        }
+    }
+
+    /// Authorizes the `Impersonate-*` headers of a caller `id` the proxy authenticated, as
+    /// the apiserver's impersonation filter does. `Ok(None)`: no impersonation asked;
+    /// `Ok(Some(target))`: allowed, act as `target`; `Err(status)`: the 403 (or 503, 400).
+    pub async fn impersonate(
+        &self,
+        id: &Identity,
+        headers: &HeaderMap,
+    ) -> Result<Option<Identity>, Status> {
+        let mut user = None;
+        let mut uid = None;
+        let mut groups = Vec::new();
+        let mut extra: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        let mut any = false;
+        for (name, value) in headers {
+            let n = name.as_str();
+            if !n.starts_with("impersonate-") {
+                continue;
+            }
+            any = true;
+            let v = value
+                .to_str()
+                .map_err(|_| Status::bad_request("invalid impersonation header value"))?
+                .to_string();
+            match n {
+                "impersonate-user" => user = Some(v),
+                "impersonate-uid" => uid = Some(v),
+                "impersonate-group" => groups.push(v),
+                _ => match n.strip_prefix("impersonate-extra-") {
+                    Some(k) if !k.is_empty() => {
+                        let k = percent_encoding::percent_decode_str(k)
+                            .decode_utf8_lossy()
+                            .to_string();
+                        extra.entry(k).or_default().push(v);
+                    }
+                    _ => {}
+                },
+            }
+        }
+        if !any {
+            return Ok(None);
+        }
+        let Some(user) = user.filter(|u| !u.is_empty()) else {
+            return Err(Status::failure(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                Reason::InternalError,
+                "Internal error occurred: requested [...] without impersonating a user",
+            ));
+        };
+        let mut checks = Vec::new();
+        match user
+            .strip_prefix("system:serviceaccount:")
+            .and_then(|r| r.split_once(':'))
+        {
+            Some((ns, name)) => checks.push(Attributes {
+                verb: "impersonate".into(),
+                resource: "serviceaccounts".into(),
+                namespace: ns.into(),
+                name: name.into(),
+                ..Default::default()
+            }),
+            None => checks.push(Attributes {
+                verb: "impersonate".into(),
+                resource: "users".into(),
+                name: user.clone(),
+                ..Default::default()
+            }),
+        }
+        for g in &groups {
+            checks.push(Attributes {
+                verb: "impersonate".into(),
+                resource: "groups".into(),
+                name: g.clone(),
+                ..Default::default()
+            });
+        }
+        if let Some(u) = &uid {
+            checks.push(Attributes {
+                verb: "impersonate".into(),
+                group: "authentication.k8s.io".into(),
+                resource: "uids".into(),
+                name: u.clone(),
+                ..Default::default()
+            });
+        }
+        for (k, vs) in &extra {
+            for v in vs {
+                checks.push(Attributes {
+                    verb: "impersonate".into(),
+                    group: "authentication.k8s.io".into(),
+                    resource: "userextras".into(),
+                    subresource: k.clone(),
+                    name: v.clone(),
+                    ..Default::default()
+                });
+            }
+        }
+        for a in &checks {
+            match self.authorize(id, a).await {
+                Decision::Allow => {}
+                Decision::Deny(r) => return Err(forbidden(id, a, &r)),
+                Decision::Error(e) => {
+                    return Err(Status::service_unavailable(
+                        format!("authorization is unavailable: {e}"),
+                        1,
+                    ));
+                }
+            }
+        }
+        let mut target = Identity {
+            user: user.clone(),
+            uid: uid.unwrap_or_default(),
+            groups,
+            extra,
+            tenant: id.tenant.clone(),
+        };
+        if let Some((ns, _)) = user
+            .strip_prefix("system:serviceaccount:")
+            .and_then(|r| r.split_once(':'))
+        {
+            target.groups.push("system:serviceaccounts".into());
+            target.groups.push(format!("system:serviceaccounts:{ns}"));
+        }
+        if user != "system:anonymous" && !target.groups.iter().any(|g| g == "system:authenticated")
+        {
+            target.groups.push("system:authenticated".into());
+        }
+        Ok(Some(target))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(user: &str) -> Identity {
+        Identity {
+            user: user.into(),
+            uid: String::new(),
+            groups: vec![],
+            extra: BTreeMap::new(),
+            tenant: String::new(),
+        }
+    }
+
+    fn msg(s: &Status) -> String {
+        s.message().to_string()
+    }
+
+    #[test]
+    fn forbidden_messages_match_the_apiserver() {
+        let list = Attributes {
+            verb: "list".into(),
+            resource: "pods".into(),
+            namespace: "ns1".into(),
+            version: "v1".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            msg(&forbidden(&id("bob"), &list, "")),
+            "pods is forbidden: User \"bob\" cannot list resource \"pods\" in API group \"\" in the namespace \"ns1\""
+        );
+        let get = Attributes {
+            verb: "get".into(),
+            group: "apps".into(),
+            resource: "deployments".into(),
+            name: "web".into(),
+            ..Default::default()
+        };
+        let s = forbidden(
+            &id("bob"),
+            &get,
+            "RBAC: role.rbac.authorization.k8s.io \"x\" not found",
+        );
+        assert_eq!(
+            msg(&s),
+            "deployments.apps \"web\" is forbidden: User \"bob\" cannot get resource \"deployments\" in API group \"apps\" at the cluster scope: RBAC: role.rbac.authorization.k8s.io \"x\" not found"
+        );
+        let v: serde_json::Value = serde_json::from_slice(&s.to_bytes()).unwrap();
+        assert_eq!(v["code"], 403);
+        assert_eq!(v["reason"], "Forbidden");
+        assert_eq!(
+            v["details"],
+            serde_json::json!({"name": "web", "group": "apps", "kind": "deployments"})
+        );
+    }
+
+    #[test]
+    fn decision_cache_keys_separate_identities_and_attributes() {
+        let a = Attributes {
+            verb: "list".into(),
+            resource: "pods".into(),
+            ..Default::default()
+        };
+        let mut b = a.clone();
+        b.namespace = "x".into();
+        assert_ne!(Authorizer::key(&id("u"), &a), Authorizer::key(&id("u"), &b));
+        assert_ne!(Authorizer::key(&id("u"), &a), Authorizer::key(&id("v"), &a));
+        let mut g = id("u");
+        g.groups.push("system:masters".into());
+        assert_ne!(Authorizer::key(&id("u"), &a), Authorizer::key(&g, &a));
     }
 }

@@ -32,6 +32,10 @@ pub struct Config {
     pub lists: ListsConfig,
     pub tokens: TokensConfig,
     pub paging: PagingConfig,
+    pub authentication: AuthenticationConfig,
+    /// Tenants: who belongs to which, their namespaces and quotas (see [`TenantConfig`]).
+    /// Callers no tenant matches belong to the unnamed tenant `""`, without quotas.
+    pub tenants: Vec<TenantConfig>,
 }
 
 impl Default for Config {
@@ -49,8 +53,126 @@ impl Default for Config {
             lists: ListsConfig::default(),
             tokens: TokensConfig::default(),
             paging: PagingConfig::default(),
+            authentication: AuthenticationConfig::default(),
+            tenants: Vec::new(),
         }
     }
+}
+
+/// How callers of cache-served requests are authenticated (see `authn`). Passthrough requests
+/// are authenticated by the apiserver itself.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct AuthenticationConfig {
+    /// Serve callers without credentials as `system:anonymous` (group
+    /// `system:unauthenticated`, authorized like anyone else). Off: they get 401.
+    pub anonymous: bool,
+    /// A kube-apiserver `--token-auth-file` CSV (`token,user,uid,"group1,group2"`), for
+    /// development and tests. Read at start.
+    pub token_auth_file: Option<PathBuf>,
+    /// Verify ServiceAccount JWTs offline against the apiserver's OIDC discovery document and
+    /// JWKS (fetched with the proxy's credentials). Off: every token goes to TokenReview.
+    pub service_account_jwt: bool,
+    /// Accepted `aud` values of ServiceAccount JWTs. Empty: the issuer (kube-apiserver's
+    /// `--api-audiences` default).
+    pub audiences: Vec<String>,
+    /// Clock skew allowed on `exp`/`nbf` (go-jose's default leeway, used by kube-apiserver).
+    #[serde(with = "humantime_serde")]
+    pub leeway: Duration,
+    /// The JWKS is refetched this often, and on a token with an unknown `kid`...
+    #[serde(with = "humantime_serde")]
+    pub jwks_refresh_interval: Duration,
+    /// ...but not more often than this (a flood of forged `kid`s cannot hammer the apiserver).
+    #[serde(with = "humantime_serde")]
+    pub jwks_min_refresh_interval: Duration,
+    /// Which offline-verified tokens are also checked by TokenReview, which sees revocation
+    /// (a deleted ServiceAccount, or the pod/secret/node a bound token names): `None`,
+    /// `BoundObjects` (tokens that name a pod, secret or node) or `Always`.
+    pub revocation_check: RevocationCheck,
+    /// Ask the apiserver (TokenReview) about tokens the proxy cannot verify itself (other
+    /// issuers, legacy Secret tokens, OIDC). Off: such tokens get 401 on cache-served requests.
+    pub token_review: bool,
+    /// How long a successful authentication is remembered (kube-apiserver's token cache: 10 s).
+    /// Never beyond the token's own expiry.
+    #[serde(with = "humantime_serde")]
+    pub cache_ttl: Duration,
+    /// How long a failed one is (kube-apiserver: 0). A few seconds bound a flood of bad
+    /// tokens to one review per token per interval.
+    #[serde(with = "humantime_serde")]
+    pub failure_cache_ttl: Duration,
+}
+
+impl Default for AuthenticationConfig {
+    fn default() -> Self {
+        AuthenticationConfig {
+            anonymous: false,
+            token_auth_file: None,
+            service_account_jwt: true,
+            audiences: Vec::new(),
+            leeway: Duration::from_secs(60),
+            jwks_refresh_interval: Duration::from_secs(300),
+            jwks_min_refresh_interval: Duration::from_secs(10),
+            revocation_check: RevocationCheck::BoundObjects,
+            token_review: true,
+            cache_ttl: Duration::from_secs(10),
+            failure_cache_ttl: Duration::from_secs(2),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub enum RevocationCheck {
+    None,
+    BoundObjects,
+    Always,
+}
+
+/// One tenant: which callers belong to it, what they may see, and their quotas.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TenantConfig {
+    /// Unique, non-empty; bound into continue tokens.
+    pub name: String,
+    /// A caller belongs to the first tenant (in file order) with any matching rule.
+    #[serde(rename = "match", default)]
+    pub matches: TenantMatch,
+    /// Namespaces of the tenant: a static list...
+    #[serde(default)]
+    pub namespaces: Vec<String>,
+    /// ...and/or a label selector on Namespace objects (from the cache), e.g. `team=a`.
+    #[serde(default)]
+    pub namespace_selector: Option<String>,
+    /// A cluster-scoped list/watch of a namespaced resource by a caller allowed only in some
+    /// namespaces: false gives the apiserver's 403; true serves only the objects in the
+    /// tenant's namespaces the caller may list.
+    #[serde(default)]
+    pub filtered_cluster_view: bool,
+    #[serde(default)]
+    pub quotas: TenantQuotas,
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct TenantMatch {
+    /// Any of these groups.
+    pub groups: Vec<String>,
+    /// ServiceAccounts of these namespaces.
+    pub service_account_namespaces: Vec<String>,
+    /// User names matching any of these patterns (`*` matches any run of characters).
+    pub username_patterns: Vec<String>,
+}
+
+/// Per-tenant limits on cache-served requests; unset means unlimited.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct TenantQuotas {
+    /// Concurrent watches served from the cache.
+    pub max_watches: Option<u32>,
+    /// Sustained LIST/GET rate (per second) and burst.
+    pub list_qps: Option<f64>,
+    pub list_burst: Option<u32>,
+    /// Most objects an unpaginated (no `limit`) list may return; larger gets 429.
+    pub max_list_objects: Option<usize>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -216,8 +338,9 @@ pub struct CacheConfig {
     pub bookmark_interval: Duration,
     /// Items per page of the proxy's own upstream LISTs when `paging.adaptUpstream` is off.
     pub upstream_page_size: u32,
-    /// A cached decision that a caller may read something lasts this long (the apiserver's
-    /// webhook token cache: 2 minutes; it bounds how long a revoked token can read cache).
+    /// A cached decision that a caller may read something lasts this long (kube-apiserver's
+    /// `--authorization-webhook-cache-authorized-ttl`: 5 minutes; it bounds how long a
+    /// revoked permission can still read the cache).
     #[serde(with = "humantime_serde")]
     pub authorization_allow_ttl: Duration,
     /// A cached "not allowed" lasts this long (the webhook authorizer's default: 30 s).
@@ -251,7 +374,7 @@ impl Default for CacheConfig {
             dispatch_budget: Duration::from_millis(100),
             bookmark_interval: Duration::from_secs(60),
             upstream_page_size: 500,
-            authorization_allow_ttl: Duration::from_secs(120),
+            authorization_allow_ttl: Duration::from_secs(300),
             authorization_deny_ttl: Duration::from_secs(30),
         }
     }
@@ -701,6 +824,32 @@ impl Config {
                 err(
                     &format!("cache.resources[{i}]"),
                     format!("{r:?} is not `resource` or `resource.group`"),
+                );
+            }
+        }
+        let mut names = std::collections::HashSet::new();
+        for (i, t) in self.tenants.iter().enumerate() {
+            if t.name.is_empty() || !names.insert(t.name.as_str()) {
+                err(
+                    &format!("tenants[{i}].name"),
+                    "must be non-empty and unique".into(),
+                );
+            }
+            if let Some(sel) = &t.namespace_selector
+                && let Err(e) = crate::selector::LabelSelector::parse(sel)
+            {
+                err(
+                    &format!("tenants[{i}].namespaceSelector"),
+                    format!("invalid label selector: {e}"),
+                );
+            }
+            if t.quotas
+                .list_qps
+                .is_some_and(|q| !(q > 0.0 && q.is_finite()))
+            {
+                err(
+                    &format!("tenants[{i}].quotas.listQps"),
+                    "must be a positive number".into(),
                 );
             }
         }

@@ -26,12 +26,19 @@ pub struct Filter {
     pub namespace: Option<String>,
     pub labels: LabelSelector,
     pub fields: FieldSelector,
+    /// Only these namespaces (a tenant's filtered cluster view); `None` for all.
+    pub namespaces: Option<Arc<std::collections::BTreeSet<String>>>,
 }
 
 impl Filter {
     pub fn matches(&self, o: &CachedObject) -> bool {
         if let Some(ns) = &self.namespace
             && &*o.meta.namespace != ns.as_str()
+        {
+            return false;
+        }
+        if let Some(set) = &self.namespaces
+            && !set.contains(&*o.meta.namespace)
         {
             return false;
         }

@@ -16,7 +16,11 @@
 //! - [`upstream`]: clients to kube-apiserver from kubeconfig / in-cluster config.
 //! - [`router`]: the pure cache-or-passthrough decision.
 //! - [`consistency`]: when an unset-resourceVersion read may come from the cache (strict, bounded).
-//! - [`authz`]: authorization of cache-served reads by the apiserver's access reviews.
+//! - [`authn`]: authentication of cache-served requests (client certificates, token file,
+//!   offline-verified ServiceAccount JWTs, TokenReview); verified identities and tenants.
+//! - [`authz`]: authorization of cache-served reads by SubjectAccessReview, the apiserver's
+//!   403, impersonation checks for client-certificate callers.
+//! - [`tenancy`]: tenants' quotas (watches, read rate, list size) and filtered cluster views.
 //! - [`cache`]: per-resource store (objects as bytes + parsed metadata, snapshots, history),
 //!   readiness, the registry of cached resources and their metrics.
 //! - [`reflector`]: the upstream LIST+WATCH state machine feeding a cache.
@@ -39,6 +43,7 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod authn;
 pub mod authz;
 pub mod body;
 pub mod cache;
@@ -59,6 +64,7 @@ pub mod request_info;
 pub mod router;
 pub mod selector;
 pub mod server;
+pub mod tenancy;
 pub mod tls;
 pub mod token;
 pub mod upstream;

@@ -901,6 +901,7 @@ mod tests {
                         &selector.as_ref().map(|s| format!("app={s}")).unwrap_or_default()
                     ).unwrap(),
                     fields: FieldSelector::default(),
+                    namespaces: None,
                 };
                 let expected: Vec<String> = {
                     let snap = cache.current();

@@ -156,3 +156,153 @@ impl Metrics {
         out
     }
 }
+
+/// Authentication, authorization and tenant-quota metrics, read from their counters at scrape
+/// time.
+#[derive(Debug)]
+pub struct AuthCollector {
+    pub authn: std::sync::Arc<crate::authn::Authenticator>,
+    pub authz: std::sync::Arc<crate::authz::Authorizer>,
+    pub tenancy: std::sync::Arc<crate::tenancy::Tenancy>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct AuthnLabels {
+    method: String,
+    result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct QuotaLabels {
+    tenant: String,
+    quota: String,
+}
+
+impl prometheus_client::collector::Collector for AuthCollector {
+    fn encode(&self, mut enc: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
+        use prometheus_client::encoding::EncodeMetric;
+        use std::sync::atomic::Ordering::Relaxed;
+        fn emit<M: EncodeMetric>(
+            enc: &mut prometheus_client::encoding::DescriptorEncoder,
+            name: &str,
+            help: &str,
+            m: &M,
+        ) -> std::fmt::Result {
+            let e = enc.encode_descriptor(name, help, None, m.metric_type())?;
+            m.encode(e)
+        }
+        let authn = Family::<AuthnLabels, Counter>::default();
+        let a = &self.authn.stats;
+        for (i, m) in crate::authn::METHODS.iter().enumerate() {
+            authn
+                .get_or_create(&AuthnLabels {
+                    method: m.as_str().into(),
+                    result: "success".into(),
+                })
+                .inc_by(a.ok[i].load(Relaxed));
+        }
+        // Failures are not attributed to a method: a token that verifies nowhere has none.
+        for (result, n) in [
+            ("unauthorized", a.unauthorized.load(Relaxed)),
+            ("unavailable", a.unavailable.load(Relaxed)),
+        ] {
+            authn
+                .get_or_create(&AuthnLabels {
+                    method: "any".into(),
+                    result: result.into(),
+                })
+                .inc_by(n);
+        }
+        emit(
+            &mut enc,
+            "kube_cache_proxy_authentications",
+            "Authentications of cache-served requests by method and result",
+            &authn,
+        )?;
+        let authn_cache = Family::<ResultLabels, Counter>::default();
+        authn_cache
+            .get_or_create(&ResultLabels {
+                result: "hit".into(),
+            })
+            .inc_by(a.cache_hits.load(Relaxed));
+        emit(
+            &mut enc,
+            "kube_cache_proxy_authentication_cache",
+            "Token authentications answered from the proxy's token cache",
+            &authn_cache,
+        )?;
+        let jwks = Counter::<u64>::default();
+        jwks.inc_by(a.jwks_fetches.load(Relaxed));
+        emit(
+            &mut enc,
+            "kube_cache_proxy_jwks_fetches",
+            "Fetches of the ServiceAccount issuer's discovery document and JWKS",
+            &jwks,
+        )?;
+
+        let z = &self.authz.stats;
+        let decisions = Family::<ResultLabels, Counter>::default();
+        for (result, n) in [
+            ("allowed", z.allowed.load(Relaxed)),
+            ("denied", z.denied.load(Relaxed)),
+            ("error", z.errors.load(Relaxed)),
+        ] {
+            decisions
+                .get_or_create(&ResultLabels {
+                    result: result.into(),
+                })
+                .inc_by(n);
+        }
+        emit(
+            &mut enc,
+            "kube_cache_proxy_authorization_decisions",
+            "Authorization decisions on cache-served requests (errors fail closed)",
+            &decisions,
+        )?;
+        let lookups = Family::<ResultLabels, Counter>::default();
+        for (result, n) in [
+            ("hit", z.cache_hits.load(Relaxed)),
+            ("miss", z.cache_misses.load(Relaxed)),
+        ] {
+            lookups
+                .get_or_create(&ResultLabels {
+                    result: result.into(),
+                })
+                .inc_by(n);
+        }
+        emit(
+            &mut enc,
+            "kube_cache_proxy_authorization_cache_lookups",
+            "Authorization decision cache lookups (hit ratio = hit / (hit + miss))",
+            &lookups,
+        )?;
+
+        let quota = Family::<QuotaLabels, Counter>::default();
+        for t in self.tenancy.tenants() {
+            let r = &t.rejections;
+            for (q, n) in [
+                ("watches", r.watches.load(Relaxed)),
+                ("rate", r.rate.load(Relaxed)),
+                ("list_size", r.list_size.load(Relaxed)),
+            ] {
+                quota
+                    .get_or_create(&QuotaLabels {
+                        tenant: t.config.name.clone(),
+                        quota: q.into(),
+                    })
+                    .inc_by(n);
+            }
+        }
+        emit(
+            &mut enc,
+            "kube_cache_proxy_quota_rejections",
+            "Cache-served requests refused with 429 by tenant quota",
+            &quota,
+        )
+    }
+}

@@ -102,6 +102,7 @@ fn filter_for(
         namespace: (!namespace.is_empty()).then(|| namespace.to_string()),
         labels,
         fields,
+        namespaces: None,
     })
 }
 

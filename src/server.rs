@@ -41,7 +41,9 @@ pub struct State {
     pub health: Health,
     /// Cached resources (filled in the background as they are discovered and synced).
     pub caches: Arc<crate::cache::registry::Caches>,
-    pub authz: crate::authz::Authorizer,
+    pub authn: Arc<crate::authn::Authenticator>,
+    pub authz: Arc<crate::authz::Authorizer>,
+    pub tenancy: Arc<crate::tenancy::Tenancy>,
     pub watch: crate::watch::WatchConfig,
     pub lists: crate::list::ListConfig,
     /// Continue-token keys.
@@ -54,7 +56,11 @@ pub struct State {
 }
 
 impl State {
-    pub fn new(config: Config, upstream: Upstream) -> Arc<State> {
+    pub fn new(
+        config: Config,
+        upstream: Upstream,
+        authn: crate::authn::Authenticator,
+    ) -> Arc<State> {
         let drain = CancellationToken::new();
         let c = &config.cache;
         let store = crate::cache::StoreConfig {
@@ -78,11 +84,13 @@ impl State {
             reflector,
             drain.clone(),
         );
-        let authz = crate::authz::Authorizer::new(
+        let authz = Arc::new(crate::authz::Authorizer::new(
             upstream.clone(),
             c.authorization_allow_ttl,
             c.authorization_deny_ttl,
-        );
+        ));
+        let authn = Arc::new(authn);
+        let tenancy = Arc::new(crate::tenancy::Tenancy::new(&config.tenants));
         let watch = crate::watch::WatchConfig {
             bookmark_interval: c.bookmark_interval,
             ..Default::default()
@@ -111,6 +119,11 @@ impl State {
         metrics.register_collector(Box::new(crate::cache::metrics::CacheCollector(
             caches.clone(),
         )));
+        metrics.register_collector(Box::new(crate::metrics::AuthCollector {
+            authn: authn.clone(),
+            authz: authz.clone(),
+            tenancy: tenancy.clone(),
+        }));
         metrics.register_collector(Box::new(crate::paging::PagingCollector(paging.clone())));
         Arc::new(State {
             config,
@@ -118,7 +131,9 @@ impl State {
             metrics,
             health: Health::new(),
             caches,
+            authn,
             authz,
+            tenancy,
             watch,
             lists,
             keys,
@@ -435,23 +450,33 @@ async fn serve_from_cache(
         }
         return None;
     }
-    let caller = crate::identity::Caller::identify(conn.cert.as_deref(), req.headers());
-    let attrs = crate::authz::Attributes {
-        verb: info.verb.clone(),
-        group: info.api_group.clone(),
-        version: info.api_version.clone(),
-        resource: info.resource.clone(),
-        namespace: info.namespace.clone(),
-        name: info.name.clone(),
+    let namespaced = match &route {
+        Route::Watch { cache, .. } | Route::Get { cache, .. } | Route::List { cache, .. } => {
+            cache.resource.namespaced
+        }
+        Route::Passthrough(_) => false,
     };
-    if !state.authz.allowed(&caller, &attrs).await {
-        return None;
+    let (id, view) = match authenticate_and_authorize(state, conn, req, info, namespaced).await {
+        Ok(x) => x,
+        Err(resp) => return resp,
+    };
+    // Tenant quotas (`tenancy`); the unnamed tenant has none.
+    let tenant = state.tenancy.get(&id.tenant);
+    let mut permit = None;
+    if let Some(t) = tenant {
+        let admitted = match &route {
+            Route::Watch { .. } => t.admit_watch().map(|p| permit = p),
+            _ => t.admit_read(),
+        };
+        if let Err(status) = admitted {
+            return Some(status.into_response());
+        }
     }
     match route {
         Route::Watch {
             cache,
             params,
-            filter,
+            mut filter,
             enc,
         } => {
             // Most recent state (a watch or WatchList without resourceVersion): only once the
@@ -465,7 +490,8 @@ async fn serve_from_cache(
             {
                 return None;
             }
-            crate::watch::serve(
+            filter.namespaces = view;
+            let resp = crate::watch::serve(
                 cache,
                 params,
                 filter,
@@ -474,7 +500,11 @@ async fn serve_from_cache(
                 state.drain.clone(),
             )
             .await
-            .ok()
+            .ok()?;
+            // The tenant's watch slot is held as long as the stream.
+            let (parts, b) = resp.into_parts();
+            let b = Tracked::new(b, Instant::now(), move |_| drop(permit));
+            Some(Response::from_parts(parts, body::boxed(b)))
         }
         Route::Get {
             cache,
@@ -493,10 +523,25 @@ async fn serve_from_cache(
         }
         Route::List {
             cache,
-            filter,
+            mut filter,
             enc,
             params,
         } => {
+            filter.namespaces = view;
+            if let Some(t) = tenant
+                && t.config.quotas.max_list_objects.is_some()
+                && !has_limit(query)
+            {
+                let n = cache
+                    .current()
+                    .objects
+                    .values()
+                    .filter(|o| filter.matches(o))
+                    .count();
+                if let Err(status) = t.admit_list_size(n) {
+                    return Some(status.into_response());
+                }
+            }
             let latest = if params.rv == crate::list::Rv::Unset && params.continue_.is_none() {
                 state
                     .consistency
@@ -508,7 +553,7 @@ async fn serve_from_cache(
             let cx = crate::list::ListContext {
                 cfg: &state.lists,
                 keys: &state.keys,
-                binding: list_binding(&caller, info, &params),
+                binding: list_binding(&id, info, &params),
                 accepts_gzip: accepts_gzip(req.headers()),
                 page_cap: state.paging.downstream_cap().map(|c| c as u64),
             };
@@ -521,6 +566,120 @@ async fn serve_from_cache(
             }
         }
         Route::Passthrough(_) => None,
+    }
+}
+
+/// Authentication and authorization of a cache-served request (`authn`, `authz`): `Ok` to
+/// serve it; `Err(Some(status))` the 401/403/503 to answer; `Err(None)` to pass it through
+/// (impersonation requests, which the apiserver or [`impersonation_gate`] authorize).
+/// A cluster-wide list/watch RBAC denies may still be served as the tenant's filtered view:
+/// the namespace set comes back with the identity.
+async fn authenticate_and_authorize(
+    state: &State,
+    conn: &ConnInfo,
+    req: &Request<Incoming>,
+    info: &RequestInfo,
+    namespaced: bool,
+) -> Result<AuthorizedView, Option<Response<Body>>> {
+    use crate::authn::Outcome;
+    use crate::authz::Decision;
+    if has_impersonation(req.headers()) {
+        return Err(None);
+    }
+    let id = match state
+        .authn
+        .authenticate(conn.cert.as_deref(), req.headers())
+        .await
+    {
+        Outcome::Authenticated(id, _) => id,
+        Outcome::Unauthorized => return Err(Some(Status::unauthorized().into_response())),
+        Outcome::Unavailable(e) => {
+            let msg = format!("authentication is unavailable: {e}");
+            return Err(Some(Status::service_unavailable(msg, 1).into_response()));
+        }
+    };
+    let attrs = crate::authz::Attributes {
+        verb: info.verb.clone(),
+        group: info.api_group.clone(),
+        version: info.api_version.clone(),
+        resource: info.resource.clone(),
+        subresource: info.subresource.clone(),
+        namespace: info.namespace.clone(),
+        name: info.name.clone(),
+    };
+    match state.authz.authorize(&id, &attrs).await {
+        Decision::Allow => Ok((id, None)),
+        Decision::Deny(reason) => {
+            let ns_cache = state.caches.get("", "v1", "namespaces");
+            let view = state
+                .tenancy
+                .filtered_view(&state.authz, ns_cache.as_deref(), &id, &attrs, namespaced)
+                .await;
+            match view {
+                Some(set) => Ok((id, Some(set))),
+                None => Err(Some(
+                    crate::authz::forbidden(&id, &attrs, &reason).into_response(),
+                )),
+            }
+        }
+        Decision::Error(e) => {
+            let msg = format!("authorization is unavailable: {e}");
+            Err(Some(Status::service_unavailable(msg, 1).into_response()))
+        }
+    }
+}
+
+type AuthorizedView = (
+    Arc<crate::authn::Identity>,
+    Option<Arc<std::collections::BTreeSet<String>>>,
+);
+
+/// Whether a list asks for pages (`limit` > 0).
+fn has_limit(query: Option<&str>) -> bool {
+    query.unwrap_or("").split('&').any(|kv| {
+        kv.strip_prefix("limit=")
+            .and_then(|v| v.parse::<u64>().ok())
+            .is_some_and(|n| n > 0)
+    })
+}
+
+fn has_impersonation(h: &http::HeaderMap) -> bool {
+    h.keys().any(|k| k.as_str().starts_with("impersonate-"))
+}
+
+/// A client-certificate caller's `Impersonate-*` headers, authorized as the apiserver's
+/// impersonation filter would (its requests travel with the proxy's credentials, so the
+/// apiserver cannot): `Err` is the refusal; `Ok(Some(conn))` the connection info to pass
+/// through as the impersonated user; `Ok(None)` nothing to do.
+async fn impersonation_gate(
+    state: &State,
+    conn: &ConnInfo,
+    req: &Request<Incoming>,
+) -> Result<Option<ConnInfo>, Response<Body>> {
+    let Some(cert) = conn.cert.as_deref() else {
+        return Ok(None);
+    };
+    if !has_impersonation(req.headers()) {
+        return Ok(None);
+    }
+    let id = match state.authn.authenticate(Some(cert), req.headers()).await {
+        crate::authn::Outcome::Authenticated(id, _) => id,
+        _ => return Err(Status::unauthorized().into_response()),
+    };
+    match state.authz.impersonate(&id, req.headers()).await {
+        Ok(Some(target)) => Ok(Some(ConnInfo {
+            peer: conn.peer,
+            cert: Some(Arc::new(CertIdentity {
+                user: target.user,
+                groups: target
+                    .groups
+                    .into_iter()
+                    .filter(|g| g != "system:authenticated")
+                    .collect(),
+            })),
+        })),
+        Ok(None) => Ok(None),
+        Err(status) => Err(status.into_response()),
     }
 }
 
@@ -585,28 +744,15 @@ fn consistency_mode(
         .unwrap_or(l.consistency)
 }
 
-/// What a continue token is bound to: the caller (a hash of its credential or certificate
-/// identity; the tenant once tenancy exists), the resource, the namespace and the selectors.
+/// What a continue token is bound to: the caller's tenant and verified identity
+/// (`authn::Identity::identity_hash`), the resource, the namespace and the selectors.
 fn list_binding(
-    caller: &crate::identity::Caller,
+    id: &crate::authn::Identity,
     info: &RequestInfo,
     p: &crate::list::ListParams,
 ) -> crate::token::Binding {
-    use sha2::Digest;
-    let identity: [u8; 32] = match caller {
-        crate::identity::Caller::Bearer(t) => sha2::Sha256::digest(t.as_bytes()).into(),
-        crate::identity::Caller::Certificate { user, groups } => {
-            let mut h = sha2::Sha256::new();
-            h.update(b"x509\0");
-            for part in std::iter::once(user).chain(groups) {
-                h.update((part.len() as u64).to_be_bytes());
-                h.update(part.as_bytes());
-            }
-            h.finalize().into()
-        }
-        crate::identity::Caller::Anonymous => sha2::Sha256::digest(b"anonymous").into(),
-    };
-    let tenant = "";
+    let identity = id.identity_hash();
+    let tenant = id.tenant.as_str();
     crate::token::Binding::new(&[
         tenant.as_bytes(),
         &identity,
@@ -723,13 +869,19 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         .clone();
     inflight.inc();
 
-    let (resp, served_by) = match serve_from_cache(state, conn, &req, &info, query.as_deref()).await
-    {
-        Some(r) => (r, "cache"),
-        None => {
-            let resp = passthrough::forward(state, conn, req, &info, long_running).await;
-            (read_your_writes(state, &info, resp).await, "upstream")
-        }
+    let (resp, served_by) = match impersonation_gate(state, conn, &req).await {
+        Err(refused) => (refused, "proxy"),
+        Ok(Some(as_target)) => (
+            passthrough::forward(state, &as_target, req, &info, long_running).await,
+            "upstream",
+        ),
+        Ok(None) => match serve_from_cache(state, conn, &req, &info, query.as_deref()).await {
+            Some(r) => (r, "cache"),
+            None => {
+                let resp = passthrough::forward(state, conn, req, &info, long_running).await;
+                (read_your_writes(state, &info, resp).await, "upstream")
+            }
+        },
     };
 
     let code = resp.status();
@@ -790,6 +942,8 @@ pub enum StartError {
     Upstream(#[from] crate::upstream::UpstreamError),
     #[error(transparent)]
     Tls(#[from] crate::tls::TlsError),
+    #[error(transparent)]
+    Authn(#[from] crate::authn::AuthnError),
     #[error("binding {addr}: {source}")]
     Bind {
         addr: SocketAddr,
@@ -856,7 +1010,12 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
     };
     let tls_addr = tls.as_ref().and_then(|(l, _)| l.local_addr().ok());
     let insecure_addr = insecure.as_ref().and_then(|l| l.local_addr().ok());
-    let state = State::new(config, upstream);
+    let authn = crate::authn::Authenticator::new(
+        config.authentication.clone(),
+        crate::authn::TenantMapper::new(config.tenants.clone()),
+        upstream.clone(),
+    )?;
+    let state = State::new(config, upstream, authn);
     state.spawn_upstream_probe();
     state
         .paging

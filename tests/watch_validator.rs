@@ -4,8 +4,8 @@
 //! upstream disconnect and a forced upstream 410 relist mid-run. Every watcher's history must
 //! match the real one, and its final view the real state.
 //!
-//! Also: access reviews decide what is served from the cache (a denied caller passes through
-//! and gets the apiserver's 403).
+//! Also: access reviews decide what is served from the cache (a denied caller gets the
+//! apiserver's 403 from the proxy).
 
 mod support;
 
@@ -425,7 +425,7 @@ async fn denied_callers_are_not_served_from_the_cache_and_get_the_apiservers_403
     let url = proxy.https("/api/v1/namespaces/default/configmaps?watch=1&resourceVersion=0");
     let client = proxy.client(None, true);
 
-    // Allowed: served from the cache (the apiserver sees only the review).
+    // Allowed: served from the cache (the apiserver sees only the reviews).
     let ok = client.get(&url, Some("good-token")).await;
     assert_eq!(ok.status(), 200);
     let mut r = support::proxy::EventReader::new(ok);
@@ -433,11 +433,17 @@ async fn denied_callers_are_not_served_from_the_cache_and_get_the_apiservers_403
     assert_eq!(first["type"], "ADDED");
     drop(r);
 
-    // Denied token and denied client-certificate user: passed through, the apiserver's 403.
+    // Denied token and denied client-certificate user: the proxy answers the apiserver's 403
+    // itself, with the apiserver's message; nothing passes through.
     let denied = client.get(&url, Some("bad-token")).await;
     assert_eq!(denied.status(), 403);
-    let body = body_string(denied).await;
-    assert!(body.contains("\"reason\":\"Forbidden\""), "{body}");
+    let body: Value = serde_json::from_str(&body_string(denied).await).unwrap();
+    assert_eq!(body["reason"], "Forbidden");
+    assert_eq!(
+        body["message"],
+        "configmaps is forbidden: User \"bad-token\" cannot watch resource \"configmaps\" in API group \"\" in the namespace \"default\": denied by the fake apiserver's deny list"
+    );
+    assert_eq!(body["details"]["kind"], "configmaps");
     let (cert, key) = client_cert(&proxy.client_ca, "mallory", &[]);
     let m = proxy.client(Some((&cert, &key)), true);
     let denied = m.get(&url, None).await;
@@ -445,32 +451,24 @@ async fn denied_callers_are_not_served_from_the_cache_and_get_the_apiservers_403
     let (cert, key) = client_cert(&proxy.client_ca, "alice", &[]);
     let a = proxy.client(Some((&cert, &key)), true);
     assert_eq!(a.get(&url, None).await.status(), 200);
+    // A token the apiserver does not accept: 401, as from the apiserver.
+    let unauth = client.get(&url, Some("invalid-token")).await;
+    assert_eq!(unauth.status(), 401);
+    // Repeats are answered from the decision caches.
+    assert_eq!(client.get(&url, Some("bad-token")).await.status(), 403);
 
     let reqs = fake.requests();
-    let watches: Vec<_> = reqs.iter().filter(|r| is_watch(r)).collect();
-    let tokens: Vec<_> = watches
-        .iter()
-        .map(|r| {
-            (
-                r.headers.get("authorization").cloned(),
-                r.headers.get("impersonate-user").cloned(),
-            )
-        })
-        .collect();
     assert_eq!(
-        watches.len(),
-        2,
-        "only the denied watches pass through: {tokens:?}"
+        reqs.iter().filter(|r| is_watch(r)).count(),
+        0,
+        "no watch passes through"
     );
-    let ssar = reqs
-        .iter()
-        .filter(|r| r.path.ends_with("/selfsubjectaccessreviews"))
-        .count();
-    let sar = reqs
-        .iter()
-        .filter(|r| r.path.ends_with("/subjectaccessreviews") && !r.path.contains("self"))
-        .count();
-    assert_eq!((ssar, sar), (2, 2), "one review per caller");
+    let count = |suffix: &str| reqs.iter().filter(|r| r.path.ends_with(suffix)).count();
+    // Tokens are verified by TokenReview (they are not JWTs of the issuer); every caller's
+    // decision by one SubjectAccessReview with the proxy's credentials.
+    assert_eq!(count("/tokenreviews"), 3, "one review per token");
+    assert_eq!(count("/selfsubjectaccessreviews"), 0);
+    assert_eq!(count("/subjectaccessreviews"), 4, "one review per identity");
     proxy.shutdown().await;
 }
 

@@ -113,6 +113,8 @@ struct Shared {
     bookmark_interval: Mutex<Duration>,
     /// Tokens and user names that are not authorized for anything (see [`Faults::deny`]).
     deny: Mutex<HashSet<String>>,
+    impersonators: Mutex<HashSet<String>>,
+    only_in: Mutex<std::collections::HashMap<String, HashSet<String>>>,
     /// The `/metrics` text for the n-th scrape (see [`Faults::set_metrics`]), and scrapes so far.
     metrics: Mutex<(MetricsText, u64)>,
     shutdown: CancellationToken,
@@ -147,6 +149,8 @@ impl FakeApiServer {
             refuse: AtomicBool::new(false),
             bookmark_interval: Mutex::new(DEFAULT_BOOKMARK_INTERVAL),
             deny: Mutex::new(HashSet::new()),
+            impersonators: Mutex::new(HashSet::new()),
+            only_in: Mutex::new(std::collections::HashMap::new()),
             metrics: Mutex::new((Arc::new(|_| String::new()), 0)),
             shutdown: CancellationToken::new(),
         });
@@ -328,9 +332,25 @@ impl Faults {
     /// Puts a bearer token or a user name (a client certificate's CN, sent by the proxy as
     /// `Impersonate-User`, or a SubjectAccessReview's user or group) on the deny list: its
     /// resource requests get 403 Forbidden and access reviews about it answer
-    /// `allowed: false`. Everyone else is allowed everything.
+    /// `allowed: false`. Everyone else is allowed everything but impersonation
+    /// ([`Faults::allow_impersonation`]).
     pub fn deny(&self, token_or_user: &str) {
         lock(&self.shared.deny).insert(token_or_user.to_string());
+    }
+
+    /// Lets `user` impersonate: SubjectAccessReviews with verb `impersonate` are allowed only
+    /// for such users.
+    pub fn allow_impersonation(&self, user: &str) {
+        lock(&self.shared.impersonators).insert(user.to_string());
+    }
+
+    /// SubjectAccessReviews about `user` are allowed only in these namespaces (denied at
+    /// cluster scope and elsewhere), like a user with RoleBindings in just those.
+    pub fn allow_only_in(&self, user: &str, namespaces: &[&str]) {
+        lock(&self.shared.only_in).insert(
+            user.to_string(),
+            namespaces.iter().map(|n| n.to_string()).collect(),
+        );
     }
 
     /// Ends every open watch with an ERROR event carrying 410 Expired ("too old resource
@@ -824,6 +844,9 @@ async fn route(
         "/apis/authorization.k8s.io/v1/subjectaccessreviews" => {
             return access_review(shared, &req, false);
         }
+        "/apis/authentication.k8s.io/v1/tokenreviews" => {
+            return token_review(&req);
+        }
         _ => {}
     }
 
@@ -1053,7 +1076,17 @@ fn access_review(
             .and_then(Value::as_array)
             .cloned()
             .unwrap_or_default();
-        !deny.contains(user)
+        let impersonate = spec.pointer("/resourceAttributes/verb") == Some(&json!("impersonate"));
+        let ns = spec
+            .pointer("/resourceAttributes/namespace")
+            .and_then(Value::as_str)
+            .unwrap_or("");
+        let in_scope = lock(&shared.only_in)
+            .get(user)
+            .is_none_or(|set| set.contains(ns));
+        in_scope
+            && (!impersonate || lock(&shared.impersonators).contains(user))
+            && !deny.contains(user)
             && !groups
                 .iter()
                 .filter_map(Value::as_str)
@@ -1066,6 +1099,44 @@ fn access_review(
     let o = review.as_object_mut().expect("checked above");
     o.insert("kind".into(), kind.into());
     o.insert("apiVersion".into(), "authorization.k8s.io/v1".into());
+    o.insert("metadata".into(), json!({ "creationTimestamp": null }));
+    o.insert("status".into(), status);
+    Ok(json_response(StatusCode::CREATED, to_json(&review)))
+}
+
+/// `POST .../tokenreviews`: every token authenticates as the user named like the token
+/// itself (so the deny list applies to it in access reviews), in `system:authenticated`,
+/// except tokens starting with `invalid`. 201 Created, like the apiserver.
+fn token_review(req: &ReadRequest) -> Result<Response<Body>, Status> {
+    if req.method != Method::POST {
+        return Err(Status::method_not_allowed());
+    }
+    let mut review: Value = serde_json::from_slice(&req.body).map_err(|e| {
+        Status::bad_request(format!(
+            "the object provided is unrecognized (must be of type TokenReview): {e}"
+        ))
+    })?;
+    let token = review
+        .pointer("/spec/token")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string();
+    let status = if token.is_empty() || token.starts_with("invalid") {
+        json!({ "authenticated": false, "user": {}, "error": "invalid bearer token" })
+    } else {
+        json!({
+            "authenticated": true,
+            "user": { "username": token, "uid": format!("uid-{token}"), "groups": ["system:authenticated"] },
+            "audiences": ["https://kubernetes.default.svc.cluster.local"],
+        })
+    };
+    let Some(o) = review.as_object_mut() else {
+        return Err(Status::bad_request(
+            "the object provided is unrecognized (must be of type TokenReview)".into(),
+        ));
+    };
+    o.insert("kind".into(), "TokenReview".into());
+    o.insert("apiVersion".into(), "authentication.k8s.io/v1".into());
     o.insert("metadata".into(), json!({ "creationTimestamp": null }));
     o.insert("status".into(), status);
     Ok(json_response(StatusCode::CREATED, to_json(&review)))

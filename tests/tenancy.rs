@@ -1,0 +1,291 @@
+//! Tenancy against the fake apiserver: filtered cluster views from the one shared cache (lists
+//! and watch streams show only the namespaces a tenant's caller may list) and quotas (429
+//! with an integer `Retry-After`).
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use kube_cache_proxy::config::{TenantConfig, TenantMatch, TenantQuotas};
+use serde_json::{Value, json};
+use support::fake_apiserver::FakeApiServer;
+use support::proxy::{EventReader, TestProxy, body_json, body_string};
+
+const GUARD: Duration = Duration::from_secs(20);
+
+fn tenant(name: &str, user_pattern: &str, view: bool, quotas: TenantQuotas) -> TenantConfig {
+    TenantConfig {
+        name: name.into(),
+        matches: TenantMatch {
+            username_patterns: vec![user_pattern.into()],
+            ..Default::default()
+        },
+        namespaces: vec!["ns1".into(), "ns2".into()],
+        namespace_selector: Some("team=a".into()),
+        filtered_cluster_view: view,
+        quotas,
+    }
+}
+
+async fn setup(tenants: Vec<TenantConfig>) -> (FakeApiServer, TestProxy) {
+    let fake = FakeApiServer::start().await;
+    for (ns, labels) in [
+        ("ns1", json!({})),
+        ("ns2", json!({})),
+        ("ns3", json!({"team": "a"})),
+        ("ns4", json!({})),
+    ] {
+        fake.create(
+            "/api/v1/namespaces",
+            json!({"metadata": {"name": ns, "labels": labels}}),
+        )
+        .await;
+        fake.create(
+            &format!("/api/v1/namespaces/{ns}/configmaps"),
+            json!({"metadata": {"name": format!("cm-{ns}")}}),
+        )
+        .await;
+    }
+    let proxy = TestProxy::start(&fake.url(), |c| {
+        c.cache.resources = vec!["configmaps".into(), "namespaces".into()];
+        c.tenants = tenants;
+    })
+    .await;
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    let t0 = Instant::now();
+    while !["configmaps", "namespaces"]
+        .iter()
+        .all(|r| state.caches.get("", "v1", r).is_some_and(|c| c.is_ready()))
+    {
+        assert!(t0.elapsed() < GUARD, "caches never synced");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (fake, proxy)
+}
+
+fn names(list: &Value) -> Vec<String> {
+    list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|o| o["metadata"]["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_filtered_cluster_view_shows_only_the_tenants_namespaces_the_caller_may_list() {
+    let (fake, proxy) = setup(vec![
+        tenant("team-a", "a-*", true, TenantQuotas::default()),
+        tenant("team-b", "b-*", false, TenantQuotas::default()),
+    ])
+    .await;
+    // RBAC: a-user may read ns1 and ns3 (and ns4, outside the tenant), not ns2 or cluster-wide.
+    fake.faults()
+        .allow_only_in("a-user", &["ns1", "ns3", "ns4"]);
+    fake.faults().allow_only_in("b-user", &["ns1"]);
+    let client = proxy.client(None, true);
+
+    let list = client
+        .get(
+            &proxy.https("/api/v1/configmaps?resourceVersion=0"),
+            Some("a-user"),
+        )
+        .await;
+    assert_eq!(list.status(), 200);
+    // ns2 is the tenant's but RBAC denies it; ns4 is allowed but not the tenant's; ns3 is the
+    // tenant's by its label.
+    assert_eq!(names(&body_json(list).await), ["cm-ns1", "cm-ns3"]);
+
+    // The same view on a watch, including events after it started.
+    let w = client
+        .get(
+            &proxy.https("/api/v1/configmaps?watch=1&resourceVersion=0&allowWatchBookmarks=true"),
+            Some("a-user"),
+        )
+        .await;
+    assert_eq!(w.status(), 200);
+    let mut r = EventReader::new(w);
+    let mut seen = Vec::new();
+    for ns in ["ns2", "ns4", "ns1"] {
+        fake.create(
+            &format!("/api/v1/namespaces/{ns}/configmaps"),
+            json!({"metadata": {"name": format!("late-{ns}")}}),
+        )
+        .await;
+    }
+    // Read until the last write (ns1) arrives: nothing of ns2/ns4 may come before or with it.
+    while !seen.contains(&"ns1/late-ns1".to_string()) {
+        let ev = tokio::time::timeout(GUARD, r.next())
+            .await
+            .expect("event in time")
+            .expect("stream open");
+        if ev["type"] == "BOOKMARK" {
+            assert!(
+                ev["object"]["metadata"].get("name").is_none(),
+                "bookmarks carry no object: {ev}"
+            );
+            continue;
+        }
+        let o = &ev["object"]["metadata"];
+        seen.push(format!(
+            "{}/{}",
+            o["namespace"].as_str().unwrap(),
+            o["name"].as_str().unwrap()
+        ));
+    }
+    assert_eq!(seen, ["ns1/cm-ns1", "ns3/cm-ns3", "ns1/late-ns1"]);
+    drop(r);
+
+    // A tenant without the filtered view gets the apiserver's 403.
+    let denied = client
+        .get(
+            &proxy.https("/api/v1/configmaps?resourceVersion=0"),
+            Some("b-user"),
+        )
+        .await;
+    assert_eq!(denied.status(), 403);
+    let body = body_string(denied).await;
+    assert!(
+        body.contains(
+            "cannot list resource \\\"configmaps\\\" in API group \\\"\\\" at the cluster scope"
+        ),
+        "{body}"
+    );
+    // So does a caller of the filtered tenant whose RBAC allows none of its namespaces.
+    fake.faults().allow_only_in("a-nobody", &["ns4"]);
+    let none = client
+        .get(
+            &proxy.https("/api/v1/configmaps?resourceVersion=0"),
+            Some("a-nobody"),
+        )
+        .await;
+    assert_eq!(none.status(), 403);
+    proxy.shutdown().await;
+}
+
+fn retry_after(r: &http::Response<hyper::body::Incoming>) -> u32 {
+    r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .expect("an integer Retry-After")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_quota_requests_get_429_with_an_integer_retry_after() {
+    let (_fake, proxy) = setup(vec![
+        tenant(
+            "rate",
+            "r-*",
+            false,
+            TenantQuotas {
+                list_qps: Some(0.2),
+                list_burst: Some(2),
+                ..Default::default()
+            },
+        ),
+        tenant(
+            "watches",
+            "w-*",
+            false,
+            TenantQuotas {
+                max_watches: Some(1),
+                ..Default::default()
+            },
+        ),
+        tenant(
+            "size",
+            "s-*",
+            false,
+            TenantQuotas {
+                max_list_objects: Some(1),
+                ..Default::default()
+            },
+        ),
+    ])
+    .await;
+    let client = proxy.client(None, true);
+    let list = proxy.https("/api/v1/namespaces/ns1/configmaps?resourceVersion=0");
+
+    // Rate: the burst, then 429 for this tenant only.
+    for _ in 0..2 {
+        assert_eq!(client.get(&list, Some("r-1")).await.status(), 200);
+    }
+    let r = client.get(&list, Some("r-2")).await;
+    assert_eq!(r.status(), 429);
+    assert!((1..=5).contains(&retry_after(&r)), "one token per 5 s");
+    let body = body_json(r).await;
+    assert_eq!(body["reason"], "TooManyRequests");
+    assert_eq!(client.get(&list, Some("other")).await.status(), 200);
+
+    // Concurrent watches.
+    let watch = proxy.https("/api/v1/namespaces/ns1/configmaps?watch=1&resourceVersion=0");
+    let first = client.get(&watch, Some("w-1")).await;
+    assert_eq!(first.status(), 200);
+    let second = client.get(&watch, Some("w-2")).await;
+    assert_eq!(second.status(), 429);
+    assert_eq!(retry_after(&second), 1);
+    drop(first);
+
+    // Unpaginated lists over the size limit; namespaced lists within it are fine.
+    let all = proxy.https("/api/v1/configmaps?resourceVersion=0");
+    let s = client.get(&all, Some("s-1")).await;
+    assert_eq!(s.status(), 429);
+    assert_eq!(retry_after(&s), 1);
+    assert!(body_string(s).await.contains("limit of 1"));
+    assert_eq!(client.get(&list, Some("s-1")).await.status(), 200);
+    let paged = proxy.https("/api/v1/configmaps?resourceVersion=0&limit=1");
+    assert_ne!(client.get(&paged, Some("s-1")).await.status(), 429);
+
+    // Rejections by tenant and quota, and the auth counters, on /metrics.
+    let metrics = proxy.running.as_ref().unwrap().state.metrics.encode();
+    for line in [
+        "kube_cache_proxy_quota_rejections_total{tenant=\"rate\",quota=\"rate\"} 1",
+        "kube_cache_proxy_quota_rejections_total{tenant=\"watches\",quota=\"watches\"} 1",
+        "kube_cache_proxy_quota_rejections_total{tenant=\"size\",quota=\"list_size\"} 1",
+        // Nine requests by six tokens: six TokenReviews, three answered from the token cache.
+        "kube_cache_proxy_authentications_total{method=\"token_review\",result=\"success\"} 9",
+        "kube_cache_proxy_authentication_cache_total{result=\"hit\"} 3",
+    ] {
+        assert!(metrics.contains(line), "{line} missing:\n{metrics}");
+    }
+    assert!(metrics.contains("kube_cache_proxy_authorization_cache_lookups_total{result=\"hit\"}"));
+    assert!(metrics.contains("kube_cache_proxy_authorization_decisions_total{result=\"allowed\"}"));
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_continue_token_replayed_by_another_identity_or_tenant_is_refused() {
+    let (_fake, proxy) = setup(vec![
+        tenant("team-a", "a-*", false, TenantQuotas::default()),
+        tenant("team-b", "b-*", false, TenantQuotas::default()),
+    ])
+    .await;
+    let client = proxy.client(None, true);
+    let first = client
+        .get(&proxy.https("/api/v1/configmaps?limit=1"), Some("a-one"))
+        .await;
+    assert_eq!(first.status(), 200);
+    let page = body_json(first).await;
+    assert_eq!(page["items"].as_array().unwrap().len(), 1);
+    let token = page["metadata"]["continue"]
+        .as_str()
+        .expect("a continue token")
+        .to_string();
+    let next = |who: &'static str| {
+        let url = proxy.https(&format!("/api/v1/configmaps?limit=1&continue={token}"));
+        let client = &client;
+        async move { client.get(&url, Some(who)).await }
+    };
+    // The owner continues; another identity of the same tenant, and a caller of another
+    // tenant, are refused without any object.
+    assert_eq!(next("a-one").await.status(), 200);
+    for other in ["a-two", "b-one"] {
+        let r = next(other).await;
+        assert_eq!(r.status(), 400, "{other}");
+        let body = body_json(r).await;
+        assert_eq!(body["kind"], "Status", "{other}: {body}");
+        assert!(body.get("items").is_none());
+    }
+    proxy.shutdown().await;
+}

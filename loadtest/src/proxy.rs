@@ -39,9 +39,10 @@ pub fn serve_main(args: Vec<String>) -> anyhow::Result<()> {
     })
 }
 
-/// Files the proxy child needs: upstream kubeconfig and its serving certificate.
+/// Files the proxy child needs: upstream kubeconfig, its serving certificate and its config.
 pub struct ProxyFiles {
     pub kubeconfig: PathBuf,
+    pub config: PathBuf,
     pub cert: PathBuf,
     pub key: PathBuf,
     pub ca_pem: String,
@@ -54,12 +55,18 @@ impl ProxyFiles {
             kube_cache_proxy::tls::generate_serving_pair(&["127.0.0.1", "localhost"])?;
         let f = ProxyFiles {
             kubeconfig: dir.join("upstream.kubeconfig"),
+            config: dir.join("proxy-config.yaml"),
             cert: dir.join("proxy-tls.crt"),
             key: dir.join("proxy-tls.key"),
             ca_pem,
             log: dir.join("proxy.log"),
         };
         std::fs::write(&f.kubeconfig, upstream_kubeconfig)?;
+        // The proxy's defaults, except a fixed upstream page size (500): the scenarios measure
+        // serving, and scenario b checks that the proxy's initial sync is ONE upstream LIST
+        // request per resource; adaptive upstream pages (tests/paging.rs) would split it into
+        // a varying number of page requests.
+        std::fs::write(&f.config, "paging:\n  adaptUpstream: false\n")?;
         std::fs::write(&f.cert, cert)?;
         std::fs::write(&f.key, key)?;
         Ok(f)
@@ -84,6 +91,8 @@ impl ProxyChild {
             .port();
         let addr: SocketAddr = ([127, 0, 0, 1], port).into();
         let args: Vec<String> = vec![
+            "--config".into(),
+            files.config.display().to_string(),
             "--kubeconfig".into(),
             files.kubeconfig.display().to_string(),
             "--listen".into(),

@@ -353,7 +353,7 @@ pub fn markdown(run: &Run, svg_name: &str) -> String {
     if !run.d.is_empty() {
         let _ = writeln!(
             md,
-            "\n## d. GETs at a fixed rate\n\n{:.0} GETs/s for {:.0} s, open loop, over one HTTP/2 connection, of {} ConfigMaps. `quorum` (no resourceVersion) must be answered by the apiserver: through the proxy it is passthrough. `rv0` (`resourceVersion=0`) may be served from a cache: the proxy's, or the apiserver's watch cache.\n",
+            "\n## d. GETs at a fixed rate\n\n{:.0} GETs/s for {:.0} s, open loop, over one HTTP/2 connection, of {} ConfigMaps. `quorum` (no resourceVersion) asks for the most recent state: the apiserver reads it at etcd's current revision; the proxy serves it from its cache under its consistency policy (`bounded` by default: while its upstream watch is up and after its own writes are reflected; `strict` would confirm the current revision upstream first). `rv0` (`resourceVersion=0`) may be served from a cache: the proxy's, or the apiserver's watch cache.\n",
             p.d_rate, p.d_secs, p.d_objects
         );
         md.push_str("| side | kind | achieved/s | latency p50 / p99 / max (ms) | errors | upstream GETs |\n|---|---|---|---|---|---|\n");

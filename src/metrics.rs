@@ -183,19 +183,20 @@ struct QuotaLabels {
     quota: String,
 }
 
+/// Writes one metric (family) of a scrape-time collector with its name and help.
+pub fn emit<M: prometheus_client::encoding::EncodeMetric>(
+    enc: &mut prometheus_client::encoding::DescriptorEncoder,
+    name: &str,
+    help: &str,
+    m: &M,
+) -> std::fmt::Result {
+    let e = enc.encode_descriptor(name, help, None, m.metric_type())?;
+    m.encode(e)
+}
+
 impl prometheus_client::collector::Collector for AuthCollector {
     fn encode(&self, mut enc: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
-        use prometheus_client::encoding::EncodeMetric;
         use std::sync::atomic::Ordering::Relaxed;
-        fn emit<M: EncodeMetric>(
-            enc: &mut prometheus_client::encoding::DescriptorEncoder,
-            name: &str,
-            help: &str,
-            m: &M,
-        ) -> std::fmt::Result {
-            let e = enc.encode_descriptor(name, help, None, m.metric_type())?;
-            m.encode(e)
-        }
         let authn = Family::<AuthnLabels, Counter>::default();
         let a = &self.authn.stats;
         for (i, m) in crate::authn::METHODS.iter().enumerate() {

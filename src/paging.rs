@@ -1118,18 +1118,9 @@ type FloatGauge = prometheus_client::metrics::gauge::Gauge<f64, AtomicU64>;
 
 impl prometheus_client::collector::Collector for PagingCollector {
     fn encode(&self, mut enc: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
-        use prometheus_client::encoding::EncodeMetric;
+        use crate::metrics::emit;
         use prometheus_client::metrics::family::Family;
         use prometheus_client::metrics::gauge::Gauge;
-        fn emit<M: EncodeMetric>(
-            enc: &mut prometheus_client::encoding::DescriptorEncoder,
-            name: &str,
-            help: &str,
-            m: &M,
-        ) -> std::fmt::Result {
-            let e = enc.encode_descriptor(name, help, None, m.metric_type())?;
-            m.encode(e)
-        }
         let p = &self.0;
         let sizes = Family::<TargetLabels, Gauge>::default();
         sizes

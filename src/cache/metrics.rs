@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -32,15 +32,7 @@ struct ServedByLabels {
 #[derive(Debug)]
 pub struct CacheCollector(pub Arc<Caches>);
 
-fn emit<M: EncodeMetric>(
-    enc: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    m: &M,
-) -> std::fmt::Result {
-    let e = enc.encode_descriptor(name, help, None, m.metric_type())?;
-    m.encode(e)
-}
+use crate::metrics::emit;
 
 impl Collector for CacheCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {

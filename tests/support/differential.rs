@@ -1134,25 +1134,10 @@ impl AllowList {
     }
 }
 
-/// `*` matches any run of characters; everything else literally.
-pub fn glob(pattern: &str, s: &str) -> bool {
-    let parts: Vec<&str> = pattern.split('*').collect();
-    if parts.len() == 1 {
-        return pattern == s;
-    }
-    let (first, last) = (parts[0], parts[parts.len() - 1]);
-    if !s.starts_with(first) || s.len() < first.len() + last.len() || !s.ends_with(last) {
-        return false;
-    }
-    let mut rest = &s[first.len()..s.len() - last.len()];
-    for mid in &parts[1..parts.len() - 1] {
-        match rest.find(mid) {
-            Some(i) => rest = &rest[i + mid.len()..],
-            None => return false,
-        }
-    }
-    true
-}
+/// `*` globs for the allow-list: the proxy's own matcher (`authn::glob`, used for username
+/// patterns), kept in one place.
+#[allow(unused_imports)]
+pub use kube_cache_proxy::authn::glob;
 
 fn allowed(allow: &[Allow], d: &Diff) -> Option<usize> {
     allow

@@ -350,29 +350,33 @@ fn put_item(b: &mut BytesMut, cache: &ResourceCache, o: &CachedObject, enc: Enco
     }
 }
 
-fn gzip(data: &[u8], level: u32) -> Option<Vec<u8>> {
-    let mut e = flate2::write::GzEncoder::new(
-        Vec::with_capacity(data.len() / 4),
-        flate2::Compression::new(level),
-    );
-    e.write_all(data).ok()?;
+fn gzip<'a>(parts: impl Iterator<Item = &'a Bytes>, len: usize, level: u32) -> Option<Vec<u8>> {
+    let mut e =
+        flate2::write::GzEncoder::new(Vec::with_capacity(len / 4), flate2::Compression::new(level));
+    for p in parts {
+        e.write_all(p).ok()?;
+    }
     e.finish().ok()
 }
 
-fn respond(b: BytesMut, cfg: &ListConfig, accepts_gzip: bool) -> Response<Body> {
+fn gzipped(z: Vec<u8>) -> Response<Body> {
+    let mut r = json(Bytes::from(z));
+    r.headers_mut()
+        .insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+    r.headers_mut()
+        .insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
+    r
+}
+
+fn respond(b: Bytes, cfg: &ListConfig, accepts_gzip: bool) -> Response<Body> {
     if accepts_gzip
         && cfg.gzip_min_bytes > 0
         && b.len() >= cfg.gzip_min_bytes
-        && let Some(z) = gzip(&b, cfg.gzip_level)
+        && let Some(z) = gzip(std::iter::once(&b), b.len(), cfg.gzip_level)
     {
-        let mut r = json(Bytes::from(z));
-        r.headers_mut()
-            .insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
-        r.headers_mut()
-            .insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
-        return r;
+        return gzipped(z);
     }
-    json(b.freeze())
+    json(b)
 }
 
 /// Everything a list needs besides its request.
@@ -580,7 +584,12 @@ async fn list_inner(
     Outcome::Served(write_page(cache, enc, cx, list_rv, &page, meta))
 }
 
-/// A page's body: `meta` is the continue token and remainingItemCount, if any.
+/// Objects at least this large go into a page body as the bytes the cache shares, not copied.
+const ZERO_COPY_MIN: usize = 4096;
+
+/// A page's body: `meta` is the continue token and remainingItemCount, if any. Large items
+/// are written as their own frames (the cache's shared bytes), small ones copied into 64 KiB
+/// chunks, so a page costs no allocation the size of the page.
 fn write_page(
     cache: &ResourceCache,
     enc: Encoding,
@@ -589,9 +598,9 @@ fn write_page(
     page: &Page,
     meta: Option<(String, Option<u64>)>,
 ) -> Response<Body> {
-    let mut b =
-        BytesMut::with_capacity(256 + page.items.iter().map(|o| o.body.len() + 1).sum::<usize>());
-    put_list_head(&mut b, cache, enc);
+    let mut f = body::FramesBuilder::new(64 * 1024, ZERO_COPY_MIN);
+    let b = f.buf();
+    put_list_head(b, cache, enc);
     b.put_slice(format!(",\"metadata\":{{\"resourceVersion\":\"{list_rv}\"").as_bytes());
     if let Some((token, remaining)) = meta {
         b.put_slice(b",\"continue\":\"");
@@ -604,12 +613,29 @@ fn write_page(
     b.put_slice(b"},\"items\":[");
     for (i, o) in page.items.iter().enumerate() {
         if i > 0 {
-            b.put_u8(b',');
+            f.buf().put_u8(b',');
         }
-        put_item(&mut b, cache, o, enc);
+        match enc {
+            // List items carry no kind/apiVersion, as the apiserver writes them.
+            Encoding::Json => f.put_bytes(&o.body),
+            Encoding::Metadata => put_object(f.buf(), &cache.resource, &o.body, enc),
+        }
     }
-    b.put_slice(b"]}");
-    respond(b, cx.cfg, cx.accepts_gzip)
+    f.buf().put_slice(b"]}");
+    let frames = f.finish();
+    if cx.accepts_gzip
+        && cx.cfg.gzip_min_bytes > 0
+        && frames.len() >= cx.cfg.gzip_min_bytes as u64
+        && let Some(z) = gzip(frames.iter(), frames.len() as usize, cx.cfg.gzip_level)
+    {
+        return gzipped(z);
+    }
+    let mut r = Response::new(body::boxed(frames));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    r
 }
 
 /// An unpaginated list, written in chunks straight from its snapshot: each chunk resumes the
@@ -701,7 +727,7 @@ fn stream_all(
     };
     let first = g.next().unwrap_or_default();
     if g.done {
-        return respond(first, cx.cfg, cx.accepts_gzip);
+        return respond(first.freeze(), cx.cfg, cx.accepts_gzip);
     }
     // More than one chunk: at least `chunk_bytes`, so past the gzip threshold.
     let gz = (cx.accepts_gzip && cx.cfg.gzip_min_bytes > 0 && first.len() >= cx.cfg.gzip_min_bytes)
@@ -940,6 +966,116 @@ mod tests {
                 }
                 Ok(())
             })?;
+        }
+    }
+
+    /// Pages mixing objects copied into chunks (small) and passed on as the cache's own bytes
+    /// (large): the body is the exact JSON list, its declared length is its length, and the
+    /// gzip form decodes to the same bytes.
+    #[tokio::test]
+    async fn pages_of_large_and_small_objects_are_exact() {
+        let cache = ResourceCache::new(
+            Resource::core("configmaps", "ConfigMap", true),
+            StoreConfig::default(),
+        );
+        let objs: Vec<CachedObject> = (0..40u64)
+            .map(|i| {
+                let pad = "p".repeat(if i % 3 == 0 { 20_000 } else { 10 });
+                let raw = format!(
+                    r#"{{"metadata":{{"name":"o{i:02}","namespace":"a","resourceVersion":"{}"}},"data":{{"k":"{pad}"}}}}"#,
+                    i + 1
+                );
+                CachedObject::parse(Bytes::from(raw), &cache.resource).unwrap()
+            })
+            .collect();
+        let bodies: Vec<Bytes> = objs.iter().map(|o| o.body.clone()).collect();
+        cache.replace(objs, 100);
+        cache.set_unhealthy(None);
+        let keys = keys();
+        for gz in [false, true] {
+            let cfg = ListConfig {
+                gzip_min_bytes: 1024,
+                ..Default::default()
+            };
+            let cx = ListContext {
+                cfg: &cfg,
+                keys: &keys,
+                binding: Binding::new(&[b"t", b"me"]),
+                accepts_gzip: gz,
+                page_cap: None,
+            };
+            let mut cont = None;
+            let mut seen = Vec::new();
+            loop {
+                let p = ListParams {
+                    rv: Rv::Unset,
+                    rv_match: RvMatch::Unset,
+                    limit: 7,
+                    continue_: cont.take(),
+                    label_selector: String::new(),
+                    field_selector: String::new(),
+                };
+                let filter = Filter {
+                    namespace: None,
+                    labels: LabelSelector::default(),
+                    fields: FieldSelector::default(),
+                    namespaces: None,
+                };
+                let Outcome::Served(r) = list(
+                    &cache,
+                    &filter,
+                    Encoding::Json,
+                    &p,
+                    &cx,
+                    Some(cache.current()),
+                )
+                .await
+                else {
+                    panic!("passed through");
+                };
+                assert_eq!(r.headers().get(header::CONTENT_ENCODING).is_some(), gz);
+                let declared = http_body::Body::size_hint(r.body()).exact();
+                let raw = r.into_body().collect().await.unwrap().to_bytes();
+                assert_eq!(declared, Some(raw.len() as u64));
+                let text = if gz {
+                    let mut out = Vec::new();
+                    std::io::Read::read_to_end(
+                        &mut flate2::read::GzDecoder::new(&raw[..]),
+                        &mut out,
+                    )
+                    .unwrap();
+                    out
+                } else {
+                    raw.to_vec()
+                };
+                let v: serde_json::Value = serde_json::from_slice(&text).unwrap();
+                for i in v["items"].as_array().unwrap() {
+                    seen.push(serde_json::to_vec(i).unwrap());
+                }
+                // Items are the stored bytes verbatim, comma-separated.
+                let text = String::from_utf8(text).unwrap();
+                let start = text.find("\"items\":[").unwrap() + 9;
+                let n = v["items"].as_array().unwrap().len();
+                let first = seen.len() - n;
+                let joined = bodies[first..first + n]
+                    .iter()
+                    .map(|b| std::str::from_utf8(b).unwrap())
+                    .collect::<Vec<_>>()
+                    .join(",");
+                assert_eq!(&text[start..text.len() - 2], joined);
+                match v["metadata"]["continue"].as_str() {
+                    Some(c) => cont = Some(c.to_string()),
+                    None => break,
+                }
+            }
+            let expected: Vec<Vec<u8>> = bodies
+                .iter()
+                .map(|b| {
+                    serde_json::to_vec(&serde_json::from_slice::<serde_json::Value>(b).unwrap())
+                        .unwrap()
+                })
+                .collect();
+            assert_eq!(seen, expected);
         }
     }
 

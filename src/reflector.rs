@@ -53,7 +53,6 @@ use http::{Request, StatusCode, header};
 use http_body_util::BodyExt as _;
 use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
 use serde::Deserialize;
-use serde_json::value::RawValue;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -62,6 +61,7 @@ use tracing::{Instrument as _, debug, info, warn};
 
 use crate::body::{self, BoxError};
 use crate::cache::object::ObjectError;
+use crate::cache::scan::{Scalar, ScanError, Scanner};
 use crate::cache::{CachedObject, EventKind, ReflectorSink, Resource};
 use crate::upstream::{As, Upstream};
 
@@ -271,6 +271,12 @@ pub enum ReflectorError {
         what: &'static str,
         #[source]
         source: serde_json::Error,
+    },
+    #[error("{what}: decoding: {source}")]
+    Scan {
+        what: &'static str,
+        #[source]
+        source: ScanError,
     },
     #[error("{what}: object: {source}")]
     Object {
@@ -726,58 +732,90 @@ pub struct ListPage {
     pub remaining: Option<u64>,
 }
 
-/// Parses a LIST response page without building a generic JSON value: the envelope's
-/// metadata is read, each item is borrowed as raw JSON and parsed by [`CachedObject::parse`].
+/// Parses a LIST response page in one pass, without building a generic JSON value: the
+/// envelope's metadata is read and each item is parsed where it lies
+/// ([`CachedObject::scan`]).
 ///
 /// Items are copied out of the page: a slice would keep the whole page buffer alive for as
 /// long as any one of its objects stays unmodified in the cache.
 pub fn parse_list_page(body: &[u8], resource: &Resource) -> Result<ListPage, ReflectorError> {
-    #[derive(Deserialize)]
-    struct Page<'a> {
-        #[serde(borrow, default)]
-        metadata: Option<Meta<'a>>,
-        #[serde(borrow, default)]
-        items: Option<Vec<&'a RawValue>>,
-    }
-    #[derive(Deserialize)]
-    #[serde(rename_all = "camelCase")]
-    struct Meta<'a> {
-        #[serde(borrow, default)]
-        resource_version: Option<std::borrow::Cow<'a, str>>,
-        #[serde(borrow, default, rename = "continue")]
-        cont: Option<std::borrow::Cow<'a, str>>,
-        #[serde(default)]
-        remaining_item_count: Option<u64>,
-    }
     const WHAT: &str = "list";
-    let page: Page<'_> = serde_json::from_slice(body)
-        .map_err(|source| ReflectorError::Decode { what: WHAT, source })?;
-    let meta = page
-        .metadata
-        .ok_or_else(|| ReflectorError::BadResourceVersion {
+    let mut s = Scanner::new(body);
+    let mut rv_s: Option<String> = None;
+    let mut has_meta = false;
+    let mut cont = None;
+    let mut remaining = None;
+    let mut items = Vec::new();
+    let mut item_err = None;
+    let scanned = s
+        .object(|s, k| match &*k {
+            "metadata" => {
+                has_meta = true;
+                s.object(|s, k| {
+                    match &*k {
+                        "resourceVersion" => {
+                            rv_s = s.opt_string()?.map(|v| v.into_owned());
+                        }
+                        "continue" => cont = s.opt_string()?.map(|v| v.into_owned()),
+                        "remainingItemCount" => {
+                            let at = s.pos();
+                            remaining = match s.scalar()? {
+                                Scalar::Null => None,
+                                Scalar::Num(n) => {
+                                    Some(n.parse::<u64>().map_err(|_| ScanError::Type {
+                                        at,
+                                        want: "an unsigned integer",
+                                    })?)
+                                }
+                                _ => {
+                                    return Err(ScanError::Type {
+                                        at,
+                                        want: "an unsigned integer",
+                                    });
+                                }
+                            };
+                        }
+                        _ => s.skip()?,
+                    }
+                    Ok(())
+                })
+            }
+            "items" => s.array(|s, _| match CachedObject::scan(s, body, resource) {
+                Ok(o) => {
+                    items.push(o);
+                    Ok(())
+                }
+                Err(e) => {
+                    let at = s.pos();
+                    item_err = Some(e);
+                    Err(ScanError::Syntax(at))
+                }
+            }),
+            _ => s.skip(),
+        })
+        .and_then(|()| s.end());
+    if let Some(source) = item_err {
+        return Err(ReflectorError::Object { what: WHAT, source });
+    }
+    scanned.map_err(|source| ReflectorError::Scan { what: WHAT, source })?;
+    if !has_meta {
+        return Err(ReflectorError::BadResourceVersion {
             what: WHAT,
             rv: String::new(),
-        })?;
-    let rv_s = meta.resource_version.unwrap_or_default();
+        });
+    }
+    let rv_s = rv_s.unwrap_or_default();
     let rv = rv_s
         .parse::<u64>()
         .map_err(|_| ReflectorError::BadResourceVersion {
             what: WHAT,
-            rv: rv_s.to_string(),
+            rv: rv_s.clone(),
         })?;
-    let raw_items = page.items.unwrap_or_default();
-    let mut items = Vec::with_capacity(raw_items.len());
-    for raw in raw_items {
-        let bytes = Bytes::copy_from_slice(raw.get().as_bytes());
-        let obj = CachedObject::parse(bytes, resource)
-            .map_err(|source| ReflectorError::Object { what: WHAT, source })?;
-        items.push(obj);
-    }
     Ok(ListPage {
         items,
         rv,
-        cont: meta.cont.filter(|c| !c.is_empty()).map(|c| c.into_owned()),
-        remaining: meta.remaining_item_count,
+        cont: cont.filter(|c| !c.is_empty()),
+        remaining,
     })
 }
 
@@ -789,37 +827,90 @@ pub enum WatchItem {
     Error(ApiStatus),
 }
 
-/// Decodes one watch line `{"type":..,"object":..}` without a generic JSON value. The object
-/// is a slice of `line` (no copy here; [`CachedObject::parse`] copies when it strips
-/// kind/apiVersion, which the apiserver always writes first).
+/// Decodes one watch line `{"type":..,"object":..}` in one pass, without a generic JSON
+/// value: with `type` first (as the apiserver writes it) the object is parsed where it lies
+/// and copied once into its own allocation (without kind/apiVersion).
 pub fn parse_event_line(line: &Bytes, resource: &Resource) -> Result<WatchItem, ReflectorError> {
-    #[derive(Deserialize)]
-    struct Line<'a> {
-        #[serde(borrow, rename = "type")]
-        typ: std::borrow::Cow<'a, str>,
-        #[serde(borrow)]
-        object: &'a RawValue,
-    }
-    #[derive(Deserialize)]
-    struct Rv<'a> {
-        #[serde(borrow, default)]
-        metadata: Option<RvMeta<'a>>,
-    }
-    #[derive(Deserialize)]
-    #[serde(rename_all = "camelCase")]
-    struct RvMeta<'a> {
-        #[serde(borrow, default)]
-        resource_version: Option<std::borrow::Cow<'a, str>>,
-    }
     const WHAT: &str = "watch event";
-    let decode = |source| ReflectorError::Decode { what: WHAT, source };
-    let l: Line<'_> = serde_json::from_slice(line).map_err(decode)?;
-    let kind = match &*l.typ {
-        "ADDED" => EventKind::Added,
-        "MODIFIED" => EventKind::Modified,
-        "DELETED" => EventKind::Deleted,
+    let kind_of = |t: &str| match t {
+        "ADDED" => Some(EventKind::Added),
+        "MODIFIED" => Some(EventKind::Modified),
+        "DELETED" => Some(EventKind::Deleted),
+        _ => None,
+    };
+    let mut s = Scanner::new(line);
+    let mut typ: Option<String> = None;
+    let mut obj = None;
+    let mut span = None;
+    let mut obj_err = None;
+    let scanned = s
+        .object(|s, k| match &*k {
+            "type" => {
+                typ = s.opt_string()?.map(|t| t.into_owned());
+                Ok(())
+            }
+            "object" => {
+                if typ.as_deref().and_then(kind_of).is_some() {
+                    match CachedObject::scan(s, line, resource) {
+                        Ok(o) => obj = Some(o),
+                        Err(e) => {
+                            let at = s.pos();
+                            obj_err = Some(e);
+                            return Err(ScanError::Syntax(at));
+                        }
+                    }
+                } else {
+                    s.peek()?;
+                    let start = s.pos();
+                    s.skip()?;
+                    span = Some(start..s.pos());
+                }
+                Ok(())
+            }
+            _ => s.skip(),
+        })
+        .and_then(|()| s.end());
+    if let Some(source) = obj_err {
+        return Err(ReflectorError::Object { what: WHAT, source });
+    }
+    scanned.map_err(|source| ReflectorError::Scan { what: WHAT, source })?;
+    let Some(typ) = typ else {
+        return Err(ReflectorError::UnknownEventType(String::new()));
+    };
+    if let Some(kind) = kind_of(&typ) {
+        let obj = match (obj, span) {
+            (Some(o), _) => o,
+            // `object` before `type`.
+            (None, Some(span)) => {
+                let raw = &line[span];
+                CachedObject::scan(&mut Scanner::new(raw), raw, resource)
+                    .map_err(|source| ReflectorError::Object { what: WHAT, source })?
+            }
+            (None, None) => {
+                return Err(ReflectorError::Scan {
+                    what: WHAT,
+                    source: ScanError::Eof,
+                });
+            }
+        };
+        return Ok(WatchItem::Object(kind, obj));
+    }
+    let raw = span.map(|r| &line[r]).unwrap_or(b"{}");
+    match &*typ {
         "BOOKMARK" => {
-            let r: Rv<'_> = serde_json::from_str(l.object.get()).map_err(decode)?;
+            #[derive(Deserialize)]
+            struct Rv<'a> {
+                #[serde(borrow, default)]
+                metadata: Option<RvMeta<'a>>,
+            }
+            #[derive(Deserialize)]
+            #[serde(rename_all = "camelCase")]
+            struct RvMeta<'a> {
+                #[serde(borrow, default)]
+                resource_version: Option<std::borrow::Cow<'a, str>>,
+            }
+            let r: Rv<'_> = serde_json::from_slice(raw)
+                .map_err(|source| ReflectorError::Decode { what: WHAT, source })?;
             let s = r
                 .metadata
                 .and_then(|m| m.resource_version)
@@ -830,21 +921,11 @@ pub fn parse_event_line(line: &Bytes, resource: &Resource) -> Result<WatchItem, 
                     what: "bookmark",
                     rv: s.to_string(),
                 })?;
-            return Ok(WatchItem::Bookmark(rv));
+            Ok(WatchItem::Bookmark(rv))
         }
-        "ERROR" => {
-            return Ok(WatchItem::Error(ApiStatus::parse(
-                0,
-                l.object.get().as_bytes(),
-                None,
-            )));
-        }
-        other => return Err(ReflectorError::UnknownEventType(other.to_string())),
-    };
-    let raw = line.slice_ref(l.object.get().as_bytes());
-    let obj = CachedObject::parse(raw, resource)
-        .map_err(|source| ReflectorError::Object { what: WHAT, source })?;
-    Ok(WatchItem::Object(kind, obj))
+        "ERROR" => Ok(WatchItem::Error(ApiStatus::parse(0, raw, None))),
+        other => Err(ReflectorError::UnknownEventType(other.to_string())),
+    }
 }
 
 /// Splits a chunked byte stream into newline-terminated lines, with a bounded carry-over.
@@ -1500,11 +1581,21 @@ mod tests {
         assert!(
             matches!(parse_event_line(&unk, &cms()), Err(ReflectorError::UnknownEventType(t)) if t == "WHAT")
         );
-        let bad = Bytes::from_static(br#"{"type":"ADDED""#);
-        assert!(matches!(
-            parse_event_line(&bad, &cms()),
-            Err(ReflectorError::Decode { .. })
-        ));
+        for bad in [
+            &br#"{"type":"ADDED""#[..],
+            br#"{"type":"ADDED","object":{"metadata":{"name":"a","resourceVersion":"1"}}"#,
+            br#"{"type":"ADDED","object":{"metadata":{"name":"a","resourceVersion":"1"}]}"#,
+            br#"{"type":"ADDED","object":{"metadata":{"name":"a","resourceVersion":"1"}}} x"#,
+        ] {
+            assert!(
+                matches!(
+                    parse_event_line(&Bytes::from_static(bad), &cms()),
+                    Err(ReflectorError::Scan { .. } | ReflectorError::Object { .. })
+                ),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
     }
 
     #[test]

@@ -28,6 +28,8 @@
 use std::borrow::Cow;
 use std::fmt;
 
+use crate::cache::scan::{Scalar, ScanError, Scanner};
+
 use serde::Deserialize;
 use serde::de::{self, Deserializer, Visitor};
 
@@ -1475,6 +1477,183 @@ pub fn extract_fields(
         ]);
     };
     let obj: Selectable<'_> = serde_json::from_slice(raw)?;
+    Ok(fields_of(k, obj))
+}
+
+/// Collects an object's selectable fields during the cache's single pass over its JSON
+/// ([`crate::cache::scan`]): the same values as [`extract_fields`], without a second parse.
+pub struct FieldScan<'a> {
+    kind: Option<&'static KindFields>,
+    /// Top-level members the kind's fields read, besides `metadata`.
+    wanted: &'static [&'static str],
+    obj: Selectable<'a>,
+}
+
+impl<'a> FieldScan<'a> {
+    pub fn new(group: &str, resource: &str) -> FieldScan<'a> {
+        let kind = kind(group, resource);
+        let wanted: &'static [&'static str] = match kind.map(|k| (k.group, k.resource)) {
+            Some(("", "pods")) => &["spec", "status"],
+            Some(("", "nodes" | "services")) | Some(("certificates.k8s.io", _)) => &["spec"],
+            Some(("", "replicationcontrollers" | "namespaces")) | Some(("batch", "jobs")) => {
+                &["status"]
+            }
+            Some(("", "secrets")) => &["type"],
+            Some(("", "events")) => &[
+                "involvedObject",
+                "reason",
+                "reportingComponent",
+                "source",
+                "type",
+            ],
+            _ => &[],
+        };
+        FieldScan {
+            kind,
+            wanted,
+            obj: Selectable::default(),
+        }
+    }
+
+    /// Whether the top-level member `key` is read by [`FieldScan::member`].
+    pub fn wants(&self, key: &str) -> bool {
+        self.wanted.contains(&key)
+    }
+
+    /// Reads the top-level member `key` (one [`FieldScan::wants`]) at the cursor.
+    pub fn member(&mut self, key: &str, s: &mut Scanner<'a>) -> Result<(), ScanError> {
+        let o = &mut self.obj;
+        match key {
+            "spec" => {
+                let spec = o.spec.get_or_insert_default();
+                s.object(|s, k| {
+                    match &*k {
+                        "nodeName" => spec.node_name = jstr(s)?,
+                        "restartPolicy" => spec.restart_policy = jstr(s)?,
+                        "schedulerName" => spec.scheduler_name = jstr(s)?,
+                        "serviceAccountName" => spec.service_account_name = jstr(s)?,
+                        "serviceAccount" => spec.deprecated_service_account = jstr(s)?,
+                        "hostNetwork" => spec.host_network = jbool(s)?,
+                        "unschedulable" => spec.unschedulable = jbool(s)?,
+                        "clusterIP" => spec.cluster_ip = jstr(s)?,
+                        "type" => spec.type_ = jstr(s)?,
+                        "signerName" => spec.signer_name = jstr(s)?,
+                        _ => s.skip()?,
+                    }
+                    Ok(())
+                })
+            }
+            "status" => {
+                let st = o.status.get_or_insert_default();
+                s.object(|s, k| {
+                    match &*k {
+                        "phase" => st.phase = jstr(s)?,
+                        "podIP" => st.pod_ip = jstr(s)?,
+                        "podIPs" => {
+                            let mut ips = Vec::new();
+                            s.array(|s, _| {
+                                let mut ip = PodIp::default();
+                                s.object(|s, k| {
+                                    if k == "ip" {
+                                        ip.ip = jstr(s)?;
+                                    } else {
+                                        s.skip()?;
+                                    }
+                                    Ok(())
+                                })?;
+                                ips.push(ip);
+                                Ok(())
+                            })?;
+                            st.pod_ips = Some(ips);
+                        }
+                        "nominatedNodeName" => st.nominated_node_name = jstr(s)?,
+                        "replicas" => st.replicas = jint(s)?,
+                        "succeeded" => st.succeeded = jint(s)?,
+                        _ => s.skip()?,
+                    }
+                    Ok(())
+                })
+            }
+            "involvedObject" => {
+                let io = o.involved_object.get_or_insert_default();
+                s.object(|s, k| {
+                    match &*k {
+                        "kind" => io.kind = jstr(s)?,
+                        "namespace" => io.namespace = jstr(s)?,
+                        "name" => io.name = jstr(s)?,
+                        "uid" => io.uid = jstr(s)?,
+                        "apiVersion" => io.api_version = jstr(s)?,
+                        "resourceVersion" => io.resource_version = jstr(s)?,
+                        "fieldPath" => io.field_path = jstr(s)?,
+                        _ => s.skip()?,
+                    }
+                    Ok(())
+                })
+            }
+            "source" => {
+                let src = o.source.get_or_insert_default();
+                s.object(|s, k| {
+                    if k == "component" {
+                        src.component = jstr(s)?;
+                    } else {
+                        s.skip()?;
+                    }
+                    Ok(())
+                })
+            }
+            "reason" => jstr(s).map(|v| o.reason = v),
+            "reportingComponent" => jstr(s).map(|v| o.reporting_component = v),
+            "type" => jstr(s).map(|v| o.type_ = v),
+            _ => s.skip(),
+        }
+    }
+
+    /// The fields, given the object's metadata name and namespace.
+    pub fn finish(mut self, name: &str, namespace: &str) -> Vec<(&'static str, String)> {
+        let Some(k) = self.kind else {
+            return vec![
+                ("metadata.name", name.to_string()),
+                ("metadata.namespace", namespace.to_string()),
+            ];
+        };
+        self.obj.metadata = Some(Meta {
+            name: JStr(Cow::Owned(name.to_string())),
+            namespace: JStr(Cow::Owned(namespace.to_string())),
+        });
+        fields_of(k, self.obj)
+    }
+}
+
+fn jstr<'a>(s: &mut Scanner<'a>) -> Result<JStr<'a>, ScanError> {
+    Ok(JStr(s.opt_string()?.unwrap_or_default()))
+}
+
+fn jbool(s: &mut Scanner<'_>) -> Result<Option<bool>, ScanError> {
+    let at = s.pos();
+    match s.scalar()? {
+        Scalar::Null => Ok(None),
+        Scalar::Bool(b) => Ok(Some(b)),
+        _ => Err(ScanError::Type { at, want: "a bool" }),
+    }
+}
+
+fn jint(s: &mut Scanner<'_>) -> Result<Option<i64>, ScanError> {
+    let at = s.pos();
+    match s.scalar()? {
+        Scalar::Null => Ok(None),
+        Scalar::Num(n) => n.parse().map(Some).map_err(|_| ScanError::Type {
+            at,
+            want: "an integer",
+        }),
+        _ => Err(ScanError::Type {
+            at,
+            want: "an integer",
+        }),
+    }
+}
+
+/// The selectable fields of a decoded object of kind `k`.
+fn fields_of(k: &KindFields, obj: Selectable<'_>) -> Vec<(&'static str, String)> {
     let meta = obj.metadata.unwrap_or_default();
     let spec = obj.spec.unwrap_or_default();
     let status = obj.status.unwrap_or_default();
@@ -1562,7 +1741,7 @@ pub fn extract_fields(
         }
         _ => {}
     }
-    Ok(out)
+    out
 }
 
 #[cfg(test)]

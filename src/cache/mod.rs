@@ -4,6 +4,7 @@
 //! history window, readiness), [`hub`](crate::hub) fans events out.
 
 pub mod object;
+pub mod scan;
 
 pub use object::{CachedObject, ObjectKey};
 

@@ -7,8 +7,9 @@
 
 use std::collections::BTreeMap;
 
+use super::scan::{ScanError, Scanner};
+use crate::selector::FieldScan;
 use bytes::Bytes;
-use serde::Deserialize;
 
 use super::Resource;
 
@@ -16,6 +17,8 @@ use super::Resource;
 pub enum ObjectError {
     #[error("object is not valid JSON: {0}")]
     Json(#[from] serde_json::Error),
+    #[error("object is not valid JSON: {0}")]
+    Scan(#[from] ScanError),
     #[error("object has no metadata.name")]
     NoName,
     #[error("object has no numeric metadata.resourceVersion (got {0:?})")]
@@ -44,55 +47,39 @@ pub struct CachedObject {
     pub meta: Meta,
 }
 
-#[derive(Deserialize)]
-struct Partial<'a> {
-    #[serde(borrow)]
-    metadata: Option<MetaPartial<'a>>,
-}
-
-#[derive(Deserialize)]
-#[serde(rename_all = "camelCase")]
-struct MetaPartial<'a> {
-    #[serde(borrow, default)]
-    name: Option<std::borrow::Cow<'a, str>>,
-    #[serde(borrow, default)]
-    namespace: Option<std::borrow::Cow<'a, str>>,
-    #[serde(borrow, default)]
-    uid: Option<std::borrow::Cow<'a, str>>,
-    #[serde(borrow, default)]
-    resource_version: Option<std::borrow::Cow<'a, str>>,
-    #[serde(default)]
-    labels: Option<BTreeMap<String, String>>,
-}
-
 impl CachedObject {
-    /// Parses an object's JSON (from a list item or a watch event's `object`).
+    /// Parses an object's JSON (a whole document). The body is `raw` itself when it has no
+    /// leading `kind`/`apiVersion`, else a copy without them.
     pub fn parse(raw: Bytes, resource: &Resource) -> Result<CachedObject, ObjectError> {
-        let p: Partial<'_> = serde_json::from_slice(&raw)?;
-        let m = p.metadata.ok_or(ObjectError::NoName)?;
-        let name = m.name.ok_or(ObjectError::NoName)?;
-        let rv_s = m.resource_version.unwrap_or_default();
-        let resource_version = rv_s
-            .parse::<u64>()
-            .map_err(|_| ObjectError::BadResourceVersion(rv_s.to_string()))?;
-        let fields = resource.extract_fields(&raw)?;
-        let meta = Meta {
-            namespace: m.namespace.unwrap_or_default().into(),
-            name: name.into(),
-            uid: m.uid.unwrap_or_default().into(),
-            resource_version,
-            labels: m
-                .labels
-                .unwrap_or_default()
-                .into_iter()
-                .map(|(k, v)| (k.into_boxed_str(), v.into_boxed_str()))
-                .collect(),
-            fields,
+        let mut s = Scanner::new(&raw);
+        let meta = scan_object(&mut s, resource)?;
+        let end = s.pos();
+        s.end()?;
+        let body = match type_meta_cut(&raw[..end]) {
+            Some(at) => stripped(&raw[..end], at),
+            None => raw.slice(..end),
         };
-        Ok(CachedObject {
-            body: strip_type_meta(raw),
-            meta,
-        })
+        Ok(CachedObject { body, meta })
+    }
+
+    /// Parses the object at the scanner's cursor (inside a watch event or a list page) in
+    /// the same pass that finds its end; the body is copied out of `src` (the scanner's
+    /// input) into its own allocation, without `kind`/`apiVersion`, so the cache never pins
+    /// the buffer it arrived in.
+    pub fn scan(
+        s: &mut Scanner<'_>,
+        src: &[u8],
+        resource: &Resource,
+    ) -> Result<CachedObject, ObjectError> {
+        s.peek()?;
+        let start = s.pos();
+        let meta = scan_object(s, resource)?;
+        let obj = &src[start..s.pos()];
+        let body = match type_meta_cut(obj) {
+            Some(at) => stripped(obj, at),
+            None => Bytes::copy_from_slice(obj),
+        };
+        Ok(CachedObject { body, meta })
     }
 
     /// `namespace/name` (or `name`), the apiserver's storage key order within a resource.
@@ -164,27 +151,30 @@ impl ObjectKey {
     }
 }
 
-/// Removes leading `"kind":..,"apiVersion":..` members as the apiserver writes them (first,
-/// in that order, for built-in types) so stored bodies match list items. Bodies in another
-/// shape are kept as they are: the members are then simply present twice in watch frames'
-/// objects' source, which never happens with kube-apiserver's encoder.
-fn strip_type_meta(raw: Bytes) -> Bytes {
-    let s = &raw[..];
+/// `{` followed by `obj[at..]`: the object without the members before `at`.
+fn stripped(obj: &[u8], at: usize) -> Bytes {
+    let mut v = Vec::with_capacity(obj.len() - at + 1);
+    v.push(b'{');
+    v.extend_from_slice(&obj[at..]);
+    Bytes::from(v)
+}
+
+/// Where an object's body starts once leading `"kind":..,"apiVersion":..` members are
+/// removed, as the apiserver writes them (first, in that order, strings without escapes).
+/// Bodies in another shape are kept as they are: the members are then simply present twice
+/// in watch frames' objects' source, which never happens with kube-apiserver's encoder.
+fn type_meta_cut(s: &[u8]) -> Option<usize> {
     let mut i = 1;
     let mut cut = None;
-    // Fast path for the encoder's exact output: {"kind":"X","apiVersion":"Y",...
     for key in [&b"\"kind\":"[..], &b"\"apiVersion\":"[..]] {
         if s.get(i..i + key.len()) != Some(key) {
             break;
         }
         i += key.len();
-        // A JSON string without escapes in kind/apiVersion values.
         if s.get(i) != Some(&b'"') {
             break;
         }
-        let Some(end) = s[i + 1..].iter().position(|b| *b == b'"') else {
-            break;
-        };
+        let end = s[i + 1..].iter().position(|b| *b == b'"')?;
         i += end + 2;
         if s.get(i) == Some(&b',') {
             i += 1;
@@ -193,20 +183,65 @@ fn strip_type_meta(raw: Bytes) -> Bytes {
             break;
         }
     }
-    match cut {
-        Some(at) => {
-            let mut v = Vec::with_capacity(raw.len() - at + 1);
-            v.push(b'{');
-            v.extend_from_slice(&raw[at..]);
-            Bytes::from(v)
+    cut
+}
+
+/// One pass over the object at the cursor: its metadata and selectable fields; every other
+/// member is skipped without being decoded.
+fn scan_object(s: &mut Scanner<'_>, resource: &Resource) -> Result<Meta, ObjectError> {
+    let mut name = None;
+    let mut namespace = None;
+    let mut uid = None;
+    let mut rv = None;
+    let mut labels = BTreeMap::new();
+    let mut fields = FieldScan::new(&resource.group, &resource.resource);
+    if s.peek()? != b'{' {
+        return Err(ScanError::Type {
+            at: s.pos(),
+            want: "an object",
         }
-        None => raw,
+        .into());
     }
+    s.object(|s, key| match &*key {
+        "metadata" => s.object(|s, k| {
+            match &*k {
+                "name" => name = s.opt_string()?,
+                "namespace" => namespace = s.opt_string()?,
+                "uid" => uid = s.opt_string()?,
+                "resourceVersion" => rv = s.opt_string()?,
+                "labels" => s.object(|s, k| {
+                    let v = s.opt_string()?.unwrap_or_default();
+                    labels.insert(Box::<str>::from(&*k), Box::<str>::from(&*v));
+                    Ok(())
+                })?,
+                _ => s.skip()?,
+            }
+            Ok(())
+        }),
+        k if fields.wants(k) => fields.member(k, s),
+        _ => s.skip(),
+    })?;
+    let name = name.ok_or(ObjectError::NoName)?;
+    let rv_s = rv.unwrap_or_default();
+    let resource_version = rv_s
+        .parse::<u64>()
+        .map_err(|_| ObjectError::BadResourceVersion(rv_s.to_string()))?;
+    let namespace = namespace.unwrap_or_default();
+    let meta = Meta {
+        fields: fields.finish(&name, &namespace),
+        namespace: namespace.into(),
+        name: name.into(),
+        uid: uid.unwrap_or_default().into(),
+        resource_version,
+        labels,
+    };
+    Ok(meta)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     fn pods() -> Resource {
         Resource::core("pods", "Pod", true)
@@ -254,6 +289,147 @@ mod tests {
             .is_err()
         );
         assert!(CachedObject::parse(Bytes::from_static(br#"not json"#), &r).is_err());
+    }
+
+    fn text() -> impl Strategy<Value = String> {
+        prop_oneof!["[a-z0-9.-]{0,12}", ".{0,8}", Just("\"\\\u{1}é".to_string())]
+    }
+
+    fn junk() -> impl Strategy<Value = serde_json::Value> {
+        let leaf = prop_oneof![
+            Just(serde_json::Value::Null),
+            any::<bool>().prop_map(serde_json::Value::from),
+            any::<i32>().prop_map(serde_json::Value::from),
+            text().prop_map(serde_json::Value::from),
+        ];
+        leaf.prop_recursive(4, 24, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(serde_json::Value::from),
+                proptest::collection::btree_map(text(), inner, 0..4)
+                    .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// A random object of a kind with selectable fields: the fields it selects on, present or
+    /// not, among unrelated members (nested junk, also under the same names elsewhere).
+    fn object() -> impl Strategy<Value = (usize, serde_json::Value)> {
+        let maybe =
+            |v: serde_json::Value, keep: bool| if keep { v } else { serde_json::Value::Null };
+        (
+            0..RESOURCES.len(),
+            text(),
+            proptest::option::of(text()),
+            any::<u32>(),
+            proptest::collection::btree_map("[a-z/.]{1,6}", text(), 0..4),
+            proptest::collection::vec((text(), text(), any::<bool>(), any::<i32>()), 0..3),
+            junk(),
+            any::<[bool; 6]>(),
+        )
+            .prop_map(move |(r, name, ns, rv, labels, vals, junk, keep)| {
+                let mut spec = serde_json::json!({
+                    "containers": [{"name": "c", "nodeName": "decoy", "env": junk.clone()}],
+                    "nodeName": vals.first().map(|v| v.0.clone()),
+                    "restartPolicy": "Always",
+                    "serviceAccount": vals.get(1).map(|v| v.1.clone()),
+                    "hostNetwork": vals.first().map(|v| v.2),
+                    "unschedulable": vals.get(1).map(|v| v.2),
+                    "clusterIP": vals.first().map(|v| v.1.clone()),
+                    "type": "ClusterIP",
+                    "signerName": vals.get(2).map(|v| v.0.clone()),
+                    "extra": junk.clone(),
+                });
+                if !keep[0] {
+                    spec.as_object_mut().unwrap().remove("nodeName");
+                }
+                let status = serde_json::json!({
+                    "phase": maybe(serde_json::Value::from("Running"), keep[1]),
+                    "podIP": vals.get(2).map(|v| v.1.clone()),
+                    "podIPs": if keep[2] { serde_json::json!([{"ip": "10.0.0.1", "x": junk}, {"ip": "b"}]) } else { serde_json::json!([]) },
+                    "replicas": vals.first().map(|v| v.3),
+                    "succeeded": vals.get(1).map(|v| v.3),
+                    "conditions": [{"type": "Ready", "status": "True"}],
+                });
+                let mut metadata = serde_json::json!({
+                    "name": name,
+                    "uid": "u-1",
+                    "resourceVersion": rv.to_string(),
+                    "labels": labels,
+                    "annotations": {"name": "decoy"},
+                    "managedFields": [{"manager": "m", "fieldsV1": {"f:metadata": {}}}],
+                });
+                if let Some(ns) = ns {
+                    metadata["namespace"] = ns.into();
+                }
+                let obj = serde_json::json!({
+                    "metadata": metadata,
+                    "spec": spec,
+                    "status": status,
+                    "type": maybe(serde_json::Value::from("Opaque"), keep[3]),
+                    "involvedObject": {"kind": "Pod", "name": vals.first().map(|v| v.1.clone()), "fieldPath": "spec"},
+                    "reason": "Started",
+                    "source": if keep[4] { serde_json::json!({"component": "kubelet"}) } else { serde_json::json!({}) },
+                    "reportingComponent": maybe(serde_json::Value::from("rc"), keep[5]),
+                });
+                (r, obj)
+            })
+    }
+
+    fn o_name_len_is_even(v: &serde_json::Value) -> bool {
+        v["metadata"]["name"]
+            .as_str()
+            .unwrap()
+            .len()
+            .is_multiple_of(2)
+    }
+
+    const RESOURCES: [(&str, &str); 8] = [
+        ("pods", "Pod"),
+        ("events", "Event"),
+        ("services", "Service"),
+        ("nodes", "Node"),
+        ("secrets", "Secret"),
+        ("namespaces", "Namespace"),
+        ("replicationcontrollers", "ReplicationController"),
+        ("configmaps", "ConfigMap"),
+    ];
+
+    proptest! {
+        /// The single-pass parse reads exactly what serde reads: metadata, labels and every
+        /// selectable field (checked against the serde-based `extract_fields`), and the body
+        /// is the object minus leading kind/apiVersion, byte for byte.
+        #[test]
+        fn single_pass_parse_agrees_with_serde((r, v) in object(), pretty in any::<bool>()) {
+            let (res, kind) = RESOURCES[r];
+            let resource = Resource::core(res, kind, true);
+            let inner = if pretty { serde_json::to_string_pretty(&v) } else { serde_json::to_string(&v) }.unwrap();
+            // kind and apiVersion lead, as the apiserver writes them, unless the name is odd.
+            let text = if o_name_len_is_even(&v) {
+                format!("{{\"kind\":\"{kind}\",\"apiVersion\":\"v1\",{}", &inner[1..])
+            } else {
+                inner
+            };
+            let o = CachedObject::parse(Bytes::from(text.clone()), &resource).unwrap();
+            let m = &v["metadata"];
+            prop_assert_eq!(&*o.meta.name, m["name"].as_str().unwrap());
+            prop_assert_eq!(&*o.meta.namespace, m["namespace"].as_str().unwrap_or(""));
+            prop_assert_eq!(o.meta.resource_version.to_string(), m["resourceVersion"].as_str().unwrap());
+            let labels: BTreeMap<String, String> = serde_json::from_value(m["labels"].clone()).unwrap();
+            let got: BTreeMap<String, String> = o.meta.labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+            prop_assert_eq!(got, labels);
+            let want = crate::selector::extract_fields("", res, text.as_bytes()).unwrap();
+            prop_assert_eq!(&o.meta.fields, &want);
+            // The body: the same JSON without the leading kind/apiVersion.
+            prop_assert_eq!(o.body.first(), Some(&b'{'));
+            prop_assert!(!std::str::from_utf8(&o.body).unwrap().contains("\"apiVersion\":\"v1\""));
+            let body: serde_json::Value = serde_json::from_slice(&o.body).unwrap();
+            prop_assert_eq!(body, v);
+            // Inside a watch event, the same object parses the same.
+            let line = Bytes::from(format!("{{\"type\":\"MODIFIED\",\"object\":{text}}}"));
+            let crate::reflector::WatchItem::Object(_, e) =
+                crate::reflector::parse_event_line(&line, &resource).unwrap() else { panic!() };
+            prop_assert_eq!(e, o);
+        }
     }
 
     #[test]

@@ -1,0 +1,458 @@
+//! A single-pass JSON scanner for what the apiserver sends: it reads the few members the
+//! cache needs (metadata, selectable fields, an event's type) and skips everything else
+//! without decoding it, so ingest costs one walk over the bytes instead of one serde pass
+//! per consumer.
+//!
+//! Skipping checks structure (strings terminated, brackets balanced and matched, nesting at
+//! most [`MAX_DEPTH`], members separated as JSON requires) but does not validate every
+//! scalar's grammar: the bytes come from the authenticated apiserver and are forwarded as
+//! they are. Every string the cache *uses* (names, labels, field values) is fully decoded
+//! and checked as UTF-8.
+
+use std::borrow::Cow;
+
+/// serde_json's recursion limit: nesting deeper than this is refused, as before.
+pub const MAX_DEPTH: u32 = 128;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ScanError {
+    #[error("unexpected end of JSON input")]
+    Eof,
+    #[error("invalid JSON at byte {0}")]
+    Syntax(usize),
+    #[error("invalid JSON string at byte {0}")]
+    Str(usize),
+    #[error("JSON nested more than {MAX_DEPTH} levels")]
+    TooDeep,
+    #[error("unexpected JSON type at byte {at}: expected {want}")]
+    Type { at: usize, want: &'static str },
+}
+
+/// Bytes that end a run of insignificant bytes inside a container.
+static STRUCTURAL: [bool; 256] = {
+    let mut t = [false; 256];
+    t[b'"' as usize] = true;
+    t[b'{' as usize] = true;
+    t[b'}' as usize] = true;
+    t[b'[' as usize] = true;
+    t[b']' as usize] = true;
+    t
+};
+
+/// A cursor over one JSON document.
+pub struct Scanner<'a> {
+    s: &'a [u8],
+    i: usize,
+}
+
+/// A scalar read where a string, bool or number is expected.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Scalar<'a> {
+    Null,
+    Bool(bool),
+    /// The number's literal text.
+    Num(&'a str),
+    Str(Cow<'a, str>),
+}
+
+impl<'a> Scanner<'a> {
+    pub fn new(s: &'a [u8]) -> Scanner<'a> {
+        Scanner { s, i: 0 }
+    }
+
+    /// The byte offset of the cursor.
+    pub fn pos(&self) -> usize {
+        self.i
+    }
+
+    #[inline]
+    fn ws(&mut self) {
+        while let Some(&b) = self.s.get(self.i) {
+            if matches!(b, b' ' | b'\n' | b'\r' | b'\t') {
+                self.i += 1;
+            } else {
+                break;
+            }
+        }
+    }
+
+    /// The next significant byte, not consumed.
+    #[inline]
+    pub fn peek(&mut self) -> Result<u8, ScanError> {
+        self.ws();
+        self.s.get(self.i).copied().ok_or(ScanError::Eof)
+    }
+
+    #[inline]
+    fn expect(&mut self, c: u8) -> Result<(), ScanError> {
+        if self.peek()? == c {
+            self.i += 1;
+            Ok(())
+        } else {
+            Err(ScanError::Syntax(self.i))
+        }
+    }
+
+    /// Only whitespace may follow.
+    pub fn end(&mut self) -> Result<(), ScanError> {
+        self.ws();
+        if self.i == self.s.len() {
+            Ok(())
+        } else {
+            Err(ScanError::Syntax(self.i))
+        }
+    }
+
+    /// Skips a string whose opening quote is at the cursor: (content start, content end,
+    /// whether it has escapes).
+    #[inline]
+    fn str_span(&mut self) -> Result<(usize, usize, bool), ScanError> {
+        let start = self.i + 1;
+        let mut j = start;
+        let mut escaped = false;
+        loop {
+            let rest = self.s.get(j..).ok_or(ScanError::Eof)?;
+            match memchr::memchr2(b'"', b'\\', rest) {
+                None => return Err(ScanError::Eof),
+                Some(k) => {
+                    j += k;
+                    if self.s[j] == b'\\' {
+                        escaped = true;
+                        j += 2;
+                    } else {
+                        self.i = j + 1;
+                        return Ok((start, j, escaped));
+                    }
+                }
+            }
+        }
+    }
+
+    /// A string, decoded; `None` for `null`.
+    pub fn opt_string(&mut self) -> Result<Option<Cow<'a, str>>, ScanError> {
+        match self.peek()? {
+            b'"' => self.string().map(Some),
+            b'n' => {
+                self.literal(b"null")?;
+                Ok(None)
+            }
+            _ => Err(ScanError::Type {
+                at: self.i,
+                want: "a string or null",
+            }),
+        }
+    }
+
+    /// A string, decoded.
+    pub fn string(&mut self) -> Result<Cow<'a, str>, ScanError> {
+        if self.peek()? != b'"' {
+            return Err(ScanError::Type {
+                at: self.i,
+                want: "a string",
+            });
+        }
+        let at = self.i;
+        let (a, b, escaped) = self.str_span()?;
+        if escaped {
+            serde_json::from_slice::<String>(&self.s[at..self.i])
+                .map(Cow::Owned)
+                .map_err(|_| ScanError::Str(at))
+        } else {
+            std::str::from_utf8(&self.s[a..b])
+                .map(Cow::Borrowed)
+                .map_err(|_| ScanError::Str(at))
+        }
+    }
+
+    fn literal(&mut self, lit: &[u8]) -> Result<(), ScanError> {
+        if self.s.get(self.i..self.i + lit.len()) == Some(lit) {
+            self.i += lit.len();
+            Ok(())
+        } else {
+            Err(ScanError::Syntax(self.i))
+        }
+    }
+
+    /// A string, bool, number or null.
+    pub fn scalar(&mut self) -> Result<Scalar<'a>, ScanError> {
+        match self.peek()? {
+            b'"' => self.string().map(Scalar::Str),
+            b'n' => self.literal(b"null").map(|_| Scalar::Null),
+            b't' => self.literal(b"true").map(|_| Scalar::Bool(true)),
+            b'f' => self.literal(b"false").map(|_| Scalar::Bool(false)),
+            b'-' | b'0'..=b'9' => {
+                let start = self.i;
+                self.skip_bare();
+                // Only ASCII digits, signs, '.', 'e'/'E' were consumed.
+                let text = std::str::from_utf8(&self.s[start..self.i])
+                    .map_err(|_| ScanError::Syntax(start))?;
+                Ok(Scalar::Num(text))
+            }
+            _ => Err(ScanError::Type {
+                at: self.i,
+                want: "a string, number, bool or null",
+            }),
+        }
+    }
+
+    /// A number or literal: everything up to the next delimiter.
+    #[inline]
+    fn skip_bare(&mut self) {
+        while let Some(&b) = self.s.get(self.i) {
+            if matches!(b, b'-' | b'+' | b'.' | b'0'..=b'9' | b'e' | b'E' | b'a'..=b'z') {
+                self.i += 1;
+            } else {
+                break;
+            }
+        }
+    }
+
+    /// Skips one value of any type.
+    pub fn skip(&mut self) -> Result<(), ScanError> {
+        match self.peek()? {
+            b'"' => self.str_span().map(|_| ()),
+            b'{' | b'[' => self.skip_container(),
+            _ => {
+                let start = self.i;
+                self.skip_bare();
+                if self.i == start {
+                    Err(ScanError::Syntax(start))
+                } else {
+                    Ok(())
+                }
+            }
+        }
+    }
+
+    /// Skips an object or array at the cursor: brackets are matched with a bit stack.
+    fn skip_container(&mut self) -> Result<(), ScanError> {
+        let s = self.s;
+        let mut depth = 0u32;
+        // Bit set: the open container at that depth is an object.
+        let mut objects: u128 = 0;
+        loop {
+            while self.i < s.len() && !STRUCTURAL[s[self.i] as usize] {
+                self.i += 1;
+            }
+            let Some(&b) = s.get(self.i) else {
+                return Err(ScanError::Eof);
+            };
+            match b {
+                b'"' => {
+                    self.str_span()?;
+                }
+                b'{' | b'[' => {
+                    if depth == MAX_DEPTH {
+                        return Err(ScanError::TooDeep);
+                    }
+                    objects = (objects << 1) | u128::from(b == b'{');
+                    depth += 1;
+                    self.i += 1;
+                }
+                _ => {
+                    // '}' or ']'
+                    if depth == 0 || (objects & 1 == 1) != (b == b'}') {
+                        return Err(ScanError::Syntax(self.i));
+                    }
+                    objects >>= 1;
+                    depth -= 1;
+                    self.i += 1;
+                    if depth == 0 {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Visits an object's members: `f(scanner, key)` must consume the member's value. `null`
+    /// is an object without members.
+    pub fn object(
+        &mut self,
+        mut f: impl FnMut(&mut Self, Cow<'a, str>) -> Result<(), ScanError>,
+    ) -> Result<(), ScanError> {
+        match self.peek()? {
+            b'{' => self.i += 1,
+            b'n' => return self.literal(b"null"),
+            _ => {
+                return Err(ScanError::Type {
+                    at: self.i,
+                    want: "an object",
+                });
+            }
+        }
+        if self.peek()? == b'}' {
+            self.i += 1;
+            return Ok(());
+        }
+        loop {
+            let k = self.string()?;
+            self.expect(b':')?;
+            f(self, k)?;
+            match self.peek()? {
+                b',' => self.i += 1,
+                b'}' => {
+                    self.i += 1;
+                    return Ok(());
+                }
+                _ => return Err(ScanError::Syntax(self.i)),
+            }
+        }
+    }
+
+    /// Visits an array's elements: `f(scanner, index)` must consume each. `null` is empty.
+    pub fn array(
+        &mut self,
+        mut f: impl FnMut(&mut Self, usize) -> Result<(), ScanError>,
+    ) -> Result<(), ScanError> {
+        match self.peek()? {
+            b'[' => self.i += 1,
+            b'n' => return self.literal(b"null"),
+            _ => {
+                return Err(ScanError::Type {
+                    at: self.i,
+                    want: "an array",
+                });
+            }
+        }
+        if self.peek()? == b']' {
+            self.i += 1;
+            return Ok(());
+        }
+        let mut n = 0;
+        loop {
+            f(self, n)?;
+            n += 1;
+            match self.peek()? {
+                b',' => self.i += 1,
+                b']' => {
+                    self.i += 1;
+                    return Ok(());
+                }
+                _ => return Err(ScanError::Syntax(self.i)),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn skip_all(s: &str) -> Result<(), ScanError> {
+        let mut sc = Scanner::new(s.as_bytes());
+        sc.skip()?;
+        sc.end()
+    }
+
+    #[test]
+    fn skips_valid_documents_and_refuses_broken_structure() {
+        for ok in [
+            r#"{}"#,
+            r#"[]"#,
+            r#"{"a":[1,2,{"b":"c\"}]"}],"d":null,"e":true}"#,
+            r#" { "a" : "x\\" , "b" : [ ] } "#,
+            r#""plain""#,
+            "-1.5e3",
+        ] {
+            skip_all(ok).unwrap_or_else(|e| panic!("{ok}: {e}"));
+        }
+        for bad in [
+            r#"{"a":1"#,
+            r#"{"a":[1}"#,
+            r#"[1]]"#,
+            r#"{"a":"x}"#,
+            r#"{"a":"x\"}"#,
+            "",
+            "]",
+        ] {
+            assert!(skip_all(bad).is_err(), "{bad}");
+        }
+        let deep = "[".repeat(129) + &"]".repeat(129);
+        assert_eq!(skip_all(&deep), Err(ScanError::TooDeep));
+        let ok = "[".repeat(128) + &"]".repeat(128);
+        skip_all(&ok).unwrap();
+    }
+
+    #[test]
+    fn strings_are_decoded_and_checked() {
+        let mut sc = Scanner::new(br#""a\u00e9\n\"b""#);
+        assert_eq!(sc.string().unwrap(), "a\u{e9}\n\"b");
+        let mut sc = Scanner::new(b"\"\xff\"");
+        assert!(matches!(sc.string(), Err(ScanError::Str(0))));
+        let mut sc = Scanner::new(br#"{"k":"v","n":null,"t":true,"x":-12}"#);
+        let mut seen = vec![];
+        sc.object(|s, k| {
+            seen.push((k.into_owned(), s.scalar()?));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(
+            seen,
+            [
+                ("k".to_string(), Scalar::Str("v".into())),
+                ("n".to_string(), Scalar::Null),
+                ("t".to_string(), Scalar::Bool(true)),
+                ("x".to_string(), Scalar::Num("-12")),
+            ]
+        );
+    }
+
+    fn json_value() -> impl Strategy<Value = serde_json::Value> {
+        let leaf = prop_oneof![
+            Just(serde_json::Value::Null),
+            any::<bool>().prop_map(serde_json::Value::from),
+            any::<i64>().prop_map(serde_json::Value::from),
+            any::<f64>()
+                .prop_filter("finite", |f| f.is_finite())
+                .prop_map(serde_json::Value::from),
+            ".*".prop_map(serde_json::Value::from),
+        ];
+        leaf.prop_recursive(6, 64, 8, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..8).prop_map(serde_json::Value::from),
+                proptest::collection::btree_map(".*", inner, 0..8)
+                    .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        /// Any JSON document is skipped to its exact end, and every truncation of it is
+        /// refused (an object or array cut short never passes as complete).
+        #[test]
+        fn skip_finds_the_end_of_any_document(v in json_value(), pretty in any::<bool>()) {
+            let text = if pretty {
+                serde_json::to_string_pretty(&v).unwrap()
+            } else {
+                serde_json::to_string(&v).unwrap()
+            };
+            let doubled = format!("{text},{text}");
+            let mut sc = Scanner::new(doubled.as_bytes());
+            sc.skip().unwrap();
+            prop_assert_eq!(sc.pos(), text.len());
+            if text.starts_with('{') || text.starts_with('[') || text.starts_with('"') {
+                for cut in 1..text.len() {
+                    if !text.is_char_boundary(cut) {
+                        continue;
+                    }
+                    prop_assert!(skip_all(&text[..cut]).is_err(), "{}", &text[..cut]);
+                }
+            }
+        }
+
+        /// Objects' members are visited with their keys decoded exactly.
+        #[test]
+        fn object_members_match_serde(m in proptest::collection::btree_map(".*", ".*", 0..10)) {
+            let text = serde_json::to_string(&m).unwrap();
+            let mut sc = Scanner::new(text.as_bytes());
+            let mut got = std::collections::BTreeMap::new();
+            sc.object(|s, k| {
+                got.insert(k.into_owned(), s.string()?.into_owned());
+                Ok(())
+            }).unwrap();
+            prop_assert_eq!(got, m);
+        }
+    }
+}

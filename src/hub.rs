@@ -74,6 +74,16 @@ impl Filter {
     }
 }
 
+/// The field whose single-value watchers the hub indexes (pods' `spec.nodeName`; other
+/// resources' objects have no such field, so their events never look it up).
+const INDEXED_FIELD: &str = "spec.nodeName";
+/// Index bucket names cannot be namespaces (which have no `=`).
+const INDEX_PREFIX: &str = "spec.nodeName=";
+
+fn index_bucket(value: &str) -> String {
+    format!("{INDEX_PREFIX}{value}")
+}
+
 /// An item in a watcher's queue.
 pub type Item = (Arc<Event>, Delivery);
 
@@ -100,8 +110,12 @@ pub struct HubStats {
 pub struct Hub {
     /// Watchers by the namespace they watch ("" = all namespaces): an event is offered only
     /// to its namespace's watchers and the cluster-wide ones, so namespace-scoped informers
-    /// cost nothing for other namespaces' events.
+    /// cost nothing for other namespaces' events. Watchers selecting one value of an indexed
+    /// field (pods' `spec.nodeName=X`: every kubelet) are kept by that value instead
+    /// ([`index_bucket`]), so a pod event costs the watchers of its node, not of every node.
     buckets: DashMap<Box<str>, DashMap<u64, Entry>>,
+    /// Watchers in index buckets; when 0, events skip the index lookups.
+    indexed: std::sync::atomic::AtomicUsize,
     count: std::sync::atomic::AtomicUsize,
     /// The resourceVersion up to which every event has been queued to every watcher.
     dispatched: AtomicU64,
@@ -141,6 +155,7 @@ impl Hub {
     pub fn new(queue_len: usize, budget: Duration) -> Arc<Hub> {
         Arc::new(Hub {
             buckets: DashMap::new(),
+            indexed: Default::default(),
             count: Default::default(),
             dispatched: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
@@ -161,6 +176,9 @@ impl Hub {
         }
         if removed {
             self.count.fetch_sub(1, Ordering::Relaxed);
+            if bucket.starts_with(INDEX_PREFIX) {
+                self.indexed.fetch_sub(1, Ordering::Relaxed);
+            }
         }
         // Holding the outer shard lock while checking, so a concurrent subscribe into this
         // bucket (which takes the same lock) is never lost.
@@ -184,7 +202,13 @@ impl Hub {
     pub fn subscribe(self: &Arc<Self>, filter: Arc<Filter>) -> Subscription {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = mpsc::channel(self.queue_len);
-        let bucket: Box<str> = filter.namespace.as_deref().unwrap_or("").into();
+        let bucket: Box<str> = match filter.fields.exact_value(INDEXED_FIELD) {
+            Some(v) => {
+                self.indexed.fetch_add(1, Ordering::Relaxed);
+                index_bucket(v).into()
+            }
+            None => filter.namespace.as_deref().unwrap_or("").into(),
+        };
         self.buckets
             .entry(bucket.clone())
             .or_default()
@@ -203,6 +227,9 @@ impl Hub {
         let mut n = 0;
         for b in self.buckets.iter() {
             n += b.len();
+            if b.key().starts_with(INDEX_PREFIX) {
+                self.indexed.fetch_sub(b.len(), Ordering::Relaxed);
+            }
             b.clear();
         }
         self.count.fetch_sub(n, Ordering::Relaxed);
@@ -221,9 +248,23 @@ impl Hub {
         let mut sent = 0u64;
         let ns: &str = &ev.object.meta.namespace;
         // The event's namespace, then the cluster-wide watchers (the same bucket for
-        // cluster-scoped resources, whose objects have no namespace).
-        let scopes: &[&str] = if ns.is_empty() { &[""] } else { &[ns, ""] };
-        for &scope in scopes {
+        // cluster-scoped resources, whose objects have no namespace), then the watchers of
+        // the indexed field's value before and after the event (a pod bound to a node enters
+        // that node's watches).
+        let mut scopes: Vec<&str> = if ns.is_empty() {
+            vec![""]
+        } else {
+            vec![ns, ""]
+        };
+        let mut index_keys: [Option<String>; 2] = [None, None];
+        if self.indexed.load(Ordering::Relaxed) > 0 {
+            let now = ev.object.field(INDEXED_FIELD);
+            let before = ev.prev.as_deref().and_then(|p| p.field(INDEXED_FIELD));
+            index_keys[0] = now.map(index_bucket);
+            index_keys[1] = before.filter(|b| Some(*b) != now).map(index_bucket);
+        }
+        scopes.extend(index_keys.iter().flatten().map(String::as_str));
+        for &scope in &scopes {
             let Some(bucket) = self.buckets.get(scope) else {
                 continue;
             };
@@ -333,5 +374,75 @@ mod tests {
         assert!(a.rx.recv().await.is_none());
         assert!(all.rx.recv().await.is_none());
         assert_eq!(hub.stats.closed_relist.load(Ordering::Relaxed), 2);
+    }
+
+    fn pod(name: &str, node: &str, rv: u64) -> Arc<CachedObject> {
+        let raw = format!(
+            r#"{{"metadata":{{"name":"{name}","namespace":"ns","resourceVersion":"{rv}"}},"spec":{{"nodeName":"{node}"}}}}"#
+        );
+        Arc::new(
+            CachedObject::parse(Bytes::from(raw), &Resource::core("pods", "Pod", true)).unwrap(),
+        )
+    }
+
+    fn on_node(node: &str) -> Arc<Filter> {
+        Arc::new(Filter {
+            fields: crate::selector::FieldSelector::parse(&format!("spec.nodeName={node}"))
+                .unwrap(),
+            ..Filter::default()
+        })
+    }
+
+    fn drain(s: &mut Subscription) -> Vec<(u64, Delivery)> {
+        std::iter::from_fn(|| s.rx.try_recv().ok().map(|(e, d)| (e.rv, d))).collect()
+    }
+
+    /// Watchers of one node's pods are kept by node: they get exactly their node's events,
+    /// including a pod being bound to the node (entered) and deleted, and are counted and
+    /// removed like the others.
+    #[tokio::test]
+    async fn node_watchers_get_their_node_only() {
+        let hub = Hub::new(16, Duration::from_millis(10));
+        let mut a = hub.subscribe(on_node("a"));
+        let mut b = hub.subscribe(on_node("b"));
+        let mut unbound = hub.subscribe(on_node(""));
+        let mut all = hub.subscribe(filter(None));
+        let mut ns = hub.subscribe(filter(Some("ns")));
+        assert_eq!(hub.len(), 5);
+        let p1 = pod("p", "", 2);
+        hub.dispatch(Arc::new(Event::new(EventKind::Added, p1.clone(), None)))
+            .await;
+        let p2 = pod("p", "a", 3);
+        hub.dispatch(Arc::new(Event::new(
+            EventKind::Modified,
+            p2.clone(),
+            Some(p1),
+        )))
+        .await;
+        hub.dispatch(Arc::new(Event::new(
+            EventKind::Added,
+            pod("q", "b", 4),
+            None,
+        )))
+        .await;
+        hub.dispatch(Arc::new(Event::new(
+            EventKind::Deleted,
+            pod("p", "a", 5),
+            Some(p2),
+        )))
+        .await;
+        assert_eq!(drain(&mut a), [(3, Delivery::Entered), (5, Delivery::AsIs)]);
+        assert_eq!(drain(&mut b), [(4, Delivery::AsIs)]);
+        assert_eq!(
+            drain(&mut unbound),
+            [(2, Delivery::AsIs), (3, Delivery::Left)]
+        );
+        assert_eq!(drain(&mut all).len(), 4);
+        assert_eq!(drain(&mut ns).len(), 4);
+        drop(a);
+        drop(b);
+        drop(unbound);
+        assert_eq!(hub.len(), 2);
+        assert_eq!(hub.indexed.load(Ordering::Relaxed), 0);
     }
 }

@@ -271,6 +271,22 @@ impl<'a> Candidates<'a> {
         };
         let ns = self.namespace;
         let node = self.node_name;
+        if let Some(n) = node
+            && let Some(ix) = self
+                .snap
+                .index
+                .as_ref()
+                .filter(|ix| ix.field == "spec.nodeName")
+        {
+            // Only the keys holding the value, in the same key order.
+            return Box::new(
+                ix.get(n)
+                    .into_iter()
+                    .flat_map(move |set| set.range((start.clone(), Bound::Unbounded)))
+                    .take_while(move |k| ns.is_none_or(|ns| &*k.namespace == ns))
+                    .filter_map(move |k| objects.get_key_value(k)),
+            );
+        }
         Box::new(
             objects
                 .range((start, Bound::Unbounded))

@@ -458,8 +458,9 @@ async fn denied_callers_are_not_served_from_the_cache_and_get_the_apiservers_403
     assert_eq!(client.get(&url, Some("bad-token")).await.status(), 403);
 
     let reqs = fake.requests();
+    // (The proxy's own upstream watch may start after the cache is ready: not counted.)
     assert_eq!(
-        reqs.iter().filter(|r| is_watch(r)).count(),
+        reqs.iter().filter(|r| is_watch(r) && !is_proxy(r)).count(),
         0,
         "no watch passes through"
     );

@@ -39,6 +39,81 @@ static STRUCTURAL: [bool; 256] = {
     t
 };
 
+const LO: u64 = 0x0101_0101_0101_0101;
+const HI: u64 = 0x8080_8080_8080_8080;
+
+/// Bytes of `w` equal to `c` get their high bit set; the lowest set bit is exact (borrows
+/// can only mark bytes above a real match).
+#[inline(always)]
+fn eq_mask(w: u64, c: u8) -> u64 {
+    let v = w ^ (LO * u64::from(c));
+    v.wrapping_sub(LO) & !v & HI
+}
+
+#[inline(always)]
+fn word(s: &[u8], i: usize) -> Option<u64> {
+    s.get(i..i + 8)
+        .map(|b| u64::from_le_bytes(b.try_into().unwrap_or_default()))
+}
+
+/// The closing quote of a string whose content starts at `i`, and whether it has escapes.
+/// Eight bytes at a time.
+#[inline(always)]
+fn string_end(s: &[u8], mut i: usize) -> Result<(usize, bool), ScanError> {
+    let mut escaped = false;
+    while let Some(w) = word(s, i) {
+        let m = eq_mask(w, b'"') | eq_mask(w, b'\\');
+        if m == 0 {
+            i += 8;
+            continue;
+        }
+        let j = i + (m.trailing_zeros() / 8) as usize;
+        if s[j] == b'"' {
+            return Ok((j, escaped));
+        }
+        escaped = true;
+        i = j + 2;
+    }
+    while i < s.len() {
+        match s[i] {
+            b'"' => return Ok((i, escaped)),
+            b'\\' => {
+                escaped = true;
+                i += 2;
+            }
+            _ => i += 1,
+        }
+    }
+    Err(ScanError::Eof)
+}
+
+/// The next structural byte (`"{}[]`) at or after `i`: (its index, the byte). Eight bytes at
+/// a time: `b & 0xD9 == 0x59` holds for the four brackets (and a few letters, which are
+/// checked and stepped over).
+#[inline(always)]
+fn next_structural(s: &[u8], mut i: usize) -> Result<(usize, u8), ScanError> {
+    while let Some(w) = word(s, i) {
+        let m = eq_mask(w, b'"') | eq_mask(w & 0xD9D9_D9D9_D9D9_D9D9, 0x59);
+        if m == 0 {
+            i += 8;
+            continue;
+        }
+        let j = i + (m.trailing_zeros() / 8) as usize;
+        let b = s[j];
+        if STRUCTURAL[b as usize] {
+            return Ok((j, b));
+        }
+        i = j + 1;
+    }
+    while let Some(&b) = s.get(i) {
+        if STRUCTURAL[b as usize] {
+            return Ok((i, b));
+        }
+        i += 1;
+    }
+    Err(ScanError::Eof)
+}
+
 /// A cursor over one JSON document.
 pub struct Scanner<'a> {
     s: &'a [u8],
@@ -108,24 +183,9 @@ impl<'a> Scanner<'a> {
     #[inline]
     fn str_span(&mut self) -> Result<(usize, usize, bool), ScanError> {
         let start = self.i + 1;
-        let mut j = start;
-        let mut escaped = false;
-        loop {
-            let rest = self.s.get(j..).ok_or(ScanError::Eof)?;
-            match memchr::memchr2(b'"', b'\\', rest) {
-                None => return Err(ScanError::Eof),
-                Some(k) => {
-                    j += k;
-                    if self.s[j] == b'\\' {
-                        escaped = true;
-                        j += 2;
-                    } else {
-                        self.i = j + 1;
-                        return Ok((start, j, escaped));
-                    }
-                }
-            }
-        }
+        let (end, escaped) = string_end(self.s, start)?;
+        self.i = end + 1;
+        Ok((start, end, escaped))
     }
 
     /// A string, decoded; `None` for `null`.
@@ -227,37 +287,33 @@ impl<'a> Scanner<'a> {
     /// Skips an object or array at the cursor: brackets are matched with a bit stack.
     fn skip_container(&mut self) -> Result<(), ScanError> {
         let s = self.s;
+        let mut i = self.i;
         let mut depth = 0u32;
         // Bit set: the open container at that depth is an object.
         let mut objects: u128 = 0;
         loop {
-            while self.i < s.len() && !STRUCTURAL[s[self.i] as usize] {
-                self.i += 1;
-            }
-            let Some(&b) = s.get(self.i) else {
-                return Err(ScanError::Eof);
-            };
+            let (at, b) = next_structural(s, i)?;
+            i = at;
             match b {
-                b'"' => {
-                    self.str_span()?;
-                }
+                b'"' => i = string_end(s, i + 1)?.0 + 1,
                 b'{' | b'[' => {
                     if depth == MAX_DEPTH {
                         return Err(ScanError::TooDeep);
                     }
                     objects = (objects << 1) | u128::from(b == b'{');
                     depth += 1;
-                    self.i += 1;
+                    i += 1;
                 }
                 _ => {
                     // '}' or ']'
                     if depth == 0 || (objects & 1 == 1) != (b == b'}') {
-                        return Err(ScanError::Syntax(self.i));
+                        return Err(ScanError::Syntax(i));
                     }
                     objects >>= 1;
                     depth -= 1;
-                    self.i += 1;
+                    i += 1;
                     if depth == 0 {
+                        self.i = i;
                         return Ok(());
                     }
                 }

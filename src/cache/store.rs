@@ -61,6 +61,57 @@ pub type Objects = imbl::OrdMap<ObjectKey, Arc<CachedObject>>;
 pub struct Snapshot {
     pub rv: u64,
     pub objects: Objects,
+    /// The field index at the same state, for resources that have one.
+    pub index: Option<FieldIndex>,
+}
+
+/// The keys of the objects holding each value of one selectable field (pods'
+/// `spec.nodeName`, as the apiserver's pod `IndexFields`), persistent like the objects map,
+/// so a snapshot carries it at O(1) and a kubelet's list reads only its node's pods.
+#[derive(Clone, Debug)]
+pub struct FieldIndex {
+    pub field: &'static str,
+    pub keys: imbl::OrdMap<Box<str>, imbl::OrdSet<ObjectKey>>,
+}
+
+impl FieldIndex {
+    /// The index a resource keeps, if any.
+    pub fn for_resource(r: &Resource) -> Option<FieldIndex> {
+        (r.group.is_empty() && r.resource == "pods").then(|| FieldIndex {
+            field: "spec.nodeName",
+            keys: imbl::OrdMap::new(),
+        })
+    }
+
+    /// Moves `key` from the entry of `old`'s value to that of `new`'s.
+    pub fn update(
+        &mut self,
+        key: &ObjectKey,
+        old: Option<&CachedObject>,
+        new: Option<&CachedObject>,
+    ) {
+        let ov = old.and_then(|o| o.field(self.field));
+        let nv = new.and_then(|o| o.field(self.field));
+        if ov == nv {
+            return;
+        }
+        if let Some(v) = ov
+            && let Some(set) = self.keys.get_mut(v)
+        {
+            set.remove(key);
+            if set.is_empty() {
+                self.keys.remove(v);
+            }
+        }
+        if let Some(v) = nv {
+            self.keys.entry(v.into()).or_default().insert(key.clone());
+        }
+    }
+
+    /// The keys holding `value`, in key order.
+    pub fn get(&self, value: &str) -> Option<&imbl::OrdSet<ObjectKey>> {
+        self.keys.get(value)
+    }
 }
 
 impl std::fmt::Debug for Snapshot {
@@ -89,6 +140,7 @@ pub enum Readiness {
 
 struct State {
     objects: Objects,
+    index: Option<FieldIndex>,
     rv: u64,
     history: VecDeque<Arc<Event>>,
     /// History holds every event with rv > oldest_rv.
@@ -167,11 +219,13 @@ impl ResourceCache {
     pub fn new(resource: Resource, cfg: StoreConfig) -> Arc<ResourceCache> {
         let (dispatch, mut rx) = mpsc::unbounded_channel::<Dispatch>();
         let hub = Hub::new(cfg.watcher_queue, cfg.dispatch_budget);
+        let index = FieldIndex::for_resource(&resource);
         let cache = Arc::new(ResourceCache {
             resource,
             cfg,
             state: RwLock::new(State {
                 objects: imbl::OrdMap::new(),
+                index,
                 rv: 0,
                 history: VecDeque::new(),
                 oldest_rv: 0,
@@ -256,6 +310,7 @@ impl ResourceCache {
         Snapshot {
             rv: s.rv,
             objects: s.objects.clone(),
+            index: s.index.clone(),
         }
     }
 
@@ -319,28 +374,27 @@ impl ResourceCache {
                 return Some(r[i].snap.clone());
             }
         }
-        let (mut objects, undo) = {
+        let (mut objects, mut index, undo) = {
             let s = self.read();
             if rv > s.rv || rv < s.oldest_rv {
                 return None;
             }
             let from = s.history.partition_point(|e| e.rv <= rv);
             let undo: Vec<Arc<Event>> = s.history.range(from..).cloned().collect();
-            (s.objects.clone(), undo)
+            (s.objects.clone(), s.index.clone(), undo)
         };
         // Undone outside the lock, newest first.
         for e in undo.iter().rev() {
             let key = e.object.key();
-            match &e.prev {
-                Some(p) => {
-                    objects.insert(key, p.clone());
-                }
-                None => {
-                    objects.remove(&key);
-                }
+            let undone = match &e.prev {
+                Some(p) => objects.insert(key.clone(), p.clone()),
+                None => objects.remove(&key),
+            };
+            if let Some(ix) = index.as_mut() {
+                ix.update(&key, undone.as_deref(), e.prev.as_deref());
             }
         }
-        let snap = Snapshot { rv, objects };
+        let snap = Snapshot { rv, objects, index };
         if !undo.is_empty() {
             self.retain(&snap);
         }
@@ -363,12 +417,27 @@ impl ResourceCache {
         let s = self.read();
         let (initial, rv) = match start {
             Start::Initial => {
-                let items = s
-                    .objects
-                    .values()
-                    .filter(|o| filter.matches(o))
-                    .map(|o| (o.clone(), None, Delivery::AsIs))
-                    .collect();
+                let indexed = s
+                    .index
+                    .as_ref()
+                    .and_then(|ix| Some((ix, filter.fields.exact_value(ix.field)?)));
+                let items = match indexed {
+                    // Only the objects holding the selected value (a kubelet's pods).
+                    Some((ix, v)) => ix
+                        .get(v)
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|k| s.objects.get(k))
+                        .filter(|o| filter.matches(o))
+                        .map(|o| (o.clone(), None, Delivery::AsIs))
+                        .collect(),
+                    None => s
+                        .objects
+                        .values()
+                        .filter(|o| filter.matches(o))
+                        .map(|o| (o.clone(), None, Delivery::AsIs))
+                        .collect(),
+                };
                 (items, s.rv)
             }
             Start::After(n) if n < s.oldest_rv => {
@@ -431,6 +500,12 @@ impl ReflectorSink for ResourceCache {
                 self.hub.close_all(CloseReason::Relist);
             }
             s.objects = items.into_iter().map(|o| (o.key(), Arc::new(o))).collect();
+            s.index = FieldIndex::for_resource(&self.resource).map(|mut ix| {
+                for (k, o) in s.objects.iter() {
+                    ix.update(k, None, Some(o));
+                }
+                ix
+            });
             s.rv = rv;
             s.history.clear();
             s.oldest_rv = rv;
@@ -454,8 +529,12 @@ impl ReflectorSink for ResourceCache {
             let key = object.key();
             let prev = match kind {
                 EventKind::Deleted => s.objects.remove(&key),
-                _ => s.objects.insert(key, object.clone()),
+                _ => s.objects.insert(key.clone(), object.clone()),
             };
+            if let Some(ix) = s.index.as_mut() {
+                let now = (kind != EventKind::Deleted).then_some(&*object);
+                ix.update(&key, prev.as_deref(), now);
+            }
             let ev = Arc::new(Event::new(kind, object, prev));
             self.record_locked(&mut s, ev);
         }
@@ -474,5 +553,73 @@ impl ReflectorSink for ResourceCache {
 
     fn set_unhealthy(&self, reason: Option<String>) {
         *self.unhealthy.lock().unwrap_or_else(|p| p.into_inner()) = reason;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use proptest::prelude::*;
+
+    fn pod(ns: &str, name: &str, node: Option<&str>, rv: u64) -> CachedObject {
+        let spec = node.map_or(String::new(), |n| {
+            format!(r#","spec":{{"nodeName":"{n}"}}"#)
+        });
+        let raw = format!(
+            r#"{{"metadata":{{"name":"{name}","namespace":"{ns}","resourceVersion":"{rv}"}}{spec}}}"#
+        );
+        CachedObject::parse(Bytes::from(raw), &Resource::core("pods", "Pod", true)).unwrap()
+    }
+
+    fn rebuilt(objects: &Objects) -> imbl::OrdMap<Box<str>, imbl::OrdSet<ObjectKey>> {
+        let mut ix = FieldIndex::for_resource(&Resource::core("pods", "Pod", true)).unwrap();
+        for (k, o) in objects.iter() {
+            ix.update(k, None, Some(o));
+        }
+        ix.keys
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// The node index always equals one rebuilt from the objects: live, at every
+        /// resourceVersion rebuilt from the history, and after a relist; a watch of one node
+        /// starts with exactly that node's pods.
+        #[test]
+        fn node_index_follows_every_change(
+            initial in proptest::collection::vec(("(a|b)", "[a-d]", proptest::option::of("(n1|n2|)")), 0..12),
+            ops in proptest::collection::vec(("(a|b)", "[a-d]", proptest::option::of("(n1|n2|)"), any::<bool>()), 0..30),
+        ) {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async {
+                let cache = ResourceCache::new(Resource::core("pods", "Pod", true), StoreConfig::default());
+                let mut rv = 10;
+                let items = initial.iter().map(|(ns, n, node)| { rv += 1; pod(ns, n, node.as_deref(), rv) }).collect();
+                cache.replace(items, rv);
+                let first = rv;
+                for (ns, n, node, delete) in &ops {
+                    rv += 1;
+                    let kind = if *delete { EventKind::Deleted } else { EventKind::Modified };
+                    cache.apply(kind, pod(ns, n, node.as_deref(), rv));
+                }
+                let cur = cache.current();
+                prop_assert_eq!(&cur.index.as_ref().unwrap().keys, &rebuilt(&cur.objects));
+                for at in first..=rv {
+                    let snap = cache.snapshot_at(at).unwrap();
+                    prop_assert_eq!(&snap.index.as_ref().unwrap().keys, &rebuilt(&snap.objects));
+                }
+                for node in ["n1", "n2", ""] {
+                    let f = Filter {
+                        fields: crate::selector::FieldSelector::parse(&format!("spec.nodeName={node}")).unwrap(),
+                        ..Filter::default()
+                    };
+                    let want: Vec<ObjectKey> = cur.objects.iter().filter(|(_, o)| f.matches(o)).map(|(k, _)| k.clone()).collect();
+                    let reg = cache.watch(Start::Initial, Arc::new(f)).unwrap();
+                    let got: Vec<ObjectKey> = reg.initial.iter().map(|(o, _, _)| o.key()).collect();
+                    prop_assert_eq!(got, want);
+                }
+                Ok(())
+            })?;
+        }
     }
 }

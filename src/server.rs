@@ -79,6 +79,7 @@ impl State {
         };
         let caches = crate::cache::registry::Caches::start(
             c.resources.clone(),
+            c.exclude.clone(),
             upstream.clone(),
             store,
             reflector,

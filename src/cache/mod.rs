@@ -18,6 +18,11 @@ pub struct Resource {
     /// Kind, e.g. `Pod` (list kind is `PodList`).
     pub kind: String,
     pub namespaced: bool,
+    /// Served by a CustomResourceDefinition. Custom resources differ on the wire: their
+    /// objects keep `apiVersion`/`kind` in list items (the store then holds them with their
+    /// type meta, and watch frames and GETs write the body as it is), and the apiserver's
+    /// unstructured encoder orders keys alphabetically.
+    pub custom: bool,
 }
 
 impl Resource {
@@ -29,6 +34,7 @@ impl Resource {
             resource: resource.into(),
             kind: kind.into(),
             namespaced,
+            custom: false,
         }
     }
 
@@ -111,6 +117,7 @@ pub trait ReflectorSink: Send + Sync + 'static {
     fn set_unhealthy(&self, reason: Option<String>);
 }
 
+pub mod discovery;
 pub mod event;
 pub mod metrics;
 pub mod registry;

@@ -89,10 +89,13 @@ impl CachedObject {
                 .collect(),
             fields,
         };
-        Ok(CachedObject {
-            body: strip_type_meta(raw),
-            meta,
-        })
+        // Custom resources' list items carry their type meta: kept (see `Resource::custom`).
+        let body = if resource.custom {
+            raw
+        } else {
+            strip_type_meta(raw)
+        };
+        Ok(CachedObject { body, meta })
     }
 
     /// `namespace/name` (or `name`), the apiserver's storage key order within a resource.

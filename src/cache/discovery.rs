@@ -330,7 +330,7 @@ pub fn plan(
         match crds {
             None => {
                 p.missing.insert(
-                    "customresourcedefinitions".into(),
+                    "custom-resources".into(),
                     "waiting for the list of CustomResourceDefinitions".into(),
                 );
             }
@@ -633,7 +633,7 @@ mod tests {
         ]);
         let p = plan(&sel(&["all"], &[]), Some(&d), None, &HashSet::new());
         assert_eq!(keys(&p), ["pods/v1"]);
-        assert!(p.missing.contains_key("customresourcedefinitions"));
+        assert!(p.missing.contains_key("custom-resources"));
         let p = plan(&sel(&["all"], &[]), None, None, &HashSet::new());
         assert!(p.cache.is_empty());
         assert!(p.missing.contains_key("all"));
@@ -669,6 +669,32 @@ mod tests {
             p.cache[&("example.com".into(), "v1".into(), "widgets".into())].1,
             "u2"
         );
+    }
+
+    #[test]
+    fn a_version_that_stops_being_served_moves_the_cache_to_the_next() {
+        let s = sel(&["widgets.example.com"], &[]);
+        let d = Discovery::default();
+        let p = plan(&s, Some(&d), Some(&[widgets("u1", true)]), &HashSet::new());
+        assert_eq!(keys(&p), ["widgets.example.com/v1"]);
+        let only_beta = Crd {
+            served: vec!["v1beta1".into()],
+            ..widgets("u1", true)
+        };
+        let p = plan(&s, Some(&d), Some(&[only_beta]), &HashSet::new());
+        assert_eq!(keys(&p), ["widgets.example.com/v1beta1"]);
+        // Same plural, another group: another resource.
+        let other = Crd {
+            group: "other.io".into(),
+            ..widgets("u2", true)
+        };
+        let p = plan(
+            &sel(&["all"], &[]),
+            Some(&d),
+            Some(&[widgets("u1", true), other]),
+            &HashSet::new(),
+        );
+        assert_eq!(keys(&p), ["widgets.example.com/v1", "widgets.other.io/v1"]);
     }
 
     #[test]

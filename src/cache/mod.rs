@@ -1,7 +1,9 @@
 //! The watch cache: per-resource store, event history, the upstream reflector's sink.
 //!
 //! Layout: [`object`] (an object's bytes + parsed metadata), [`store`] (current state,
-//! history window, readiness), [`hub`](crate::hub) fans events out.
+//! history window, readiness), [`hub`](crate::hub) fans events out, [`discovery`] (which
+//! resources to cache: configuration, discovery, CRDs), [`registry`] (the caches and
+//! reflectors of those resources, added and removed as CRDs come and go).
 
 pub mod object;
 

@@ -2,7 +2,9 @@
 //!
 //! It serves plain HTTP on `127.0.0.1:0` (HTTP/1.1, and HTTP/2 with prior knowledge) and keeps
 //! namespaces, configmaps and pods in memory behind one global resourceVersion counter, the way
-//! etcd's revision works. Where it implements a behaviour it follows kube-apiserver's wire
+//! etcd's revision works; also CustomResourceDefinitions (established on creation) and one
+//! custom resource, `widgets.example.com/v1`, served with its discovery documents only while
+//! its CRD exists (deleting the CRD deletes the widgets and ends their watches). Where it implements a behaviour it follows kube-apiserver's wire
 //! contract: `Status` errors with the same codes, reasons and messages, the same continue-token
 //! format, watch framing, bookmarks and the `k8s.io/initial-events-end` annotation.
 //! See <https://kubernetes.io/docs/reference/using-api/api-concepts/>.

@@ -25,7 +25,7 @@ use tokio_util::sync::CancellationToken;
 use super::discovery::{self, Crd, Discovery, Plan, Selection};
 use super::{ReflectorSink, Resource, ResourceCache, StoreConfig};
 use crate::body;
-use crate::reflector::{Reflector, ReflectorConfig, ReflectorHandle};
+use crate::reflector::{Reflector, ReflectorConfig, ReflectorHandle, ReflectorStatus};
 use crate::upstream::{As, Upstream};
 
 /// In `all` mode, discovery is read again this often to find built-in or aggregated
@@ -195,9 +195,17 @@ impl Caches {
                 }
                 tracing::info!(resource = %e.cache.resource.label(), version = %e.cache.resource.version, "no longer cached; its requests pass through");
                 e.stop.cancel();
-                // Readiness Stopped (new requests pass through) and every downstream watcher
-                // ended cleanly: clients re-watch and reach the apiserver.
-                e.cache.stop();
+                // Once the reflector has delivered its last call (a relist in flight must not
+                // make the cache ready again): readiness Stopped, so requests that still hold
+                // it pass through, and every downstream watcher ended cleanly, so clients
+                // re-watch and reach the apiserver.
+                let mut status = e.reflector.status();
+                tokio::spawn(async move {
+                    let _ = status
+                        .wait_for(|s| matches!(s, ReflectorStatus::Stopped))
+                        .await;
+                    e.cache.stop();
+                });
             }
         }
         for (key, (resource, uid)) in &plan.cache {

@@ -318,13 +318,15 @@ impl Default for ShutdownConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct CacheConfig {
-    /// Resources served from memory, as `resource` (core) or `resource.group`; the preferred
-    /// version is found by discovery. Everything else passes through. Leases are left out:
-    /// they change every few seconds per holder and are read by few.
+    /// Resources served from memory, as `resource` (core) or `resource.group` (custom
+    /// resources too), or `all`: every resource that can be listed and watched, minus
+    /// `exclude` (see [`crate::cache::discovery`]). The version is the one discovery prefers.
+    /// Everything else passes through. Leases are left out: they change every few seconds
+    /// per holder and are read by few.
     pub resources: Vec<String>,
     /// Resources `all` leaves out, named like `resources` (they pass through; a resource
-    /// named in `resources` is cached regardless). Events are left out by default: written constantly, rarely watched cluster-wide, and
-    /// they would be the largest cache in most clusters.
+    /// named in `resources` is cached regardless). Events are left out by default: written
+    /// constantly, rarely watched cluster-wide, and the largest cache in most clusters.
     pub exclude: Vec<String>,
     /// Events kept per resource for resuming watches from a resourceVersion.
     pub history_max_events: usize,

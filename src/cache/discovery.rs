@@ -1,7 +1,7 @@
 //! What to cache: the configured selection (`cache.resources`, `cache.exclude`) resolved
 //! against the apiserver's discovery documents and its CustomResourceDefinitions.
 //!
-//! The I/O ([`fetch`]) only gathers facts; [`plan`] is a pure function from (selection,
+//! The I/O (`registry::fetch`) only gathers facts; [`plan`] is a pure function from (selection,
 //! discovery, CRDs) to the set of group/version/resources to cache, table-tested below. The
 //! registry ([`super::registry`]) runs both whenever a fact changes and reconciles its caches
 //! with the plan.

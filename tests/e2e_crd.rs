@@ -157,12 +157,29 @@ async fn a_crd_created_while_running_is_cached_and_its_deletion_hands_requests_b
         })
     })
     .await;
-    // The other served version is not cached: it passes through.
+    // The other served version is not cached: it passes through (the apiserver converts).
     assert!(
         state
             .caches
             .get("example.com", "v1beta1", "widgets")
             .is_none()
+    );
+    let lists_before = apiserver_requests(admin, "LIST", "widgets").await;
+    let (code, body) = get(
+        px,
+        tk,
+        &format!("/apis/example.com/v1beta1/namespaces/{NS}/widgets?resourceVersion=0"),
+    )
+    .await;
+    assert_eq!(code, 200, "{body}");
+    let beta: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        beta["items"][0]["apiVersion"], "example.com/v1beta1",
+        "{body}"
+    );
+    assert_eq!(
+        apiserver_requests(admin, "LIST", "widgets").await,
+        lists_before + 1
     );
 
     // Lists from memory equal the apiserver's; the apiserver sees none of them.

@@ -265,6 +265,9 @@ impl Manager {
             if now >= next_discovery {
                 let ok = match fetch(&self.upstream, &self.sel).await {
                     Ok(mut d) => {
+                        for (g, e) in &d.failed_groups {
+                            tracing::warn!(group = %g, error = %e, "discovery of this group failed; its resources pass through, retrying");
+                        }
                         // A group that failed this time (an aggregated API briefly down)
                         // keeps what it served before: its caches stay.
                         if let Some(old) = &found {

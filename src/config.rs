@@ -318,10 +318,16 @@ impl Default for ShutdownConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct CacheConfig {
-    /// Resources served from memory, as `resource` (core) or `resource.group`; the preferred
-    /// version is found by discovery. Everything else passes through. Leases are left out:
-    /// they change every few seconds per holder and are read by few.
+    /// Resources served from memory, as `resource` (core) or `resource.group` (custom
+    /// resources too), or `all`: every resource that can be listed and watched, minus
+    /// `exclude` (see [`crate::cache::discovery`]). The version is the one discovery prefers.
+    /// Everything else passes through. Leases are left out: they change every few seconds
+    /// per holder and are read by few.
     pub resources: Vec<String>,
+    /// Resources `all` leaves out, named like `resources` (they pass through; a resource
+    /// named in `resources` is cached regardless). Events are left out by default: written
+    /// constantly, rarely watched cluster-wide, and the largest cache in most clusters.
+    pub exclude: Vec<String>,
     /// Events kept per resource for resuming watches from a resourceVersion.
     pub history_max_events: usize,
     /// Events older than this leave the history (kube-apiserver keeps at least 75 s).
@@ -368,6 +374,7 @@ impl Default for CacheConfig {
             ]
             .map(String::from)
             .to_vec(),
+            exclude: vec!["events".into(), "events.events.k8s.io".into()],
             history_max_events: 100_000,
             history_max_age: Duration::from_secs(150),
             watcher_queue: 1024,
@@ -816,15 +823,21 @@ impl Config {
             err("cache.bookmarkInterval", "must be greater than 0".into());
         }
         self.paging.validate_into(&mut err);
-        for (i, r) in self.cache.resources.iter().enumerate() {
-            let ok = !r.is_empty()
-                && r.chars()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '.' || c == '-');
-            if !ok {
-                err(
-                    &format!("cache.resources[{i}]"),
-                    format!("{r:?} is not `resource` or `resource.group`"),
-                );
+        for (field, names) in [
+            ("resources", &self.cache.resources),
+            ("exclude", &self.cache.exclude),
+        ] {
+            for (i, r) in names.iter().enumerate() {
+                let ok = !r.is_empty()
+                    && r.chars().all(|c| {
+                        c.is_ascii_lowercase() || c.is_ascii_digit() || c == '.' || c == '-'
+                    });
+                if !ok {
+                    err(
+                        &format!("cache.{field}[{i}]"),
+                        format!("{r:?} is not `all`, `resource` or `resource.group`"),
+                    );
+                }
             }
         }
         let mut names = std::collections::HashSet::new();

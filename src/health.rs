@@ -129,18 +129,20 @@ impl Health {
         self.respond_with(path, query, Vec::new())
     }
 
-    /// As [`Self::respond`], with `extra` readiness checks (one per cached resource).
+    /// As [`Self::respond`], with `extra` readiness checks (one per cached resource). An
+    /// `Ok(Some(note))` check passes and shows its note in the verbose listing (a resource
+    /// that does not gate readiness but is not synced).
     pub fn respond_with(
         &self,
         path: &str,
         query: Option<&str>,
-        extra: Vec<(String, Result<(), String>)>,
+        extra: Vec<(String, Result<Option<String>, String>)>,
     ) -> Option<Response<Body>> {
         let (ep, single) = Endpoint::from_path(path)?;
-        let mut checks: Vec<(String, Result<(), String>)> = self
+        let mut checks: Vec<(String, Result<Option<String>, String>)> = self
             .checks(ep)
             .into_iter()
-            .map(|c| (c.name().to_string(), c.get()))
+            .map(|c| (c.name().to_string(), c.get().map(|()| None)))
             .collect();
         if ep == Endpoint::Readyz {
             checks.extend(extra);
@@ -150,7 +152,7 @@ impl Health {
                 return Some(text(StatusCode::NOT_FOUND, "404 page not found\n".into()));
             };
             return Some(match result {
-                Ok(()) => text(StatusCode::OK, "ok".into()),
+                Ok(_) => text(StatusCode::OK, "ok".into()),
                 Err(e) => text(
                     StatusCode::INTERNAL_SERVER_ERROR,
                     format!("internal server error: {e}\n"),
@@ -181,7 +183,8 @@ impl Health {
                 continue;
             }
             match result {
-                Ok(()) => out.push_str(&format!("[+]{name} ok\n")),
+                Ok(None) => out.push_str(&format!("[+]{name} ok\n")),
+                Ok(Some(note)) => out.push_str(&format!("[+]{name} ok: {note}\n")),
                 Err(_) => {
                     failed = true;
                     // The apiserver withholds reasons from this listing; /<endpoint>/<name>

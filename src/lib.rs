@@ -22,7 +22,8 @@
 //!   403, impersonation checks for client-certificate callers.
 //! - [`tenancy`]: tenants' quotas (watches, read rate, list size) and filtered cluster views.
 //! - [`cache`]: per-resource store (objects as bytes + parsed metadata, snapshots, history),
-//!   readiness, the registry of cached resources and their metrics.
+//!   readiness, the registry of cached resources (named, or `all`; custom resources followed
+//!   through their CRDs) and their metrics.
 //! - [`reflector`]: the upstream LIST+WATCH state machine feeding a cache.
 //! - [`hub`]: watch fan-out with bounded per-watcher queues and the slow-watcher policy.
 //! - [`watch`]: downstream watches served from the cache (start points, bookmarks, timeouts).

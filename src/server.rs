@@ -79,6 +79,7 @@ impl State {
         };
         let caches = crate::cache::registry::Caches::start(
             c.resources.clone(),
+            c.exclude.clone(),
             upstream.clone(),
             store,
             reflector,
@@ -144,28 +145,42 @@ impl State {
     }
 
     /// Readiness checks of the cached resources: `cache:<resource>`, failing until synced.
-    pub fn cache_checks(&self) -> Vec<(String, Result<(), String>)> {
+    /// Readiness per cached resource. Built-in resources gate readiness until their first
+    /// sync (a new replica must not take traffic before it caches anything); custom
+    /// resources never do (a CRD with a broken conversion webhook, or deleted, must not take
+    /// every replica out of service): they are listed with their state and pass through
+    /// until synced.
+    pub fn cache_checks(&self) -> Vec<(String, Result<Option<String>, String>)> {
+        let gate = |custom: bool, why: String| {
+            if custom {
+                Ok(Some(format!("{why}; requests pass through")))
+            } else {
+                Err(why)
+            }
+        };
         self.caches
             .entries()
             .iter()
             .map(|e| {
                 let c = &e.cache;
                 let r = match c.readiness() {
-                    crate::cache::Readiness::Ready => Ok(()),
-                    crate::cache::Readiness::Pending => Err(format!(
-                        "not synced yet: {}",
-                        c.unhealthy().unwrap_or_default()
-                    )),
-                    crate::cache::Readiness::Stopped => Err("stopped".into()),
+                    crate::cache::Readiness::Ready => Ok(None),
+                    crate::cache::Readiness::Pending => gate(
+                        c.resource.custom,
+                        format!("not synced yet: {}", c.unhealthy().unwrap_or_default()),
+                    ),
+                    crate::cache::Readiness::Stopped => gate(c.resource.custom, "stopped".into()),
                 };
                 (format!("cache:{}", c.resource.label()), r)
             })
             // A configured resource not discovered yet has no cache to sync: not ready either,
-            // or a new replica would report ready before it caches anything.
+            // or a new replica would report ready before it caches anything (custom resources
+            // excepted, as above: their CRD may not exist yet or may have been deleted).
             .chain(self.caches.missing.iter().map(|m| {
+                let custom = crate::cache::discovery::is_custom_name(m.key());
                 (
                     format!("cache:{}", m.key()),
-                    Err(format!("not discovered yet: {}", m.value())),
+                    gate(custom, format!("not discovered yet: {}", m.value())),
                 )
             }))
             .collect()

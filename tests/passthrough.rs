@@ -610,8 +610,9 @@ async fn graceful_shutdown_fails_readiness_then_ends_watches_cleanly() {
 
 #[tokio::test]
 async fn a_configured_resource_not_yet_discovered_keeps_the_proxy_unready() {
-    // The fake apiserver serves no group example.com, so discovery of widgets keeps failing:
-    // the proxy must not report ready (a new replica would take traffic it cannot cache).
+    // The fake apiserver has no widgets CRD (so no group example.com): a configured resource
+    // the apiserver does not serve keeps the proxy unready (a new replica would take traffic
+    // it cannot cache).
     let fake = FakeApiServer::start().await;
     let proxy = TestProxy::start(&fake.url(), |c| {
         c.cache.resources = vec!["configmaps".into(), "widgets.example.com".into()];

@@ -105,6 +105,8 @@ pub fn encode_frame(resource: &Resource, ty: &str, body: &[u8], enc: Encoding) -
 /// only the metadata.
 pub fn put_object(b: &mut BytesMut, resource: &Resource, body: &[u8], enc: Encoding) {
     match enc {
+        // A custom resource's body already carries its type meta (see `Resource::custom`).
+        Encoding::Json if resource.custom => b.put_slice(body),
         Encoding::Json => {
             b.put_slice(b"{\"kind\":\"");
             b.put_slice(resource.kind.as_bytes());
@@ -236,6 +238,35 @@ mod tests {
             serde_json::from_slice(&e.frame(&r, Delivery::Entered, Encoding::Json)).unwrap();
         assert_eq!(v["type"], "ADDED");
         assert_eq!(v["object"]["metadata"]["labels"]["x"], "2");
+    }
+
+    #[test]
+    fn custom_resource_frames_keep_the_objects_own_type_meta_once() {
+        let r = Resource {
+            group: "example.com".into(),
+            version: "v1".into(),
+            resource: "widgets".into(),
+            kind: "Widget".into(),
+            namespaced: true,
+            custom: true,
+        };
+        let raw = br#"{"apiVersion":"example.com/v1","kind":"Widget","metadata":{"name":"w","namespace":"ns","resourceVersion":"3"},"spec":{"size":1}}"#;
+        let o = CachedObject::parse(Bytes::from_static(raw), &r).unwrap();
+        assert_eq!(
+            &o.body[..],
+            &raw[..],
+            "list items of custom resources keep type meta"
+        );
+        let e = Event::new(EventKind::Added, Arc::new(o), None);
+        let f = e.frame(&r, Delivery::AsIs, Encoding::Json);
+        assert_eq!(
+            &f[..],
+            &[&b"{\"type\":\"ADDED\",\"object\":"[..], &raw[..], b"}\n"].concat()[..]
+        );
+        let v: serde_json::Value =
+            serde_json::from_slice(&e.frame(&r, Delivery::AsIs, Encoding::Metadata)).unwrap();
+        assert_eq!(v["object"]["kind"], "PartialObjectMetadata");
+        assert_eq!(v["object"]["metadata"]["name"], "w");
     }
 
     #[test]

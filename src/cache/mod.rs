@@ -1,7 +1,9 @@
 //! The watch cache: per-resource store, event history, the upstream reflector's sink.
 //!
 //! Layout: [`object`] (an object's bytes + parsed metadata), [`store`] (current state,
-//! history window, readiness), [`hub`](crate::hub) fans events out.
+//! history window, readiness), [`hub`](crate::hub) fans events out, [`discovery`] (which
+//! resources to cache: configuration, discovery, CRDs), [`registry`] (the caches and
+//! reflectors of those resources, added and removed as CRDs come and go).
 
 pub mod object;
 pub mod scan;
@@ -19,6 +21,11 @@ pub struct Resource {
     /// Kind, e.g. `Pod` (list kind is `PodList`).
     pub kind: String,
     pub namespaced: bool,
+    /// Served by a CustomResourceDefinition. Custom resources differ on the wire: their
+    /// objects keep `apiVersion`/`kind` in list items (the store then holds them with their
+    /// type meta, and watch frames and GETs write the body as it is), and the apiserver's
+    /// unstructured encoder orders keys alphabetically.
+    pub custom: bool,
 }
 
 impl Resource {
@@ -30,6 +37,7 @@ impl Resource {
             resource: resource.into(),
             kind: kind.into(),
             namespaced,
+            custom: false,
         }
     }
 
@@ -112,6 +120,7 @@ pub trait ReflectorSink: Send + Sync + 'static {
     fn set_unhealthy(&self, reason: Option<String>);
 }
 
+pub mod discovery;
 pub mod event;
 pub mod metrics;
 pub mod registry;

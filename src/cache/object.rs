@@ -55,7 +55,11 @@ impl CachedObject {
         let meta = scan_object(&mut s, resource)?;
         let end = s.pos();
         s.end()?;
-        let body = match type_meta_cut(&raw[..end]) {
+        // Custom resources' list items carry their type meta: kept (see `Resource::custom`).
+        let cut = (!resource.custom)
+            .then(|| type_meta_cut(&raw[..end]))
+            .flatten();
+        let body = match cut {
             Some(at) => stripped(&raw[..end], at),
             None => raw.slice(..end),
         };
@@ -75,7 +79,8 @@ impl CachedObject {
         let start = s.pos();
         let meta = scan_object(s, resource)?;
         let obj = &src[start..s.pos()];
-        let body = match type_meta_cut(obj) {
+        let cut = (!resource.custom).then(|| type_meta_cut(obj)).flatten();
+        let body = match cut {
             Some(at) => stripped(obj, at),
             None => Bytes::copy_from_slice(obj),
         };

@@ -1,6 +1,18 @@
-//! The set of cached resources: discovery of each configured resource, one cache and one
-//! reflector each. Until a resource is discovered and synced, its requests pass through.
+//! The set of cached resources: one cache and one reflector per selected resource, kept in
+//! step with the apiserver. Until a resource is discovered and synced, its requests pass
+//! through.
+//!
+//! A background task (the "manager") resolves `cache.resources` with [`discovery::plan`]
+//! whenever a fact changes: at start (discovery retried with backoff until it succeeds), on
+//! every change of the CustomResourceDefinitions (watched by a reflector of their own when
+//! custom resources may be cached), and periodically in `all` mode (new built-in or
+//! aggregated resources). It then starts caches for new resources and removes those no
+//! longer in the plan: a removed resource's reflector is stopped, its downstream watchers
+//! are closed cleanly (clients re-watch, and pass through to the apiserver's own answer,
+//! e.g. 404 for a deleted CRD), and its cache and metric series go; its requests pass
+//! through from then on. A CRD re-created under the same name (a new uid) gets a fresh cache.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -10,23 +22,57 @@ use http_body_util::BodyExt;
 use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
+use super::discovery::{self, Crd, Discovery, Plan, Selection};
 use super::{ReflectorSink, Resource, ResourceCache, StoreConfig};
 use crate::body;
-use crate::reflector::{Reflector, ReflectorConfig, ReflectorHandle};
+use crate::reflector::{Reflector, ReflectorConfig, ReflectorHandle, ReflectorStatus};
 use crate::upstream::{As, Upstream};
+
+/// In `all` mode, discovery is read again this often to find built-in or aggregated
+/// resources added by an apiserver upgrade or a new APIService (custom resources are
+/// followed at once through the CRD watch). kubectl's discovery cache lives 6 hours; a few
+/// minutes is cheap (one request per group version).
+const REDISCOVERY_INTERVAL: Duration = Duration::from_secs(300);
+
+/// Retry bounds of a failed or incomplete discovery (client-go's reflector backoff cap).
+const RETRY_INITIAL: Duration = Duration::from_millis(500);
+const RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// How often the manager looks whether the CRD list has synced, until it has.
+const CRD_SYNC_POLL: Duration = Duration::from_millis(200);
 
 pub struct CacheEntry {
     pub cache: Arc<ResourceCache>,
     pub reflector: ReflectorHandle,
+    /// Cancelled when the resource leaves the plan (a child of the process's shutdown).
+    stop: CancellationToken,
+    /// The CRD's uid for a custom resource, else empty.
+    uid: String,
+}
+
+impl CacheEntry {
+    /// An entry for a cache and reflector built elsewhere (tests); `stop` ends the reflector.
+    pub fn new(
+        cache: Arc<ResourceCache>,
+        reflector: ReflectorHandle,
+        stop: CancellationToken,
+    ) -> CacheEntry {
+        CacheEntry {
+            cache,
+            reflector,
+            stop,
+            uid: String::new(),
+        }
+    }
 }
 
 /// Cached resources by (group, version, resource).
 #[derive(Default)]
 pub struct Caches {
     map: DashMap<(String, String, String), Arc<CacheEntry>>,
-    /// Configured names not (yet) found in discovery, with the reason.
+    /// Selected names without a cache yet, with the reason (built-in ones keep the proxy unready).
     pub missing: DashMap<String, String>,
-    /// Configured names that will not be cached (custom resources for now), with the reason.
+    /// Named resources that will not be cached (not listable and watchable), with the reason.
     pub refused: DashMap<String, String>,
 }
 
@@ -36,31 +82,6 @@ impl std::fmt::Debug for Caches {
             .field("resources", &self.map.len())
             .finish()
     }
-}
-
-#[derive(Deserialize)]
-struct ApiGroup {
-    #[serde(rename = "preferredVersion")]
-    preferred_version: Option<GroupVersion>,
-}
-
-#[derive(Deserialize)]
-struct GroupVersion {
-    version: String,
-}
-
-#[derive(Deserialize)]
-struct ResourceList {
-    resources: Vec<ApiResource>,
-}
-
-#[derive(Deserialize)]
-struct ApiResource {
-    name: String,
-    kind: String,
-    namespaced: bool,
-    #[serde(default)]
-    verbs: Vec<String>,
 }
 
 impl Caches {
@@ -78,81 +99,356 @@ impl Caches {
 
     /// Registers an already-built cache (tests, or resources known without discovery).
     pub fn insert(&self, entry: CacheEntry) {
+        self.insert_arc(Arc::new(entry));
+    }
+
+    fn insert_arc(&self, entry: Arc<CacheEntry>) {
         let r = &entry.cache.resource;
         self.map.insert(
             (r.group.clone(), r.version.clone(), r.resource.clone()),
-            Arc::new(entry),
+            entry,
         );
     }
 
-    /// Discovers each of `names` (`pods`, `deployments.apps`) on the apiserver, then starts a
-    /// cache and a reflector for it. Runs in the background, retrying discovery until it
-    /// succeeds or `shutdown` fires.
+    /// Resolves `resources` (names, or `all`) minus `exclude` against the apiserver and
+    /// keeps a cache and a reflector for each selected resource, in the background until
+    /// `shutdown` fires (see the module docs).
     pub fn start(
-        names: Vec<String>,
+        resources: Vec<String>,
+        exclude: Vec<String>,
         upstream: Upstream,
         store: StoreConfig,
         reflector: ReflectorConfig,
         shutdown: CancellationToken,
     ) -> Arc<Caches> {
         let caches = Arc::new(Caches::default());
-        for n in &names {
-            caches
-                .missing
-                .insert(n.clone(), "not discovered yet".into());
+        let sel = Selection::new(&resources, &exclude);
+        let initial = discovery::plan(&sel, None, None, &HashSet::new());
+        for (name, why) in initial.missing {
+            caches.missing.insert(name, why);
         }
-        let c = caches.clone();
-        tokio::spawn(async move {
-            let mut delay = Duration::from_millis(500);
-            loop {
-                let pending: Vec<String> = c.missing.iter().map(|e| e.key().clone()).collect();
-                if pending.is_empty() {
-                    return;
+        if sel.all || !sel.names.is_empty() {
+            let m = Manager {
+                caches: caches.clone(),
+                sel,
+                upstream,
+                store,
+                reflector,
+                shutdown,
+                crds: None,
+                parsed: HashMap::new(),
+                ever_custom: HashSet::new(),
+            };
+            tokio::spawn(m.run());
+        }
+        caches
+    }
+
+    /// Starts a cache and its reflector for `resource`.
+    fn spawn_entry(
+        resource: Resource,
+        uid: String,
+        upstream: &Upstream,
+        store: &StoreConfig,
+        reflector: &ReflectorConfig,
+        shutdown: &CancellationToken,
+    ) -> Arc<CacheEntry> {
+        let stop = shutdown.child_token();
+        let cache = ResourceCache::new(resource.clone(), store.clone());
+        let handle = Reflector::spawn(
+            resource,
+            upstream.clone(),
+            cache.clone() as Arc<dyn ReflectorSink>,
+            reflector.clone(),
+            stop.clone(),
+        );
+        Arc::new(CacheEntry {
+            cache,
+            reflector: handle,
+            stop,
+            uid,
+        })
+    }
+
+    /// Makes the caches match `plan`. `keep` is an entry never stopped here (the CRD
+    /// watch's own cache, which is served only while the plan includes it).
+    fn apply(
+        &self,
+        plan: Plan,
+        mut start: impl FnMut(&Resource, &str) -> Arc<CacheEntry>,
+        keep: Option<&Arc<CacheEntry>>,
+    ) {
+        let stale: Vec<_> = self
+            .map
+            .iter()
+            .filter(|e| {
+                plan.cache
+                    .get(e.key())
+                    .is_none_or(|(r, uid)| *r != e.cache.resource || *uid != e.uid)
+            })
+            .map(|e| e.key().clone())
+            .collect();
+        for key in stale {
+            if let Some((_, e)) = self.map.remove(&key) {
+                if keep.is_some_and(|k| Arc::ptr_eq(k, &e)) {
+                    continue;
                 }
-                for name in pending {
-                    match discover(&upstream, &name).await {
-                        Ok(resource) => {
-                            let cache = ResourceCache::new(resource.clone(), store.clone());
-                            let handle = Reflector::spawn(
-                                resource,
-                                upstream.clone(),
-                                cache.clone() as Arc<dyn ReflectorSink>,
-                                reflector.clone(),
-                                shutdown.clone(),
-                            );
-                            c.insert(CacheEntry {
-                                cache,
-                                reflector: handle,
-                            });
-                            // Only now, so readiness never sees the name in neither map.
-                            c.missing.remove(&name);
+                tracing::info!(resource = %e.cache.resource.label(), version = %e.cache.resource.version, "no longer cached; its requests pass through");
+                e.stop.cancel();
+                // Once the reflector has delivered its last call (a relist in flight must not
+                // make the cache ready again): readiness Stopped, so requests that still hold
+                // it pass through, and every downstream watcher ended cleanly, so clients
+                // re-watch and reach the apiserver.
+                let mut status = e.reflector.status();
+                tokio::spawn(async move {
+                    let _ = status
+                        .wait_for(|s| matches!(s, ReflectorStatus::Stopped))
+                        .await;
+                    e.cache.stop();
+                });
+            }
+        }
+        for (key, (resource, uid)) in &plan.cache {
+            if self.map.contains_key(key) {
+                continue;
+            }
+            tracing::info!(resource = %resource.label(), version = %resource.version, custom = resource.custom, "caching");
+            self.insert_arc(start(resource, uid));
+        }
+        // Names leave `missing` only now, so readiness never sees a name in neither place.
+        self.missing.retain(|k, _| plan.missing.contains_key(k));
+        for (k, v) in plan.missing {
+            self.missing.insert(k, v);
+        }
+        self.refused.retain(|k, _| plan.refused.contains_key(k));
+        for (k, v) in plan.refused {
+            if !self.refused.contains_key(&k) {
+                tracing::warn!(resource = %k, reason = %v, "not caching this resource; its requests pass through");
+            }
+            self.refused.insert(k, v);
+        }
+    }
+}
+
+/// The background task that keeps the caches in step with the plan.
+struct Manager {
+    caches: Arc<Caches>,
+    sel: Selection,
+    upstream: Upstream,
+    store: StoreConfig,
+    reflector: ReflectorConfig,
+    shutdown: CancellationToken,
+    /// The CRD watch, when custom resources may be cached.
+    crds: Option<Arc<CacheEntry>>,
+    /// CRDs parsed, by name: (resourceVersion, facts), so an event re-parses one object.
+    parsed: HashMap<String, (u64, Option<Crd>)>,
+    ever_custom: HashSet<(String, String)>,
+}
+
+impl Manager {
+    async fn run(mut self) {
+        if self.sel.needs_crds() {
+            self.crds = Some(Caches::spawn_entry(
+                discovery::crd_resource(),
+                String::new(),
+                &self.upstream,
+                &self.store,
+                &self.reflector,
+                &self.shutdown,
+            ));
+        }
+        let mut found: Option<Discovery> = None;
+        let mut retry = RETRY_INITIAL;
+        let mut next_discovery = tokio::time::Instant::now();
+        loop {
+            let now = tokio::time::Instant::now();
+            if now >= next_discovery {
+                let ok = match fetch(&self.upstream, &self.sel).await {
+                    Ok(mut d) => {
+                        for (g, e) in &d.failed_groups {
+                            tracing::warn!(group = %g, error = %e, "discovery of this group failed; its resources pass through, retrying");
                         }
-                        Err(Discovery::Refused(e)) => {
-                            tracing::warn!(resource = %name, reason = %e, "not caching this resource; its requests pass through");
-                            c.missing.remove(&name);
-                            c.refused.insert(name, e);
+                        // A group that failed this time (an aggregated API briefly down)
+                        // keeps what it served before: its caches stay.
+                        if let Some(old) = &found {
+                            for ((g, r), s) in &old.served {
+                                if d.failed_groups.contains_key(g) {
+                                    d.served.entry((g.clone(), r.clone())).or_insert(s.clone());
+                                }
+                            }
                         }
-                        Err(Discovery::Retry(e)) => {
-                            tracing::warn!(resource = %name, error = %e, "cannot cache this resource yet");
-                            c.missing.insert(name, e);
-                        }
+                        found = Some(d);
+                        true
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "discovery failed; retrying");
+                        false
+                    }
+                };
+                let complete = ok && found.as_ref().is_some_and(|d| d.failed_groups.is_empty());
+                next_discovery = now
+                    + if !complete {
+                        let d = retry;
+                        retry = (retry * 2).min(RETRY_MAX);
+                        d
+                    } else {
+                        retry = RETRY_INITIAL;
+                        REDISCOVERY_INTERVAL
+                    };
+            }
+            let (crds, crd_rv) = self.crds();
+            let plan = discovery::plan(
+                &self.sel,
+                found.as_ref(),
+                crds.as_deref(),
+                &self.ever_custom,
+            );
+            // A named resource not served yet: look again soon (a CRD's resource is seen at
+            // once through the CRD watch; this covers built-in and aggregated ones).
+            if !self.sel.all && plan.missing.values().any(|m| m.contains("not served")) {
+                next_discovery = next_discovery.min(tokio::time::Instant::now() + RETRY_MAX);
+            }
+            let crd_entry = self.crds.clone();
+            let (up, store, refl, sd) =
+                (&self.upstream, &self.store, &self.reflector, &self.shutdown);
+            self.caches.apply(
+                plan,
+                |r, uid| match &crd_entry {
+                    Some(e) if e.cache.resource == *r => e.clone(),
+                    _ => Caches::spawn_entry(r.clone(), uid.to_string(), up, store, refl, sd),
+                },
+                crd_entry.as_ref(),
+            );
+            // Wait for the next discovery, a change of the CRDs, or shutdown.
+            let until = next_discovery.saturating_duration_since(tokio::time::Instant::now());
+            let crd_cache = self.crds.as_ref().map(|e| e.cache.clone());
+            let crd_change = async {
+                match (&crd_cache, crds.is_some()) {
+                    (Some(c), true) => {
+                        c.wait_for_rv(crd_rv + 1, until).await;
+                    }
+                    // Not synced yet: its readiness has no subscription; look again shortly
+                    // (no I/O, the reflector does the retrying).
+                    (Some(_), false) => tokio::time::sleep(CRD_SYNC_POLL.min(until)).await,
+                    (None, _) => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                _ = self.shutdown.cancelled() => return,
+                _ = tokio::time::sleep(until) => {}
+                _ = crd_change => {}
+            }
+        }
+    }
+
+    /// The CRDs when their list is synced, and the resourceVersion they are at.
+    fn crds(&mut self) -> (Option<Vec<Crd>>, u64) {
+        let Some(e) = &self.crds else {
+            return (None, 0);
+        };
+        if !e.cache.is_ready() {
+            return (None, 0);
+        }
+        let snap = e.cache.current();
+        let mut parsed = HashMap::with_capacity(snap.objects.len());
+        for o in snap.objects.values() {
+            let name = o.meta.name.to_string();
+            let rv = o.meta.resource_version;
+            let facts = match self.parsed.remove(&name) {
+                Some((at, facts)) if at == rv => facts,
+                _ => Crd::parse(&o.body),
+            };
+            parsed.insert(name, (rv, facts));
+        }
+        self.parsed = parsed;
+        let crds: Vec<Crd> = self
+            .parsed
+            .values()
+            .filter_map(|(_, c)| c.clone())
+            .collect();
+        for c in &crds {
+            self.ever_custom.insert((c.group.clone(), c.plural.clone()));
+        }
+        (Some(crds), snap.rv)
+    }
+}
+
+/// Reads the discovery documents of `groups` (`None`: every group). Fails only when the core
+/// documents cannot be read; a group that fails is recorded in [`Discovery::failed_groups`].
+async fn fetch(upstream: &Upstream, sel: &Selection) -> Result<Discovery, String> {
+    let groups = sel.groups();
+    let groups = groups.as_ref();
+    let mut d = Discovery::default();
+    if groups.is_none_or(|g| g.contains("")) {
+        let core: discovery::ResourceList = get_json(upstream, "/api/v1")
+            .await
+            .map_err(Fetch::message)?;
+        discovery::add_resources(&mut d, "", "v1", core);
+    }
+    let mut found: Vec<discovery::ApiGroup> = Vec::new();
+    match groups {
+        None => {
+            let list: discovery::ApiGroupList =
+                get_json(upstream, "/apis").await.map_err(Fetch::message)?;
+            found = list.groups;
+        }
+        Some(groups) => {
+            for g in groups.iter().filter(|g| !g.is_empty()) {
+                match get_json::<discovery::ApiGroup>(upstream, &format!("/apis/{g}")).await {
+                    Ok(group) => found.push(group),
+                    Err(Fetch::NotFound) => {
+                        d.absent_groups.insert(g.clone());
+                    }
+                    Err(e) => {
+                        d.failed_groups.insert(g.clone(), e.message());
                     }
                 }
-                tokio::select! {
-                    _ = shutdown.cancelled() => return,
-                    _ = tokio::time::sleep(delay) => {}
-                }
-                delay = (delay * 2).min(Duration::from_secs(30));
             }
-        });
-        caches
+        }
+    }
+    for g in found {
+        for v in g.version_order() {
+            let path = format!("/apis/{}/{v}", g.name);
+            match get_json::<discovery::ResourceList>(upstream, &path).await {
+                Ok(list) => discovery::add_resources(&mut d, &g.name, &v, list),
+                Err(e) => {
+                    d.failed_groups.insert(g.name.clone(), e.message());
+                }
+            }
+            // Named mode: stop at the first version that has every wanted resource of the
+            // group (the proxy's RBAC may grant only the preferred version's document).
+            let complete = !sel.all
+                && sel.names.iter().all(|n| {
+                    let (r, grp) = discovery::split_name(n);
+                    grp != g.name || d.served.contains_key(&(grp.to_string(), r.to_string()))
+                });
+            if complete {
+                break;
+            }
+        }
+    }
+    Ok(d)
+}
+
+/// Why a discovery document could not be read.
+enum Fetch {
+    NotFound,
+    Failed(String),
+}
+
+impl Fetch {
+    fn message(self) -> String {
+        match self {
+            Fetch::NotFound => "not found".into(),
+            Fetch::Failed(e) => e,
+        }
     }
 }
 
 async fn get_json<T: for<'de> Deserialize<'de>>(
     upstream: &Upstream,
     path: &str,
-) -> Result<T, String> {
+) -> Result<T, Fetch> {
     let mut req = Request::new(body::empty());
     *req.uri_mut() = upstream.uri(path);
     req.headers_mut().insert(
@@ -164,96 +460,20 @@ async fn get_json<T: for<'de> Deserialize<'de>>(
         upstream.send(req, As::Proxy, false),
     )
     .await
-    .map_err(|_| format!("GET {path} timed out"))?
-    .map_err(|e| format!("GET {path}: {e}"))?;
+    .map_err(|_| Fetch::Failed(format!("GET {path} timed out")))?
+    .map_err(|e| Fetch::Failed(format!("GET {path}: {e}")))?;
     let status = resp.status();
     let b = resp
         .into_body()
         .collect()
         .await
-        .map_err(|e| e.to_string())?
+        .map_err(|e| Fetch::Failed(e.to_string()))?
         .to_bytes();
+    if status == http::StatusCode::NOT_FOUND {
+        return Err(Fetch::NotFound);
+    }
     if !status.is_success() {
-        return Err(format!("GET {path} returned {status}"));
+        return Err(Fetch::Failed(format!("GET {path} returned {status}")));
     }
-    serde_json::from_slice(&b).map_err(|e| format!("GET {path}: {e}"))
-}
-
-/// Whether a CustomResourceDefinition serves `resource.group` (any answer but 200 counts as
-/// no: built-in and aggregated resources have no CRD).
-async fn is_custom_resource(upstream: &Upstream, resource: &str, group: &str) -> bool {
-    let mut req = Request::new(body::empty());
-    *req.uri_mut() = upstream.uri(&format!(
-        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{resource}.{group}"
-    ));
-    req.headers_mut().insert(
-        http::header::ACCEPT,
-        http::HeaderValue::from_static("application/json"),
-    );
-    matches!(
-        tokio::time::timeout(Duration::from_secs(30), upstream.send(req, As::Proxy, false)).await,
-        Ok(Ok(r)) if r.status().is_success()
-    )
-}
-
-/// Why a configured resource has no cache.
-enum Discovery {
-    /// Try again later (apiserver unreachable, resource not served yet).
-    Retry(String),
-    /// Never (a kind the cache does not model).
-    Refused(String),
-}
-
-impl From<String> for Discovery {
-    fn from(s: String) -> Self {
-        Discovery::Retry(s)
-    }
-}
-
-impl From<&str> for Discovery {
-    fn from(s: &str) -> Self {
-        Discovery::Retry(s.to_string())
-    }
-}
-
-/// Resolves `resource[.group]` to its preferred version, kind and scope.
-async fn discover(upstream: &Upstream, name: &str) -> Result<Resource, Discovery> {
-    let (resource, group) = name.split_once('.').unwrap_or((name, ""));
-    if !group.is_empty() && is_custom_resource(upstream, resource, group).await {
-        // Custom resources differ on the wire: list items carry apiVersion/kind and the
-        // encoder orders keys differently, which the store's bodies do not model yet. They
-        // pass through until they do.
-        return Err(Discovery::Refused(format!(
-            "{name} is a custom resource; custom resources are not cached yet"
-        )));
-    }
-    let version = if group.is_empty() {
-        "v1".to_string()
-    } else {
-        let g: ApiGroup = get_json(upstream, &format!("/apis/{group}")).await?;
-        g.preferred_version.ok_or("no preferred version")?.version
-    };
-    let path = if group.is_empty() {
-        "/api/v1".to_string()
-    } else {
-        format!("/apis/{group}/{version}")
-    };
-    let list: ResourceList = get_json(upstream, &path).await?;
-    let r = list
-        .resources
-        .into_iter()
-        .find(|r| r.name == resource)
-        .ok_or_else(|| format!("{name} is not served by the apiserver"))?;
-    if !(r.verbs.iter().any(|v| v == "list") && r.verbs.iter().any(|v| v == "watch")) {
-        return Err(Discovery::Refused(format!(
-            "{name} cannot be listed and watched"
-        )));
-    }
-    Ok(Resource {
-        group: group.to_string(),
-        version,
-        resource: resource.to_string(),
-        kind: r.kind,
-        namespaced: r.namespaced,
-    })
+    serde_json::from_slice(&b).map_err(|e| Fetch::Failed(format!("GET {path}: {e}")))
 }

@@ -267,6 +267,9 @@ impl ResourceCache {
     }
 
     pub fn stop(&self) {
+        // Under the write lock: a watcher registering concurrently either sees Stopped or is
+        // subscribed before the hub closes everyone.
+        let _s = self.write();
         self.ready_tx.send_replace(Readiness::Stopped);
         self.hub.close_all(CloseReason::Relist);
     }
@@ -411,10 +414,11 @@ impl ResourceCache {
 
     /// Registers a watcher (see the module docs for the ordering argument).
     pub fn watch(&self, start: Start, filter: Arc<Filter>) -> Result<Registration, WatchError> {
+        let s = self.read();
+        // Under the read lock, so `stop` cannot slip in before the subscription.
         if !self.is_ready() {
             return Err(WatchError::NotReady);
         }
-        let s = self.read();
         let (initial, rv) = match start {
             Start::Initial => {
                 let indexed = s

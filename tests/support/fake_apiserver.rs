@@ -2,7 +2,9 @@
 //!
 //! It serves plain HTTP on `127.0.0.1:0` (HTTP/1.1, and HTTP/2 with prior knowledge) and keeps
 //! namespaces, configmaps and pods in memory behind one global resourceVersion counter, the way
-//! etcd's revision works. Where it implements a behaviour it follows kube-apiserver's wire
+//! etcd's revision works; also CustomResourceDefinitions (established on creation) and one
+//! custom resource, `widgets.example.com/v1`, served with its discovery documents only while
+//! its CRD exists (deleting the CRD deletes the widgets and ends their watches). Where it implements a behaviour it follows kube-apiserver's wire
 //! contract: `Status` errors with the same codes, reasons and messages, the same continue-token
 //! format, watch framing, bookmarks and the `k8s.io/initial-events-end` annotation.
 //! See <https://kubernetes.io/docs/reference/using-api/api-concepts/>.
@@ -390,25 +392,33 @@ enum Kind {
     Namespace,
     ConfigMap,
     Pod,
+    /// apiextensions.k8s.io/v1 CustomResourceDefinitions (stored, established at once).
+    Crd,
+    /// example.com/v1 widgets: a custom resource, served only while the CRD
+    /// [`WIDGETS_CRD`] exists.
+    Widget,
 }
 
-impl Kind {
-    const ALL: [Kind; 3] = [Kind::Namespace, Kind::ConfigMap, Kind::Pod];
+/// The one CRD whose resource the fake serves.
+pub const WIDGETS_CRD: &str = "widgets.example.com";
 
-    fn from_resource(resource: &str) -> Option<Kind> {
-        match resource {
-            "namespaces" => Some(Kind::Namespace),
-            "configmaps" => Some(Kind::ConfigMap),
-            "pods" => Some(Kind::Pod),
-            _ => None,
-        }
-    }
+impl Kind {
+    const ALL: [Kind; 5] = [
+        Kind::Namespace,
+        Kind::ConfigMap,
+        Kind::Pod,
+        Kind::Crd,
+        Kind::Widget,
+    ];
+    const CORE: [Kind; 3] = [Kind::Namespace, Kind::ConfigMap, Kind::Pod];
 
     fn resource(self) -> &'static str {
         match self {
             Kind::Namespace => "namespaces",
             Kind::ConfigMap => "configmaps",
             Kind::Pod => "pods",
+            Kind::Crd => "customresourcedefinitions",
+            Kind::Widget => "widgets",
         }
     }
 
@@ -417,15 +427,30 @@ impl Kind {
             Kind::Namespace => "Namespace",
             Kind::ConfigMap => "ConfigMap",
             Kind::Pod => "Pod",
+            Kind::Crd => "CustomResourceDefinition",
+            Kind::Widget => "Widget",
         }
     }
 
+    fn api_version(self) -> &'static str {
+        match self {
+            Kind::Crd => "apiextensions.k8s.io/v1",
+            Kind::Widget => "example.com/v1",
+            _ => "v1",
+        }
+    }
+
+    /// Custom resources keep kind/apiVersion in list items.
+    fn custom(self) -> bool {
+        self == Kind::Widget
+    }
+
     fn namespaced(self) -> bool {
-        self != Kind::Namespace
+        !matches!(self, Kind::Namespace | Kind::Crd)
     }
 
     fn has_status(self) -> bool {
-        self != Kind::ConfigMap
+        !matches!(self, Kind::ConfigMap | Kind::Widget)
     }
 
     fn index(self) -> usize {
@@ -505,7 +530,7 @@ struct Store {
     /// Oldest resourceVersion whose state can still be rebuilt: history holds every event with
     /// `rv > floor`.
     floor: u64,
-    objects: [BTreeMap<String, Value>; 3],
+    objects: [BTreeMap<String, Value>; 5],
     history: VecDeque<HistEvent>,
     /// Every write ever, for [`FakeApiServer::writes`]; never compacted.
     journal: Vec<Write>,
@@ -744,39 +769,56 @@ enum Route {
     },
 }
 
-/// Parses `/api/v1/...` resource paths. `/api/v1/watch/...` paths are handled by the caller.
+/// Parses `/api/v1/...`, `/apis/apiextensions.k8s.io/v1/...` and `/apis/example.com/v1/...`
+/// resource paths. `/api/v1/watch/...` paths are handled by the caller.
 fn parse_route(path: &str) -> Option<Route> {
-    let rest = path.strip_prefix("/api/v1/")?;
+    let (rest, kinds): (&str, &[Kind]) = if let Some(r) = path.strip_prefix("/api/v1/") {
+        (r, &Kind::CORE)
+    } else if let Some(r) = path.strip_prefix("/apis/apiextensions.k8s.io/v1/") {
+        (r, &[Kind::Crd])
+    } else if let Some(r) = path.strip_prefix("/apis/example.com/v1/") {
+        (r, &[Kind::Widget])
+    } else {
+        return None;
+    };
+    let from_resource = |res: &str| kinds.iter().copied().find(|k| k.resource() == res);
+    let core = kinds.contains(&Kind::Namespace);
     let segs: Vec<&str> = rest.trim_end_matches('/').split('/').collect();
     if segs.iter().any(|s| s.is_empty()) {
         return None;
     }
     match segs.as_slice() {
         [res] => Some(Route::Collection {
-            kind: Kind::from_resource(res)?,
+            kind: from_resource(res)?,
             namespace: None,
         }),
-        ["namespaces", name] => Some(Route::Item {
+        [res, name] if !core => Some(Route::Item {
+            kind: from_resource(res).filter(|k| !k.namespaced())?,
+            namespace: None,
+            name: name.to_string(),
+            subresource: None,
+        }),
+        ["namespaces", name] if core => Some(Route::Item {
             kind: Kind::Namespace,
             namespace: None,
             name: name.to_string(),
             subresource: None,
         }),
-        ["namespaces", name, "status"] => Some(Route::Item {
+        ["namespaces", name, "status"] if core => Some(Route::Item {
             kind: Kind::Namespace,
             namespace: None,
             name: name.to_string(),
             subresource: Some("status".into()),
         }),
         ["namespaces", ns, res] => {
-            let kind = Kind::from_resource(res).filter(|k| k.namespaced())?;
+            let kind = from_resource(res).filter(|k| k.namespaced())?;
             Some(Route::Collection {
                 kind,
                 namespace: Some(ns.to_string()),
             })
         }
         ["namespaces", ns, res, name] => {
-            let kind = Kind::from_resource(res).filter(|k| k.namespaced())?;
+            let kind = from_resource(res).filter(|k| k.namespaced())?;
             Some(Route::Item {
                 kind,
                 namespace: Some(ns.to_string()),
@@ -785,7 +827,7 @@ fn parse_route(path: &str) -> Option<Route> {
             })
         }
         ["namespaces", ns, res, name, sub] => {
-            let kind = Kind::from_resource(res).filter(|k| k.namespaced())?;
+            let kind = from_resource(res).filter(|k| k.namespaced())?;
             let known = match kind {
                 Kind::Pod => ["status", "exec", "attach", "portforward"].contains(sub),
                 _ => false,
@@ -833,9 +875,37 @@ async fn route(
         // The authorization group is not advertised in discovery: the proxy posts its
         // reviews directly, and clients that discover it would expect more of it.
         "/apis" => {
+            let mut groups = vec![api_group_json("apiextensions.k8s.io")];
+            if widgets_served(shared) {
+                groups.push(api_group_json("example.com"));
+            }
             return Ok(json_response(
                 StatusCode::OK,
-                r#"{"kind":"APIGroupList","apiVersion":"v1","groups":[]}"#.to_string(),
+                format!(
+                    r#"{{"kind":"APIGroupList","apiVersion":"v1","groups":[{}]}}"#,
+                    groups.join(",")
+                ),
+            ));
+        }
+        "/apis/apiextensions.k8s.io" => {
+            return Ok(json_response(
+                StatusCode::OK,
+                api_group_json("apiextensions.k8s.io"),
+            ));
+        }
+        "/apis/apiextensions.k8s.io/v1" => {
+            return Ok(json_response(
+                StatusCode::OK,
+                group_resource_list_json(Kind::Crd),
+            ));
+        }
+        "/apis/example.com" if widgets_served(shared) => {
+            return Ok(json_response(StatusCode::OK, api_group_json("example.com")));
+        }
+        "/apis/example.com/v1" if widgets_served(shared) => {
+            return Ok(json_response(
+                StatusCode::OK,
+                group_resource_list_json(Kind::Widget),
             ));
         }
         "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews" => {
@@ -858,6 +928,12 @@ async fn route(
     let Some(route) = parse_route(&path) else {
         return Err(Status::not_found_path());
     };
+    let kind = match &route {
+        Route::Collection { kind, .. } | Route::Item { kind, .. } => *kind,
+    };
+    if kind == Kind::Widget && !widgets_served(shared) {
+        return Err(Status::not_found_path());
+    }
     let method = req.method.clone();
     if let Some(user) = denied_caller(shared, &req.headers) {
         return Err(forbidden(
@@ -1421,7 +1497,7 @@ async fn list(
     }
     let mut out = JsonObj::new()
         .str("kind", &format!("{}List", kind.kind()))
-        .str("apiVersion", "v1")
+        .str("apiVersion", kind.api_version())
         .raw("metadata", &meta.finish())
         .finish();
     out.pop();
@@ -1430,9 +1506,9 @@ async fn list(
         if i > 0 {
             out.push(',');
         }
-        // Items of a typed list carry no kind/apiVersion.
+        // Items of a typed list carry no kind/apiVersion; a custom resource's do.
         let mut item = (*item).clone();
-        if let Some(o) = item.as_object_mut() {
+        if let Some(o) = item.as_object_mut().filter(|_| !kind.custom()) {
             o.remove("kind");
             o.remove("apiVersion");
         }
@@ -1512,7 +1588,7 @@ fn bookmark_line(kind: Kind, rv: u64, initial_events_end: bool) -> Bytes {
     }
     let obj = JsonObj::new()
         .str("kind", kind.kind())
-        .str("apiVersion", "v1")
+        .str("apiVersion", kind.api_version())
         .raw("metadata", &meta.finish())
         .finish();
     Bytes::from(format!("{{\"type\":\"BOOKMARK\",\"object\":{obj}}}\n"))
@@ -1743,10 +1819,11 @@ fn check_type_meta(kind: Kind, v: &Value) -> Result<(), Status> {
         .get("apiVersion")
         .and_then(Value::as_str)
         .filter(|a| !a.is_empty())
-        && av != "v1"
+        && av != kind.api_version()
     {
         return Err(Status::bad_request(format!(
-            "the API version in the data ({av}) does not match the expected API version (v1)"
+            "the API version in the data ({av}) does not match the expected API version ({})",
+            kind.api_version()
         )));
     }
     Ok(())
@@ -1853,7 +1930,7 @@ fn create_object(
     {
         let o = obj.as_object_mut().expect("checked above");
         o.insert("kind".into(), kind.kind().into());
-        o.insert("apiVersion".into(), "v1".into());
+        o.insert("apiVersion".into(), kind.api_version().into());
     }
     let meta = metadata_mut(&mut obj);
     meta.insert("name".into(), name.clone().into());
@@ -1893,7 +1970,17 @@ fn create_object(
                 .expect("object")
                 .insert("status".into(), json!({"phase": "Pending"}));
         }
-        Kind::ConfigMap => {}
+        // Established at once (the apiserver's establishing controller takes a moment).
+        Kind::Crd => {
+            obj.as_object_mut().expect("object").insert(
+                "status".into(),
+                json!({"conditions": [
+                    {"type": "NamesAccepted", "status": "True"},
+                    {"type": "Established", "status": "True"},
+                ]}),
+            );
+        }
+        Kind::ConfigMap | Kind::Widget => {}
     }
     let created = store.write_locked(kind, &key, Some(obj));
     let rv = store.rv;
@@ -1975,7 +2062,7 @@ fn update_locked(
         {
             let o = obj.as_object_mut().expect("checked above");
             o.insert("kind".into(), kind.kind().into());
-            o.insert("apiVersion".into(), "v1".into());
+            o.insert("apiVersion".into(), kind.api_version().into());
             // The main resource cannot change status (pod and namespace strategies keep it).
             if kind.has_status() {
                 match old.get("status") {
@@ -2125,7 +2212,7 @@ fn delete_object(
         ));
     }
     let out = match kind {
-        Kind::ConfigMap => {
+        Kind::ConfigMap | Kind::Widget => {
             store.write_locked(kind, &key, None);
             let details = JsonObj::new()
                 .str("name", name)
@@ -2142,6 +2229,28 @@ fn delete_object(
             serde_json::from_str(&status).unwrap_or(Value::Null)
         }
         Kind::Pod => store.write_locked(kind, &key, None),
+        Kind::Crd => {
+            // The apiserver's CRD finalizer deletes every object first; then the resource
+            // stops being served and its watches end.
+            if name == WIDGETS_CRD {
+                let keys: Vec<String> = store.objects(Kind::Widget).keys().cloned().collect();
+                for k in keys {
+                    store.write_locked(Kind::Widget, &k, None);
+                }
+            }
+            let out = store.write_locked(kind, &key, None);
+            if name == WIDGETS_CRD {
+                store.watchers.retain(|w| {
+                    if w.filter.kind == Kind::Widget {
+                        let _ = w.tx.send(WatchMsg::End);
+                        false
+                    } else {
+                        true
+                    }
+                });
+            }
+            out
+        }
         Kind::Namespace => {
             // The apiserver answers with the Terminating namespace; its namespace controller
             // then empties it and removes it. Here that happens at once.
@@ -2494,6 +2603,8 @@ fn supported_fields(kind: Kind) -> &'static [&'static str] {
     match kind {
         Kind::ConfigMap => &["metadata.name", "metadata.namespace"],
         Kind::Namespace => &["metadata.name", "status.phase"],
+        Kind::Crd => &["metadata.name"],
+        Kind::Widget => &["metadata.name", "metadata.namespace"],
         Kind::Pod => &[
             "metadata.name",
             "metadata.namespace",
@@ -2935,13 +3046,50 @@ fn api_versions_json(addr: SocketAddr) -> String {
     )
 }
 
+/// An `APIGroup` with the one version v1.
+fn api_group_json(group: &str) -> String {
+    format!(
+        r#"{{"kind":"APIGroup","apiVersion":"v1","name":"{group}","versions":[{{"groupVersion":"{group}/v1","version":"v1"}}],"preferredVersion":{{"groupVersion":"{group}/v1","version":"v1"}}}}"#
+    )
+}
+
+/// The `APIResourceList` of a one-resource group version (CRDs, widgets).
+fn group_resource_list_json(kind: Kind) -> String {
+    let mut resources = vec![json!({
+        "name": kind.resource(),
+        "singularName": kind.kind().to_lowercase(),
+        "namespaced": kind.namespaced(),
+        "kind": kind.kind(),
+        "verbs": ["create", "delete", "get", "list", "patch", "update", "watch"],
+    })];
+    if kind.has_status() {
+        resources.push(json!({
+            "name": format!("{}/status", kind.resource()),
+            "singularName": "",
+            "namespaced": kind.namespaced(),
+            "kind": kind.kind(),
+            "verbs": ["get", "patch", "update"],
+        }));
+    }
+    JsonObj::new()
+        .str("kind", "APIResourceList")
+        .str("groupVersion", kind.api_version())
+        .raw("resources", &to_json(&Value::Array(resources)))
+        .finish()
+}
+
+/// Whether the widgets CRD exists (its resource is served).
+fn widgets_served(shared: &Shared) -> bool {
+    shared.store().objects(Kind::Crd).contains_key(WIDGETS_CRD)
+}
+
 fn api_resource_list_json() -> String {
     let mut resources = Vec::new();
-    for kind in Kind::ALL {
+    for kind in Kind::CORE {
         let (short, singular) = match kind {
             Kind::Namespace => ("ns", "namespace"),
             Kind::ConfigMap => ("cm", "configmap"),
-            Kind::Pod => ("po", "pod"),
+            _ => ("po", "pod"),
         };
         let mut r = json!({
             "name": kind.resource(),

@@ -1,0 +1,389 @@
+//! Custom resources against the in-process fake apiserver: a CRD that appears gets a cache
+//! (served from memory, one upstream watch), its deletion ends the downstream watchers, drops
+//! the cache and its metric series and sends requests through, and a CRD re-created under the
+//! same name starts from a fresh cache. Both with the resource named in `cache.resources` and
+//! with `all`.
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use support::fake_apiserver::{FakeApiServer, WIDGETS_CRD};
+use support::proxy::{EventReader, TestProxy, body_json, body_string, plain_client};
+
+/// Guard against hangs only; no assertion depends on time.
+const GUARD: Duration = Duration::from_secs(30);
+
+const CRDS: &str = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions";
+const WIDGETS: &str = "/apis/example.com/v1/namespaces/a/widgets";
+
+fn crd() -> Value {
+    json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": WIDGETS_CRD},
+        "spec": {"group": "example.com", "scope": "Namespaced",
+                 "names": {"plural": "widgets", "singular": "widget", "kind": "Widget", "listKind": "WidgetList"},
+                 "versions": [{"name": "v1", "served": true, "storage": true}]}
+    })
+}
+
+fn widget(name: &str) -> Value {
+    json!({"apiVersion": "example.com/v1", "kind": "Widget",
+           "metadata": {"name": name, "labels": {"app": "w"}}, "spec": {"color": "red"}})
+}
+
+async fn get(proxy: &TestProxy, path: &str) -> (u16, String) {
+    let c = plain_client(false);
+    let r = c
+        .request(
+            http::Request::get(proxy.http(path))
+                .header("authorization", "Bearer alice")
+                .body(http_body_util::Full::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let code = r.status().as_u16();
+    (code, body_string(r).await)
+}
+
+async fn watch(proxy: &TestProxy, query: &str) -> EventReader {
+    let c = plain_client(false);
+    let r = c
+        .request(
+            http::Request::get(proxy.http(&format!("{WIDGETS}?watch=1&{query}")))
+                .header("authorization", "Bearer alice")
+                .body(http_body_util::Full::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    EventReader::new(r)
+}
+
+async fn metrics(proxy: &TestProxy) -> String {
+    let c = plain_client(false);
+    let r = c
+        .request(
+            http::Request::get(proxy.http("/metrics"))
+                .body(http_body_util::Full::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    body_string(r).await
+}
+
+/// Requests the fake saw for the widgets collection: (lists, watches).
+fn upstream_widget_requests(fake: &FakeApiServer) -> (usize, usize) {
+    let reqs = fake.requests();
+    let widgets = reqs
+        .iter()
+        .filter(|r| r.path.starts_with("/apis/example.com/v1/") && r.path.ends_with("/widgets"));
+    widgets.fold((0, 0), |(l, w), r| {
+        if r.query.as_deref().unwrap_or("").contains("watch=") {
+            (l, w + 1)
+        } else {
+            (l + 1, w)
+        }
+    })
+}
+
+/// Waits until `cond` holds on the proxy's caches.
+async fn until(
+    proxy: &TestProxy,
+    what: &str,
+    cond: impl Fn(&kube_cache_proxy::cache::registry::Caches) -> bool,
+) {
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    let t0 = tokio::time::Instant::now();
+    while !cond(&state.caches) {
+        assert!(t0.elapsed() < GUARD, "never: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn widgets_synced(c: &kube_cache_proxy::cache::registry::Caches) -> bool {
+    c.get("example.com", "v1", "widgets")
+        .is_some_and(|c| c.is_ready() && c.unhealthy().is_none())
+}
+
+fn names(list: &Value) -> Vec<String> {
+    list["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["metadata"]["name"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// Every line of `metrics` for `metric` about the widgets cache.
+fn widget_series<'a>(metrics: &'a str, metric: &str) -> Vec<&'a str> {
+    metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with(&format!("{metric}{{")) && l.contains("resource=\"widgets.example.com\"")
+        })
+        .collect()
+}
+
+async fn crd_lifecycle(resources: &[&str]) {
+    let fake = FakeApiServer::start().await;
+    fake.create("/api/v1/namespaces", json!({"metadata": {"name": "a"}}))
+        .await;
+    let proxy = TestProxy::start(&fake.url(), |c| {
+        c.cache.resources = resources.iter().map(|s| s.to_string()).collect();
+    })
+    .await;
+    until(&proxy, "configmaps synced", |c| {
+        c.get("", "v1", "configmaps").is_some_and(|c| c.is_ready())
+    })
+    .await;
+
+    // No CRD yet: the apiserver's 404, through the proxy.
+    let (code, body) = get(&proxy, WIDGETS).await;
+    assert_eq!(code, 404, "{body}");
+
+    // The CRD appears: a cache, synced from one upstream list and watch.
+    fake.create(CRDS, crd()).await;
+    for n in ["w1", "w2"] {
+        fake.create(WIDGETS, widget(n)).await;
+    }
+    until(&proxy, "widgets synced", widgets_synced).await;
+    // A field the cache cannot evaluate for a custom resource goes to the apiserver, which
+    // answers (here: rejects) it; never silently ignored.
+    let (code, body) = get(&proxy, &format!("{WIDGETS}?fieldSelector=spec.color%3Dred")).await;
+    assert_eq!(code, 400, "{body}");
+    let (lists, watches) = upstream_widget_requests(&fake);
+    let (code, body) = get(&proxy, &format!("{WIDGETS}?resourceVersion=0")).await;
+    assert_eq!(code, 200, "{body}");
+    // Items of a custom resource carry their type meta, once (as the apiserver writes them).
+    assert_eq!(body.matches("\"kind\":\"Widget\"").count(), 2, "{body}");
+    assert_eq!(body.matches("\"apiVersion\":").count(), 3, "{body}");
+    let list: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(list["kind"], "WidgetList");
+    assert_eq!(list["apiVersion"], "example.com/v1");
+    assert_eq!(names(&list), ["w1", "w2"]);
+    assert_eq!(list["items"][0]["kind"], "Widget");
+    // One object, from memory too.
+    let (code, body) = get(&proxy, &format!("{WIDGETS}/w1?resourceVersion=0")).await;
+    assert_eq!(code, 200);
+    assert_eq!(body.matches("\"kind\":\"Widget\"").count(), 1, "{body}");
+    let (_, body) = get(
+        &proxy,
+        &format!("{WIDGETS}?fieldSelector=metadata.name%3Dw2&resourceVersion=0"),
+    )
+    .await;
+    assert_eq!(names(&serde_json::from_str(&body).unwrap()), ["w2"]);
+
+    // Three downstream watchers, one upstream watch.
+    let mut watchers = Vec::new();
+    for _ in 0..3 {
+        let mut w = watch(&proxy, "resourceVersion=0").await;
+        for n in ["w1", "w2"] {
+            let e = w.next().await.unwrap();
+            assert_eq!(
+                (e["type"].as_str(), e["object"]["metadata"]["name"].as_str()),
+                (Some("ADDED"), Some(n))
+            );
+            assert_eq!(e["object"]["apiVersion"], "example.com/v1");
+        }
+        watchers.push(w);
+    }
+    fake.create(WIDGETS, widget("w3")).await;
+    for w in &mut watchers {
+        let e = w.next().await.unwrap();
+        assert_eq!(e["type"], "ADDED");
+        assert_eq!(e["object"]["metadata"]["name"], "w3");
+    }
+    assert_eq!(
+        upstream_widget_requests(&fake),
+        (lists, watches),
+        "lists, gets and watches came from memory"
+    );
+    let m = metrics(&proxy).await;
+    assert_eq!(
+        widget_series(&m, "kube_cache_proxy_upstream_watches"),
+        ["kube_cache_proxy_upstream_watches{resource=\"widgets.example.com\"} 1"]
+    );
+    assert_eq!(
+        widget_series(&m, "kube_cache_proxy_watchers"),
+        ["kube_cache_proxy_watchers{resource=\"widgets.example.com\"} 3"]
+    );
+    assert!(
+        m.lines().any(|l| l
+            .starts_with("kube_cache_proxy_requests_total{verb=\"WATCH\",group=\"example.com\"")
+            && l.contains("served_by=\"cache\"")
+            && l.ends_with(" 3")),
+        "{m}"
+    );
+
+    // The CRD goes: the watchers end cleanly (after any DELETED events that arrive first).
+    fake.delete(&format!("{CRDS}/{WIDGETS_CRD}")).await;
+    for w in &mut watchers {
+        loop {
+            let e = tokio::time::timeout(GUARD, w.try_next())
+                .await
+                .expect("the watch ends")
+                .expect("a clean end of stream");
+            match e {
+                None => break,
+                Some(e) => assert_eq!(e["type"], "DELETED", "{e}"),
+            }
+        }
+    }
+    until(&proxy, "the widgets cache is gone", |c| {
+        c.get("example.com", "v1", "widgets").is_none()
+    })
+    .await;
+    let m = metrics(&proxy).await;
+    for metric in [
+        "kube_cache_proxy_upstream_watches",
+        "kube_cache_proxy_watchers",
+        "kube_cache_proxy_cache_objects",
+    ] {
+        assert!(widget_series(&m, metric).is_empty(), "{metric}: {m}");
+    }
+    // From now on the apiserver answers: 404 for lists and watches.
+    let before = upstream_widget_requests(&fake);
+    let (code, body) = get(&proxy, &format!("{WIDGETS}?resourceVersion=0")).await;
+    assert_eq!(code, 404, "{body}");
+    let (code, _) = get(&proxy, &format!("{WIDGETS}?watch=1&resourceVersion=0")).await;
+    assert_eq!(code, 404);
+    let after = upstream_widget_requests(&fake);
+    assert_eq!((after.0 - before.0, after.1 - before.1), (1, 1));
+
+    // Re-created under the same name: a fresh cache with only the new objects.
+    fake.create(CRDS, crd()).await;
+    fake.create(WIDGETS, widget("fresh")).await;
+    until(&proxy, "widgets synced again", widgets_synced).await;
+    let (lists, watches) = upstream_widget_requests(&fake);
+    let (code, body) = get(&proxy, &format!("{WIDGETS}?resourceVersion=0")).await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(names(&serde_json::from_str(&body).unwrap()), ["fresh"]);
+    let mut w = watch(&proxy, "resourceVersion=0").await;
+    let e = w.next().await.unwrap();
+    assert_eq!(e["object"]["metadata"]["name"], "fresh");
+    assert_eq!(upstream_widget_requests(&fake), (lists, watches));
+    let m = metrics(&proxy).await;
+    assert_eq!(
+        widget_series(&m, "kube_cache_proxy_cache_objects"),
+        ["kube_cache_proxy_cache_objects{resource=\"widgets.example.com\"} 1"]
+    );
+    drop(w);
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_named_custom_resource_follows_its_crd_through_creation_deletion_and_recreation() {
+    crd_lifecycle(&["configmaps", "widgets.example.com"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_caches_every_listable_resource_and_follows_crds() {
+    crd_lifecycle(&["all"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_lists_every_cached_resource_in_readiness() {
+    let fake = FakeApiServer::start().await;
+    fake.create(CRDS, crd()).await;
+    let proxy = TestProxy::start(&fake.url(), |c| {
+        c.cache.resources = vec!["all".into()];
+        c.cache.exclude = vec!["pods".into()];
+    })
+    .await;
+    let c = plain_client(false);
+    let t0 = tokio::time::Instant::now();
+    let body = loop {
+        let r = c
+            .request(
+                http::Request::get(proxy.http("/readyz?verbose"))
+                    .body(http_body_util::Full::default())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        let code = r.status();
+        let body = body_string(r).await;
+        // Custom resources do not gate readiness: also wait for them to be synced.
+        if code == 200 && !body.contains(" ok: ") {
+            break body;
+        }
+        assert!(t0.elapsed() < GUARD, "never ready: {body}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let caches: Vec<&str> = body.lines().filter(|l| l.contains("cache:")).collect();
+    assert_eq!(
+        caches,
+        [
+            "[+]cache:configmaps ok",
+            "[+]cache:customresourcedefinitions.apiextensions.k8s.io ok",
+            "[+]cache:namespaces ok",
+            "[+]cache:widgets.example.com ok",
+        ],
+        "{body}"
+    );
+    // The CRD list is watched once, shared by the registry and the served cache.
+    let crd_watches = fake
+        .requests()
+        .iter()
+        .filter(|r| r.path == CRDS && r.query.as_deref().unwrap_or("").contains("watch="))
+        .count();
+    assert_eq!(crd_watches, 1);
+    let r = c
+        .request(
+            http::Request::get(proxy.http(CRDS))
+                .header("authorization", "Bearer alice")
+                .body(http_body_util::Full::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(names(&body_json(r).await), [WIDGETS_CRD]);
+    proxy.shutdown().await;
+}
+
+/// A custom resource never gates readiness: with its CRD absent the proxy is ready and lists
+/// the resource's state; once the CRD exists and the cache syncs, the line is a plain ok.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_custom_resource_without_its_crd_does_not_keep_the_proxy_unready() {
+    let fake = FakeApiServer::start().await;
+    let proxy = TestProxy::start(&fake.url(), |c| {
+        c.cache.resources = vec!["configmaps".into(), "widgets.example.com".into()];
+    })
+    .await;
+    let t0 = tokio::time::Instant::now();
+    let body = loop {
+        let (code, body) = get(&proxy, "/readyz?verbose").await;
+        if code == 200 {
+            break body;
+        }
+        assert!(t0.elapsed() < GUARD, "never ready: {body}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let line = body
+        .lines()
+        .find(|l| l.contains("cache:widgets.example.com"))
+        .unwrap_or_else(|| panic!("{body}"));
+    assert!(
+        line.starts_with("[+]cache:widgets.example.com ok: ")
+            && line.ends_with("requests pass through"),
+        "{body}"
+    );
+    assert!(body.contains("[+]cache:configmaps ok\n"), "{body}");
+    // Built-in resources still gate: the single check of a synced one is ok.
+    assert_eq!(get(&proxy, "/readyz/cache:configmaps").await.0, 200);
+    fake.create(CRDS, crd()).await;
+    let t0 = tokio::time::Instant::now();
+    loop {
+        let (code, body) = get(&proxy, "/readyz?verbose").await;
+        if code == 200 && body.contains("[+]cache:widgets.example.com ok\n") {
+            break;
+        }
+        assert!(t0.elapsed() < GUARD, "widgets never synced: {body}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

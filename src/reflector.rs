@@ -37,7 +37,8 @@
 //! then `apply`/`bookmark` with increasing resourceVersions, then possibly `replace` again
 //! (a relist; its resourceVersion is normally newer, but after an etcd restore it may be
 //! older). `set_unhealthy(Some(..))` is reported while listing, backing off, or after a broken
-//! watch; `set_unhealthy(None)` once a watch is established after a sync. Identical
+//! watch; `set_unhealthy(None)` once a watch is established after a sync and has delivered an
+//! event or bookmark, or gone [`WATCH_HEALTHY_GRACE`] without an ERROR event. Identical
 //! consecutive health reports are not repeated. The sink runs on the reflector's task: a slow
 //! sink delays reading the watch (backpressure), so its methods must not block.
 
@@ -1293,14 +1294,24 @@ impl Reflector {
         }
         ReflectorStats::inc(&self.stats.watches_established);
         debug!(from = out.from, timeout_secs, "watch established");
-        self.report_health(None);
+        // Healthy once the stream proves it resumes: its first event or bookmark, or a short
+        // grace without an ERROR (the apiserver answers a resourceVersion it has compacted
+        // with 200 and then a 410 ERROR event; until that line, the cache may be stale).
+        let grace = WATCH_HEALTHY_GRACE.min(self.cfg.stall_timeout / 2);
+        let mut healthy_at = Some(Instant::now() + grace);
 
         let mut body = resp.into_body();
         let mut lines = LineSplitter::default();
         let mut batch: Vec<Bytes> = Vec::new();
         let mut deadline = Instant::now() + self.cfg.stall_timeout;
         loop {
-            let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+            let until = healthy_at.map_or(deadline, |h| h.min(deadline));
+            let frame = match tokio::time::timeout_at(until, body.frame()).await {
+                Err(_) if healthy_at.is_some_and(|h| Instant::now() >= h) => {
+                    healthy_at = None;
+                    self.report_health(None);
+                    continue;
+                }
                 Err(_) => return WatchEnd::Stalled,
                 Ok(None) if lines.has_partial() => {
                     return WatchEnd::Broken(ReflectorError::TruncatedLine);
@@ -1343,11 +1354,18 @@ impl Reflector {
                     Ok(WatchItem::Error(status)) => return WatchEnd::ErrorEvent(status),
                     Err(e) => return WatchEnd::Broken(e),
                 }
+                if healthy_at.take().is_some() {
+                    self.report_health(None);
+                }
                 deadline = Instant::now() + self.cfg.stall_timeout;
             }
         }
     }
 }
+
+/// How long an established watch must go without an ERROR event (when it carries nothing
+/// else) before the reflector reports the cache healthy (at most half the stall timeout).
+const WATCH_HEALTHY_GRACE: Duration = Duration::from_millis(500);
 
 /// Reads (a bounded prefix of) an error response into a [`ReflectorError::Status`].
 async fn error_response(

@@ -466,6 +466,24 @@ async fn expired_resource_version_relists_with_the_current_state() {
     assert_eq!(names, ["cm-0", "cm-2", "while-away"]);
     assert_eq!(rv, current);
     assert!(rv > first_rv);
+    // From the watch loss to the relist the cache never claims health: the re-watch from the
+    // compacted resourceVersion is answered 200 then a 410 ERROR event, and a cache that
+    // reported healthy on those headers could serve stale consistent reads meanwhile.
+    let calls = h.sink.calls();
+    let replaced: Vec<usize> = calls
+        .iter()
+        .enumerate()
+        .filter_map(|(i, c)| matches!(c, Call::Replace { .. }).then_some(i))
+        .collect();
+    let lost = (replaced[0]..replaced[1])
+        .find(|i| matches!(calls[*i], Call::Health(Some(_))))
+        .expect("the watch loss is reported");
+    assert!(
+        !calls[lost..replaced[1]]
+            .iter()
+            .any(|c| matches!(c, Call::Health(None))),
+        "{calls:?}"
+    );
     h.synced().await;
     // The first watch, and the one that got the 410 ERROR event, from the old resourceVersion.
     let from_first = watch_rvs(&h.fake)

@@ -169,6 +169,7 @@ fn bench(c: &mut Criterion) {
             Some(CertIdentity {
                 user: "carol".into(),
                 groups: vec!["ops".into()],
+                ..Default::default()
             }),
             HeaderMap::new(),
         ),

@@ -435,6 +435,7 @@ async fn serve_from_cache(
     req: &Request<Incoming>,
     info: &RequestInfo,
     query: Option<&str>,
+    read_charged: &mut bool,
 ) -> Option<Response<Body>> {
     use crate::router::Route;
     let accept = req
@@ -466,7 +467,7 @@ async fn serve_from_cache(
     if let Some(t) = tenant {
         let admitted = match &route {
             Route::Watch { .. } => t.admit_watch().map(|p| permit = p),
-            _ => t.admit_read(),
+            _ => t.admit_read().map(|()| *read_charged = true),
         };
         if let Err(status) = admitted {
             return Some(status.into_response());
@@ -553,7 +554,7 @@ async fn serve_from_cache(
             let cx = crate::list::ListContext {
                 cfg: &state.lists,
                 keys: &state.keys,
-                binding: list_binding(&id, info, &params),
+                binding: list_binding(&id, info, &params, filter.namespaces.as_deref()),
                 accepts_gzip: accepts_gzip(req.headers()),
                 page_cap: state.paging.downstream_cap().map(|c| c as u64),
             };
@@ -669,6 +670,7 @@ async fn impersonation_gate(
     match state.authz.impersonate(&id, req.headers()).await {
         Ok(Some(target)) => Ok(Some(ConnInfo {
             peer: conn.peer,
+            // Everything that was checked goes up: user, groups, uid and extra.
             cert: Some(Arc::new(CertIdentity {
                 user: target.user,
                 groups: target
@@ -676,11 +678,48 @@ async fn impersonation_gate(
                     .into_iter()
                     .filter(|g| g != "system:authenticated")
                     .collect(),
+                uid: target.uid,
+                extra: target.extra,
             })),
         })),
         Ok(None) => Ok(None),
         Err(status) => Err(status.into_response()),
     }
+}
+
+/// Passes a request through as `forward_as`, within the tenant quotas of the caller on `conn`
+/// when the proxy can name it ([`crate::tenancy::Tenancy::admit_passthrough`]); a watch holds
+/// its slot until the stream ends. The second value is the `served_by` label.
+async fn forward_within_quota(
+    state: &State,
+    conn: &ConnInfo,
+    forward_as: &ConnInfo,
+    req: Request<Incoming>,
+    info: &RequestInfo,
+    long_running: bool,
+    read_charged: bool,
+) -> (Response<Body>, &'static str) {
+    let admitted = state
+        .tenancy
+        .admit_passthrough(
+            &state.authn,
+            conn.cert.as_deref(),
+            req.headers(),
+            info,
+            read_charged,
+        )
+        .await;
+    let permit = match admitted {
+        Ok(p) => p,
+        Err(refusal) => return (refusal.into_response(), "proxy"),
+    };
+    let resp = passthrough::forward(state, forward_as, req, info, long_running).await;
+    let Some(permit) = permit else {
+        return (resp, "upstream");
+    };
+    let (parts, b) = resp.into_parts();
+    let b = Tracked::new(b, Instant::now(), move |_| drop(permit));
+    (Response::from_parts(parts, body::boxed(b)), "upstream")
 }
 
 /// A successful write to a cached resource: remembers the resourceVersion it produced, so
@@ -745,15 +784,19 @@ fn consistency_mode(
 }
 
 /// What a continue token is bound to: the caller's tenant and verified identity
-/// (`authn::Identity::identity_hash`), the resource, the namespace and the selectors.
+/// (`authn::Identity::identity_hash`), the resource, the namespace, the selectors and, for a
+/// filtered cluster view, the hash of its namespace set (a walk whose view changed between
+/// pages is refused instead of mixing two views).
 fn list_binding(
     id: &crate::authn::Identity,
     info: &RequestInfo,
     p: &crate::list::ListParams,
+    view: Option<&std::collections::BTreeSet<String>>,
 ) -> crate::token::Binding {
     let identity = id.identity_hash();
     let tenant = id.tenant.as_str();
-    crate::token::Binding::new(&[
+    let view = view.map(crate::tenancy::view_hash);
+    let mut parts: Vec<&[u8]> = vec![
         tenant.as_bytes(),
         &identity,
         info.api_group.as_bytes(),
@@ -762,7 +805,12 @@ fn list_binding(
         info.namespace.as_bytes(),
         p.label_selector.as_bytes(),
         p.field_selector.as_bytes(),
-    ])
+    ];
+    // Unfiltered lists keep their binding (tokens stay valid across an upgrade).
+    if let Some(v) = &view {
+        parts.push(v);
+    }
+    crate::token::Binding::new(&parts)
 }
 
 /// Whether `Accept-Encoding` allows gzip (`gzip;q=0` does not).
@@ -869,17 +917,29 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         .clone();
     inflight.inc();
 
+    // Whether the cache path took a read-quota token before handing the request over.
+    let mut read_charged = false;
     let (resp, served_by) = match impersonation_gate(state, conn, &req).await {
         Err(refused) => (refused, "proxy"),
-        Ok(Some(as_target)) => (
-            passthrough::forward(state, &as_target, req, &info, long_running).await,
-            "upstream",
-        ),
-        Ok(None) => match serve_from_cache(state, conn, &req, &info, query.as_deref()).await {
+        Ok(Some(as_target)) => {
+            forward_within_quota(state, conn, &as_target, req, &info, long_running, false).await
+        }
+        Ok(None) => match serve_from_cache(
+            state,
+            conn,
+            &req,
+            &info,
+            query.as_deref(),
+            &mut read_charged,
+        )
+        .await
+        {
             Some(r) => (r, "cache"),
             None => {
-                let resp = passthrough::forward(state, conn, req, &info, long_running).await;
-                (read_your_writes(state, &info, resp).await, "upstream")
+                let (resp, by) =
+                    forward_within_quota(state, conn, conn, req, &info, long_running, read_charged)
+                        .await;
+                (read_your_writes(state, &info, resp).await, by)
             }
         },
     };
@@ -1017,6 +1077,7 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
     )?;
     let state = State::new(config, upstream, authn);
     state.spawn_upstream_probe();
+    state.authn.spawn_jwks_refresher(state.drain.clone());
     state
         .paging
         .spawn(state.upstream.clone(), state.drain.clone());

@@ -2,16 +2,30 @@
 //!
 //! An identity belongs to a tenant by `authn::TenantMapper` (config `tenants`). For the
 //! tenant's callers the proxy adds what the apiserver cannot:
-//! - quotas: concurrent cache-served watches, LIST/GET rate and burst (a token bucket,
-//!   `governor`), and the number of objects one unpaginated list may return. Over quota:
-//!   429 TooManyRequests with an integer `Retry-After` (client-go waits that long and retries);
+//! - quotas: concurrent watches, LIST/GET rate and burst (a token bucket, `governor`), and the
+//!   number of objects one unpaginated cache-served list may return. Over quota: 429
+//!   TooManyRequests with an integer `Retry-After` (client-go waits that long and retries).
+//!   Cache-served requests are charged after the full authentication chain; passthrough
+//!   LISTs and WATCHes are charged too when the proxy can name the caller without asking the
+//!   apiserver ([`Tenancy::admit_passthrough`], `authn::Authenticator::identify_offline`:
+//!   certificates, the token file, cached verdicts, offline-verified ServiceAccount JWTs) —
+//!   a LIST takes a token of the same bucket, a WATCH holds one of the same slots until its
+//!   stream ends. Callers it cannot name (no credentials, tokens only a TokenReview could
+//!   judge and not seen on a cache-served request within `cacheTtl`) are left to the
+//!   apiserver's own limits; passthrough GETs and the unpaginated-list size are not
+//!   charged (the size is only known after the apiserver answered);
 //! - a filtered cluster view: with `filteredClusterView: true`, a cluster-wide list/watch of a
 //!   namespaced resource that RBAC denies at cluster scope is served with only the objects in
 //!   the tenant's namespaces (static list and label selector on cached Namespace objects)
 //!   where the caller may do the same verb — from the one shared cache, with the watch's
 //!   events filtered by the same namespace set ([`crate::hub::Filter::namespaces`]). The set
-//!   is fixed when the request starts: a namespace that joins later is seen by the next
-//!   list/watch. Without it the caller gets the apiserver's 403.
+//!   is fixed when the request starts. A watch never delivers anything from outside the set
+//!   it started with; a namespace that joins the view later (a label, a RoleBinding) is seen
+//!   by the next list/watch, and one that leaves keeps flowing on watches already open
+//!   (as the apiserver authorizes a watch once, when it starts). Continue tokens are bound to
+//!   a hash of the set, so a page walk whose view changed between pages is refused (400,
+//!   like any token of another caller or query) instead of mixing two views; the client
+//!   starts a new list. Without a filtered view the caller gets the apiserver's 403.
 //!
 //! Tenancy never widens access: every namespace in a filtered view is authorized by a
 //! SubjectAccessReview of its own, and requests inside one namespace are authorized exactly
@@ -28,7 +42,7 @@ use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use http::StatusCode;
 
 use crate::api::{Reason, Status};
-use crate::authn::Identity;
+use crate::authn::{Authenticator, Identity};
 use crate::authz::{Attributes, Authorizer, Decision};
 use crate::cache::ResourceCache;
 use crate::config::TenantConfig;
@@ -181,6 +195,20 @@ impl Tenant {
     }
 }
 
+/// The SHA-256 of a filtered view's namespace set (sorted, length-prefixed), bound into the
+/// continue tokens of lists served through that view.
+pub fn view_hash(namespaces: &BTreeSet<String>) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(b"kcp-view-v1");
+    h.update((namespaces.len() as u64).to_be_bytes());
+    for ns in namespaces {
+        h.update((ns.len() as u64).to_be_bytes());
+        h.update(ns.as_bytes());
+    }
+    h.finalize().into()
+}
+
 /// All tenants, by name.
 #[derive(Debug, Default)]
 pub struct Tenancy {
@@ -204,6 +232,39 @@ impl Tenancy {
 
     pub fn tenants(&self) -> impl Iterator<Item = &Tenant> {
         self.tenants.values()
+    }
+
+    /// Tenant quotas on a passthrough request: a LIST takes a token of the caller's tenant's
+    /// read bucket (unless the cache path already took one for this request:
+    /// `read_charged`), a WATCH one of its watch slots, held by the returned permit until the
+    /// stream ends. Everything else, unidentified callers and callers of no tenant pass
+    /// untouched (see the module docs).
+    pub async fn admit_passthrough(
+        &self,
+        authn: &Authenticator,
+        cert: Option<&crate::identity::CertIdentity>,
+        headers: &http::HeaderMap,
+        info: &crate::request_info::RequestInfo,
+        read_charged: bool,
+    ) -> Result<Option<WatchPermit>, Refusal> {
+        let watch = info.verb == "watch";
+        if self.tenants.is_empty()
+            || !info.is_resource_request
+            || !(watch || info.verb == "list" && !read_charged)
+        {
+            return Ok(None);
+        }
+        let Some(id) = authn.identify_offline(cert, headers).await else {
+            return Ok(None);
+        };
+        let Some(t) = self.get(&id.tenant) else {
+            return Ok(None);
+        };
+        if watch {
+            t.admit_watch()
+        } else {
+            t.admit_read().map(|()| None)
+        }
     }
 
     /// For a cluster-wide list/watch of a namespaced resource that RBAC denied at cluster

@@ -79,7 +79,8 @@ pub struct AuthenticationConfig {
     /// Clock skew allowed on `exp`/`nbf` (go-jose's default leeway, used by kube-apiserver).
     #[serde(with = "humantime_serde")]
     pub leeway: Duration,
-    /// The JWKS is refetched this often, and on a token with an unknown `kid`...
+    /// The JWKS is refetched this often in the background (and at start; a failure keeps the
+    /// previous keys), and on a token with an unknown `kid`...
     #[serde(with = "humantime_serde")]
     pub jwks_refresh_interval: Duration,
     /// ...but not more often than this (a flood of forged `kid`s cannot hammer the apiserver).
@@ -162,7 +163,8 @@ pub struct TenantMatch {
     pub username_patterns: Vec<String>,
 }
 
-/// Per-tenant limits on cache-served requests; unset means unlimited.
+/// Per-tenant limits on cache-served requests, and on passthrough lists and watches of callers
+/// the proxy names without asking the apiserver (see `tenancy`); unset means unlimited.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct TenantQuotas {

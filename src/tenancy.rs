@@ -10,7 +10,7 @@
 //!   apiserver ([`Tenancy::admit_passthrough`], `authn::Authenticator::identify_offline`:
 //!   certificates, the token file, cached verdicts, offline-verified ServiceAccount JWTs) —
 //!   a LIST takes a token of the same bucket, a WATCH holds one of the same slots until its
-//!   stream ends. Callers it cannot name (no credentials, tokens only a TokenReview could
+//!   stream ends (a caller asking to impersonate is charged as itself, not as its target). Callers it cannot name (no credentials, tokens only a TokenReview could
 //!   judge and not seen on a cache-served request within `cacheTtl`) are left to the
 //!   apiserver's own limits; passthrough GETs and the unpaginated-list size are not
 //!   charged (the size is only known after the apiserver answered);

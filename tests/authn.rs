@@ -34,6 +34,7 @@ async fn setup(
     .await;
     let proxy = TestProxy::start(&fake.url(), |c| {
         c.cache.resources = vec!["configmaps".into()];
+        c.authentication.service_account_jwt = true;
         tweak(c);
     })
     .await;

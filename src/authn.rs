@@ -1425,6 +1425,7 @@ mod tests {
             namespaces: vec![],
             namespace_selector: None,
             filtered_cluster_view: false,
+            view_recheck_interval: Duration::from_secs(10),
             quotas: Default::default(),
         };
         let mapper = TenantMapper::new(vec![

@@ -148,8 +148,19 @@ pub struct TenantConfig {
     /// tenant's namespaces the caller may list.
     #[serde(default)]
     pub filtered_cluster_view: bool,
+    /// How often an open watch through a filtered cluster view re-derives the view (tenant
+    /// namespaces, then per-namespace access, from the decision cache). A changed view ends
+    /// the watch with a 410 Expired ERROR event, so the client relists into the new view
+    /// instead of missing a namespace that joined or keeping one that left. Each recheck
+    /// costs one decision-cache lookup per tenant namespace per open filtered watch.
+    #[serde(default = "default_view_recheck_interval", with = "humantime_serde")]
+    pub view_recheck_interval: Duration,
     #[serde(default)]
     pub quotas: TenantQuotas,
+}
+
+fn default_view_recheck_interval() -> Duration {
+    Duration::from_secs(10)
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -843,6 +854,12 @@ impl Config {
                 err(
                     &format!("tenants[{i}].namespaceSelector"),
                     format!("invalid label selector: {e}"),
+                );
+            }
+            if t.view_recheck_interval < Duration::from_millis(100) {
+                err(
+                    &format!("tenants[{i}].viewRecheckInterval"),
+                    "must be at least 100ms".into(),
                 );
             }
             if t.quotas

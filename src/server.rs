@@ -491,7 +491,7 @@ async fn serve_from_cache(
             {
                 return None;
             }
-            filter.namespaces = view;
+            filter.namespaces = view.clone();
             let resp = crate::watch::serve(
                 cache,
                 params,
@@ -503,7 +503,21 @@ async fn serve_from_cache(
             .await
             .ok()?;
             // The tenant's watch slot is held as long as the stream.
-            let (parts, b) = resp.into_parts();
+            let (parts, mut b) = resp.into_parts();
+            // A filtered view is re-derived while the watch is open (`tenancy::ViewWatch`).
+            if let Some(view) = view
+                && parts.status.is_success()
+            {
+                b = crate::tenancy::ViewWatch {
+                    tenancy: state.tenancy.clone(),
+                    authz: state.authz.clone(),
+                    caches: state.caches.clone(),
+                    id: id.clone(),
+                    attrs: authz_attributes(info),
+                    view,
+                }
+                .guard(b);
+            }
             let b = Tracked::new(b, Instant::now(), move |_| drop(permit));
             Some(Response::from_parts(parts, body::boxed(b)))
         }
@@ -599,15 +613,7 @@ async fn authenticate_and_authorize(
             return Err(Some(Status::service_unavailable(msg, 1).into_response()));
         }
     };
-    let attrs = crate::authz::Attributes {
-        verb: info.verb.clone(),
-        group: info.api_group.clone(),
-        version: info.api_version.clone(),
-        resource: info.resource.clone(),
-        subresource: info.subresource.clone(),
-        namespace: info.namespace.clone(),
-        name: info.name.clone(),
-    };
+    let attrs = authz_attributes(info);
     match state.authz.authorize(&id, &attrs).await {
         Decision::Allow => Ok((id, None)),
         Decision::Deny(reason) => {
@@ -627,6 +633,19 @@ async fn authenticate_and_authorize(
             let msg = format!("authorization is unavailable: {e}");
             Err(Some(Status::service_unavailable(msg, 1).into_response()))
         }
+    }
+}
+
+/// The attributes a cache-served request is authorized with.
+fn authz_attributes(info: &RequestInfo) -> crate::authz::Attributes {
+    crate::authz::Attributes {
+        verb: info.verb.clone(),
+        group: info.api_group.clone(),
+        version: info.api_version.clone(),
+        resource: info.resource.clone(),
+        subresource: info.subresource.clone(),
+        namespace: info.namespace.clone(),
+        name: info.name.clone(),
     }
 }
 

@@ -24,6 +24,7 @@ fn tenant(name: &str, user_pattern: &str, view: bool, quotas: TenantQuotas) -> T
         namespaces: vec!["ns1".into(), "ns2".into()],
         namespace_selector: Some("team=a".into()),
         filtered_cluster_view: view,
+        view_recheck_interval: Duration::from_millis(200),
         quotas,
     }
 }
@@ -322,7 +323,7 @@ async fn read_until(r: &mut EventReader, last: &str) -> Vec<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_page_walk_whose_filtered_view_changed_is_refused_and_watches_keep_their_view() {
+async fn a_page_walk_or_watch_whose_filtered_view_changed_is_refused_or_ended_with_410() {
     let (fake, proxy) = setup(vec![tenant("team-a", "a-*", true, TenantQuotas::default())]).await;
     fake.faults()
         .allow_only_in("a-user", &["ns1", "ns3", "ns4"]);
@@ -401,19 +402,85 @@ async fn a_page_walk_whose_filtered_view_changed_is_refused_and_watches_keep_the
         ["cm-ns1", "cm-ns3", "cm-ns4"]
     );
 
-    // The open watch keeps the view it started with: nothing of ns4 is delivered on it.
-    for ns in ["ns4", "ns1"] {
-        fake.create(
-            &format!("/api/v1/namespaces/{ns}/configmaps"),
-            json!({"metadata": {"name": format!("late-{ns}")}}),
+    // The watch opened under the old view never delivers anything of ns4; it ends with a
+    // 410 Expired ERROR event, so the client relists into the new view.
+    fake.create(
+        "/api/v1/namespaces/ns4/configmaps",
+        json!({"metadata": {"name": "late-ns4"}}),
+    )
+    .await;
+    assert_eq!(
+        read_to_view_change(&mut events).await,
+        Vec::<String>::new(),
+        "nothing from outside the view"
+    );
+    // A new watch sees the new view, ns4 included.
+    let w = client
+        .get(
+            &proxy.https("/api/v1/configmaps?watch=1&resourceVersion=0"),
+            Some("a-user"),
         )
         .await;
-    }
+    let mut events = EventReader::new(w);
     assert_eq!(
-        read_until(&mut events, "ns1/late-ns1").await,
-        ["ns1/late-ns1"]
+        read_until(&mut events, "ns4/late-ns4").await,
+        ["ns1/cm-ns1", "ns3/cm-ns3", "ns4/cm-ns4", "ns4/late-ns4"]
+    );
+    // ns3 leaves the tenant (its label goes): that watch ends the same way, without any
+    // event of ns3 after it left.
+    fake.update(
+        "/api/v1/namespaces/ns3",
+        json!({"metadata": {"name": "ns3", "labels": {}}}),
+    )
+    .await;
+    fake.create(
+        "/api/v1/namespaces/ns3/configmaps",
+        json!({"metadata": {"name": "late-ns3"}}),
+    )
+    .await;
+    let seen = read_to_view_change(&mut events).await;
+    assert!(seen.iter().all(|s| s == "ns3/late-ns3"), "{seen:?}");
+    let fresh = client
+        .get(&proxy.https("/api/v1/configmaps?limit=10"), Some("a-user"))
+        .await;
+    assert_eq!(
+        names(&body_json(fresh).await),
+        ["cm-ns1", "cm-ns4", "late-ns4"]
     );
     proxy.shutdown().await;
+}
+
+/// Reads a watch until the ERROR event that ends it when the caller's view changed (410
+/// Expired), then checks the stream ends; returns the `ns/name` of the events before it.
+async fn read_to_view_change(r: &mut EventReader) -> Vec<String> {
+    let mut seen = Vec::new();
+    loop {
+        let ev = tokio::time::timeout(GUARD, r.next())
+            .await
+            .expect("event in time")
+            .expect("the stream ends with an ERROR event, not silently");
+        match ev["type"].as_str() {
+            Some("BOOKMARK") => {}
+            Some("ERROR") => {
+                assert_eq!(ev["object"]["code"], 410, "{ev}");
+                assert_eq!(ev["object"]["reason"], "Expired", "{ev}");
+                break;
+            }
+            _ => {
+                let o = &ev["object"]["metadata"];
+                seen.push(format!(
+                    "{}/{}",
+                    o["namespace"].as_str().unwrap(),
+                    o["name"].as_str().unwrap()
+                ));
+            }
+        }
+    }
+    let end = tokio::time::timeout(GUARD, r.next())
+        .await
+        .expect("end in time");
+    assert!(end.is_none(), "nothing after the ERROR event: {end:?}");
+    seen
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,6 +11,9 @@
 //! median of 50 samples: static token 0.60 µs, ServiceAccount JWT 1.30 µs, client certificate
 //! 0.44 µs per request (authn + authz, warm); one cold offline JWT verification (ES256, the
 //! `rust_crypto` backend) 307 µs, paid once per token per `authentication.cacheTtl`.
+//! Re-run after the caches became single-flight (moka `try_get_with`, one lookup per call
+//! whether hit or miss; machine load ~4): static token 0.93 µs, ServiceAccount JWT 1.44 µs,
+//! client certificate 0.65 µs; cold JWT verification 302 µs.
 
 use std::convert::Infallible;
 use std::hint::black_box;
@@ -169,6 +172,7 @@ fn bench(c: &mut Criterion) {
             Some(CertIdentity {
                 user: "carol".into(),
                 groups: vec!["ops".into()],
+                ..Default::default()
             }),
             HeaderMap::new(),
         ),

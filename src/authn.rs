@@ -15,9 +15,21 @@
 //! 5. no credentials: 401, unless anonymous access is enabled.
 //!
 //! Results are cached by SHA-256 of the token (never the token itself): successes for
-//! `cacheTtl` and never past the token's `exp`, failures for `failureCacheTtl`. An apiserver
-//! that cannot answer a TokenReview is not a failure of the caller: it is not cached and the
-//! request fails closed with 503.
+//! `cacheTtl` and never past the token's `exp`, failures for `failureCacheTtl`. Concurrent
+//! requests with the same token share one verification (single flight, moka's
+//! `try_get_with`): a thousand watchers starting at once cost one TokenReview. An apiserver
+//! that cannot answer a TokenReview is not a failure of the caller: it is not cached (the
+//! waiters of that one flight share it) and the request fails closed with 503.
+//!
+//! Failures are counted by the method that refused the credential (`none` for a request
+//! without usable credentials). The JWKS is refreshed in the background every
+//! `jwksRefreshInterval` ([`Authenticator::spawn_jwks_refresher`]); a failed fetch keeps the
+//! previous keys and is counted and logged.
+//!
+//! [`Authenticator::identify_offline`] names the caller of a passthrough request for tenant
+//! quotas without any upstream request: certificates, the token file, a cached result of
+//! this chain, or an offline-verified ServiceAccount JWT (no revocation check: the apiserver
+//! authenticates the request itself; the identity only picks the tenant to charge).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -133,11 +145,31 @@ pub enum Outcome {
 /// Counters for the metrics layer, by method and result.
 #[derive(Debug, Default)]
 pub struct AuthnStats {
+    /// Successes by [`METHODS`] index.
     pub ok: [AtomicU64; 5],
-    pub unauthorized: AtomicU64,
+    /// Refusals (401) by the method that refused: [`METHODS`] index, or the last slot
+    /// ([`NO_METHOD`]) when no method applied (no or malformed credentials).
+    pub unauthorized: [AtomicU64; 6],
+    /// TokenReviews the apiserver could not answer (503).
     pub unavailable: AtomicU64,
     pub cache_hits: AtomicU64,
     pub jwks_fetches: AtomicU64,
+    pub jwks_fetch_failures: AtomicU64,
+}
+
+/// The `unauthorized` slot and label of a refusal no method was responsible for.
+pub const NO_METHOD: (usize, &str) = (5, "none");
+
+impl AuthnStats {
+    /// Refusals attributed to `m` (`None`: no credentials to judge).
+    pub fn unauthorized_by(&self, m: Option<AuthnMethod>) -> u64 {
+        self.unauthorized[method_slot(m)].load(Relaxed)
+    }
+}
+
+fn method_slot(m: Option<AuthnMethod>) -> usize {
+    m.and_then(|m| METHODS.iter().position(|x| *x == m))
+        .unwrap_or(NO_METHOD.0)
 }
 
 pub const METHODS: [AuthnMethod; 5] = [
@@ -539,11 +571,42 @@ pub fn glob(pattern: &str, s: &str) -> bool {
     true
 }
 
+/// A cached verdict on one token: the identity, or the method that refused it.
 #[derive(Clone)]
 struct Cached {
-    outcome: Option<(Arc<Identity>, AuthnMethod)>,
+    outcome: Result<(Arc<Identity>, AuthnMethod), Option<AuthnMethod>>,
     /// Unix time after which the entry is void (the token's `exp`).
     until: Option<u64>,
+}
+
+/// How long a verdict is cached: successes `cacheTtl` but never past the token's `exp`,
+/// failures `failureCacheTtl` (zero: shared by the concurrent requests of one flight only).
+struct VerdictTtl {
+    ok: Duration,
+    failed: Duration,
+}
+
+impl moka::Expiry<[u8; 32], Cached> for VerdictTtl {
+    fn expire_after_create(&self, _: &[u8; 32], v: &Cached, _: Instant) -> Option<Duration> {
+        Some(match (&v.outcome, v.until) {
+            (Ok(_), Some(until)) => self
+                .ok
+                .min(Duration::from_secs(until.saturating_sub(now_unix()))),
+            (Ok(_), None) => self.ok,
+            (Err(_), _) => self.failed,
+        })
+    }
+}
+
+/// Why the keys are being fetched.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Why {
+    /// A token named a `kid` the key set lacks: only `jwksMinRefreshInterval` limits it.
+    UnknownKid,
+    /// On use, the keys are older than `jwksRefreshInterval`.
+    Stale,
+    /// The background refresher's tick.
+    Periodic,
 }
 
 /// State of JWKS fetching, behind an async mutex (one fetch at a time).
@@ -559,8 +622,11 @@ pub struct Authenticator {
     static_tokens: HashMap<[u8; 32], TokenFileRow>,
     keys: RwLock<Option<(Arc<KeySet>, Instant)>>,
     refresh: tokio::sync::Mutex<Refresh>,
-    ok_cache: moka::future::Cache<[u8; 32], Cached>,
-    fail_cache: moka::future::Cache<[u8; 32], ()>,
+    /// Verdicts by token hash; also the single flight of concurrent identical tokens.
+    verdicts: moka::future::Cache<[u8; 32], Cached>,
+    /// Offline-only JWT verdicts for [`Authenticator::identify_offline`] (no revocation check,
+    /// so never mixed with `verdicts`); a signature check costs ~0.3 ms.
+    offline: moka::future::Cache<[u8; 32], Cached>,
     timeout: Duration,
     pub stats: AuthnStats,
 }
@@ -609,17 +675,18 @@ impl Authenticator {
                 static_tokens.insert(key, row);
             }
         }
-        // A zero TTL turns the cache off (nothing is inserted); moka needs a positive one.
-        let ok = moka::future::Cache::builder()
-            .max_capacity(100_000)
-            .time_to_live(cfg.cache_ttl.max(Duration::from_millis(1)));
-        let fail_ttl = cfg.failure_cache_ttl.max(Duration::from_millis(1));
+        let verdicts = || {
+            moka::future::Cache::builder()
+                .max_capacity(200_000)
+                .expire_after(VerdictTtl {
+                    ok: cfg.cache_ttl,
+                    failed: cfg.failure_cache_ttl,
+                })
+                .build()
+        };
         Ok(Authenticator {
-            ok_cache: ok.build(),
-            fail_cache: moka::future::Cache::builder()
-                .max_capacity(100_000)
-                .time_to_live(fail_ttl)
-                .build(),
+            verdicts: verdicts(),
+            offline: verdicts(),
             cfg,
             upstream,
             tenants,
@@ -631,14 +698,14 @@ impl Authenticator {
         })
     }
 
-    fn count(&self, o: &Outcome) {
+    fn count(&self, o: &Outcome, refused_by: Option<AuthnMethod>) {
         match o {
             Outcome::Authenticated(_, m) => {
                 let i = METHODS.iter().position(|x| x == m).unwrap_or(0);
                 self.stats.ok[i].fetch_add(1, Relaxed);
             }
             Outcome::Unauthorized => {
-                self.stats.unauthorized.fetch_add(1, Relaxed);
+                self.stats.unauthorized[method_slot(refused_by)].fetch_add(1, Relaxed);
             }
             Outcome::Unavailable(_) => {
                 self.stats.unavailable.fetch_add(1, Relaxed);
@@ -657,95 +724,161 @@ impl Authenticator {
 
     /// Authenticates one request from its verified client certificate (if any) and headers.
     pub async fn authenticate(&self, cert: Option<&CertIdentity>, headers: &HeaderMap) -> Outcome {
-        let o = self.authenticate_inner(cert, headers).await;
-        self.count(&o);
+        let (o, refused_by) = self.authenticate_inner(cert, headers).await;
+        self.count(&o, refused_by);
         o
     }
 
+    fn certificate_identity(&self, c: &CertIdentity) -> (Arc<Identity>, AuthnMethod) {
+        self.finish(
+            Identity {
+                user: c.user.clone(),
+                uid: c.uid.clone(),
+                groups: c.groups.clone(),
+                extra: c.extra.clone(),
+                tenant: String::new(),
+            },
+            AuthnMethod::Certificate,
+        )
+    }
+
+    /// The outcome, and for a refusal the method that refused (`None`: no credentials).
     async fn authenticate_inner(
         &self,
         cert: Option<&CertIdentity>,
         headers: &HeaderMap,
-    ) -> Outcome {
+    ) -> (Outcome, Option<AuthnMethod>) {
         if let Some(c) = cert {
-            let (id, m) = self.finish(
-                Identity {
-                    user: c.user.clone(),
-                    uid: String::new(),
-                    groups: c.groups.clone(),
-                    extra: BTreeMap::new(),
-                    tenant: String::new(),
-                },
-                AuthnMethod::Certificate,
-            );
-            return Outcome::Authenticated(id, m);
+            let (id, m) = self.certificate_identity(c);
+            return (Outcome::Authenticated(id, m), None);
         }
         let token = match bearer(headers) {
             Bearer::None => {
                 if self.cfg.anonymous {
                     let (id, m) = self.finish(Identity::anonymous(), AuthnMethod::Anonymous);
-                    return Outcome::Authenticated(id, m);
+                    return (Outcome::Authenticated(id, m), None);
                 }
-                return Outcome::Unauthorized;
+                return (Outcome::Unauthorized, None);
             }
-            Bearer::Invalid => return Outcome::Unauthorized,
+            Bearer::Invalid => return (Outcome::Unauthorized, None),
             Bearer::Token(t) => t,
         };
         let key = sha256(token.as_bytes());
-        if let Some(c) = self.ok_cache.get(&key).await
-            && c.until.is_none_or(|u| now_unix() < u)
-        {
+        // Set only by the call whose verification runs (the flight's leader).
+        let led = std::sync::atomic::AtomicBool::new(false);
+        let r = self
+            .verdicts
+            .try_get_with(key, async {
+                led.store(true, Relaxed);
+                let (outcome, until, refused_by) = self.authenticate_token(token).await;
+                match outcome {
+                    Outcome::Authenticated(id, m) => Ok(Cached {
+                        outcome: Ok((id, m)),
+                        until,
+                    }),
+                    Outcome::Unauthorized => Ok(Cached {
+                        outcome: Err(refused_by),
+                        until: None,
+                    }),
+                    Outcome::Unavailable(e) => Err(e),
+                }
+            })
+            .await;
+        if !led.load(Relaxed) {
             self.stats.cache_hits.fetch_add(1, Relaxed);
-            return match c.outcome {
-                Some((id, m)) => Outcome::Authenticated(id, m),
-                None => Outcome::Unauthorized,
-            };
         }
-        if !self.cfg.failure_cache_ttl.is_zero() && self.fail_cache.contains_key(&key) {
-            self.stats.cache_hits.fetch_add(1, Relaxed);
-            return Outcome::Unauthorized;
+        match r {
+            // Never served past the token's `exp`: the entry's TTL ends there ([`VerdictTtl`]).
+            Ok(Cached {
+                outcome: Ok((id, m)),
+                ..
+            }) => (Outcome::Authenticated(id, m), None),
+            Ok(Cached {
+                outcome: Err(m), ..
+            }) => (Outcome::Unauthorized, m),
+            Err(e) => (
+                Outcome::Unavailable(e.to_string()),
+                Some(AuthnMethod::TokenReview),
+            ),
         }
-        let (outcome, until) = self.authenticate_token(token).await;
-        match &outcome {
-            Outcome::Authenticated(id, m) if !self.cfg.cache_ttl.is_zero() => {
-                let c = Cached {
-                    outcome: Some((id.clone(), *m)),
-                    until,
-                };
-                self.ok_cache.insert(key, c).await;
-            }
-            Outcome::Authenticated(..) => {}
-            Outcome::Unauthorized if !self.cfg.failure_cache_ttl.is_zero() => {
-                self.fail_cache.insert(key, ()).await
-            }
-            Outcome::Unauthorized => {}
-            Outcome::Unavailable(_) => {}
-        }
-        outcome
     }
 
-    async fn authenticate_token(&self, token: &str) -> (Outcome, Option<u64>) {
-        if let Some(u) = self.static_tokens.get(&sha256(token.as_bytes())) {
-            let (id, m) = self.finish(
-                Identity {
-                    user: u.user.clone(),
-                    uid: u.uid.clone(),
-                    groups: u.groups.clone(),
-                    extra: BTreeMap::new(),
-                    tenant: String::new(),
-                },
-                AuthnMethod::StaticToken,
-            );
-            return (Outcome::Authenticated(id, m), None);
+    /// The caller of a passthrough request, for tenant quotas, without asking the apiserver
+    /// anything: a verified client certificate, a cached verdict of the chain, the token file,
+    /// or a ServiceAccount JWT verified offline with the keys at hand (no revocation check:
+    /// the apiserver authenticates the request itself and the identity only names the tenant
+    /// to charge; results cached apart, for `cacheTtl` / `failureCacheTtl`). `None`: not identified (no credentials, or a token only
+    /// the apiserver can judge).
+    pub async fn identify_offline(
+        &self,
+        cert: Option<&CertIdentity>,
+        headers: &HeaderMap,
+    ) -> Option<Arc<Identity>> {
+        if let Some(c) = cert {
+            return Some(self.certificate_identity(c).0);
         }
+        let Bearer::Token(token) = bearer(headers) else {
+            return None;
+        };
+        let key = sha256(token.as_bytes());
+        if let Some(c) = self.verdicts.get(&key).await {
+            return c.outcome.ok().map(|(id, _)| id);
+        }
+        if let Some(u) = self.static_tokens.get(&key) {
+            return Some(self.static_identity(u).0);
+        }
+        if !self.cfg.service_account_jwt || token.bytes().filter(|b| *b == b'.').count() != 2 {
+            return None;
+        }
+        let keys = self.keys.read().ok().and_then(|g| g.clone())?.0;
+        let c = self
+            .offline
+            .get_with(key, async {
+                match verify_jwt(token, &keys, &self.cfg.audiences, self.cfg.leeway) {
+                    Ok(v) => Cached {
+                        outcome: Ok(self.finish(v.identity, AuthnMethod::ServiceAccountJwt)),
+                        until: v.exp,
+                    },
+                    Err(_) => Cached {
+                        outcome: Err(Some(AuthnMethod::ServiceAccountJwt)),
+                        until: None,
+                    },
+                }
+            })
+            .await;
+        c.outcome.ok().map(|(id, _)| id)
+    }
+
+    fn static_identity(&self, u: &TokenFileRow) -> (Arc<Identity>, AuthnMethod) {
+        self.finish(
+            Identity {
+                user: u.user.clone(),
+                uid: u.uid.clone(),
+                groups: u.groups.clone(),
+                extra: BTreeMap::new(),
+                tenant: String::new(),
+            },
+            AuthnMethod::StaticToken,
+        )
+    }
+
+    /// One token through the chain: the outcome, the `exp` bounding its cache entry, and
+    /// for a refusal the method that refused it (the last one that could judge the token).
+    async fn authenticate_token(&self, token: &str) -> (Outcome, Option<u64>, Option<AuthnMethod>) {
+        if let Some(u) = self.static_tokens.get(&sha256(token.as_bytes())) {
+            let (id, m) = self.static_identity(u);
+            return (Outcome::Authenticated(id, m), None, None);
+        }
+        let mut refused_by = (!self.static_tokens.is_empty()).then_some(AuthnMethod::StaticToken);
         if self.cfg.service_account_jwt
             && token.bytes().filter(|b| *b == b'.').count() == 2
             && let Some(keys) = self.key_set().await
         {
+            refused_by = Some(AuthnMethod::ServiceAccountJwt);
             let mut r = verify_jwt(token, &keys, &self.cfg.audiences, self.cfg.leeway);
             if matches!(r, Err(JwtError::NotOurs))
                 && unverified_issuer(token).as_deref() == Some(keys.issuer())
-                && self.refresh_keys(true).await
+                && self.refresh_keys(Why::UnknownKid).await
                 && let Some(k) = self.key_set().await
             {
                 // A key id we do not know: the apiserver may have rotated its keys.
@@ -761,41 +894,48 @@ impl Authenticator {
                     if review {
                         match self.token_review(token).await {
                             Ok(Some(_)) => {}
-                            Ok(None) => return (Outcome::Unauthorized, None),
-                            Err(e) => return (Outcome::Unavailable(e), None),
+                            Ok(None) => {
+                                return (
+                                    Outcome::Unauthorized,
+                                    None,
+                                    Some(AuthnMethod::TokenReview),
+                                );
+                            }
+                            Err(e) => return (Outcome::Unavailable(e), None, None),
                         }
                     }
                     let (id, m) = self.finish(v.identity, AuthnMethod::ServiceAccountJwt);
-                    return (Outcome::Authenticated(id, m), v.exp);
+                    return (Outcome::Authenticated(id, m), v.exp, None);
                 }
                 Err(JwtError::Invalid(why)) => {
                     tracing::debug!(reason = %why, "serviceaccount token rejected");
-                    return (Outcome::Unauthorized, None);
+                    return (Outcome::Unauthorized, None, refused_by);
                 }
                 Err(JwtError::NotOurs) => {}
             }
         }
         if !self.cfg.token_review {
-            return (Outcome::Unauthorized, None);
+            return (Outcome::Unauthorized, None, refused_by);
         }
         match self.token_review(token).await {
             Ok(Some(id)) => {
                 let (id, m) = self.finish(id, AuthnMethod::TokenReview);
-                (Outcome::Authenticated(id, m), None)
+                (Outcome::Authenticated(id, m), None, None)
             }
-            Ok(None) => (Outcome::Unauthorized, None),
-            Err(e) => (Outcome::Unavailable(e), None),
+            Ok(None) => (Outcome::Unauthorized, None, Some(AuthnMethod::TokenReview)),
+            Err(e) => (Outcome::Unavailable(e), None, None),
         }
     }
 
     /// The current key set, fetched on first use and refreshed when older than
-    /// `jwksRefreshInterval`. `None` when discovery is unavailable (then TokenReview decides).
+    /// `jwksRefreshInterval` (the background refresher normally keeps it fresh). `None` when
+    /// discovery is unavailable (then TokenReview decides).
     async fn key_set(&self) -> Option<Arc<KeySet>> {
         let cur = self.keys.read().ok().and_then(|g| g.clone());
         match cur {
             Some((k, at)) if at.elapsed() < self.cfg.jwks_refresh_interval => Some(k),
             stale => {
-                self.refresh_keys(false).await;
+                self.refresh_keys(Why::Stale).await;
                 self.keys
                     .read()
                     .ok()
@@ -806,18 +946,27 @@ impl Authenticator {
         }
     }
 
-    /// Refetches discovery + JWKS unless an attempt was made within
-    /// `jwksMinRefreshInterval`. True when new keys were stored by this call.
-    async fn refresh_keys(&self, unknown_kid: bool) -> bool {
+    /// Refetches discovery + JWKS. On use (`Stale`, `UnknownKid`) not within
+    /// `jwksMinRefreshInterval` of the last attempt, so a flood of forged `kid`s cannot hammer
+    /// the apiserver; the background tick (`Periodic`) is paced by its own interval. True when
+    /// new keys were stored by this call; a failure keeps the previous keys.
+    async fn refresh_keys(&self, why: Why) -> bool {
         let mut r = self.refresh.lock().await;
-        if let Some(at) = r.last_attempt
+        if why != Why::Periodic
+            && let Some(at) = r.last_attempt
             && at.elapsed() < self.cfg.jwks_min_refresh_interval
         {
             return false;
         }
-        if !unknown_kid
-            && let Some((_, at)) = self.keys.read().ok().and_then(|g| g.clone())
-            && at.elapsed() < self.cfg.jwks_refresh_interval
+        let fresh_for = match why {
+            Why::UnknownKid => Duration::ZERO,
+            Why::Stale => self.cfg.jwks_refresh_interval,
+            // Ticks are `jwksRefreshInterval` apart: a tick meeting keys fetched since the
+            // last one (on use) skips, without skipping every other tick on timer jitter.
+            Why::Periodic => self.cfg.jwks_refresh_interval / 2,
+        };
+        if let Some((_, at)) = self.keys.read().ok().and_then(|g| g.clone())
+            && at.elapsed() < fresh_for
         {
             // Another caller refreshed while this one waited for the lock.
             return false;
@@ -832,10 +981,35 @@ impl Authenticator {
                 true
             }
             Err(e) => {
-                tracing::warn!(error = %e, "fetching the serviceaccount issuer's keys failed; tokens go to TokenReview");
+                self.stats.jwks_fetch_failures.fetch_add(1, Relaxed);
+                let kept = self.keys.read().ok().is_some_and(|g| g.is_some());
+                tracing::warn!(error = %e, kept_previous_keys = kept, ?why, "fetching the serviceaccount issuer's keys failed; tokens no key verifies go to TokenReview");
                 false
             }
         }
+    }
+
+    /// Refreshes the issuer's keys every `jwksRefreshInterval` until `stop` (first at once),
+    /// so rotated keys are known before the first token signed with them arrives and no
+    /// request waits for a fetch. Nothing to do when offline JWT verification is off.
+    pub fn spawn_jwks_refresher(self: &Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+        if !self.cfg.service_account_jwt {
+            return;
+        }
+        let this = Arc::downgrade(self);
+        let period = self.cfg.jwks_refresh_interval.max(Duration::from_secs(1));
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                let Some(a) = this.upgrade() else { return };
+                a.refresh_keys(Why::Periodic).await;
+            }
+        });
     }
 
     async fn fetch_keys(&self) -> Result<KeySet, String> {
@@ -1272,6 +1446,7 @@ mod tests {
             namespaces: vec![],
             namespace_selector: None,
             filtered_cluster_view: false,
+            view_recheck_interval: Duration::from_secs(10),
             quotas: Default::default(),
         };
         let mapper = TenantMapper::new(vec![
@@ -1308,6 +1483,103 @@ mod tests {
         assert!(glob("a*b*c", "axxbyyc"));
         assert!(!glob("a*b*c", "axxc"));
         assert!(glob("*", ""));
+    }
+
+    #[tokio::test]
+    async fn passthrough_callers_are_identified_without_asking_the_apiserver() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("tokens.csv");
+        std::fs::write(&file, "tok-1,alice,uid-1\n").unwrap();
+        let a = offline_authenticator(AuthenticationConfig {
+            token_auth_file: Some(file),
+            ..AuthenticationConfig::default()
+        });
+        let s = signer("k1");
+        *a.keys.write().unwrap() = Some((Arc::new(keys(&s)), Instant::now()));
+        async fn who(
+            a: &Authenticator,
+            h: HeaderMap,
+            cert: Option<&CertIdentity>,
+        ) -> Option<String> {
+            a.identify_offline(cert, &h).await.map(|i| i.user.clone())
+        }
+        let cert = CertIdentity {
+            user: "carol".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            who(&a, headers(None), Some(&cert)).await.as_deref(),
+            Some("carol")
+        );
+        assert_eq!(
+            who(&a, headers(Some("Bearer tok-1")), None)
+                .await
+                .as_deref(),
+            Some("alice")
+        );
+        let token = sign(&s, "k1", &claims(3600));
+        let jwt = format!("Bearer {token}");
+        assert_eq!(
+            who(&a, headers(Some(&jwt)), None).await.as_deref(),
+            Some("system:serviceaccount:team-a:builder")
+        );
+        // Remembered apart from the chain's verdicts (no revocation check was made).
+        assert!(a.offline.contains_key(&sha256(token.as_bytes())));
+        assert!(!a.verdicts.contains_key(&sha256(token.as_bytes())));
+        // Forged, unknown to any offline method, or no credentials: not identified (the
+        // apiserver alone judges them; the upstream here is never contacted).
+        let forged = format!("Bearer {}", sign(&signer("k1"), "k1", &claims(3600)));
+        for h in [
+            headers(Some(&forged)),
+            headers(Some("Bearer opaque")),
+            headers(None),
+        ] {
+            assert_eq!(who(&a, h, None).await, None);
+        }
+        // A verdict of the full chain (a TokenReview, say) names the caller while cached.
+        let (id, m) = a.finish(
+            Identity {
+                user: "reviewed".into(),
+                ..Identity::anonymous()
+            },
+            AuthnMethod::TokenReview,
+        );
+        a.verdicts
+            .insert(
+                sha256(b"opaque"),
+                Cached {
+                    outcome: Ok((id, m)),
+                    until: None,
+                },
+            )
+            .await;
+        assert_eq!(
+            who(&a, headers(Some("Bearer opaque")), None)
+                .await
+                .as_deref(),
+            Some("reviewed")
+        );
+        // Nothing of this counts as an authentication of a cache-served request.
+        assert_eq!(a.stats.ok.iter().map(|c| c.load(Relaxed)).sum::<u64>(), 0);
+    }
+
+    #[tokio::test]
+    async fn verdicts_are_cached_for_cache_ttl_and_not_at_all_with_zero() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("tokens.csv");
+        std::fs::write(&file, "tok-1,alice,uid-1\n").unwrap();
+        for (ttl, hits) in [(Duration::from_secs(10), 2), (Duration::ZERO, 0)] {
+            let a = offline_authenticator(AuthenticationConfig {
+                token_auth_file: Some(file.clone()),
+                cache_ttl: ttl,
+                ..AuthenticationConfig::default()
+            });
+            for _ in 0..3 {
+                let o = a.authenticate(None, &headers(Some("Bearer tok-1"))).await;
+                assert!(matches!(o, Outcome::Authenticated(..)));
+            }
+            assert_eq!(a.stats.cache_hits.load(Relaxed), hits, "ttl {ttl:?}");
+        }
     }
 
     fn offline_authenticator(cfg: AuthenticationConfig) -> Authenticator {
@@ -1350,6 +1622,7 @@ mod tests {
         let cert = CertIdentity {
             user: "carol".into(),
             groups: vec!["ops".into()],
+            ..Default::default()
         };
         let Outcome::Authenticated(id, m) = a
             .authenticate(Some(&cert), &headers(Some("Bearer tok-1")))
@@ -1387,6 +1660,10 @@ mod tests {
             anon.authenticate(None, &headers(Some("Bearer nope"))).await,
             Outcome::Unauthorized
         ));
-        assert_eq!(a.stats.unauthorized.load(Relaxed), 4);
+        // Refusals by the method that refused: the token file judged `nope`; the others had
+        // no usable credentials.
+        assert_eq!(a.stats.unauthorized_by(Some(AuthnMethod::StaticToken)), 1);
+        assert_eq!(a.stats.unauthorized_by(None), 3);
+        assert_eq!(a.stats.unauthorized_by(Some(AuthnMethod::TokenReview)), 0);
     }
 }

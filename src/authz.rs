@@ -14,7 +14,11 @@
 //! - the apiserver cannot answer: fail closed with 503 and `Retry-After` (never served).
 //!
 //! Decisions are cached per (identity hash, attributes) for kube-apiserver's webhook
-//! authorizer defaults: allowed 5 minutes, denied 30 s (configurable).
+//! authorizer defaults: allowed 5 minutes, denied 30 s (configurable). Concurrent identical
+//! questions share one review (single flight, moka's `try_get_with`): a thousand watchers
+//! opening at once cost one `SubjectAccessReview`, not a thousand. If the one asking is
+//! cancelled, a waiter takes over; an error is shared by the waiters of that flight and not
+//! cached.
 //!
 //! Client-certificate callers asking to impersonate (`Impersonate-*`) are authorized here
 //! too ([`Authorizer::impersonate`]), as the apiserver's impersonation filter does: the
@@ -69,8 +73,8 @@ pub struct AuthzStats {
 
 pub struct Authorizer {
     upstream: Upstream,
-    allowed: moka::future::Cache<[u8; 32], ()>,
-    denied: moka::future::Cache<[u8; 32], Arc<str>>,
+    /// Allow and Deny decisions, each kept for its own TTL ([`DecisionTtl`]); never errors.
+    decisions: moka::future::Cache<[u8; 32], Decision>,
     timeout: Duration,
     pub stats: AuthzStats,
 }
@@ -134,17 +138,38 @@ pub fn forbidden(id: &Identity, a: &Attributes, reason: &str) -> Status {
     )
 }
 
+/// How long a cached decision lives: allowed and denied have their own TTLs.
+struct DecisionTtl {
+    allow: Duration,
+    deny: Duration,
+}
+
+impl moka::Expiry<[u8; 32], Decision> for DecisionTtl {
+    fn expire_after_create(
+        &self,
+        _key: &[u8; 32],
+        value: &Decision,
+        _created_at: std::time::Instant,
+    ) -> Option<Duration> {
+        Some(match value {
+            Decision::Allow => self.allow,
+            // Errors are never inserted (`try_get_with` does not cache an `Err`).
+            Decision::Deny(_) | Decision::Error(_) => self.deny,
+        })
+    }
+}
+
 impl Authorizer {
     pub fn new(upstream: Upstream, allow_ttl: Duration, deny_ttl: Duration) -> Authorizer {
         Authorizer {
             upstream,
-            allowed: moka::future::Cache::builder()
-                .max_capacity(100_000)
-                .time_to_live(allow_ttl.max(Duration::from_millis(1)))
-                .build(),
-            denied: moka::future::Cache::builder()
-                .max_capacity(100_000)
-                .time_to_live(deny_ttl.max(Duration::from_millis(1)))
+            decisions: moka::future::Cache::builder()
+                .max_capacity(200_000)
+                // As before the single flight: a zero TTL keeps a decision for 1 ms.
+                .expire_after(DecisionTtl {
+                    allow: allow_ttl.max(Duration::from_millis(1)),
+                    deny: deny_ttl.max(Duration::from_millis(1)),
+                })
                 .build(),
             timeout: Duration::from_secs(5),
             stats: AuthzStats::default(),
@@ -169,39 +194,45 @@ impl Authorizer {
         h.finalize().into()
     }
 
-    /// The apiserver's decision on `id` doing `a`, from the cache when known.
+    /// The apiserver's decision on `id` doing `a`, from the cache when known; concurrent
+    /// identical questions wait for the one review in flight.
     pub async fn authorize(&self, id: &Identity, a: &Attributes) -> Decision {
         let key = Self::key(id, a);
-        if self.allowed.contains_key(&key) {
+        // Set only by the call whose review runs (the flight's leader).
+        let led = std::sync::atomic::AtomicBool::new(false);
+        let r = self
+            .decisions
+            .try_get_with(key, async {
+                led.store(true, Relaxed);
+                match tokio::time::timeout(self.timeout, self.review(id, a)).await {
+                    Ok(Decision::Error(e)) => Err(e),
+                    Ok(d) => Ok(d),
+                    Err(_) => Err("access review timed out".to_string()),
+                }
+            })
+            .await;
+        if led.load(Relaxed) {
+            self.stats.cache_misses.fetch_add(1, Relaxed);
+        } else {
             self.stats.cache_hits.fetch_add(1, Relaxed);
-            self.stats.allowed.fetch_add(1, Relaxed);
-            return Decision::Allow;
         }
-        if let Some(reason) = self.denied.get(&key).await {
-            self.stats.cache_hits.fetch_add(1, Relaxed);
-            self.stats.denied.fetch_add(1, Relaxed);
-            return Decision::Deny(reason);
-        }
-        self.stats.cache_misses.fetch_add(1, Relaxed);
-        let d = match tokio::time::timeout(self.timeout, self.review(id, a)).await {
-            Ok(d) => d,
-            Err(_) => Decision::Error("access review timed out".into()),
-        };
-        match &d {
-            Decision::Allow => {
+        match r {
+            Ok(Decision::Allow) => {
                 self.stats.allowed.fetch_add(1, Relaxed);
-                self.allowed.insert(key, ()).await;
+                Decision::Allow
             }
-            Decision::Deny(r) => {
+            Ok(d) => {
                 self.stats.denied.fetch_add(1, Relaxed);
-                self.denied.insert(key, r.clone()).await;
+                d
             }
-            Decision::Error(e) => {
+            Err(e) => {
                 self.stats.errors.fetch_add(1, Relaxed);
-                tracing::warn!(error = %e, "access review failed; request refused (fail closed)");
+                if led.load(Relaxed) {
+                    tracing::warn!(error = %e, "access review failed; request refused (fail closed)");
+                }
+                Decision::Error(e.to_string())
             }
         }
-        d
     }
 
     async fn review(&self, id: &Identity, a: &Attributes) -> Decision {

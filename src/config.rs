@@ -79,7 +79,8 @@ pub struct AuthenticationConfig {
     /// Clock skew allowed on `exp`/`nbf` (go-jose's default leeway, used by kube-apiserver).
     #[serde(with = "humantime_serde")]
     pub leeway: Duration,
-    /// The JWKS is refetched this often, and on a token with an unknown `kid`...
+    /// The JWKS is refetched this often in the background (and at start; a failure keeps the
+    /// previous keys), and on a token with an unknown `kid`...
     #[serde(with = "humantime_serde")]
     pub jwks_refresh_interval: Duration,
     /// ...but not more often than this (a flood of forged `kid`s cannot hammer the apiserver).
@@ -147,8 +148,19 @@ pub struct TenantConfig {
     /// tenant's namespaces the caller may list.
     #[serde(default)]
     pub filtered_cluster_view: bool,
+    /// How often an open watch through a filtered cluster view re-derives the view (tenant
+    /// namespaces, then per-namespace access, from the decision cache). A changed view ends
+    /// the watch with a 410 Expired ERROR event, so the client relists into the new view
+    /// instead of missing a namespace that joined or keeping one that left. Each recheck
+    /// costs one decision-cache lookup per tenant namespace per open filtered watch.
+    #[serde(default = "default_view_recheck_interval", with = "humantime_serde")]
+    pub view_recheck_interval: Duration,
     #[serde(default)]
     pub quotas: TenantQuotas,
+}
+
+fn default_view_recheck_interval() -> Duration {
+    Duration::from_secs(10)
 }
 
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -162,7 +174,8 @@ pub struct TenantMatch {
     pub username_patterns: Vec<String>,
 }
 
-/// Per-tenant limits on cache-served requests; unset means unlimited.
+/// Per-tenant limits on cache-served requests, and on passthrough lists and watches of callers
+/// the proxy names without asking the apiserver (see `tenancy`); unset means unlimited.
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct TenantQuotas {
@@ -854,6 +867,12 @@ impl Config {
                 err(
                     &format!("tenants[{i}].namespaceSelector"),
                     format!("invalid label selector: {e}"),
+                );
+            }
+            if t.view_recheck_interval < Duration::from_millis(100) {
+                err(
+                    &format!("tenants[{i}].viewRecheckInterval"),
+                    "must be at least 100ms".into(),
                 );
             }
             if t.quotas

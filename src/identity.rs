@@ -4,9 +4,10 @@
 //! - hop-by-hop headers (RFC 9110 §7.6.1) and every header named in `Connection` are dropped;
 //! - a caller's bearer token is forwarded unchanged, with any `Impersonate-*` headers it sent:
 //!   the apiserver then authenticates the token and authorizes the impersonation itself;
-//! - a client-certificate caller is impersonated (`Impersonate-User`/`-Group`) over the
-//!   proxy's own credentials; its own `Authorization`, `Impersonate-*` and `X-Remote-*`
-//!   headers are dropped;
+//! - a client-certificate caller is impersonated (`Impersonate-User`/`-Group`, and
+//!   `-Uid`/`-Extra-<key>` when its identity has them: an impersonation the proxy authorized)
+//!   over the proxy's own credentials; its own `Authorization`, `Impersonate-*` and
+//!   `X-Remote-*` headers are dropped;
 //! - an anonymous caller goes upstream anonymous, with those headers dropped too;
 //! - identity headers are set *after* `Connection`-named removal, so `Connection:
 //!   Impersonate-User` (or `Authorization`) can never strip what the proxy asserts.
@@ -21,8 +22,9 @@ use crate::upstream::As;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Caller {
     /// A client certificate verified against the client CA: CN is the user, O the groups
-    /// (kube-apiserver's x509 authenticator).
-    Certificate { user: String, groups: Vec<String> },
+    /// (kube-apiserver's x509 authenticator); uid and extra only as the target of an
+    /// impersonation the proxy authorized.
+    Certificate(CertIdentity),
     /// An `Authorization` header the proxy forwards unchanged.
     Bearer(HeaderValue),
     /// No credentials.
@@ -35,10 +37,7 @@ impl Caller {
     /// authenticator union (x509 is consulted first).
     pub fn identify(cert: Option<&CertIdentity>, headers: &HeaderMap) -> Caller {
         if let Some(c) = cert {
-            return Caller::Certificate {
-                user: c.user.clone(),
-                groups: c.groups.clone(),
-            };
+            return Caller::Certificate(c.clone());
         }
         match headers.get(header::AUTHORIZATION) {
             Some(v) if !v.is_empty() => Caller::Bearer(v.clone()),
@@ -49,7 +48,7 @@ impl Caller {
     /// Which upstream identity pool serves this caller.
     pub fn upstream_as(&self) -> As {
         match self {
-            Caller::Certificate { .. } => As::Proxy,
+            Caller::Certificate(_) => As::Proxy,
             Caller::Bearer(_) | Caller::Anonymous => As::Caller,
         }
     }
@@ -57,18 +56,23 @@ impl Caller {
     /// A label for logs that never contains a credential.
     pub fn describe(&self) -> String {
         match self {
-            Caller::Certificate { user, .. } => format!("x509:{user}"),
+            Caller::Certificate(c) => format!("x509:{}", c.user),
             Caller::Bearer(_) => "bearer".into(),
             Caller::Anonymous => "anonymous".into(),
         }
     }
 }
 
-/// The identity in a verified client certificate.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// The identity in a verified client certificate (or the target of an impersonation the
+/// proxy authorized for a certificate caller).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct CertIdentity {
     pub user: String,
     pub groups: Vec<String>,
+    /// Empty from a certificate (kube-apiserver's x509 authenticator sets no uid).
+    pub uid: String,
+    /// Empty from a certificate.
+    pub extra: std::collections::BTreeMap<String, Vec<String>>,
 }
 
 impl CertIdentity {
@@ -88,7 +92,11 @@ impl CertIdentity {
             .iter_organization()
             .filter_map(|o| o.as_str().ok().map(str::to_string))
             .collect();
-        Some(CertIdentity { user, groups })
+        Some(CertIdentity {
+            user,
+            groups,
+            ..Default::default()
+        })
     }
 }
 
@@ -146,7 +154,7 @@ pub fn upstream_headers(
         Caller::Bearer(token) => {
             h.insert(header::AUTHORIZATION, token.clone());
         }
-        Caller::Certificate { user, groups } => {
+        Caller::Certificate(c) => {
             h.remove(header::AUTHORIZATION);
             let names: Vec<HeaderName> = h
                 .keys()
@@ -156,12 +164,29 @@ pub fn upstream_headers(
             for n in names {
                 h.remove(n);
             }
-            if let Ok(v) = HeaderValue::from_str(user) {
+            if let Ok(v) = HeaderValue::from_str(&c.user) {
                 h.insert("impersonate-user", v);
             }
-            for g in groups {
+            for g in &c.groups {
                 if let Ok(v) = HeaderValue::from_str(g) {
                     h.append("impersonate-group", v);
+                }
+            }
+            if !c.uid.is_empty()
+                && let Ok(v) = HeaderValue::from_str(&c.uid)
+            {
+                h.insert("impersonate-uid", v);
+            }
+            for (k, vs) in &c.extra {
+                let Ok(name) = HeaderName::from_bytes(
+                    format!("impersonate-extra-{}", extra_key_escape(k)).as_bytes(),
+                ) else {
+                    continue;
+                };
+                for v in vs {
+                    if let Ok(v) = HeaderValue::from_str(v) {
+                        h.append(name.clone(), v);
+                    }
                 }
             }
         }
@@ -191,6 +216,23 @@ pub fn upstream_headers(
         }
     }
     h
+}
+
+/// An extra key as a header-name suffix, as client-go's `headerKeyEscape`: every byte that is
+/// not an RFC 7230 token character, and `%` itself, percent-encoded (`%2F`); the apiserver
+/// lowercases the header name and `url.PathUnescape`s it. (Header names are case-insensitive,
+/// so keys with upper-case letters cannot travel: Kubernetes' keys are lower case.)
+pub fn extra_key_escape(key: &str) -> String {
+    let mut out = String::with_capacity(key.len());
+    for b in key.bytes() {
+        let token = b.is_ascii_alphanumeric() || b"!#$&'*+-.^_`|~".contains(&b);
+        if token {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 /// The `Upgrade` protocol of an HTTP/1.1 upgrade request (`Connection: Upgrade` plus an
@@ -225,10 +267,11 @@ mod tests {
     }
 
     fn cert_caller() -> Caller {
-        Caller::Certificate {
+        Caller::Certificate(CertIdentity {
             user: "jane".into(),
             groups: vec!["dev".into(), "ops".into()],
-        }
+            ..Default::default()
+        })
     }
 
     #[test]
@@ -331,11 +374,45 @@ mod tests {
         let inbound = hm(&[("authorization", "Bearer t0k")]);
         let id = CertIdentity {
             user: "jane".into(),
-            groups: vec![],
+            ..Default::default()
         };
         let caller = Caller::identify(Some(&id), &inbound);
         assert_eq!(caller.upstream_as(), As::Proxy);
-        assert!(matches!(caller, Caller::Certificate { .. }));
+        assert!(matches!(caller, Caller::Certificate(_)));
+    }
+
+    #[test]
+    fn an_authorized_impersonation_target_goes_up_with_its_uid_and_escaped_extra() {
+        let target = Caller::Certificate(CertIdentity {
+            user: "carol".into(),
+            groups: vec!["viewers".into()],
+            uid: "u-42".into(),
+            extra: [
+                ("scopes".to_string(), vec!["a".to_string(), "b".to_string()]),
+                (
+                    "example.org/team name%".to_string(),
+                    vec!["x y".to_string()],
+                ),
+            ]
+            .into_iter()
+            .collect(),
+        });
+        let inbound = hm(&[("impersonate-extra-smuggled", "1")]);
+        let out = upstream_headers(&inbound, &target, None, None);
+        assert_eq!(out["impersonate-user"], "carol");
+        assert_eq!(out["impersonate-uid"], "u-42");
+        let scopes: Vec<_> = out.get_all("impersonate-extra-scopes").iter().collect();
+        assert_eq!(scopes, ["a", "b"]);
+        assert_eq!(
+            out["impersonate-extra-example.org%2Fteam%20name%25"], "x y",
+            "{out:?}"
+        );
+        assert!(!out.contains_key("impersonate-extra-smuggled"));
+        // What the apiserver decodes (lower-cased name, then url.PathUnescape) is the key.
+        let decoded = percent_encoding::percent_decode_str("example.org%2fteam%20name%25")
+            .decode_utf8()
+            .unwrap();
+        assert_eq!(decoded, "example.org/team name%");
     }
 
     #[test]

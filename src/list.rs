@@ -477,8 +477,14 @@ async fn list_inner(
             Err(TokenError::Invalid) => {
                 cache.list_stats.token_invalid.fetch_add(1, Relaxed);
                 return Outcome::Served(
-                    Status::bad_request("invalid continue token: continue key is not valid")
-                        .into_response(),
+                    // One message for every cause (nothing disclosed about which part
+                    // failed), naming them all, including a filtered view that changed.
+                    Status::bad_request(
+                        "invalid continue token: continue key is not valid for this caller, \
+                         query and namespace view; start a new list without the continue \
+                         parameter",
+                    )
+                    .into_response(),
                 );
             }
             Err(TokenError::Expired) => {

@@ -207,18 +207,26 @@ impl prometheus_client::collector::Collector for AuthCollector {
                 })
                 .inc_by(a.ok[i].load(Relaxed));
         }
-        // Failures are not attributed to a method: a token that verifies nowhere has none.
-        for (result, n) in [
-            ("unauthorized", a.unauthorized.load(Relaxed)),
-            ("unavailable", a.unavailable.load(Relaxed)),
-        ] {
+        // Refusals by the method that refused (`none`: no usable credentials); only
+        // TokenReview can be unavailable.
+        let refusers = crate::authn::METHODS
+            .iter()
+            .map(|m| m.as_str())
+            .chain([crate::authn::NO_METHOD.1]);
+        for (i, method) in refusers.enumerate() {
             authn
                 .get_or_create(&AuthnLabels {
-                    method: "any".into(),
-                    result: result.into(),
+                    method: method.into(),
+                    result: "unauthorized".into(),
                 })
-                .inc_by(n);
+                .inc_by(a.unauthorized[i].load(Relaxed));
         }
+        authn
+            .get_or_create(&AuthnLabels {
+                method: crate::authn::AuthnMethod::TokenReview.as_str().into(),
+                result: "unavailable".into(),
+            })
+            .inc_by(a.unavailable.load(Relaxed));
         emit(
             &mut enc,
             "kube_cache_proxy_authentications",
@@ -237,12 +245,24 @@ impl prometheus_client::collector::Collector for AuthCollector {
             "Token authentications answered from the proxy's token cache",
             &authn_cache,
         )?;
-        let jwks = Counter::<u64>::default();
-        jwks.inc_by(a.jwks_fetches.load(Relaxed));
+        let jwks = Family::<ResultLabels, Counter>::default();
+        let (fetches, failures) = (
+            a.jwks_fetches.load(Relaxed),
+            a.jwks_fetch_failures.load(Relaxed),
+        );
+        for (result, n) in [
+            ("success", fetches.saturating_sub(failures)),
+            ("failure", failures),
+        ] {
+            jwks.get_or_create(&ResultLabels {
+                result: result.into(),
+            })
+            .inc_by(n);
+        }
         emit(
             &mut enc,
             "kube_cache_proxy_jwks_fetches",
-            "Fetches of the ServiceAccount issuer's discovery document and JWKS",
+            "Fetches of the ServiceAccount issuer's discovery document and JWKS (a failure keeps the previous keys)",
             &jwks,
         )?;
 
@@ -302,7 +322,7 @@ impl prometheus_client::collector::Collector for AuthCollector {
         emit(
             &mut enc,
             "kube_cache_proxy_quota_rejections",
-            "Cache-served requests refused with 429 by tenant quota",
+            "Requests (cache-served, and passthrough lists/watches of identified callers) refused with 429 by tenant quota",
             &quota,
         )
     }

@@ -450,6 +450,7 @@ async fn serve_from_cache(
     req: &Request<Incoming>,
     info: &RequestInfo,
     query: Option<&str>,
+    read_charged: &mut bool,
 ) -> Option<Response<Body>> {
     use crate::router::Route;
     let accept = req
@@ -481,7 +482,7 @@ async fn serve_from_cache(
     if let Some(t) = tenant {
         let admitted = match &route {
             Route::Watch { .. } => t.admit_watch().map(|p| permit = p),
-            _ => t.admit_read(),
+            _ => t.admit_read().map(|()| *read_charged = true),
         };
         if let Err(status) = admitted {
             return Some(status.into_response());
@@ -505,7 +506,7 @@ async fn serve_from_cache(
             {
                 return None;
             }
-            filter.namespaces = view;
+            filter.namespaces = view.clone();
             let resp = crate::watch::serve(
                 cache,
                 params,
@@ -517,7 +518,21 @@ async fn serve_from_cache(
             .await
             .ok()?;
             // The tenant's watch slot is held as long as the stream.
-            let (parts, b) = resp.into_parts();
+            let (parts, mut b) = resp.into_parts();
+            // A filtered view is re-derived while the watch is open (`tenancy::ViewWatch`).
+            if let Some(view) = view
+                && parts.status.is_success()
+            {
+                b = crate::tenancy::ViewWatch {
+                    tenancy: state.tenancy.clone(),
+                    authz: state.authz.clone(),
+                    caches: state.caches.clone(),
+                    id: id.clone(),
+                    attrs: authz_attributes(info),
+                    view,
+                }
+                .guard(b);
+            }
             let b = Tracked::new(b, Instant::now(), move |_| drop(permit));
             Some(Response::from_parts(parts, body::boxed(b)))
         }
@@ -568,7 +583,7 @@ async fn serve_from_cache(
             let cx = crate::list::ListContext {
                 cfg: &state.lists,
                 keys: &state.keys,
-                binding: list_binding(&id, info, &params),
+                binding: list_binding(&id, info, &params, filter.namespaces.as_deref()),
                 accepts_gzip: accepts_gzip(req.headers()),
                 page_cap: state.paging.downstream_cap().map(|c| c as u64),
             };
@@ -613,15 +628,7 @@ async fn authenticate_and_authorize(
             return Err(Some(Status::service_unavailable(msg, 1).into_response()));
         }
     };
-    let attrs = crate::authz::Attributes {
-        verb: info.verb.clone(),
-        group: info.api_group.clone(),
-        version: info.api_version.clone(),
-        resource: info.resource.clone(),
-        subresource: info.subresource.clone(),
-        namespace: info.namespace.clone(),
-        name: info.name.clone(),
-    };
+    let attrs = authz_attributes(info);
     match state.authz.authorize(&id, &attrs).await {
         Decision::Allow => Ok((id, None)),
         Decision::Deny(reason) => {
@@ -641,6 +648,19 @@ async fn authenticate_and_authorize(
             let msg = format!("authorization is unavailable: {e}");
             Err(Some(Status::service_unavailable(msg, 1).into_response()))
         }
+    }
+}
+
+/// The attributes a cache-served request is authorized with.
+fn authz_attributes(info: &RequestInfo) -> crate::authz::Attributes {
+    crate::authz::Attributes {
+        verb: info.verb.clone(),
+        group: info.api_group.clone(),
+        version: info.api_version.clone(),
+        resource: info.resource.clone(),
+        subresource: info.subresource.clone(),
+        namespace: info.namespace.clone(),
+        name: info.name.clone(),
     }
 }
 
@@ -684,6 +704,7 @@ async fn impersonation_gate(
     match state.authz.impersonate(&id, req.headers()).await {
         Ok(Some(target)) => Ok(Some(ConnInfo {
             peer: conn.peer,
+            // Everything that was checked goes up: user, groups, uid and extra.
             cert: Some(Arc::new(CertIdentity {
                 user: target.user,
                 groups: target
@@ -691,11 +712,48 @@ async fn impersonation_gate(
                     .into_iter()
                     .filter(|g| g != "system:authenticated")
                     .collect(),
+                uid: target.uid,
+                extra: target.extra,
             })),
         })),
         Ok(None) => Ok(None),
         Err(status) => Err(status.into_response()),
     }
+}
+
+/// Passes a request through as `forward_as`, within the tenant quotas of the caller on `conn`
+/// when the proxy can name it ([`crate::tenancy::Tenancy::admit_passthrough`]); a watch holds
+/// its slot until the stream ends. The second value is the `served_by` label.
+async fn forward_within_quota(
+    state: &State,
+    conn: &ConnInfo,
+    forward_as: &ConnInfo,
+    req: Request<Incoming>,
+    info: &RequestInfo,
+    long_running: bool,
+    read_charged: bool,
+) -> (Response<Body>, &'static str) {
+    let admitted = state
+        .tenancy
+        .admit_passthrough(
+            &state.authn,
+            conn.cert.as_deref(),
+            req.headers(),
+            info,
+            read_charged,
+        )
+        .await;
+    let permit = match admitted {
+        Ok(p) => p,
+        Err(refusal) => return (refusal.into_response(), "proxy"),
+    };
+    let resp = passthrough::forward(state, forward_as, req, info, long_running).await;
+    let Some(permit) = permit else {
+        return (resp, "upstream");
+    };
+    let (parts, b) = resp.into_parts();
+    let b = Tracked::new(b, Instant::now(), move |_| drop(permit));
+    (Response::from_parts(parts, body::boxed(b)), "upstream")
 }
 
 /// A successful write to a cached resource: remembers the resourceVersion it produced, so
@@ -760,15 +818,19 @@ fn consistency_mode(
 }
 
 /// What a continue token is bound to: the caller's tenant and verified identity
-/// (`authn::Identity::identity_hash`), the resource, the namespace and the selectors.
+/// (`authn::Identity::identity_hash`), the resource, the namespace, the selectors and, for a
+/// filtered cluster view, the hash of its namespace set (a walk whose view changed between
+/// pages is refused instead of mixing two views).
 fn list_binding(
     id: &crate::authn::Identity,
     info: &RequestInfo,
     p: &crate::list::ListParams,
+    view: Option<&std::collections::BTreeSet<String>>,
 ) -> crate::token::Binding {
     let identity = id.identity_hash();
     let tenant = id.tenant.as_str();
-    crate::token::Binding::new(&[
+    let view = view.map(crate::tenancy::view_hash);
+    let mut parts: Vec<&[u8]> = vec![
         tenant.as_bytes(),
         &identity,
         info.api_group.as_bytes(),
@@ -777,7 +839,12 @@ fn list_binding(
         info.namespace.as_bytes(),
         p.label_selector.as_bytes(),
         p.field_selector.as_bytes(),
-    ])
+    ];
+    // Unfiltered lists keep their binding (tokens stay valid across an upgrade).
+    if let Some(v) = &view {
+        parts.push(v);
+    }
+    crate::token::Binding::new(&parts)
 }
 
 /// Whether `Accept-Encoding` allows gzip (`gzip;q=0` does not).
@@ -884,17 +951,29 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         .clone();
     inflight.inc();
 
+    // Whether the cache path took a read-quota token before handing the request over.
+    let mut read_charged = false;
     let (resp, served_by) = match impersonation_gate(state, conn, &req).await {
         Err(refused) => (refused, "proxy"),
-        Ok(Some(as_target)) => (
-            passthrough::forward(state, &as_target, req, &info, long_running).await,
-            "upstream",
-        ),
-        Ok(None) => match serve_from_cache(state, conn, &req, &info, query.as_deref()).await {
+        Ok(Some(as_target)) => {
+            forward_within_quota(state, conn, &as_target, req, &info, long_running, false).await
+        }
+        Ok(None) => match serve_from_cache(
+            state,
+            conn,
+            &req,
+            &info,
+            query.as_deref(),
+            &mut read_charged,
+        )
+        .await
+        {
             Some(r) => (r, "cache"),
             None => {
-                let resp = passthrough::forward(state, conn, req, &info, long_running).await;
-                (read_your_writes(state, &info, resp).await, "upstream")
+                let (resp, by) =
+                    forward_within_quota(state, conn, conn, req, &info, long_running, read_charged)
+                        .await;
+                (read_your_writes(state, &info, resp).await, by)
             }
         },
     };
@@ -1032,6 +1111,7 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
     )?;
     let state = State::new(config, upstream, authn);
     state.spawn_upstream_probe();
+    state.authn.spawn_jwks_refresher(state.drain.clone());
     state
         .paging
         .spawn(state.upstream.clone(), state.drain.clone());

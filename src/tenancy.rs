@@ -2,16 +2,37 @@
 //!
 //! An identity belongs to a tenant by `authn::TenantMapper` (config `tenants`). For the
 //! tenant's callers the proxy adds what the apiserver cannot:
-//! - quotas: concurrent cache-served watches, LIST/GET rate and burst (a token bucket,
-//!   `governor`), and the number of objects one unpaginated list may return. Over quota:
-//!   429 TooManyRequests with an integer `Retry-After` (client-go waits that long and retries);
+//! - quotas: concurrent watches, LIST/GET rate and burst (a token bucket, `governor`), and the
+//!   number of objects one unpaginated cache-served list may return. Over quota: 429
+//!   TooManyRequests with an integer `Retry-After` (client-go waits that long and retries).
+//!   Cache-served requests are charged after the full authentication chain; passthrough
+//!   LISTs and WATCHes are charged too when the proxy can name the caller without asking the
+//!   apiserver ([`Tenancy::admit_passthrough`], `authn::Authenticator::identify_offline`:
+//!   certificates, the token file, cached verdicts, offline-verified ServiceAccount JWTs) —
+//!   a LIST takes a token of the same bucket, a WATCH holds one of the same slots until its
+//!   stream ends (a caller asking to impersonate is charged as itself, not as its target). Callers it cannot name (no credentials, tokens only a TokenReview could
+//!   judge and not seen on a cache-served request within `cacheTtl`) are left to the
+//!   apiserver's own limits; passthrough GETs and the unpaginated-list size are not
+//!   charged (the size is only known after the apiserver answered);
 //! - a filtered cluster view: with `filteredClusterView: true`, a cluster-wide list/watch of a
 //!   namespaced resource that RBAC denies at cluster scope is served with only the objects in
 //!   the tenant's namespaces (static list and label selector on cached Namespace objects)
 //!   where the caller may do the same verb — from the one shared cache, with the watch's
 //!   events filtered by the same namespace set ([`crate::hub::Filter::namespaces`]). The set
-//!   is fixed when the request starts: a namespace that joins later is seen by the next
-//!   list/watch. Without it the caller gets the apiserver's 403.
+//!   is fixed when the request starts; a watch never delivers anything from outside the set
+//!   it started with. An open watch re-derives its view every `viewRecheckInterval`
+//!   ([`ViewWatch`]); once it differs (a namespace joined by label or RoleBinding, or left),
+//!   the watch ends with an ERROR event carrying 410 Expired and the client relists into the
+//!   new view: objects of a joining namespace arrive with that list, those of a leaving one
+//!   disappear from it (there are no per-object ADDED/DELETED transitions on the open
+//!   stream). Until the recheck notices (at most one interval, plus the namespace cache's
+//!   watch delay), events of a namespace that left may still flow on an open watch. Access
+//!   changes are seen as the decision cache expires them. Left open: a view
+//!   that changes between a watch's end and the client's re-watch from its resourceVersion
+//!   is not noticed by that new watch. Continue tokens are bound to a hash of the set, so a
+//!   page walk whose view changed between pages is refused (400, like any token of another
+//!   caller or query) instead of mixing two views; the client starts a new list. Without a
+//!   filtered view the caller gets the apiserver's 403.
 //!
 //! Tenancy never widens access: every namespace in a filtered view is authorized by a
 //! SubjectAccessReview of its own, and requests inside one namespace are authorized exactly
@@ -28,7 +49,7 @@ use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use http::StatusCode;
 
 use crate::api::{Reason, Status};
-use crate::authn::Identity;
+use crate::authn::{Authenticator, Identity};
 use crate::authz::{Attributes, Authorizer, Decision};
 use crate::cache::ResourceCache;
 use crate::config::TenantConfig;
@@ -181,6 +202,87 @@ impl Tenant {
     }
 }
 
+/// An open watch through a filtered cluster view, and what it needs to re-derive that view.
+pub struct ViewWatch {
+    pub tenancy: Arc<Tenancy>,
+    pub authz: Arc<Authorizer>,
+    pub caches: Arc<crate::cache::registry::Caches>,
+    pub id: Arc<Identity>,
+    pub attrs: Attributes,
+    /// The namespace set the watch started with.
+    pub view: Arc<BTreeSet<String>>,
+}
+
+impl ViewWatch {
+    /// Resolves once the caller's view is no longer the one the watch started with.
+    async fn changed(self) {
+        let Some(every) = self.tenancy.get(&self.id.tenant).map(|t| {
+            t.config
+                .view_recheck_interval
+                .max(Duration::from_millis(100))
+        }) else {
+            return std::future::pending().await;
+        };
+        loop {
+            tokio::time::sleep(every).await;
+            let ns = self.caches.get("", "v1", "namespaces");
+            let now = self
+                .tenancy
+                .filtered_view(&self.authz, ns.as_deref(), &self.id, &self.attrs, true)
+                .await;
+            if now.as_deref() != Some(&*self.view) {
+                tracing::debug!(tenant = %self.id.tenant, user = %self.id.user, resource = %self.attrs.resource, "filtered cluster view changed; ending the watch with 410");
+                return;
+            }
+        }
+    }
+
+    /// Passes the watch body's frames (whole events) through until the view changes, then
+    /// ends the stream with an ERROR event carrying 410 Expired (client-go relists on it).
+    pub fn guard(self, watch: crate::body::Body) -> crate::body::Body {
+        use futures_util::StreamExt;
+        use http_body_util::BodyStream;
+        type Changed = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+        let changed: Changed = Box::pin(self.changed());
+        let s = futures_util::stream::unfold(
+            Some((BodyStream::new(watch), changed)),
+            |st| async move {
+                let (mut inner, mut changed) = st?;
+                tokio::select! {
+                    biased;
+                    f = inner.next() => f.map(|f| (f, Some((inner, changed)))),
+                    () = &mut changed => {
+                        let status = Status::failure(
+                            StatusCode::GONE,
+                            Reason::Expired,
+                            "the namespaces of this caller's filtered cluster view changed; list again",
+                        );
+                        let mut frame = b"{\"type\":\"ERROR\",\"object\":".to_vec();
+                        frame.extend_from_slice(&status.to_bytes());
+                        frame.extend_from_slice(b"}\n");
+                        Some((Ok(hyper::body::Frame::data(bytes::Bytes::from(frame))), None))
+                    }
+                }
+            },
+        );
+        crate::body::boxed(http_body_util::StreamBody::new(s))
+    }
+}
+
+/// The SHA-256 of a filtered view's namespace set (sorted, length-prefixed), bound into the
+/// continue tokens of lists served through that view.
+pub fn view_hash(namespaces: &BTreeSet<String>) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(b"kcp-view-v1");
+    h.update((namespaces.len() as u64).to_be_bytes());
+    for ns in namespaces {
+        h.update((ns.len() as u64).to_be_bytes());
+        h.update(ns.as_bytes());
+    }
+    h.finalize().into()
+}
+
 /// All tenants, by name.
 #[derive(Debug, Default)]
 pub struct Tenancy {
@@ -204,6 +306,39 @@ impl Tenancy {
 
     pub fn tenants(&self) -> impl Iterator<Item = &Tenant> {
         self.tenants.values()
+    }
+
+    /// Tenant quotas on a passthrough request: a LIST takes a token of the caller's tenant's
+    /// read bucket (unless the cache path already took one for this request:
+    /// `read_charged`), a WATCH one of its watch slots, held by the returned permit until the
+    /// stream ends. Everything else, unidentified callers and callers of no tenant pass
+    /// untouched (see the module docs).
+    pub async fn admit_passthrough(
+        &self,
+        authn: &Authenticator,
+        cert: Option<&crate::identity::CertIdentity>,
+        headers: &http::HeaderMap,
+        info: &crate::request_info::RequestInfo,
+        read_charged: bool,
+    ) -> Result<Option<WatchPermit>, Refusal> {
+        let watch = info.verb == "watch";
+        if self.tenants.is_empty()
+            || !info.is_resource_request
+            || !(watch || info.verb == "list" && !read_charged)
+        {
+            return Ok(None);
+        }
+        let Some(id) = authn.identify_offline(cert, headers).await else {
+            return Ok(None);
+        };
+        let Some(t) = self.get(&id.tenant) else {
+            return Ok(None);
+        };
+        if watch {
+            t.admit_watch()
+        } else {
+            t.admit_read().map(|()| None)
+        }
     }
 
     /// For a cluster-wide list/watch of a namespaced resource that RBAC denied at cluster
@@ -252,6 +387,7 @@ mod tests {
             namespaces: vec!["a".into()],
             namespace_selector: None,
             filtered_cluster_view: false,
+            view_recheck_interval: Duration::from_secs(10),
             quotas: q,
         })
     }

@@ -623,6 +623,88 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
         "decisions by the proxy: {z:?}"
     );
 
+    // Impersonation by a client-certificate caller, uid and extra included: carol may
+    // impersonate user dave, uid uid-dave and two extra values. Through the proxy (which
+    // authorizes it, then impersonates over its own credentials), the apiserver's
+    // SelfSubjectReview sees the whole identity that was checked.
+    let uextra = |key: &str, names: &[&str]| {
+        json!({"apiGroups": ["authentication.k8s.io"], "resources": [format!("userextras/{key}")],
+               "resourceNames": names, "verbs": ["impersonate"]})
+    };
+    env.admin(
+        Method::POST,
+        "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+        Some(json!({"metadata": {"name": "impersonate-dave"}, "rules": [
+            {"apiGroups": [""], "resources": ["users"], "resourceNames": ["dave"], "verbs": ["impersonate"]},
+            {"apiGroups": ["authentication.k8s.io"], "resources": ["uids"], "resourceNames": ["uid-dave"], "verbs": ["impersonate"]},
+            uextra("scopes", &["view"]),
+            uextra("example.org/team", &["blue"]),
+        ]})),
+    )
+    .await;
+    env.admin(
+        Method::POST,
+        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+        Some(json!({"metadata": {"name": "carol-impersonates-dave"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "impersonate-dave"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "carol"}]})),
+    )
+    .await;
+    let who_am_i = |uid: &'static str| {
+        let req = Request::post(
+            env.proxy
+                .https("/apis/authentication.k8s.io/v1/selfsubjectreviews"),
+        )
+        .header("content-type", "application/json")
+        .header("impersonate-user", "dave")
+        .header("impersonate-uid", uid)
+        .header("impersonate-extra-scopes", "view")
+        // client-go's escaping of the key `example.org/team`.
+        .header("impersonate-extra-example.org%2fteam", "blue")
+        .body(Full::new(Bytes::from(
+            json!({"apiVersion": "authentication.k8s.io/v1", "kind": "SelfSubjectReview"})
+                .to_string(),
+        )))
+        .unwrap();
+        let c = clients.cert("carol");
+        async move { read(c.send(req).await).await }
+    };
+    // RBAC RoleBindings take effect at once; retry briefly in case the authorizer cache lags.
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    let review = loop {
+        let (status, body) = who_am_i("uid-dave").await;
+        if status == StatusCode::CREATED || status == StatusCode::OK {
+            break serde_json::from_slice::<Value>(&body).unwrap();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{status} {}",
+            String::from_utf8_lossy(&body)
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let user = &review["status"]["userInfo"];
+    assert_eq!(user["username"], "dave", "{review}");
+    assert_eq!(user["uid"], "uid-dave", "{review}");
+    assert_eq!(
+        user["extra"],
+        json!({"scopes": ["view"], "example.org/team": ["blue"]}),
+        "{review}"
+    );
+    // A uid carol may not impersonate is refused by the proxy, as by the apiserver.
+    let (status, body) = who_am_i("uid-other").await;
+    assert_eq!(
+        status,
+        StatusCode::FORBIDDEN,
+        "{}",
+        String::from_utf8_lossy(&body)
+    );
+    let refusal: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(
+        refusal["message"],
+        "uids.authentication.k8s.io \"uid-other\" is forbidden: User \"carol\" cannot impersonate resource \"uids\" in API group \"authentication.k8s.io\" at the cluster scope"
+    );
+
     // Revocation: a token bound to a pod stops working at the proxy once the pod is gone, as
     // at the apiserver (TokenReview on bound tokens; the proxy's authentication cache is 1 s
     // here, 10 s by default).

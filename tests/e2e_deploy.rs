@@ -391,7 +391,12 @@ fn check_render(what: &str, docs: &[Value]) -> Config {
     assert_eq!(g.get_only, set(&[]));
     assert_eq!(
         g.impersonate,
-        set(&[("", "users"), ("", "groups"), ("", "serviceaccounts")])
+        set(&[
+            ("", "users"),
+            ("", "groups"),
+            ("", "serviceaccounts"),
+            ("authentication.k8s.io", "uids")
+        ])
     );
     let mut want_urls: BTreeSet<String> = ["/api", "/api/v1", "/apis", "/metrics", "/readyz"]
         .map(String::from)

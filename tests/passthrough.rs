@@ -275,6 +275,78 @@ async fn client_certificate_callers_without_impersonate_rights_are_refused() {
 }
 
 #[tokio::test]
+async fn an_authorized_certificate_impersonation_goes_up_with_its_uid_and_extra() {
+    let (fake, proxy) = setup().await;
+    fake.faults().allow_impersonation("jane");
+    let (cert, key) = client_cert(&proxy.client_ca, "jane", &["dev"]);
+    let c = proxy.client(Some((&cert, &key)), true);
+    fake.clear_requests();
+    let r = c
+        .send(
+            Request::get(proxy.https("/api/v1/namespaces/ns1/configmaps"))
+                .header("impersonate-user", "carol")
+                .header("impersonate-uid", "uid-carol")
+                .header("impersonate-extra-scopes", "view")
+                .header("impersonate-extra-scopes", "edit")
+                // client-go's escaping of the key `example.org/team` (RFC 7230 tokens only).
+                .header("impersonate-extra-example.org%2fteam", "blue")
+                .body(Full::default())
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    // Every part was authorized, as the apiserver's impersonation filter does.
+    let reviews: Vec<serde_json::Value> = fake
+        .requests()
+        .iter()
+        .filter(|r| r.path.ends_with("/subjectaccessreviews"))
+        .map(|r| serde_json::from_slice(&r.body).unwrap())
+        .collect();
+    let checked: Vec<String> = reviews
+        .iter()
+        .map(|r| {
+            let a = &r["spec"]["resourceAttributes"];
+            format!(
+                "{}/{}/{}",
+                a["resource"].as_str().unwrap(),
+                a["subresource"].as_str().unwrap(),
+                a["name"].as_str().unwrap()
+            )
+        })
+        .collect();
+    for want in [
+        "users//carol",
+        "uids//uid-carol",
+        "userextras/scopes/view",
+        "userextras/scopes/edit",
+        "userextras/example.org/team/blue",
+    ] {
+        assert!(checked.iter().any(|c| c == want), "{want}: {checked:?}");
+    }
+    // ...and what was checked goes up: user, uid and every extra value, the key escaped
+    // as kube-apiserver unescapes it.
+    let logged = fake
+        .requests()
+        .into_iter()
+        .rfind(|r| r.path.ends_with("/configmaps"))
+        .unwrap();
+    let h = &logged.headers;
+    assert_eq!(h["impersonate-user"], "carol");
+    assert_eq!(h["impersonate-uid"], "uid-carol");
+    let scopes: Vec<_> = h.get_all("impersonate-extra-scopes").iter().collect();
+    assert_eq!(scopes, ["view", "edit"]);
+    assert_eq!(h["impersonate-extra-example.org%2Fteam"], "blue");
+    assert_eq!(
+        h.keys()
+            .filter(|k| k.as_str().starts_with("impersonate-extra-"))
+            .count(),
+        2
+    );
+    assert_eq!(h["authorization"], "Bearer proxy-token");
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
 async fn anonymous_callers_never_borrow_the_proxys_identity() {
     let (fake, proxy) = setup().await;
     let c = proxy.client(None, false);

@@ -1,6 +1,7 @@
 //! Tenancy against the fake apiserver: filtered cluster views from the one shared cache (lists
-//! and watch streams show only the namespaces a tenant's caller may list) and quotas (429
-//! with an integer `Retry-After`).
+//! and watch streams show only the namespaces a tenant's caller may list; page walks bound to
+//! the view) and quotas (429 with an integer `Retry-After`), on cache-served requests and on
+//! passthrough lists and watches of callers the proxy identifies.
 
 mod support;
 
@@ -23,11 +24,19 @@ fn tenant(name: &str, user_pattern: &str, view: bool, quotas: TenantQuotas) -> T
         namespaces: vec!["ns1".into(), "ns2".into()],
         namespace_selector: Some("team=a".into()),
         filtered_cluster_view: view,
+        view_recheck_interval: Duration::from_millis(200),
         quotas,
     }
 }
 
 async fn setup(tenants: Vec<TenantConfig>) -> (FakeApiServer, TestProxy) {
+    setup_with(tenants, |_| {}).await
+}
+
+async fn setup_with(
+    tenants: Vec<TenantConfig>,
+    tweak: impl FnOnce(&mut kube_cache_proxy::config::Config),
+) -> (FakeApiServer, TestProxy) {
     let fake = FakeApiServer::start().await;
     for (ns, labels) in [
         ("ns1", json!({})),
@@ -49,6 +58,7 @@ async fn setup(tenants: Vec<TenantConfig>) -> (FakeApiServer, TestProxy) {
     let proxy = TestProxy::start(&fake.url(), |c| {
         c.cache.resources = vec!["configmaps".into(), "namespaces".into()];
         c.tenants = tenants;
+        tweak(c);
     })
     .await;
     let state = proxy.running.as_ref().unwrap().state.clone();
@@ -286,6 +296,300 @@ async fn a_continue_token_replayed_by_another_identity_or_tenant_is_refused() {
         let body = body_json(r).await;
         assert_eq!(body["kind"], "Status", "{other}: {body}");
         assert!(body.get("items").is_none());
+    }
+    proxy.shutdown().await;
+}
+
+/// Reads watch events until one for `last` (`ns/name`) arrives; returns the `ns/name` of every
+/// non-bookmark event seen, in order.
+async fn read_until(r: &mut EventReader, last: &str) -> Vec<String> {
+    let mut seen = Vec::new();
+    while !seen.iter().any(|s| s == last) {
+        let ev = tokio::time::timeout(GUARD, r.next())
+            .await
+            .expect("event in time")
+            .expect("stream open");
+        if ev["type"] == "BOOKMARK" {
+            continue;
+        }
+        let o = &ev["object"]["metadata"];
+        seen.push(format!(
+            "{}/{}",
+            o["namespace"].as_str().unwrap(),
+            o["name"].as_str().unwrap()
+        ));
+    }
+    seen
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_walk_or_watch_whose_filtered_view_changed_is_refused_or_ended_with_410() {
+    let (fake, proxy) = setup(vec![tenant("team-a", "a-*", true, TenantQuotas::default())]).await;
+    fake.faults()
+        .allow_only_in("a-user", &["ns1", "ns3", "ns4"]);
+    let client = proxy.client(None, true);
+    let first = client
+        .get(&proxy.https("/api/v1/configmaps?limit=1"), Some("a-user"))
+        .await;
+    assert_eq!(first.status(), 200);
+    let page = body_json(first).await;
+    assert_eq!(names(&page), ["cm-ns1"]);
+    let token = page["metadata"]["continue"].as_str().unwrap().to_string();
+    let next = proxy.https(&format!("/api/v1/configmaps?limit=1&continue={token}"));
+    // Same view: the walk continues.
+    let same = client.get(&next, Some("a-user")).await;
+    assert_eq!(same.status(), 200);
+    assert_eq!(names(&body_json(same).await), ["cm-ns3"]);
+
+    // A watch through the view {ns1, ns3}, open while the view changes.
+    let w = client
+        .get(
+            &proxy.https("/api/v1/configmaps?watch=1&resourceVersion=0"),
+            Some("a-user"),
+        )
+        .await;
+    assert_eq!(w.status(), 200);
+    let mut events = EventReader::new(w);
+    assert_eq!(
+        read_until(&mut events, "ns3/cm-ns3").await,
+        ["ns1/cm-ns1", "ns3/cm-ns3"]
+    );
+
+    // ns4 joins the tenant (its label), and RBAC allows it: the view is now {ns1, ns3, ns4}.
+    fake.update(
+        "/api/v1/namespaces/ns4",
+        json!({"metadata": {"name": "ns4", "labels": {"team": "a"}}}),
+    )
+    .await;
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    let t0 = Instant::now();
+    loop {
+        let ns = state.caches.get("", "v1", "namespaces").unwrap();
+        let labelled = ns
+            .current()
+            .objects
+            .values()
+            .any(|o| o.meta.name.as_ref() == "ns4" && o.label("team") == Some("a"));
+        if labelled {
+            break;
+        }
+        assert!(
+            t0.elapsed() < GUARD,
+            "the namespace cache never saw the label"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The walk started under the old view is refused, with no object, instead of going on
+    // with pages of another view.
+    let changed = client.get(&next, Some("a-user")).await;
+    assert_eq!(changed.status(), 400);
+    let body = body_json(changed).await;
+    assert_eq!(body["kind"], "Status");
+    assert!(
+        body["message"]
+            .as_str()
+            .unwrap()
+            .contains("start a new list without the continue parameter"),
+        "{body}"
+    );
+    assert!(body.get("items").is_none());
+    // A new list shows the new view.
+    let fresh = client
+        .get(&proxy.https("/api/v1/configmaps?limit=10"), Some("a-user"))
+        .await;
+    assert_eq!(
+        names(&body_json(fresh).await),
+        ["cm-ns1", "cm-ns3", "cm-ns4"]
+    );
+
+    // The watch opened under the old view never delivers anything of ns4; it ends with a
+    // 410 Expired ERROR event, so the client relists into the new view.
+    fake.create(
+        "/api/v1/namespaces/ns4/configmaps",
+        json!({"metadata": {"name": "late-ns4"}}),
+    )
+    .await;
+    assert_eq!(
+        read_to_view_change(&mut events).await,
+        Vec::<String>::new(),
+        "nothing from outside the view"
+    );
+    // A new watch sees the new view, ns4 included.
+    let w = client
+        .get(
+            &proxy.https("/api/v1/configmaps?watch=1&resourceVersion=0"),
+            Some("a-user"),
+        )
+        .await;
+    let mut events = EventReader::new(w);
+    assert_eq!(
+        read_until(&mut events, "ns4/late-ns4").await,
+        ["ns1/cm-ns1", "ns3/cm-ns3", "ns4/cm-ns4", "ns4/late-ns4"]
+    );
+    // ns3 leaves the tenant (its label goes): that watch ends the same way, without any
+    // event of ns3 after it left.
+    fake.update(
+        "/api/v1/namespaces/ns3",
+        json!({"metadata": {"name": "ns3", "labels": {}}}),
+    )
+    .await;
+    fake.create(
+        "/api/v1/namespaces/ns3/configmaps",
+        json!({"metadata": {"name": "late-ns3"}}),
+    )
+    .await;
+    let seen = read_to_view_change(&mut events).await;
+    assert!(seen.iter().all(|s| s == "ns3/late-ns3"), "{seen:?}");
+    let fresh = client
+        .get(&proxy.https("/api/v1/configmaps?limit=10"), Some("a-user"))
+        .await;
+    assert_eq!(
+        names(&body_json(fresh).await),
+        ["cm-ns1", "cm-ns4", "late-ns4"]
+    );
+    proxy.shutdown().await;
+}
+
+/// Reads a watch until the ERROR event that ends it when the caller's view changed (410
+/// Expired), then checks the stream ends; returns the `ns/name` of the events before it.
+async fn read_to_view_change(r: &mut EventReader) -> Vec<String> {
+    let mut seen = Vec::new();
+    loop {
+        let ev = tokio::time::timeout(GUARD, r.next())
+            .await
+            .expect("event in time")
+            .expect("the stream ends with an ERROR event, not silently");
+        match ev["type"].as_str() {
+            Some("BOOKMARK") => {}
+            Some("ERROR") => {
+                assert_eq!(ev["object"]["code"], 410, "{ev}");
+                assert_eq!(ev["object"]["reason"], "Expired", "{ev}");
+                break;
+            }
+            _ => {
+                let o = &ev["object"]["metadata"];
+                seen.push(format!(
+                    "{}/{}",
+                    o["namespace"].as_str().unwrap(),
+                    o["name"].as_str().unwrap()
+                ));
+            }
+        }
+    }
+    let end = tokio::time::timeout(GUARD, r.next())
+        .await
+        .expect("end in time");
+    assert!(end.is_none(), "nothing after the ERROR event: {end:?}");
+    seen
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passthrough_lists_and_watches_of_identified_callers_count_against_the_tenant_quota() {
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens.csv");
+    std::fs::write(&tokens, "tok-r,r-file,u1\ntok-w,w-file,u2\n").unwrap();
+    let (fake, proxy) = setup_with(
+        vec![
+            tenant(
+                "rate",
+                "r-*",
+                false,
+                TenantQuotas {
+                    list_qps: Some(0.2),
+                    list_burst: Some(2),
+                    ..Default::default()
+                },
+            ),
+            tenant(
+                "watches",
+                "w-*",
+                false,
+                TenantQuotas {
+                    max_watches: Some(1),
+                    ..Default::default()
+                },
+            ),
+        ],
+        |c| c.authentication.token_auth_file = Some(tokens.clone()),
+    )
+    .await;
+    let client = proxy.client(None, true);
+    // Pods are not cached: these lists and watches pass through.
+    let pods = proxy.https("/api/v1/namespaces/ns1/pods");
+    let pod_lists = |fake: &FakeApiServer| {
+        fake.requests()
+            .iter()
+            .filter(|r| r.path == "/api/v1/namespaces/ns1/pods" && r.query.is_none())
+            .count()
+    };
+
+    // A token-file caller: the burst, then 429 before the apiserver sees the request.
+    fake.clear_requests();
+    for _ in 0..2 {
+        assert_eq!(client.get(&pods, Some("tok-r")).await.status(), 200);
+    }
+    let r = client.get(&pods, Some("tok-r")).await;
+    assert_eq!(r.status(), 429);
+    assert!((1..=5).contains(&retry_after(&r)), "one token per 5 s");
+    assert_eq!(body_json(r).await["reason"], "TooManyRequests");
+    assert_eq!(
+        pod_lists(&fake),
+        2,
+        "the refused list never reached the apiserver"
+    );
+    // The same bucket as the tenant's cache-served reads.
+    let cached = proxy.https("/api/v1/namespaces/ns1/configmaps?resourceVersion=0");
+    assert_eq!(client.get(&cached, Some("tok-r")).await.status(), 429);
+    // A caller only a TokenReview could name is the apiserver's business...
+    for _ in 0..3 {
+        assert_eq!(client.get(&pods, Some("r-unseen")).await.status(), 200);
+    }
+    assert!(
+        !fake
+            .requests()
+            .iter()
+            .any(|r| r.path.ends_with("/tokenreviews")),
+        "no TokenReview for a passthrough request"
+    );
+    // ...until a cache-served request verified it: its cached verdict names the tenant.
+    assert_eq!(client.get(&cached, Some("r-seen")).await.status(), 429);
+    assert_eq!(client.get(&pods, Some("r-seen")).await.status(), 429);
+
+    // Watch slots: a client-certificate caller's passthrough watch holds the tenant's one
+    // slot until its stream ends.
+    let (cert, key) = support::proxy::client_cert(&proxy.client_ca, "w-cert", &[]);
+    let cert_client = proxy.client(Some((&cert, &key)), true);
+    let watch = proxy.https("/api/v1/namespaces/ns1/pods?watch=1");
+    let first = cert_client.get(&watch, None).await;
+    assert_eq!(first.status(), 200);
+    let second = client.get(&watch, Some("tok-w")).await;
+    assert_eq!(second.status(), 429);
+    assert_eq!(retry_after(&second), 1);
+    // A cache-served watch of the tenant counts against the same slots.
+    let cached_watch = proxy.https("/api/v1/namespaces/ns1/configmaps?watch=1&resourceVersion=0");
+    assert_eq!(client.get(&cached_watch, Some("tok-w")).await.status(), 429);
+    // Anyone else is not limited by this tenant.
+    assert_eq!(client.get(&watch, Some("tok-r")).await.status(), 200);
+    let metrics = proxy.running.as_ref().unwrap().state.metrics.encode();
+    for line in [
+        "kube_cache_proxy_quota_rejections_total{tenant=\"rate\",quota=\"rate\"} 4",
+        "kube_cache_proxy_quota_rejections_total{tenant=\"watches\",quota=\"watches\"} 2",
+    ] {
+        assert!(metrics.contains(line), "{line} missing:\n{metrics}");
+    }
+    drop(first);
+    let t0 = Instant::now();
+    loop {
+        let r = client.get(&watch, Some("tok-w")).await;
+        if r.status() == 200 {
+            break;
+        }
+        assert_eq!(r.status(), 429);
+        assert!(
+            t0.elapsed() < GUARD,
+            "the ended watch never gave its slot back"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     proxy.shutdown().await;
 }

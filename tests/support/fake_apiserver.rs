@@ -117,6 +117,12 @@ struct Shared {
     deny: Mutex<HashSet<String>>,
     impersonators: Mutex<HashSet<String>>,
     only_in: Mutex<std::collections::HashMap<String, HashSet<String>>>,
+    /// Extra delay of access and token reviews only (see [`Faults::set_review_delay`]).
+    review_delay: Mutex<Duration>,
+    /// While set, access and token reviews answer 500 (see [`Faults::fail_reviews`]).
+    fail_reviews: AtomicBool,
+    /// The ServiceAccount issuer and JWKS served (see [`Faults::set_jwks`]).
+    jwks: Mutex<Option<(String, String)>>,
     /// The `/metrics` text for the n-th scrape (see [`Faults::set_metrics`]), and scrapes so far.
     metrics: Mutex<(MetricsText, u64)>,
     shutdown: CancellationToken,
@@ -153,6 +159,9 @@ impl FakeApiServer {
             deny: Mutex::new(HashSet::new()),
             impersonators: Mutex::new(HashSet::new()),
             only_in: Mutex::new(std::collections::HashMap::new()),
+            review_delay: Mutex::new(Duration::ZERO),
+            fail_reviews: AtomicBool::new(false),
+            jwks: Mutex::new(None),
             metrics: Mutex::new((Arc::new(|_| String::new()), 0)),
             shutdown: CancellationToken::new(),
         });
@@ -353,6 +362,23 @@ impl Faults {
             user.to_string(),
             namespaces.iter().map(|n| n.to_string()).collect(),
         );
+    }
+
+    /// Delays the answers to SubjectAccessReviews and TokenReviews (nothing else) by `d`, so
+    /// concurrent identical reviews overlap.
+    pub fn set_review_delay(&self, d: Duration) {
+        *lock(&self.shared.review_delay) = d;
+    }
+
+    /// While on, SubjectAccessReviews and TokenReviews (nothing else) answer 500.
+    pub fn fail_reviews(&self, on: bool) {
+        self.shared.fail_reviews.store(on, Ordering::SeqCst);
+    }
+
+    /// Serves `/.well-known/openid-configuration` naming `issuer` and `/openid/v1/jwks` with
+    /// `jwks` (a JWK set document); `None`: both answer 503, as an apiserver that cannot.
+    pub fn set_jwks(&self, issuer_and_jwks: Option<(&str, &str)>) {
+        *lock(&self.shared.jwks) = issuer_and_jwks.map(|(i, j)| (i.to_string(), j.to_string()));
     }
 
     /// Ends every open watch with an ERROR event carrying 410 Expired ("too old resource
@@ -911,11 +937,35 @@ async fn route(
         "/apis/authorization.k8s.io/v1/selfsubjectaccessreviews" => {
             return access_review(shared, &req, true);
         }
-        "/apis/authorization.k8s.io/v1/subjectaccessreviews" => {
-            return access_review(shared, &req, false);
+        "/apis/authorization.k8s.io/v1/subjectaccessreviews"
+        | "/apis/authentication.k8s.io/v1/tokenreviews" => {
+            let d = *lock(&shared.review_delay);
+            tokio::time::sleep(d).await;
+            if shared.fail_reviews.load(Ordering::SeqCst) {
+                return Ok(Status::injected(500).into_response());
+            }
+            return if path.ends_with("/tokenreviews") {
+                token_review(&req)
+            } else {
+                access_review(shared, &req, false)
+            };
         }
-        "/apis/authentication.k8s.io/v1/tokenreviews" => {
-            return token_review(&req);
+        "/.well-known/openid-configuration" | "/openid/v1/jwks" => {
+            let served = lock(&shared.jwks).clone();
+            let Some((issuer, jwks)) = served else {
+                return Ok(json_response(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    r#"{"kind":"Status","apiVersion":"v1","status":"Failure","code":503}"#
+                        .to_string(),
+                ));
+            };
+            let doc = if path == "/openid/v1/jwks" {
+                jwks
+            } else {
+                json!({"issuer": issuer, "jwks_uri": format!("{issuer}/openid/v1/jwks")})
+                    .to_string()
+            };
+            return Ok(json_response(StatusCode::OK, doc));
         }
         _ => {}
     }

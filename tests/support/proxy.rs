@@ -76,12 +76,16 @@ impl TestProxy {
     /// transparent proxy, and the fake apiserver implements no access reviews. Adaptive
     /// paging samples (and scrapes the fake's `/metrics`) only if `tweak` shortens
     /// `paging.interval`, so tests that count or fault upstream requests meet no scrape.
+    /// For the same reason offline JWT verification (and with it the background fetch of the
+    /// issuer's keys) is off unless `tweak` turns it on (the fake serves keys only after
+    /// `Faults::set_jwks`).
     pub async fn start(upstream_url: &str, tweak: impl FnOnce(&mut Config)) -> TestProxy {
         let mut kube = kube::Config::new(upstream_url.parse().unwrap());
         kube.auth_info.token = Some("proxy-token".to_string().into());
         Self::start_with_kube(kube, |c| {
             c.cache.resources.clear();
             c.paging.interval = std::time::Duration::from_secs(3600);
+            c.authentication.service_account_jwt = false;
             tweak(c)
         })
         .await

@@ -1,0 +1,252 @@
+//! Authentication and authorization of cache-served requests against the fake apiserver:
+//! concurrent identical reviews share one upstream request (single flight), refusals are
+//! counted by the method that refused, and the ServiceAccount issuer's keys are refreshed in
+//! the background, keeping the previous keys when a refresh fails.
+
+mod support;
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+use jsonwebtoken::{Algorithm, EncodingKey, Header, jwk};
+use kube_cache_proxy::authn::AuthnMethod;
+use serde_json::json;
+use support::fake_apiserver::FakeApiServer;
+use support::proxy::TestProxy;
+
+const GUARD: Duration = Duration::from_secs(20);
+const ISS: &str = "https://kubernetes.default.svc.cluster.local";
+
+/// The fake (serving `jwks` as the issuer's keys from the start) and the proxy caching
+/// configmaps, synced.
+async fn setup(
+    jwks: Option<&str>,
+    tweak: impl FnOnce(&mut kube_cache_proxy::config::Config),
+) -> (FakeApiServer, TestProxy) {
+    let fake = FakeApiServer::start().await;
+    fake.faults().set_jwks(jwks.map(|j| (ISS, j)));
+    fake.create("/api/v1/namespaces", json!({"metadata": {"name": "ns1"}}))
+        .await;
+    fake.create(
+        "/api/v1/namespaces/ns1/configmaps",
+        json!({"metadata": {"name": "cm-1"}}),
+    )
+    .await;
+    let proxy = TestProxy::start(&fake.url(), |c| {
+        c.cache.resources = vec!["configmaps".into()];
+        c.authentication.service_account_jwt = true;
+        tweak(c);
+    })
+    .await;
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    let t0 = Instant::now();
+    while !state
+        .caches
+        .get("", "v1", "configmaps")
+        .is_some_and(|c| c.is_ready())
+    {
+        assert!(t0.elapsed() < GUARD, "cache never synced");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    (fake, proxy)
+}
+
+fn count(fake: &FakeApiServer, suffix: &str) -> usize {
+    fake.requests()
+        .iter()
+        .filter(|r| r.path.ends_with(suffix))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_identical_requests_share_one_token_review_and_one_access_review() {
+    let (fake, proxy) = setup(None, |_| {}).await;
+    // Reviews take a while, so all the requests below are waiting for the same ones.
+    fake.faults().set_review_delay(Duration::from_millis(500));
+    fake.clear_requests();
+    let client = proxy.client(None, true);
+    let url = proxy.https("/api/v1/namespaces/ns1/configmaps?resourceVersion=0");
+    const N: usize = 50;
+    let all = futures_util::future::join_all((0..N).map(|_| client.get(&url, Some("alice"))));
+    let statuses: Vec<u16> = all.await.iter().map(|r| r.status().as_u16()).collect();
+    assert_eq!(statuses, vec![200; N]);
+    assert_eq!(
+        count(&fake, "/tokenreviews"),
+        1,
+        "one TokenReview for {N} requests"
+    );
+    assert_eq!(
+        count(&fake, "/subjectaccessreviews"),
+        1,
+        "one SubjectAccessReview for {N} requests"
+    );
+    let state = &proxy.running.as_ref().unwrap().state;
+    assert_eq!(state.authz.stats.cache_misses.load(Relaxed), 1);
+    assert_eq!(state.authz.stats.allowed.load(Relaxed), N as u64);
+    // Another identity is another question.
+    let other = client.get(&url, Some("bob")).await;
+    assert_eq!(other.status(), 200);
+    assert_eq!(count(&fake, "/subjectaccessreviews"), 2);
+
+    // A review the apiserver cannot answer is shared by its flight, never cached: the
+    // requests fail closed (503) and the next one asks again.
+    fake.faults().fail_reviews(true);
+    let all = futures_util::future::join_all((0..5).map(|_| client.get(&url, Some("carol"))));
+    let statuses: Vec<u16> = all.await.iter().map(|r| r.status().as_u16()).collect();
+    assert_eq!(statuses, vec![503; 5]);
+    assert_eq!(count(&fake, "/tokenreviews"), 3, "alice, bob, carol once");
+    fake.faults().fail_reviews(false);
+    assert_eq!(client.get(&url, Some("carol")).await.status(), 200);
+    assert_eq!(
+        count(&fake, "/tokenreviews"),
+        4,
+        "the failure was not cached"
+    );
+    proxy.shutdown().await;
+}
+
+struct Signer {
+    enc: EncodingKey,
+    jwks: String,
+}
+
+fn signer(kid: &str) -> Signer {
+    let kp = rcgen::KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).unwrap();
+    let enc = EncodingKey::from_ec_der(&kp.serialize_der());
+    let jwk = jwk::Jwk::from_encoding_key(&enc, Algorithm::ES256).unwrap();
+    let mut v = serde_json::to_value(&jwk).unwrap();
+    v["kid"] = json!(kid);
+    v["use"] = json!("sig");
+    Signer {
+        enc,
+        jwks: json!({ "keys": [v] }).to_string(),
+    }
+}
+
+/// A ServiceAccount token of `team-a:builder` (not bound to a pod: no revocation review).
+fn sa_token(s: &Signer, kid: &str) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let claims = json!({
+        "iss": ISS, "aud": [ISS], "sub": "system:serviceaccount:team-a:builder",
+        "iat": now, "nbf": now, "exp": now + 3600,
+        "kubernetes.io": {"namespace": "team-a", "serviceaccount": {"name": "builder", "uid": "sa-1"}},
+    });
+    let mut h = Header::new(Algorithm::ES256);
+    h.kid = Some(kid.into());
+    jsonwebtoken::encode(&h, &claims, &s.enc).unwrap()
+}
+
+fn metric(text: &str, line_prefix: &str) -> u64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(line_prefix))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{line_prefix} missing:\n{text}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_issuers_keys_are_refreshed_in_the_background_and_kept_when_a_refresh_fails() {
+    let k1 = signer("k1");
+    let (fake, proxy) = setup(Some(&k1.jwks), |c| {
+        c.authentication.jwks_refresh_interval = Duration::from_secs(1);
+    })
+    .await;
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    // No token arrives, yet the keys are fetched again and again.
+    let t0 = Instant::now();
+    while count(&fake, "/openid/v1/jwks") < 2 {
+        assert!(t0.elapsed() < GUARD, "no background refresh");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The apiserver stops answering: refreshes fail, are counted, and the keys stay.
+    fake.faults().set_jwks(None);
+    fake.clear_requests();
+    let t0 = Instant::now();
+    while count(&fake, "/.well-known/openid-configuration") < 2 {
+        assert!(t0.elapsed() < GUARD, "no failed refresh");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    fake.clear_requests();
+    let client = proxy.client(None, true);
+    let url = proxy.https("/api/v1/namespaces/ns1/configmaps?resourceVersion=0");
+    let r = client.get(&url, Some(&sa_token(&k1, "k1"))).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        count(&fake, "/tokenreviews"),
+        0,
+        "verified offline with the kept keys"
+    );
+    let ok = &state.authn.stats.ok;
+    let jwt = kube_cache_proxy::authn::METHODS
+        .iter()
+        .position(|m| *m == AuthnMethod::ServiceAccountJwt)
+        .unwrap();
+    assert_eq!(ok[jwt].load(Relaxed), 1);
+    let text = state.metrics.encode();
+    assert!(
+        metric(
+            &text,
+            "kube_cache_proxy_jwks_fetches_total{result=\"failure\"}"
+        ) >= 2
+    );
+    assert!(
+        metric(
+            &text,
+            "kube_cache_proxy_jwks_fetches_total{result=\"success\"}"
+        ) >= 2
+    );
+    proxy.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refusals_are_counted_by_the_method_that_refused() {
+    let k1 = signer("k1");
+    let forger = signer("k1");
+    let dir = tempfile::tempdir().unwrap();
+    let tokens = dir.path().join("tokens.csv");
+    std::fs::write(&tokens, "tok-a,alice,u1\n").unwrap();
+    let (fake, proxy) = setup(Some(&k1.jwks), |c| {
+        c.authentication.token_auth_file = Some(tokens.clone());
+    })
+    .await;
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    // The keys are fetched in the background at start; no request may fall back to a
+    // TokenReview meanwhile (the fake's would accept any token).
+    let t0 = Instant::now();
+    // (The refresher holds its lock from the request to storing the keys: a token arriving
+    // after the request was seen waits for the keys.)
+    while count(&fake, "/openid/v1/jwks") == 0 {
+        assert!(t0.elapsed() < GUARD, "the issuer's keys never loaded");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let client = proxy.client(None, true);
+    let url = proxy.https("/api/v1/namespaces/ns1/configmaps?resourceVersion=0");
+    let send = |token: Option<String>| {
+        let client = &client;
+        let url = url.clone();
+        async move { client.get(&url, token.as_deref()).await.status().as_u16() }
+    };
+    assert_eq!(send(Some(sa_token(&k1, "k1"))).await, 200);
+    assert_eq!(send(Some("tok-a".into())).await, 200);
+    // Signed by another key under a known kid: the offline verifier refuses it.
+    assert_eq!(send(Some(sa_token(&forger, "k1"))).await, 401);
+    // The fake's TokenReview refuses tokens starting with "invalid".
+    assert_eq!(send(Some("invalid-1".into())).await, 401);
+    assert_eq!(send(Some("invalid-2".into())).await, 401);
+    // No credentials at all.
+    assert_eq!(send(None).await, 401);
+    let text = state.metrics.encode();
+    let line = |method: &str| {
+        format!(
+            "kube_cache_proxy_authentications_total{{method=\"{method}\",result=\"unauthorized\"}}"
+        )
+    };
+    assert_eq!(metric(&text, &line("serviceaccount_jwt")), 1);
+    assert_eq!(metric(&text, &line("token_review")), 2);
+    assert_eq!(metric(&text, &line("none")), 1);
+    assert_eq!(metric(&text, &line("token_file")), 0);
+    assert!(!text.contains("method=\"any\""), "{text}");
+    proxy.shutdown().await;
+}

@@ -13,6 +13,7 @@
 //!
 //!     cargo bench --bench lists
 //!     KCP_BENCH_PODS=20000 KCP_BENCH_CMS=50000 KCP_BENCH_WALKS=2 cargo bench --bench lists
+//!     KCP_BENCH_WAIT_FILE=/tmp/go cargo bench --bench lists   # measure once /tmp/go exists
 //!
 //! Wall-clock figures on a shared machine: compare the two targets of the same run.
 
@@ -238,6 +239,14 @@ async fn main() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     println!("proxy synced in {:.1}s", t.elapsed().as_secs_f64());
+    // Optionally hold the measurements until a file exists (seed on a busy machine, measure
+    // once it is quiet).
+    if let Ok(f) = std::env::var("KCP_BENCH_WAIT_FILE") {
+        println!("waiting for {f} before measuring");
+        while !std::path::Path::new(&f).exists() {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
     let proxy_url = format!("https://localhost:{}", proxy.tls_addr.unwrap().port());
     let targets = [
         ("kube-apiserver", cp.url.clone()),

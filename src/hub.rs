@@ -13,7 +13,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use dashmap::DashMap;
-use tokio::sync::mpsc;
 
 use crate::cache::CachedObject;
 use crate::cache::event::{Delivery, Event};
@@ -88,8 +87,194 @@ fn index_bucket(value: &str) -> String {
 pub type Item = (Arc<Event>, Delivery);
 
 struct Entry {
-    tx: mpsc::Sender<Item>,
+    tx: Sender,
     filter: Arc<Filter>,
+}
+
+/// A watcher's bounded queue. In place of `tokio::sync::mpsc`, whose channel costs about a
+/// kilobyte per watcher before any event (cache-line padded halves and a first block of 32
+/// slots allocated up front): this one is a small mutex-guarded `VecDeque` that allocates on
+/// the first event and holds what is queued. The dispatcher is its only writer, the watch's
+/// writer its only reader, so the lock is rarely contended.
+struct Queue {
+    state: std::sync::Mutex<QueueState>,
+    cap: usize,
+    /// The reader's task, woken by every push and by the last sender's drop.
+    rx_waker: futures_util::task::AtomicWaker,
+    /// Senders waiting for room (the dispatcher's bounded wait), woken when the reader takes
+    /// an item while one waits, and when the reader goes.
+    space: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct QueueState {
+    items: std::collections::VecDeque<Item>,
+    senders: usize,
+    rx_gone: bool,
+    sender_waiting: bool,
+}
+
+impl Queue {
+    fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn queue(cap: usize) -> (Sender, Receiver) {
+    let q = Arc::new(Queue {
+        state: std::sync::Mutex::new(QueueState {
+            senders: 1,
+            ..QueueState::default()
+        }),
+        cap: cap.max(1),
+        rx_waker: Default::default(),
+        space: tokio::sync::Notify::new(),
+    });
+    (Sender(q.clone()), Receiver(q))
+}
+
+/// Why a non-blocking send did not queue the item.
+enum TrySendError {
+    Full(Item),
+    Closed,
+}
+
+/// The hub's end of a watcher's queue; the queue closes when the last one is dropped.
+struct Sender(Arc<Queue>);
+
+impl Clone for Sender {
+    fn clone(&self) -> Self {
+        self.0.lock().senders += 1;
+        Sender(self.0.clone())
+    }
+}
+
+impl Drop for Sender {
+    fn drop(&mut self) {
+        let last = {
+            let mut st = self.0.lock();
+            st.senders -= 1;
+            st.senders == 0
+        };
+        if last {
+            self.0.rx_waker.wake();
+        }
+    }
+}
+
+impl Sender {
+    fn try_send(&self, item: Item) -> Result<(), TrySendError> {
+        self.push(item, false)
+    }
+
+    fn push(&self, item: Item, wait: bool) -> Result<(), TrySendError> {
+        {
+            let mut st = self.0.lock();
+            if st.rx_gone {
+                return Err(TrySendError::Closed);
+            }
+            if st.items.len() >= self.0.cap {
+                st.sender_waiting |= wait;
+                return Err(TrySendError::Full(item));
+            }
+            st.items.push_back(item);
+        }
+        self.0.rx_waker.wake();
+        Ok(())
+    }
+
+    /// Waits for room (cancel-safe: dropping the future drops the item); `Err` when the
+    /// reader is gone.
+    async fn send(&self, mut item: Item) -> Result<(), ()> {
+        loop {
+            let room = self.0.space.notified();
+            tokio::pin!(room);
+            // Registered before looking, so a reader taking an item right after cannot be
+            // missed.
+            room.as_mut().enable();
+            match self.push(item, true) {
+                Ok(()) => return Ok(()),
+                Err(TrySendError::Closed) => return Err(()),
+                Err(TrySendError::Full(i)) => item = i,
+            }
+            room.await;
+        }
+    }
+}
+
+/// Why [`Receiver::try_recv`] returned nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TryRecvError {
+    /// Nothing queued now.
+    Empty,
+    /// Nothing queued, and the hub closed this watcher (or is gone).
+    Disconnected,
+}
+
+/// A watcher's end of its queue.
+pub struct Receiver(Arc<Queue>);
+
+impl Receiver {
+    pub fn try_recv(&mut self) -> Result<Item, TryRecvError> {
+        let (item, wake_sender) = {
+            let mut st = self.0.lock();
+            match st.items.pop_front() {
+                Some(i) => {
+                    // An idle watcher does not keep the room a burst needed.
+                    if st.items.is_empty() && st.items.capacity() > 64 {
+                        st.items.shrink_to(8);
+                    }
+                    (i, std::mem::take(&mut st.sender_waiting))
+                }
+                None if st.senders == 0 => return Err(TryRecvError::Disconnected),
+                None => return Err(TryRecvError::Empty),
+            }
+        };
+        if wake_sender {
+            self.0.space.notify_waiters();
+        }
+        Ok(item)
+    }
+
+    /// The next item; `None` once the queue is empty and the hub has closed it. Takes part
+    /// in tokio's cooperative budget like a tokio channel.
+    pub fn poll_recv(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<Item>> {
+        use std::task::Poll;
+        let coop = std::task::ready!(tokio::task::coop::poll_proceed(cx));
+        let r = match self.try_recv() {
+            Ok(i) => Poll::Ready(Some(i)),
+            Err(TryRecvError::Disconnected) => Poll::Ready(None),
+            Err(TryRecvError::Empty) => {
+                self.0.rx_waker.register(cx.waker());
+                // Looked at again after registering: a push in between has woken nobody.
+                match self.try_recv() {
+                    Ok(i) => Poll::Ready(Some(i)),
+                    Err(TryRecvError::Disconnected) => Poll::Ready(None),
+                    Err(TryRecvError::Empty) => Poll::Pending,
+                }
+            }
+        };
+        if r.is_ready() {
+            coop.made_progress();
+        }
+        r
+    }
+
+    pub async fn recv(&mut self) -> Option<Item> {
+        std::future::poll_fn(|cx| self.poll_recv(cx)).await
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        let items = {
+            let mut st = self.0.lock();
+            st.rx_gone = true;
+            std::mem::take(&mut st.items)
+        };
+        drop(items);
+        self.0.space.notify_waiters();
+    }
 }
 
 /// Why a watcher was closed by the hub.
@@ -136,7 +321,7 @@ impl std::fmt::Debug for Hub {
 /// A registered watcher's end: drop it to unregister.
 pub struct Subscription {
     pub id: u64,
-    pub rx: mpsc::Receiver<Item>,
+    pub rx: Receiver,
     bucket: Box<str>,
     hub: std::sync::Weak<Hub>,
 }
@@ -201,7 +386,7 @@ impl Hub {
 
     pub fn subscribe(self: &Arc<Self>, filter: Arc<Filter>) -> Subscription {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = mpsc::channel(self.queue_len);
+        let (tx, rx) = queue(self.queue_len);
         let bucket: Box<str> = match filter.fields.exact_value(INDEXED_FIELD) {
             Some(v) => {
                 self.indexed.fetch_add(1, Ordering::Relaxed);
@@ -243,7 +428,7 @@ impl Hub {
 
     /// Delivers one event to every interested watcher (see the module docs).
     pub async fn dispatch(&self, ev: Arc<Event>) {
-        let mut blocked: Vec<(&str, u64, mpsc::Sender<Item>, Delivery)> = Vec::new();
+        let mut blocked: Vec<(&str, u64, Sender, Delivery)> = Vec::new();
         let mut closed: Vec<(&str, u64)> = Vec::new();
         let mut sent = 0u64;
         let ns: &str = &ev.object.meta.namespace;
@@ -274,10 +459,8 @@ impl Hub {
                 };
                 match w.tx.try_send((ev.clone(), d)) {
                     Ok(()) => sent += 1,
-                    Err(mpsc::error::TrySendError::Full(_)) => {
-                        blocked.push((scope, *w.key(), w.tx.clone(), d))
-                    }
-                    Err(mpsc::error::TrySendError::Closed(_)) => closed.push((scope, *w.key())),
+                    Err(TrySendError::Full(_)) => blocked.push((scope, *w.key(), w.tx.clone(), d)),
+                    Err(TrySendError::Closed) => closed.push((scope, *w.key())),
                 }
             }
         }
@@ -362,6 +545,29 @@ mod tests {
         // It keeps what was queued, then sees the end of its stream.
         assert_eq!(slow.rx.recv().await.unwrap().0.rv, 2);
         assert!(slow.rx.recv().await.is_none());
+    }
+
+    /// The bounded wait: a watcher whose full queue gets room within the budget receives the
+    /// event and stays; the reader taking an item wakes the waiting dispatcher.
+    #[tokio::test]
+    async fn a_full_queue_that_drains_within_the_budget_keeps_its_watcher() {
+        let hub = Hub::new(1, Duration::from_secs(60));
+        let mut w = hub.subscribe(filter(None));
+        hub.dispatch(ev("a", "x", 2)).await;
+        let h = hub.clone();
+        let blocked = tokio::spawn(async move { h.dispatch(ev("a", "x", 3)).await });
+        // Until the reader takes an item, the dispatcher waits (the event is not queued).
+        tokio::task::yield_now().await;
+        assert_eq!(w.rx.recv().await.unwrap().0.rv, 2);
+        blocked.await.unwrap();
+        assert_eq!(w.rx.recv().await.unwrap().0.rv, 3);
+        assert_eq!(hub.len(), 1);
+        assert_eq!(hub.stats.closed_slow.load(Ordering::Relaxed), 0);
+        assert_eq!(hub.dispatched_rv(), 3);
+        // The queue holds what is sent and reports emptiness, then the end once closed.
+        assert_eq!(w.rx.try_recv().unwrap_err(), TryRecvError::Empty);
+        hub.close_all(CloseReason::Relist);
+        assert_eq!(w.rx.try_recv().unwrap_err(), TryRecvError::Disconnected);
     }
 
     #[tokio::test]

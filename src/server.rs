@@ -434,7 +434,10 @@ async fn serve_io<I>(
     let svc = service_fn(move |req| {
         let state = state.clone();
         let conn = conn.clone();
-        async move { Ok::<_, Infallible>(handle(&state, &conn, req).await) }
+        // Boxed: an HTTP/2 stream's task holds the service future inline until the response
+        // head is written and then keeps its size for the stream's life; `handle`'s future
+        // is several KB, which every idle watch stream would carry.
+        Box::pin(async move { Ok::<_, Infallible>(handle(&state, &conn, req).await) })
     });
     let c = builder.serve_connection_with_upgrades(io, svc);
     if let Err(e) = watcher.watch(c.into_owned()).await {

@@ -10,14 +10,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use futures_util::stream;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
+
 use http::{HeaderValue, Response, header};
 use http_body::Frame;
-use http_body_util::StreamBody;
-use tokio::time::Instant;
-use tokio_util::sync::CancellationToken;
+use tokio::time::{Instant, Sleep};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
-use crate::body::{self, Body, BoxError};
+use crate::body::{self, Body};
 use crate::cache::event::{Delivery, Encoding, Event, bookmark_frame, encode_frame};
 use crate::cache::{CachedObject, ResourceCache, Start, WatchError};
 use crate::hub::{Filter, Item, Subscription};
@@ -175,6 +177,9 @@ pub async fn serve(
     let deadline = Instant::now() + timeout;
     let initial: VecDeque<_> = reg.initial.into();
     let initial_is_state = start == Start::Initial;
+    let deadline_bookmark = (params.allow_bookmarks && timeout > Duration::from_secs(2))
+        .then(|| deadline - Duration::from_secs(2));
+    let next_bookmark = Instant::now() + cfg.bookmark_interval;
     let st = WatchState {
         cache,
         enc,
@@ -187,21 +192,23 @@ pub async fn serve(
         last_rv: reg.rv,
         sub: reg.sub,
         bookmarks: params.allow_bookmarks,
-        next_bookmark: Instant::now() + cfg.bookmark_interval,
+        next_bookmark,
         bookmark_interval: cfg.bookmark_interval,
         // The apiserver sends a last bookmark about 2 s before the deadline (when the watch
         // is long enough for that to make sense).
-        deadline_bookmark: (params.allow_bookmarks && timeout > Duration::from_secs(2))
-            .then(|| deadline - Duration::from_secs(2)),
-        deadline,
-        drain,
+        deadline_bookmark,
+        drain: drain.clone(),
+        drain_waker: None,
         done: false,
     };
-    let s = stream::unfold(st, |mut st| async move {
-        let chunk = st.next_chunk().await?;
-        Some((Ok::<_, BoxError>(Frame::data(chunk)), st))
-    });
-    Ok(json_stream_response(body::boxed(StreamBody::new(s))))
+    let bookmark_at = deadline_bookmark.map_or(next_bookmark, |d| d.min(next_bookmark));
+    let body = WatchBody {
+        drain: drain.cancelled_owned(),
+        deadline: tokio::time::sleep_until(deadline),
+        bookmark: tokio::time::sleep_until(bookmark_at),
+        st,
+    };
+    Ok(json_stream_response(body::boxed(body)))
 }
 
 fn rand_fraction() -> f64 {
@@ -236,9 +243,101 @@ struct WatchState {
     next_bookmark: Instant,
     bookmark_interval: Duration,
     deadline_bookmark: Option<Instant>,
-    deadline: Instant,
     drain: CancellationToken,
+    /// The waker the drain future was last polled with (see [`WatchBody`]).
+    drain_waker: Option<Waker>,
     done: bool,
+}
+
+pin_project_lite::pin_project! {
+    /// A served watch's body. Its timers and its drain registration live as long as the
+    /// stream and are polled in place: an event costs a watcher one queue receive, not the
+    /// registration and removal of two timers and of a waiter on the drain token that every
+    /// watch of the process shares (which a `select!` over fresh futures per event does).
+    /// At 10,000 watchers that churn was a large part of one event's fan-out.
+    struct WatchBody {
+        #[pin]
+        drain: WaitForCancellationFutureOwned,
+        #[pin]
+        deadline: Sleep,
+        // Armed (polled) only when the watcher allows bookmarks.
+        #[pin]
+        bookmark: Sleep,
+        st: WatchState,
+    }
+}
+
+impl http_body::Body for WatchBody {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let mut this = self.project();
+        let st = this.st;
+        if st.done {
+            return Poll::Ready(None);
+        }
+        // The starting point is written without looking at anything else, as before.
+        if let Some(chunk) = st.next_initial() {
+            return Poll::Ready(Some(Ok(Frame::data(chunk))));
+        }
+        // In the order of the former `biased` select: the drain, the deadline, events,
+        // bookmarks. The drain future is polled only to register this task's waker (once,
+        // or when another task polls the body); a cancellation wakes it, and the flag is
+        // read on every poll.
+        let drained = if st
+            .drain_waker
+            .as_ref()
+            .is_some_and(|w| w.will_wake(cx.waker()))
+        {
+            st.drain.is_cancelled()
+        } else {
+            st.drain_waker = Some(cx.waker().clone());
+            this.drain.as_mut().poll(cx).is_ready()
+        };
+        if drained || this.deadline.as_mut().poll(cx).is_ready() {
+            st.done = true;
+            return Poll::Ready(None);
+        }
+        loop {
+            match st.sub.rx.poll_recv(cx) {
+                // Closed by the hub (slow consumer, relist): a clean end.
+                Poll::Ready(None) => {
+                    st.done = true;
+                    return Poll::Ready(None);
+                }
+                Poll::Ready(Some(item)) => {
+                    let mut out = Batch::default();
+                    st.push_item(&mut out, item);
+                    for _ in 0..BATCH_FRAMES {
+                        if out.len() >= BATCH_BYTES {
+                            break;
+                        }
+                        match st.sub.rx.try_recv() {
+                            Ok(i) => st.push_item(&mut out, i),
+                            Err(_) => break,
+                        }
+                    }
+                    if let Some(b) = out.finish() {
+                        return Poll::Ready(Some(Ok(Frame::data(b))));
+                    }
+                    // Only items already part of the starting point: look again.
+                }
+                Poll::Pending => break,
+            }
+        }
+        if st.bookmarks && this.bookmark.as_mut().poll(cx).is_ready() {
+            let (chunk, at) = st.bookmark_now();
+            if let Some(at) = at {
+                this.bookmark.as_mut().reset(at);
+            }
+            return Poll::Ready(chunk.map(|b| Ok(Frame::data(b))));
+        }
+        Poll::Pending
+    }
 }
 
 /// Frames written to a connection in one go, at most.
@@ -254,13 +353,9 @@ impl WatchState {
         out.push(ev.frame(&self.cache.resource, d, self.enc));
     }
 
-    async fn next_chunk(&mut self) -> Option<Bytes> {
-        if self.done {
-            return None;
-        }
-        let cache = self.cache.clone();
-        let r = &cache.resource;
-        // 1. The starting point.
+    /// The next chunk of the starting point (then its end bookmark), if any is left.
+    fn next_initial(&mut self) -> Option<Bytes> {
+        let r = &self.cache.resource;
         if !self.initial.is_empty() {
             let mut out = BytesMut::new();
             while out.len() < BATCH_BYTES
@@ -273,75 +368,59 @@ impl WatchState {
                     _ => out.extend_from_slice(&encode_frame(r, "ADDED", &obj.body, self.enc)),
                 }
             }
+            if self.initial.is_empty() {
+                // Its buffer (one entry per initial object) would otherwise be kept for the
+                // life of the watch.
+                self.initial = VecDeque::new();
+            }
             return Some(out.freeze());
         }
         if self.end_bookmark {
             self.end_bookmark = false;
             return Some(bookmark_frame(r, self.last_rv, true, self.enc));
         }
-        // 2. Live events, bookmarks, the deadline, the drain.
+        None
+    }
+
+    /// A bookmark is due: what to write (the queued events, then the bookmark; only the
+    /// events, then the end, when the hub closed this watcher) and when the next one is due
+    /// (`None` once the stream is done).
+    fn bookmark_now(&mut self) -> (Option<Bytes>, Option<Instant>) {
+        let now = Instant::now();
+        if self.deadline_bookmark.is_some_and(|d| d <= now) {
+            self.deadline_bookmark = None;
+        }
+        if self.next_bookmark <= now {
+            self.next_bookmark = now + self.bookmark_interval;
+        }
+        let next = match self.deadline_bookmark {
+            Some(d) => d.min(self.next_bookmark),
+            None => self.next_bookmark,
+        };
+        // Progress every event up to which has reached this watcher's queue.
+        let progress = self.cache.hub.dispatched_rv();
+        let mut out = Batch::default();
         loop {
-            let bookmark_at = if self.bookmarks {
-                Some(match self.deadline_bookmark {
-                    Some(d) => d.min(self.next_bookmark),
-                    None => self.next_bookmark,
-                })
-            } else {
-                None
-            };
-            tokio::select! {
-                biased;
-                _ = self.drain.cancelled() => { self.done = true; return None; }
-                _ = tokio::time::sleep_until(self.deadline) => { self.done = true; return None; }
-                item = self.sub.rx.recv() => {
-                    let Some(item) = item else {
-                        // Closed by the hub (slow consumer, relist): a clean end.
-                        self.done = true;
-                        return None;
-                    };
-                    let mut out = Batch::default();
-                    self.push_item(&mut out, item);
-                    for _ in 0..BATCH_FRAMES {
-                        if out.len() >= BATCH_BYTES { break; }
-                        match self.sub.rx.try_recv() {
-                            Ok(i) => self.push_item(&mut out, i),
-                            Err(_) => break,
-                        }
-                    }
-                    if let Some(b) = out.finish() {
-                        return Some(b);
-                    }
-                }
-                _ = sleep_until_opt(bookmark_at) => {
-                    let now = Instant::now();
-                    if self.deadline_bookmark.is_some_and(|d| d <= now) {
-                        self.deadline_bookmark = None;
-                    }
-                    if self.next_bookmark <= now {
-                        self.next_bookmark = now + self.bookmark_interval;
-                    }
-                    // Progress every event up to which has reached this watcher's queue.
-                    let progress = self.cache.hub.dispatched_rv();
-                    let mut out = Batch::default();
-                    loop {
-                        match self.sub.rx.try_recv() {
-                            Ok(i) => self.push_item(&mut out, i),
-                            Err(tokio::sync::mpsc::error::TryRecvError::Empty) => break,
-                            Err(tokio::sync::mpsc::error::TryRecvError::Disconnected) => {
-                                // Closed by the hub (relist, slow consumer): the dispatcher's
-                                // progress may already lie past events this watcher will
-                                // never get, so no bookmark — deliver what is queued, then end.
-                                self.done = true;
-                                return out.finish();
-                            }
-                        }
-                    }
-                    self.last_rv = self.last_rv.max(progress);
-                    out.push(bookmark_frame(r, self.last_rv, false, self.enc));
-                    return out.finish();
+            match self.sub.rx.try_recv() {
+                Ok(i) => self.push_item(&mut out, i),
+                Err(crate::hub::TryRecvError::Empty) => break,
+                Err(crate::hub::TryRecvError::Disconnected) => {
+                    // Closed by the hub (relist, slow consumer): the dispatcher's progress
+                    // may already lie past events this watcher will never get, so no
+                    // bookmark — deliver what is queued, then end.
+                    self.done = true;
+                    return (out.finish(), None);
                 }
             }
         }
+        self.last_rv = self.last_rv.max(progress);
+        out.push(bookmark_frame(
+            &self.cache.resource,
+            self.last_rv,
+            false,
+            self.enc,
+        ));
+        (out.finish(), Some(next))
     }
 }
 
@@ -382,16 +461,102 @@ impl Batch {
     }
 }
 
-async fn sleep_until_opt(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cache::{EventKind, ReflectorSink, Resource, StoreConfig};
+    use http_body_util::BodyExt;
+
+    fn configmaps() -> Resource {
+        Resource::core("configmaps", "ConfigMap", true)
+    }
+
+    fn cm(rv: u64) -> CachedObject {
+        let raw =
+            format!(r#"{{"metadata":{{"name":"a","namespace":"ns","resourceVersion":"{rv}"}}}}"#);
+        CachedObject::parse(Bytes::from(raw), &configmaps()).unwrap()
+    }
+
+    async fn watch(
+        query: &str,
+        cfg: &WatchConfig,
+    ) -> (Arc<ResourceCache>, Body, CancellationToken) {
+        let cache = ResourceCache::new(configmaps(), StoreConfig::default());
+        cache.replace(Vec::new(), 1);
+        let drain = CancellationToken::new();
+        let resp = serve(
+            cache.clone(),
+            WatchParams::parse(Some(query)).unwrap(),
+            Filter::default(),
+            Encoding::Json,
+            cfg,
+            drain.clone(),
+        )
+        .await
+        .unwrap();
+        (cache, resp.into_body(), drain)
+    }
+
+    async fn next(b: &mut Body) -> Option<String> {
+        let f = b.frame().await?.unwrap();
+        Some(String::from_utf8(f.into_data().unwrap().to_vec()).unwrap())
+    }
+
+    /// The bookmark 2 s before the deadline, then the end at the deadline (timings are
+    /// lower bounds: neither may come early).
+    #[tokio::test]
+    async fn a_watch_bookmarks_before_its_deadline_and_ends_at_it() {
+        let q = "watch=1&resourceVersion=1&allowWatchBookmarks=true&timeoutSeconds=3";
+        let (cache, mut b, _drain) = watch(q, &WatchConfig::default()).await;
+        let t0 = Instant::now();
+        cache.apply(EventKind::Modified, cm(2));
+        let e = next(&mut b).await.unwrap();
+        assert!(e.starts_with("{\"type\":\"ADDED\""), "{e}");
+        let bm = next(&mut b).await.unwrap();
+        assert!(bm.contains("\"BOOKMARK\"") && bm.contains("\"resourceVersion\":\"2\""));
+        assert!(t0.elapsed() >= Duration::from_millis(900));
+        assert_eq!(next(&mut b).await, None);
+        assert!(t0.elapsed() >= Duration::from_millis(2900));
+        drop(b);
+        assert_eq!(cache.hub.len(), 0, "the ended watch is unsubscribed");
+    }
+
+    /// Periodic bookmarks carry the progress; the drain ends a watch; the hub closing a
+    /// watcher ends its stream after what was queued.
+    #[tokio::test]
+    async fn a_watch_bookmarks_periodically_and_ends_on_drain_or_hub_close() {
+        let cfg = WatchConfig {
+            bookmark_interval: Duration::from_millis(200),
+            ..WatchConfig::default()
+        };
+        let q = "watch=1&resourceVersion=1&allowWatchBookmarks=true";
+        let (cache, mut b, drain) = watch(q, &cfg).await;
+        let t0 = Instant::now();
+        cache.apply(EventKind::Modified, cm(2));
+        assert!(next(&mut b).await.unwrap().contains("\"ADDED\""));
+        for i in 1..=2 {
+            let bm = next(&mut b).await.unwrap();
+            assert!(bm.contains("\"BOOKMARK\"") && bm.contains("\"resourceVersion\":\"2\""));
+            assert!(t0.elapsed() >= Duration::from_millis(200 * i - 20));
+        }
+        drain.cancel();
+        assert_eq!(next(&mut b).await, None);
+
+        let (cache, mut b, _drain) = watch("watch=1&resourceVersion=1", &cfg).await;
+        cache.apply(EventKind::Modified, cm(2));
+        // The dispatcher queues the event before the hub closes the watcher.
+        while cache.hub.dispatched_rv() < 2 {
+            tokio::task::yield_now().await;
+        }
+        cache.hub.close_all(crate::hub::CloseReason::Relist);
+        assert!(
+            next(&mut b)
+                .await
+                .unwrap()
+                .contains("\"resourceVersion\":\"2\"")
+        );
+        assert_eq!(next(&mut b).await, None);
+    }
 
     #[test]
     fn watch_params_accept_what_clients_send() {

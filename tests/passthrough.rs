@@ -682,12 +682,12 @@ async fn graceful_shutdown_fails_readiness_then_ends_watches_cleanly() {
 
 #[tokio::test]
 async fn a_configured_resource_not_yet_discovered_keeps_the_proxy_unready() {
-    // The fake apiserver has no widgets CRD (so no group example.com): a configured resource
+    // The fake apiserver does not serve coordination.k8s.io: a configured built-in resource
     // the apiserver does not serve keeps the proxy unready (a new replica would take traffic
-    // it cannot cache).
+    // it cannot cache). Custom resources never gate readiness (tests/crd.rs).
     let fake = FakeApiServer::start().await;
     let proxy = TestProxy::start(&fake.url(), |c| {
-        c.cache.resources = vec!["configmaps".into(), "widgets.example.com".into()];
+        c.cache.resources = vec!["configmaps".into(), "leases.coordination.k8s.io".into()];
     })
     .await;
     let c = proxy.client(None, false);
@@ -705,11 +705,14 @@ async fn a_configured_resource_not_yet_discovered_keeps_the_proxy_unready() {
     };
     assert!(
         body.lines()
-            .any(|l| l == "[-]cache:widgets.example.com failed: reason withheld"),
+            .any(|l| l == "[-]cache:leases.coordination.k8s.io failed: reason withheld"),
         "{body}"
     );
     let r = c
-        .get(&proxy.https("/readyz/cache:widgets.example.com"), None)
+        .get(
+            &proxy.https("/readyz/cache:leases.coordination.k8s.io"),
+            None,
+        )
         .await;
     assert_eq!(r.status(), 500);
     assert!(body_string(r).await.contains("not discovered yet"));

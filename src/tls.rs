@@ -147,7 +147,19 @@ pub fn server_config(
     cert: Arc<ReloadingCert>,
     client_ca: Option<&Path>,
 ) -> Result<rustls::ServerConfig, TlsError> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut provider = rustls::crypto::ring::default_provider();
+    // AES-128-GCM first, chosen by the server (Go's TLS, and so kube-apiserver, prefers it
+    // on hardware with AES instructions): a third cheaper per byte than AES-256-GCM, which
+    // rustls clients list first; large list pages are bound by encryption.
+    provider.cipher_suites.sort_by_key(|s| {
+        !matches!(
+            s.suite(),
+            rustls::CipherSuite::TLS13_AES_128_GCM_SHA256
+                | rustls::CipherSuite::TLS_ECDHE_ECDSA_WITH_AES_128_GCM_SHA256
+                | rustls::CipherSuite::TLS_ECDHE_RSA_WITH_AES_128_GCM_SHA256
+        )
+    });
+    let provider = Arc::new(provider);
     let builder = rustls::ServerConfig::builder_with_provider(provider.clone())
         .with_safe_default_protocol_versions()
         .map_err(TlsError::Pair)?;
@@ -184,7 +196,59 @@ pub fn server_config(
     };
     let mut cfg = builder.with_cert_resolver(cert);
     cfg.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
+    cfg.ignore_client_order = true;
     Ok(cfg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client that lists AES-256-GCM first (rustls' default) still gets AES-128-GCM.
+    #[test]
+    fn the_server_picks_aes_128_gcm() {
+        install_crypto_provider();
+        let dir = tempfile::tempdir().unwrap();
+        let (ca, cert, key) = generate_serving_pair(&["localhost"]).unwrap();
+        std::fs::write(dir.path().join("c"), cert).unwrap();
+        std::fs::write(dir.path().join("k"), key).unwrap();
+        let resolver = ReloadingCert::load(&dir.path().join("c"), &dir.path().join("k")).unwrap();
+        let server_cfg = Arc::new(server_config(resolver, None).unwrap());
+        let mut roots = rustls::RootCertStore::empty();
+        for c in CertificateDer::pem_slice_iter(ca.as_bytes()) {
+            roots.add(c.unwrap()).unwrap();
+        }
+        let client_cfg = rustls::ClientConfig::builder()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        assert_eq!(
+            client_cfg.crypto_provider().cipher_suites[0].suite(),
+            rustls::CipherSuite::TLS13_AES_256_GCM_SHA384,
+            "the client prefers AES-256"
+        );
+        let mut client =
+            rustls::ClientConnection::new(Arc::new(client_cfg), "localhost".try_into().unwrap())
+                .unwrap();
+        let mut server = rustls::ServerConnection::new(server_cfg).unwrap();
+        for _ in 0..10 {
+            let mut buf = Vec::new();
+            client.write_tls(&mut buf).unwrap();
+            server.read_tls(&mut &buf[..]).unwrap();
+            server.process_new_packets().unwrap();
+            let mut buf = Vec::new();
+            server.write_tls(&mut buf).unwrap();
+            client.read_tls(&mut &buf[..]).unwrap();
+            client.process_new_packets().unwrap();
+            if !client.is_handshaking() && !server.is_handshaking() {
+                break;
+            }
+        }
+        assert!(!client.is_handshaking());
+        assert_eq!(
+            client.negotiated_cipher_suite().unwrap().suite(),
+            rustls::CipherSuite::TLS13_AES_128_GCM_SHA256
+        );
+    }
 }
 
 /// A fresh CA and a serving certificate it signed, for `names` (DNS names or IP literals),

@@ -200,6 +200,30 @@ pub fn server_config(
     Ok(cfg)
 }
 
+/// A fresh CA and a serving certificate it signed, for `names` (DNS names or IP literals),
+/// all as PEM: `(ca_cert, cert, key)`. For `dev` mode and tests; production certificates
+/// come from the operator (Secret, cert-manager).
+pub fn generate_serving_pair(names: &[&str]) -> Result<(String, String, String), rcgen::Error> {
+    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
+    let ca_key = KeyPair::generate()?;
+    let mut ca = CertificateParams::new(Vec::<String>::new())?;
+    ca.distinguished_name
+        .push(DnType::CommonName, "kube-cache-proxy-dev-ca");
+    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    let ca_cert = ca.self_signed(&ca_key)?;
+    let issuer = rcgen::Issuer::new(ca, ca_key);
+    let key = KeyPair::generate()?;
+    let mut params =
+        CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())?;
+    params
+        .distinguished_name
+        .push(DnType::CommonName, "kube-cache-proxy");
+    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
+    let cert = params.signed_by(&key, &issuer)?;
+    Ok((ca_cert.pem(), cert.pem(), key.serialize_pem()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -249,28 +273,4 @@ mod tests {
             rustls::CipherSuite::TLS13_AES_128_GCM_SHA256
         );
     }
-}
-
-/// A fresh CA and a serving certificate it signed, for `names` (DNS names or IP literals),
-/// all as PEM: `(ca_cert, cert, key)`. For `dev` mode and tests; production certificates
-/// come from the operator (Secret, cert-manager).
-pub fn generate_serving_pair(names: &[&str]) -> Result<(String, String, String), rcgen::Error> {
-    use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
-    let ca_key = KeyPair::generate()?;
-    let mut ca = CertificateParams::new(Vec::<String>::new())?;
-    ca.distinguished_name
-        .push(DnType::CommonName, "kube-cache-proxy-dev-ca");
-    ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    let ca_cert = ca.self_signed(&ca_key)?;
-    let issuer = rcgen::Issuer::new(ca, ca_key);
-    let key = KeyPair::generate()?;
-    let mut params =
-        CertificateParams::new(names.iter().map(|s| s.to_string()).collect::<Vec<_>>())?;
-    params
-        .distinguished_name
-        .push(DnType::CommonName, "kube-cache-proxy");
-    params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ServerAuth];
-    let cert = params.signed_by(&key, &issuer)?;
-    Ok((ca_cert.pem(), cert.pem(), key.serialize_pem()))
 }

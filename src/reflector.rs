@@ -985,6 +985,8 @@ pub struct Reflector {
     status: watch::Sender<ReflectorStatus>,
     /// The last health report given to the sink (`None`: none yet).
     reported: Option<Option<String>>,
+    /// The resourceVersion of the list just delivered, until the watch that follows it.
+    listed_rv: Option<u64>,
 }
 
 /// Controls a spawned reflector.
@@ -1052,6 +1054,7 @@ impl Reflector {
             stats: stats.clone(),
             status: status_tx,
             reported: None,
+            listed_rv: None,
         };
         let span = tracing::info_span!("reflector", resource = %label);
         let task = tokio::spawn(r.run(shutdown).instrument(span));
@@ -1093,6 +1096,7 @@ impl Reflector {
                     Ok((items, rv)) => {
                         debug!(items = items.len(), rv, "list complete");
                         self.sink.replace(items, rv);
+                        self.listed_rv = Some(rv);
                         ReflectorStats::inc(&self.stats.syncs);
                         self.stats.last_rv.store(rv, Ordering::Relaxed);
                         State::Watch { rv, too_large: 0 }
@@ -1249,12 +1253,14 @@ impl Reflector {
             lived: Duration::ZERO,
             end: WatchEnd::Closed,
         };
-        out.end = self.watch_inner(&mut out).await;
+        // Only the first attempt after a list starts from state just read.
+        let after_list = self.listed_rv.take() == Some(from);
+        out.end = self.watch_inner(&mut out, after_list).await;
         out.lived = started.elapsed();
         out
     }
 
-    async fn watch_inner(&mut self, out: &mut WatchOutcome) -> WatchEnd {
+    async fn watch_inner(&mut self, out: &mut WatchOutcome, after_list: bool) -> WatchEnd {
         const WHAT: &str = "watch";
         let timeout_secs = jitter(self.cfg.watch_timeout, random_unit())
             .as_secs()
@@ -1294,11 +1300,17 @@ impl Reflector {
         }
         ReflectorStats::inc(&self.stats.watches_established);
         debug!(from = out.from, timeout_secs, "watch established");
-        // Healthy once the stream proves it resumes: its first event or bookmark, or a short
-        // grace without an ERROR (the apiserver answers a resourceVersion it has compacted
-        // with 200 and then a 410 ERROR event; until that line, the cache may be stale).
-        let grace = WATCH_HEALTHY_GRACE.min(self.cfg.stall_timeout / 2);
-        let mut healthy_at = Some(Instant::now() + grace);
+        // A resumed watch is healthy once the stream proves it resumes: its first event or
+        // bookmark, or a short grace without an ERROR (the apiserver answers a
+        // resourceVersion it has compacted with 200 and then a 410 ERROR event; until that
+        // line, the cache may be stale).
+        // A watch right after a list starts from state just read: healthy at once.
+        let mut healthy_at = if after_list {
+            self.report_health(None);
+            None
+        } else {
+            Some(Instant::now() + WATCH_HEALTHY_GRACE.min(self.cfg.stall_timeout / 2))
+        };
 
         let mut body = resp.into_body();
         let mut lines = LineSplitter::default();

@@ -723,11 +723,11 @@ fn find_nl(d: &[u8]) -> Option<usize> {
 }
 
 fn parse_sent(head: &[u8]) -> u64 {
-    let key = format!("\"{SENT_KEY}\":\"");
-    let Some(i) = head.windows(key.len()).position(|w| w == key.as_bytes()) else {
+    const KEY: &[u8] = b"\"kcp-bench/sent\":\"";
+    let Some(i) = head.windows(KEY.len()).position(|w| w == KEY) else {
         return 0;
     };
-    head[i + key.len()..]
+    head[i + KEY.len()..]
         .iter()
         .take_while(|b| b.is_ascii_digit())
         .fold(0u64, |a, b| a * 10 + (b - b'0') as u64)
@@ -1238,6 +1238,9 @@ fn flags(p: &Phase) -> String {
 
 #[tokio::main]
 async fn main() {
+    // Proxy and client alike, as the binary does: a subscriber at warn, so the libraries' trace spans are filtered
+    // out at their call sites (without one, every span takes tracing's `log` fallback).
+    kube_cache_proxy::cli::init_logging("warn", kube_cache_proxy::config::LogFormat::Text);
     if let Ok(addr) = std::env::var("KCP_FANOUT_CLIENT") {
         return client_main(addr).await;
     }

@@ -49,6 +49,7 @@ pub mod authz;
 pub mod body;
 pub mod cache;
 pub mod cli;
+pub mod coalesce;
 pub mod config;
 pub mod consistency;
 pub mod devcluster;

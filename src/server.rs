@@ -367,14 +367,7 @@ async fn serve_connection(
             peer: Some(peer),
             cert: None,
         };
-        return serve_io(
-            state,
-            builder,
-            TokioIo::new(coalesce(stream)),
-            conn,
-            watcher,
-        )
-        .await;
+        return serve_io(state, builder, stream, conn, watcher).await;
     };
     let hs =
         tokio::time::timeout(state.config.tls.handshake_timeout, acceptor.accept(stream)).await;
@@ -402,33 +395,22 @@ async fn serve_connection(
         peer: Some(peer),
         cert,
     };
-    serve_io(
-        state,
-        builder,
-        TokioIo::new(coalesce(tls_stream)),
-        conn,
-        watcher,
-    )
-    .await
+    serve_io(state, builder, tls_stream, conn, watcher).await
 }
 
-/// Coalesces the many small writes of one connection poll (HTTP/2 writes every DATA frame of
-/// every stream separately) into few syscalls; hyper flushes at the end of each poll, so
-/// nothing waits in the buffer. Measured with `cargo bench --bench fanout`: one write syscall
-/// per watch delivery without it.
-fn coalesce<S: tokio::io::AsyncRead + tokio::io::AsyncWrite>(s: S) -> tokio::io::BufWriter<S> {
-    tokio::io::BufWriter::with_capacity(64 * 1024, s)
-}
-
-async fn serve_io<I>(
+/// Serves one connection. Its writes are coalesced (`crate::coalesce`): what one poll of the
+/// connection writes, HTTP/2 frames of many streams included, leaves in one write.
+async fn serve_io<S>(
     state: Arc<State>,
     builder: &auto::Builder<TokioExecutor>,
-    io: I,
+    stream: S,
     conn: ConnInfo,
     watcher: hyper_util::server::graceful::Watcher,
 ) where
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    S: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
+    let (io, coalescing) = crate::coalesce::coalesce(stream);
+    let io = TokioIo::new(io);
     let peer = conn.peer;
     let conn = Arc::new(conn);
     let svc = service_fn(move |req| {
@@ -440,7 +422,10 @@ async fn serve_io<I>(
         Box::pin(async move { Ok::<_, Infallible>(handle(&state, &conn, req).await) })
     });
     let c = builder.serve_connection_with_upgrades(io, svc);
-    if let Err(e) = watcher.watch(c.into_owned()).await {
+    type BoxError = Box<dyn std::error::Error + Send + Sync>;
+    type ConnFuture = std::pin::Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send>>;
+    let conn: ConnFuture = Box::pin(watcher.watch(c.into_owned()));
+    if let Err(e) = coalescing.drive(conn).await {
         tracing::debug!(?peer, error = %e, "connection ended with an error");
     }
 }

@@ -436,10 +436,10 @@ impl Hub {
         // cluster-scoped resources, whose objects have no namespace), then the watchers of
         // the indexed field's value before and after the event (a pod bound to a node enters
         // that node's watches).
-        let mut scopes: Vec<&str> = if ns.is_empty() {
-            vec![""]
+        let base: [Option<&str>; 2] = if ns.is_empty() {
+            [Some(""), None]
         } else {
-            vec![ns, ""]
+            [Some(ns), Some("")]
         };
         let mut index_keys: [Option<String>; 2] = [None, None];
         if self.indexed.load(Ordering::Relaxed) > 0 {
@@ -448,8 +448,11 @@ impl Hub {
             index_keys[0] = now.map(index_bucket);
             index_keys[1] = before.filter(|b| Some(*b) != now).map(index_bucket);
         }
-        scopes.extend(index_keys.iter().flatten().map(String::as_str));
-        for &scope in &scopes {
+        let scopes = base
+            .into_iter()
+            .flatten()
+            .chain(index_keys.iter().flatten().map(String::as_str));
+        for scope in scopes {
             let Some(bucket) = self.buckets.get(scope) else {
                 continue;
             };

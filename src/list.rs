@@ -821,15 +821,14 @@ mod tests {
     async fn body_json(r: Response<Body>) -> serde_json::Value {
         let gz = r.headers().get(header::CONTENT_ENCODING).is_some();
         let b = r.into_body().collect().await.unwrap().to_bytes();
-        let b = if gz {
-            let mut out = Vec::new();
-            std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&b[..]), &mut out)
-                .unwrap();
-            out
-        } else {
-            b.to_vec()
-        };
+        let b = if gz { gunzip(&b) } else { b.to_vec() };
         serde_json::from_slice(&b).unwrap()
+    }
+
+    fn gunzip(b: &[u8]) -> Vec<u8> {
+        let mut out = Vec::new();
+        std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(b), &mut out).unwrap();
+        out
     }
 
     fn key_of(v: &serde_json::Value) -> String {
@@ -1059,17 +1058,7 @@ mod tests {
                 let declared = http_body::Body::size_hint(r.body()).exact();
                 let raw = r.into_body().collect().await.unwrap().to_bytes();
                 assert_eq!(declared, Some(raw.len() as u64));
-                let text = if gz {
-                    let mut out = Vec::new();
-                    std::io::Read::read_to_end(
-                        &mut flate2::read::GzDecoder::new(&raw[..]),
-                        &mut out,
-                    )
-                    .unwrap();
-                    out
-                } else {
-                    raw.to_vec()
-                };
+                let text = if gz { gunzip(&raw) } else { raw.to_vec() };
                 let v: serde_json::Value = serde_json::from_slice(&text).unwrap();
                 for i in v["items"].as_array().unwrap() {
                     seen.push(serde_json::to_vec(i).unwrap());

@@ -12,7 +12,7 @@
 //!   an empty configmaps list, a watch that never sends, access reviews that allow). Events
 //!   go in through `apply` on the proxy's own cache. A child process (this binary again)
 //!   opens N h2c watch streams over N/250 connections, so the proxy's RSS is measured apart
-//!   from the client's. Each object carries its send time (unix ns) in an annotation; latency
+//!   from the client's (one task per connection drives that connection's streams). Each object carries its send time (unix ns) in an annotation; latency
 //!   is that to the end of its line being read by the client. Client and proxy share the
 //!   machine's cores: read (b) against the loopback row.
 //!
@@ -27,7 +27,7 @@
 //! watcher reading the last event. Latency is a paced stream (one event every 100 ms) and, in
 //! (b), isolated events (one per second), so it measures one event's fan-out, not a burst's
 //! queueing. For (b) it also prints where the CPU went (proxy vs client process) and the
-//! proxy's write syscalls per delivery (`/proc/<pid>/{stat,io}`).
+//! proxy's socket writes per delivery (`/proc/<pid>/stat`; `coalesce::socket_writes`).
 //!
 //! Wall-clock numbers on a shared machine: other work on the same cores moves them between
 //! runs; compare rows of one run.
@@ -119,7 +119,9 @@ fn rss_kib() -> u64 {
         .unwrap_or(0)
 }
 
-/// CPU seconds (user + system, all threads) and write syscalls of a process.
+/// CPU seconds (user + system, all threads) of a process, and (for this process, which
+/// embeds the proxy) the socket writes of the proxy's connections. (`/proc/<pid>/io`'s
+/// `syscw` does not count `send`, which is what tokio's sockets use.)
 fn proc_usage(pid: Option<u32>) -> (f64, u64) {
     let dir = pid.map_or("/proc/self".to_string(), |p| format!("/proc/{p}"));
     let stat = std::fs::read_to_string(format!("{dir}/stat")).unwrap_or_default();
@@ -131,13 +133,11 @@ fn proc_usage(pid: Option<u32>) -> (f64, u64) {
     let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
     // USER_HZ is 100 on Linux.
     let cpu = (ticks(11) + ticks(12)) / 100.0;
-    let io = std::fs::read_to_string(format!("{dir}/io")).unwrap_or_default();
-    let syscw = io
-        .lines()
-        .find_map(|l| l.strip_prefix("syscw:"))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0);
-    (cpu, syscw)
+    let writes = match pid {
+        None => kube_cache_proxy::coalesce::socket_writes(),
+        Some(_) => 0,
+    };
+    (cpu, writes)
 }
 
 /// Percentile of sorted microsecond samples, in ms.
@@ -203,7 +203,7 @@ struct Phase {
     /// Pacing of the events, `None` for a burst.
     pace: Option<Duration>,
     /// (b): CPU seconds of the proxy process and of the client process during the phase, and
-    /// the proxy process's write syscalls.
+    /// the proxy's socket writes.
     cpu: Option<(f64, f64, u64)>,
 }
 
@@ -800,11 +800,12 @@ async fn client_main(addr: String) {
     let (rep_tx, mut rep_rx) = tokio::sync::mpsc::unbounded_channel::<Report>();
     let (open_tx, mut open_rx) = tokio::sync::mpsc::unbounded_channel::<u8>();
     let uri = format!("http://{addr}/api/v1/configmaps?watch=1&resourceVersion={rv}");
-    let open = |i: usize| {
+    // One watch stream's whole life: open, then read and report.
+    let stream = |i: usize| {
         let mut send = senders[i % conns].clone();
         let (uri, target, rep_tx, open_tx) =
             (uri.clone(), target.clone(), rep_tx.clone(), open_tx.clone());
-        tokio::spawn(async move {
+        async move {
             // No credentials: the proxy serves this client as system:anonymous (a bearer
             // token would be reviewed by the fake upstream, which knows none).
             let req = Request::get(uri).body(Empty::new()).unwrap();
@@ -860,16 +861,27 @@ async fn client_main(addr: String) {
                 last_ns: unix_ns(),
                 ended: true,
             });
-        });
+        }
     };
     // The first stream alone, so its access review is cached before the rest arrive.
-    open(0);
+    tokio::spawn(stream(0));
     let mut results = [0usize; 3];
     if let Some(r) = open_rx.recv().await {
         results[r as usize] += 1;
     }
+    // The others: one task per connection drives its streams (as one reader per connection
+    // would), so the client's share of the CPUs, which the proxy competes with here, is not
+    // spent scheduling a task per stream.
+    let mut per_conn_streams: Vec<futures_util::stream::FuturesUnordered<_>> =
+        (0..conns).map(|_| Default::default()).collect();
     for i in 1..n {
-        open(i);
+        per_conn_streams[i % conns].push(stream(i));
+    }
+    for mut streams in per_conn_streams {
+        tokio::spawn(async move {
+            use futures_util::StreamExt;
+            while streams.next().await.is_some() {}
+        });
     }
     while results[0] + results[2] < n {
         match tokio::time::timeout(Duration::from_secs(90), open_rx.recv()).await {
@@ -1210,13 +1222,13 @@ fn rows_for(
     }
 }
 
-/// Where (b)'s CPU went during a phase, and the proxy's write syscalls per delivery.
+/// Where (b)'s CPU went during a phase, and the proxy's socket writes per delivery.
 fn cpu_note(n: usize, what: &str, p: &Option<Phase>) -> Option<String> {
     let p = p.as_ref()?;
     let (proxy, client, writes) = p.cpu?;
     let wall = p.wall.as_secs_f64();
     Some(format!(
-        "- (b) {n} streams, {what}: wall {wall:.2} s; CPU proxy process {proxy:.2} s, client process {client:.2} s; proxy write syscalls {writes} ({:.2} per delivery)",
+        "- (b) {n} streams, {what}: wall {wall:.2} s; CPU proxy process {proxy:.2} s, client process {client:.2} s; proxy socket writes {writes} ({:.3} per delivery)",
         writes as f64 / p.deliveries.max(1) as f64
     ))
 }

@@ -89,6 +89,10 @@ pub type Item = (Arc<Event>, Delivery);
 struct Entry {
     tx: Sender,
     filter: Arc<Filter>,
+    /// The filter selects every object of its bucket (no selectors, no namespace set; its
+    /// namespace, if any, is the bucket's): its delivery is the same for every such watcher
+    /// and is computed once per event, without reading the filter.
+    all: bool,
 }
 
 /// A watcher's bounded queue. In place of `tokio::sync::mpsc`, whose channel costs about a
@@ -387,6 +391,9 @@ impl Hub {
     pub fn subscribe(self: &Arc<Self>, filter: Arc<Filter>) -> Subscription {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let (tx, rx) = queue(self.queue_len);
+        let all = filter.labels.is_everything()
+            && filter.fields.is_everything()
+            && filter.namespaces.is_none();
         let bucket: Box<str> = match filter.fields.exact_value(INDEXED_FIELD) {
             Some(v) => {
                 self.indexed.fetch_add(1, Ordering::Relaxed);
@@ -397,7 +404,7 @@ impl Hub {
         self.buckets
             .entry(bucket.clone())
             .or_default()
-            .insert(id, Entry { tx, filter });
+            .insert(id, Entry { tx, filter, all });
         self.count.fetch_add(1, Ordering::Relaxed);
         Subscription {
             id,
@@ -452,12 +459,18 @@ impl Hub {
             .into_iter()
             .flatten()
             .chain(index_keys.iter().flatten().map(String::as_str));
+        let for_all = Filter::default().delivery(&ev);
         for scope in scopes {
             let Some(bucket) = self.buckets.get(scope) else {
                 continue;
             };
             for w in bucket.iter() {
-                let Some(d) = w.filter.delivery(&ev) else {
+                let d = if w.all {
+                    for_all
+                } else {
+                    w.filter.delivery(&ev)
+                };
+                let Some(d) = d else {
                     continue;
                 };
                 match w.tx.try_send((ev.clone(), d)) {

@@ -199,6 +199,7 @@ pub async fn serve(
         deadline_bookmark,
         drain: drain.clone(),
         drain_waker: None,
+        bookmark_armed: false,
         done: false,
     };
     let bookmark_at = deadline_bookmark.map_or(next_bookmark, |d| d.min(next_bookmark));
@@ -244,8 +245,11 @@ struct WatchState {
     bookmark_interval: Duration,
     deadline_bookmark: Option<Instant>,
     drain: CancellationToken,
-    /// The waker the drain future was last polled with (see [`WatchBody`]).
+    /// The waker the drain future and the deadline were last polled with (see
+    /// [`WatchBody`]).
     drain_waker: Option<Waker>,
+    /// The bookmark timer has been polled with `drain_waker` since it was last reset.
+    bookmark_armed: bool,
     done: bool,
 }
 
@@ -288,17 +292,20 @@ impl http_body::Body for WatchBody {
         // bookmarks. The drain future is polled only to register this task's waker (once,
         // or when another task polls the body); a cancellation wakes it, and the flag is
         // read on every poll.
-        let drained = if st
+        // The deadline timer likewise: once polled with this task's waker it wakes the task
+        // when it fires, and `is_elapsed` is read instead of polling it for every event.
+        let registered = st
             .drain_waker
             .as_ref()
-            .is_some_and(|w| w.will_wake(cx.waker()))
-        {
-            st.drain.is_cancelled()
+            .is_some_and(|w| w.will_wake(cx.waker()));
+        let ended = if registered {
+            st.drain.is_cancelled() || this.deadline.is_elapsed()
         } else {
             st.drain_waker = Some(cx.waker().clone());
-            this.drain.as_mut().poll(cx).is_ready()
+            st.bookmark_armed = false;
+            this.drain.as_mut().poll(cx).is_ready() || this.deadline.as_mut().poll(cx).is_ready()
         };
-        if drained || this.deadline.as_mut().poll(cx).is_ready() {
+        if ended {
             st.done = true;
             return Poll::Ready(None);
         }
@@ -329,11 +336,20 @@ impl http_body::Body for WatchBody {
                 Poll::Pending => break,
             }
         }
-        if st.bookmarks && this.bookmark.as_mut().poll(cx).is_ready() {
+        let bookmark_due = st.bookmarks
+            && if st.bookmark_armed {
+                this.bookmark.is_elapsed()
+            } else {
+                st.bookmark_armed = true;
+                this.bookmark.as_mut().poll(cx).is_ready()
+            };
+        if bookmark_due {
             let (chunk, at) = st.bookmark_now();
             if let Some(at) = at {
                 this.bookmark.as_mut().reset(at);
             }
+            // Polled again (and so registered) before it is read again.
+            st.bookmark_armed = false;
             return Poll::Ready(chunk.map(|b| Ok(Frame::data(b))));
         }
         Poll::Pending

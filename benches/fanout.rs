@@ -872,7 +872,7 @@ async fn client_main(addr: String) {
     // The others: one task per connection drives its streams (as one reader per connection
     // would), so the client's share of the CPUs, which the proxy competes with here, is not
     // spent scheduling a task per stream.
-    let mut per_conn_streams: Vec<futures_util::stream::FuturesUnordered<_>> =
+    let per_conn_streams: Vec<futures_util::stream::FuturesUnordered<_>> =
         (0..conns).map(|_| Default::default()).collect();
     for i in 1..n {
         per_conn_streams[i % conns].push(stream(i));

@@ -716,24 +716,12 @@ struct LineScan {
 const HEAD: usize = 400;
 
 fn find_nl(d: &[u8]) -> Option<usize> {
-    // Eight bytes at a time: a frame of 1 MB is mostly payload.
-    const ONES: u64 = 0x0101_0101_0101_0101;
-    const HIGHS: u64 = 0x8080_8080_8080_8080;
-    const NL: u64 = 0x0a0a_0a0a_0a0a_0a0a;
-    let mut i = 0;
-    while i + 8 <= d.len() {
-        let w = u64::from_le_bytes(d[i..i + 8].try_into().unwrap()) ^ NL;
-        if (w.wrapping_sub(ONES) & !w & HIGHS) != 0 {
-            break;
-        }
-        i += 8;
-    }
-    d[i..].iter().position(|b| *b == b'\n').map(|p| p + i)
+    memchr::memchr(b'\n', d)
 }
 
 fn parse_sent(head: &[u8]) -> u64 {
     const KEY: &[u8] = b"\"kcp-bench/sent\":\"";
-    let Some(i) = head.windows(KEY.len()).position(|w| w == KEY) else {
+    let Some(i) = memchr::memmem::find(head, KEY) else {
         return 0;
     };
     head[i + KEY.len()..]
@@ -748,7 +736,20 @@ impl LineScan {
         while !d.is_empty() {
             if !self.head_done {
                 let take = (HEAD - self.head.len()).min(d.len());
-                if let Some(p) = d[..take].iter().position(|b| *b == b'\n') {
+                if self.head.is_empty() && take == HEAD {
+                    // The whole head in this chunk: read it in place.
+                    let head = &d[..HEAD];
+                    if let Some(p) = find_nl(head) {
+                        line(parse_sent(&head[..p]));
+                        d = &d[p + 1..];
+                    } else {
+                        self.sent = parse_sent(head);
+                        self.head_done = true;
+                        d = &d[HEAD..];
+                    }
+                    continue;
+                }
+                if let Some(p) = find_nl(&d[..take]) {
                     self.head.extend_from_slice(&d[..p]);
                     line(parse_sent(&self.head));
                     self.head.clear();

@@ -10,6 +10,8 @@
 //! - [`config`]: the typed configuration file, defaults with their reasons, validation.
 //! - [`server`]: listeners (TLS with ALPN h2/http1.1, plain loopback), connection limits,
 //!   the per-request entry point, graceful drain.
+//! - [`coalesce`]: per-connection write coalescing (what one poll of a connection writes,
+//!   HTTP/2 frames of many watch streams included, leaves in one write).
 //! - [`tls`]: rustls server config, serving-certificate hot reload, client-CA verification.
 //! - [`identity`]: who the caller is, and the identity headers sent upstream (header hygiene).
 //! - [`request_info`]: path hygiene and the apiserver's `RequestInfo` (verb, resource, scope).

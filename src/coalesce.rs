@@ -68,6 +68,10 @@ struct Shared<S> {
     sent: usize,
     /// The connection future is being polled: flushes wait for the end of the poll.
     in_poll: bool,
+    /// The protocol asked for a flush that is still to be done. The socket's own flush
+    /// matters even when this buffer is empty: a TLS stream holds records it could not write
+    /// yet, including those of writes that bypassed this buffer.
+    flush_wanted: bool,
     /// Consecutive polls that yielded instead of writing the buffer out.
     yields: u32,
     /// `pending()` when the connection last yielded: a poll that adds nothing ends the batch.
@@ -110,7 +114,21 @@ impl<S: AsyncWrite + Unpin> Shared<S> {
 
     fn poll_write_out(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         ready!(self.poll_drain(cx))?;
-        Pin::new(&mut self.io).poll_flush(cx)
+        ready!(Pin::new(&mut self.io).poll_flush(cx))?;
+        self.flush_wanted = false;
+        Poll::Ready(Ok(()))
+    }
+
+    /// `poll_write_out` from `Driven`: an error is kept for the protocol, which learns of it
+    /// on its next IO call.
+    fn write_out_after_poll(&mut self, cx: &mut Context<'_>) {
+        if self.failed.is_some() {
+            return;
+        }
+        if let Poll::Ready(Err(e)) = self.poll_write_out(cx) {
+            self.failed = Some(e.kind());
+            cx.waker().wake_by_ref();
+        }
     }
 }
 
@@ -135,6 +153,7 @@ pub fn coalesce<S>(io: S) -> (CoalescedIo<S>, Coalescing<S>) {
         buf: Vec::new(),
         sent: 0,
         in_poll: false,
+        flush_wanted: false,
         yields: 0,
         pending_at_yield: 0,
         failed: None,
@@ -175,37 +194,34 @@ impl<F: Future + Unpin, S: AsyncWrite + Unpin> Future for Driven<F, S> {
             }
         }
         let mut g = lock(&this.shared);
-        if g.pending() > 0 && this.done.is_none() {
-            let growing = g.yields == 0 || g.pending() > g.pending_at_yield;
-            if growing && g.yields < MAX_YIELDS && g.pending() < CAPACITY {
-                // Let the stream tasks woken with us queue their frames first: the batch
-                // grows while each pass through the run queue adds to it.
-                g.yields += 1;
-                g.pending_at_yield = g.pending();
-                cx.waker().wake_by_ref();
-                return Poll::Pending;
-            }
-            g.yields = 0;
-            if let Poll::Ready(Err(e)) = g.poll_write_out(cx) {
-                g.failed = Some(e.kind());
-                // The protocol learns of it on its next IO call.
-                cx.waker().wake_by_ref();
+        if this.done.is_none() {
+            if g.pending() > 0 {
+                let growing = g.yields == 0 || g.pending() > g.pending_at_yield;
+                if growing && g.yields < MAX_YIELDS && g.pending() < CAPACITY {
+                    // Let the stream tasks woken with us queue their frames first: the batch
+                    // grows while each pass through the run queue adds to it.
+                    g.yields += 1;
+                    g.pending_at_yield = g.pending();
+                    cx.waker().wake_by_ref();
+                    return Poll::Pending;
+                }
+                g.yields = 0;
+                g.write_out_after_poll(cx);
+            } else if g.flush_wanted {
+                g.write_out_after_poll(cx);
             }
             return Poll::Pending;
         }
         g.yields = 0;
-        if this.done.is_some() {
-            // Whatever the last poll wrote goes out before the connection counts as ended.
-            if g.failed.is_none() && g.poll_write_out(cx).is_pending() {
-                return Poll::Pending;
-            }
-            drop(g);
-            return match this.done.take() {
-                Some(v) => Poll::Ready(v),
-                None => Poll::Pending,
-            };
+        // Whatever the last poll wrote goes out before the connection counts as ended.
+        if g.failed.is_none() && g.poll_write_out(cx).is_pending() {
+            return Poll::Pending;
         }
-        Poll::Pending
+        drop(g);
+        match this.done.take() {
+            Some(v) => Poll::Ready(v),
+            None => Poll::Pending,
+        }
     }
 }
 
@@ -271,7 +287,9 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for CoalescedIo<S> {
         let mut g = lock(&self.0);
         g.take_error()?;
         if g.in_poll {
-            // `Driven` writes the batch out when this poll of the connection returns.
+            // `Driven` writes the batch out (and flushes the socket) when this poll of the
+            // connection returns.
+            g.flush_wanted = true;
             return Poll::Ready(Ok(()));
         }
         g.poll_write_out(cx)
@@ -455,6 +473,71 @@ mod tests {
         };
         assert_eq!(driver.drive(Box::pin(fut)).await, 42);
         assert_eq!(joined(&rec), b"the final frame");
+    }
+
+    /// A socket that, like a TLS stream, holds what it is given until it is flushed.
+    #[derive(Clone, Default)]
+    struct Staging {
+        staged: Arc<Mutex<Vec<u8>>>,
+        out: Arc<Mutex<Vec<u8>>>,
+    }
+
+    impl AsyncRead for Staging {
+        fn poll_read(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            _: &mut ReadBuf<'_>,
+        ) -> Poll<io::Result<()>> {
+            Poll::Pending
+        }
+    }
+
+    impl AsyncWrite for Staging {
+        fn poll_write(
+            self: Pin<&mut Self>,
+            _: &mut Context<'_>,
+            data: &[u8],
+        ) -> Poll<io::Result<usize>> {
+            self.staged.lock().unwrap().extend_from_slice(data);
+            Poll::Ready(Ok(data.len()))
+        }
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            let staged = std::mem::take(&mut *self.staged.lock().unwrap());
+            self.out.lock().unwrap().extend_from_slice(&staged);
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    /// A flush asked for during a poll reaches the socket even when nothing is left in the
+    /// buffer (the write went straight through): a TLS stream would otherwise keep the tail
+    /// of a response until something else flushed it.
+    #[tokio::test]
+    async fn flushes_reach_the_socket_when_writes_bypassed_the_buffer() {
+        let sock = Staging::default();
+        let (io, driver) = coalesce(sock.clone());
+        let big = vec![3u8; CAPACITY + 10];
+        let expect = big.clone();
+        let (_keep, idle) = tokio::sync::oneshot::channel::<()>();
+        let conn = async move {
+            let mut io = io;
+            io.write_all(&big).await.unwrap();
+            io.flush().await.unwrap();
+            // The connection then waits for its next request.
+            let _ = idle.await;
+        };
+        let task = tokio::spawn(driver.drive(Box::pin(conn)));
+        for _ in 0..100 {
+            if sock.out.lock().unwrap().len() == expect.len() {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        assert_eq!(*sock.out.lock().unwrap(), expect);
+        assert!(sock.staged.lock().unwrap().is_empty());
+        task.abort();
     }
 
     /// A large write with nothing buffered goes straight through, not through a copy.

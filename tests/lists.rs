@@ -342,3 +342,67 @@ async fn the_adaptive_cap_shortens_pages_whose_limit_is_above_it() {
     let (_, all) = get(&proxy, base, "alice").await;
     assert_eq!(names(&all).len(), 7);
 }
+
+/// Multi-megabyte lists over TLS, HTTP/1.1 and HTTP/2, to a reader that lets the socket fill
+/// before it reads: every body arrives whole. (A flush the protocol asked for while the
+/// socket was full once left the tail of a response in the TLS stream's buffer until
+/// something else flushed it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_lists_over_tls_arrive_whole_to_slow_readers() {
+    let (fake, proxy) = setup(|_| {}).await;
+    fake.create("/api/v1/namespaces", json!({"metadata": {"name": "big"}}))
+        .await;
+    let payload = "x".repeat(100_000);
+    for i in 0..40 {
+        fake.create(
+            "/api/v1/namespaces/big/configmaps",
+            json!({"metadata": {"name": format!("big-{i:02}")}, "data": {"p": payload}}),
+        )
+        .await;
+    }
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    let t0 = Instant::now();
+    while state
+        .caches
+        .get("", "v1", "configmaps")
+        .map_or(0, |c| c.len())
+        < 14 + 40
+    {
+        assert!(t0.elapsed() < GUARD, "the cache never got the objects");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    fake.clear_requests();
+    let url = proxy.https("/api/v1/namespaces/big/configmaps?resourceVersion=0");
+    for h2 in [false, true] {
+        let c = proxy.client(None, h2);
+        for round in 0..3 {
+            let r = tokio::time::timeout(GUARD, c.get(&url, Some("alice")))
+                .await
+                .expect("response head");
+            assert_eq!(r.status(), 200);
+            // A slow reader: the socket stays full, so the proxy's last writes block too.
+            let read = async {
+                let mut body = r.into_body();
+                let mut out = Vec::new();
+                while let Some(f) = http_body_util::BodyExt::frame(&mut body).await {
+                    if let Ok(d) = f.unwrap().into_data() {
+                        out.extend_from_slice(&d);
+                    }
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                out
+            };
+            let body = tokio::time::timeout(GUARD, read)
+                .await
+                .unwrap_or_else(|_| panic!("h2={h2} round {round}: the body stalled"));
+            let v: Value = serde_json::from_slice(&body).unwrap();
+            assert_eq!(names(&v).len(), 40, "h2={h2} round {round}");
+        }
+    }
+    assert_eq!(
+        list_requests(&fake, "/api/v1/namespaces/big/configmaps"),
+        0,
+        "served from the cache"
+    );
+    proxy.shutdown().await;
+}

@@ -366,6 +366,16 @@ mod tests {
         r.writes.lock().unwrap().concat()
     }
 
+    /// Waits (bounded, for hangs only) until `len` bytes have reached the socket.
+    async fn wait_for_bytes(r: &Recorder, len: usize) {
+        for _ in 0..200 {
+            if joined(r).len() >= len {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    }
+
     /// Frames written and flushed one by one inside one poll of the connection leave in one
     /// write, after the connection yielded once; every byte arrives, in order.
     #[tokio::test]
@@ -385,12 +395,7 @@ mod tests {
         let task = tokio::spawn(driver.drive(Box::pin(conn)));
         let frames: Vec<Vec<u8>> = (0..250u8).map(|i| vec![i; 1100]).collect();
         tx.send(frames.clone()).unwrap();
-        for _ in 0..100 {
-            if joined(&rec).len() == frames.concat().len() {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-        }
+        wait_for_bytes(&rec, frames.concat().len()).await;
         let writes = rec.writes.lock().unwrap().clone();
         // 275,000 bytes: the buffer fills four times, then the rest after the poll.
         assert_eq!(
@@ -436,12 +441,7 @@ mod tests {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
         first.send(()).unwrap();
         let _ = prev.await;
-        for _ in 0..100 {
-            if joined(&rec).len() == 4000 {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
+        wait_for_bytes(&rec, 4000).await;
         let writes = rec.writes.lock().unwrap().clone();
         assert_eq!(
             writes.len(),
@@ -507,12 +507,7 @@ mod tests {
             let _ = idle.await;
         };
         let task = tokio::spawn(driver.drive(Box::pin(conn)));
-        for _ in 0..100 {
-            if joined(&sock).len() == expect.len() {
-                break;
-            }
-            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-        }
+        wait_for_bytes(&sock, expect.len()).await;
         assert_eq!(joined(&sock), expect);
         assert!(sock.staged.lock().unwrap().is_empty());
         task.abort();

@@ -289,14 +289,21 @@ async fn inproc_phase(n: usize, events: usize, frame: usize, pace: Option<Durati
         .collect();
     // Let every watcher park on its queue first.
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let mut tick = pace.map(tokio::time::interval);
-    let t0 = Instant::now();
-    for o in objs {
-        if let Some(t) = tick.as_mut() {
-            t.tick().await;
+    // Applied from a task, as the reflector applies in the proxy (see `inject`).
+    let c = cache.clone();
+    let t0 = tokio::spawn(async move {
+        let mut tick = pace.map(tokio::time::interval);
+        let t0 = Instant::now();
+        for o in objs {
+            if let Some(t) = tick.as_mut() {
+                t.tick().await;
+            }
+            c.apply(EventKind::Modified, o);
         }
-        cache.apply(EventKind::Modified, o);
-    }
+        t0
+    })
+    .await
+    .unwrap();
     let mut p = Phase {
         watchers: n,
         events,
@@ -506,9 +513,10 @@ struct Child {
 }
 
 impl Child {
-    fn spawn(addr: SocketAddr, n: usize, per_conn: usize, rv: u64) -> Child {
+    fn spawn(addr: SocketAddr, n: usize, per_conn: usize, rv: u64, wire: Wire) -> Child {
         let mut proc = tokio::process::Command::new(std::env::current_exe().unwrap())
             .env("KCP_FANOUT_CLIENT", addr.to_string())
+            .env("KCP_FANOUT_WIRE", wire.name())
             .env("KCP_FANOUT_N", n.to_string())
             .env("KCP_FANOUT_PER_CONN", per_conn.to_string())
             .env("KCP_FANOUT_RV", rv.to_string())
@@ -588,22 +596,56 @@ impl Child {
 
 /// Injects `events` objects of `payload` bytes, back to back or paced; returns the unix time
 /// just before the first apply.
+///
+/// The applies run in a spawned task, as the proxy's reflector runs them: a task on a runtime
+/// worker wakes the watchers' tasks into that worker's run queue (the other worker steals from
+/// it), where the bench's main thread, outside the workers, would push every wake through the
+/// runtime's shared injection queue and unpark a worker for it.
 async fn inject(
-    cache: &ResourceCache,
+    cache: &Arc<ResourceCache>,
     events: usize,
     payload: usize,
     pace: Option<Duration>,
 ) -> u64 {
-    let mut tick = pace.map(tokio::time::interval);
-    let t0 = unix_ns();
-    for _ in 0..events {
-        if let Some(t) = tick.as_mut() {
-            t.tick().await;
+    let cache = cache.clone();
+    tokio::spawn(async move {
+        let mut tick = pace.map(tokio::time::interval);
+        let t0 = unix_ns();
+        for _ in 0..events {
+            if let Some(t) = tick.as_mut() {
+                t.tick().await;
+            }
+            let o = object(cache.rv() + 1, unix_ns(), payload);
+            cache.apply(EventKind::Modified, o);
         }
-        let o = object(cache.rv() + 1, unix_ns(), payload);
-        cache.apply(EventKind::Modified, o);
+        t0
+    })
+    .await
+    .unwrap()
+}
+
+/// The (b) client's HTTP/2 implementation.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Wire {
+    /// [`h2raw`]: frames parsed in place, the least client CPU.
+    Raw,
+    /// hyper's HTTP/2 client, as Rust controllers use it.
+    Hyper,
+}
+
+impl Wire {
+    fn name(self) -> &'static str {
+        match self {
+            Wire::Raw => "raw",
+            Wire::Hyper => "hyper",
+        }
     }
-    t0
+    fn label(self) -> &'static str {
+        match self {
+            Wire::Raw => "(b) HTTP/2, minimal client",
+            Wire::Hyper => "(b) HTTP/2, hyper client",
+        }
+    }
 }
 
 #[derive(Default)]
@@ -623,6 +665,7 @@ struct HttpRun {
 
 async fn http_run(
     p: &Proxy,
+    wire: Wire,
     n: usize,
     per_conn: usize,
     lat_events: usize,
@@ -634,7 +677,7 @@ async fn http_run(
     let r0 = rss_kib();
     let h0 = heap_live();
     HEAP_PEAK.store(h0, Ordering::Relaxed);
-    let mut child = Child::spawn(p.addr, n, per_conn, p.cache.rv());
+    let mut child = Child::spawn(p.addr, n, per_conn, p.cache.rv(), wire);
     // ready <opened> <not from cache> <failed> <secs>
     let Some(ready) = child.line(Duration::from_secs(120)).await else {
         out.note = format!("{n} streams: the client did not get ready");
@@ -785,15 +828,19 @@ struct Report {
     ended: bool,
 }
 
-async fn client_main(addr: String) {
-    let n = env("KCP_FANOUT_N", 1000) as usize;
-    let per_conn = env("KCP_FANOUT_PER_CONN", 250).max(1) as usize;
-    let rv = env("KCP_FANOUT_RV", 1);
-    let started = Instant::now();
-    let conns = n.div_ceil(per_conn);
+/// The hyper client's streams, `n` over `conns` connections.
+async fn hyper_streams(
+    addr: &str,
+    n: usize,
+    conns: usize,
+    rv: u64,
+    target: &Arc<AtomicU64>,
+    rep_tx: &tokio::sync::mpsc::UnboundedSender<Report>,
+    open_tx: &tokio::sync::mpsc::UnboundedSender<u8>,
+) {
     let mut senders = Vec::new();
     for _ in 0..conns {
-        let tcp = TcpStream::connect(&addr)
+        let tcp = TcpStream::connect(addr)
             .await
             .expect("connect to the proxy");
         let _ = tcp.set_nodelay(true);
@@ -806,15 +853,17 @@ async fn client_main(addr: String) {
         tokio::spawn(conn);
         senders.push(send);
     }
-    let target = Arc::new(AtomicU64::new(0));
-    let (rep_tx, mut rep_rx) = tokio::sync::mpsc::unbounded_channel::<Report>();
-    let (open_tx, mut open_rx) = tokio::sync::mpsc::unbounded_channel::<u8>();
     let uri = format!("http://{addr}/api/v1/configmaps?watch=1&resourceVersion={rv}");
+    let (first_tx, mut first_rx) = tokio::sync::mpsc::unbounded_channel::<u8>();
     // One watch stream's whole life: open, then read and report.
     let stream = |i: usize| {
         let mut send = senders[i % conns].clone();
-        let (uri, target, rep_tx, open_tx) =
-            (uri.clone(), target.clone(), rep_tx.clone(), open_tx.clone());
+        let (uri, target, rep_tx) = (uri.clone(), target.clone(), rep_tx.clone());
+        let open_tx = if i == 0 {
+            first_tx.clone()
+        } else {
+            open_tx.clone()
+        };
         async move {
             // No credentials: the proxy serves this client as system:anonymous (a bearer
             // token would be reviewed by the fake upstream, which knows none).
@@ -875,9 +924,8 @@ async fn client_main(addr: String) {
     };
     // The first stream alone, so its access review is cached before the rest arrive.
     tokio::spawn(stream(0));
-    let mut results = [0usize; 3];
-    if let Some(r) = open_rx.recv().await {
-        results[r as usize] += 1;
+    if let Some(r) = first_rx.recv().await {
+        let _ = open_tx.send(r);
     }
     // The others: one task per connection drives its streams (as one reader per connection
     // would), so the client's share of the CPUs, which the proxy competes with here, is not
@@ -893,6 +941,341 @@ async fn client_main(addr: String) {
             while streams.next().await.is_some() {}
         });
     }
+}
+
+/// A minimal HTTP/2 client (RFC 9113, prior knowledge over TCP) for the bench's watch
+/// streams: it opens GET streams, reads DATA, answers SETTINGS and PING, and returns flow
+/// control credit. The client shares this machine's two cores with the proxy, so its own cost
+/// is part of every (b) latency; this one parses frames in place with one task and one read
+/// buffer per connection, where hyper's client runs a shared-state stream machine per DATA
+/// frame. The hyper client is kept beside it (`KCP_FANOUT_WIRE=hyper`) as the real-client
+/// reference.
+mod h2raw {
+    pub const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    pub const DATA: u8 = 0x0;
+    pub const HEADERS: u8 = 0x1;
+    pub const RST_STREAM: u8 = 0x3;
+    pub const SETTINGS: u8 = 0x4;
+    pub const PING: u8 = 0x6;
+    pub const GOAWAY: u8 = 0x7;
+    pub const END_STREAM: u8 = 0x1;
+    pub const ACK: u8 = 0x1;
+    pub const END_HEADERS: u8 = 0x4;
+    pub const PADDED: u8 = 0x8;
+    pub const PRIORITY: u8 = 0x20;
+    /// Receive windows this client grants: per stream (as SETTINGS_INITIAL_WINDOW_SIZE) and
+    /// for the connection; credit is returned once half of one is consumed.
+    pub const STREAM_WINDOW: u32 = 2 << 20;
+    pub const CONN_WINDOW: u32 = 16 << 20;
+    const DEFAULT_WINDOW: u32 = 65_535;
+
+    pub fn frame(out: &mut Vec<u8>, ty: u8, flags: u8, stream: u32, payload: &[u8]) {
+        let len = payload.len() as u32;
+        out.extend_from_slice(&len.to_be_bytes()[1..]);
+        out.push(ty);
+        out.push(flags);
+        out.extend_from_slice(&(stream & 0x7fff_ffff).to_be_bytes());
+        out.extend_from_slice(payload);
+    }
+
+    /// The connection's opening: preface, SETTINGS (no push, the stream window), and the
+    /// connection window raised from its default.
+    pub fn open(out: &mut Vec<u8>) {
+        out.extend_from_slice(PREFACE);
+        let mut s = Vec::new();
+        for (id, v) in [(0x2u16, 0u32), (0x4, STREAM_WINDOW)] {
+            s.extend_from_slice(&id.to_be_bytes());
+            s.extend_from_slice(&v.to_be_bytes());
+        }
+        frame(out, SETTINGS, 0, 0, &s);
+        window_update(out, 0, CONN_WINDOW - DEFAULT_WINDOW);
+    }
+
+    pub fn window_update(out: &mut Vec<u8>, stream: u32, inc: u32) {
+        frame(out, 0x8, 0, stream, &(inc & 0x7fff_ffff).to_be_bytes());
+    }
+
+    /// HPACK integer with an `n`-bit prefix (RFC 7541 §5.1).
+    fn int(out: &mut Vec<u8>, first: u8, n: u32, mut v: usize) {
+        let max = (1usize << n) - 1;
+        if v < max {
+            out.push(first | v as u8);
+            return;
+        }
+        out.push(first | max as u8);
+        v -= max;
+        while v >= 128 {
+            out.push((v % 128) as u8 | 0x80);
+            v /= 128;
+        }
+        out.push(v as u8);
+    }
+
+    /// A literal header without indexing, its name from the static table, value not
+    /// Huffman-coded.
+    fn literal(out: &mut Vec<u8>, name_index: usize, value: &str) {
+        int(out, 0x00, 4, name_index);
+        int(out, 0x00, 7, value.len());
+        out.extend_from_slice(value.as_bytes());
+    }
+
+    /// HEADERS of a GET without a body: `:method GET` and `:scheme http` are static-table
+    /// entries 2 and 6, `:authority` and `:path` take names 1 and 4.
+    pub fn get(out: &mut Vec<u8>, stream: u32, authority: &str, path: &str) {
+        let mut h = vec![0x82, 0x86];
+        literal(&mut h, 1, authority);
+        literal(&mut h, 4, path);
+        frame(out, HEADERS, END_STREAM | END_HEADERS, stream, &h);
+    }
+
+    /// A frame's payload without its padding (and, for HEADERS, its priority fields).
+    pub fn body(ty: u8, flags: u8, p: &[u8]) -> Option<&[u8]> {
+        let (mut p, pad) = if flags & PADDED != 0 {
+            (p.get(1..)?, *p.first()? as usize)
+        } else {
+            (p, 0)
+        };
+        if ty == HEADERS && flags & PRIORITY != 0 {
+            p = p.get(5..)?;
+        }
+        p.get(..p.len().checked_sub(pad)?)
+    }
+
+    /// Whether a response header block starts with `:status 200` (static entry 8, the form
+    /// servers send it in), after any dynamic table size updates.
+    pub fn is_200(block: &[u8]) -> bool {
+        let mut i = 0;
+        while let Some(b) = block.get(i) {
+            if b & 0xe0 != 0x20 {
+                return *b == 0x88;
+            }
+            i += 1;
+            if b & 0x1f == 0x1f {
+                while block.get(i).is_some_and(|b| b & 0x80 != 0) {
+                    i += 1;
+                }
+                i += 1;
+            }
+        }
+        false
+    }
+}
+
+/// One watch stream's state in the raw client.
+#[derive(Default)]
+struct RawStream {
+    /// Its response's HEADERS arrived.
+    opened: bool,
+    ended: bool,
+    scan: LineScan,
+    count: u64,
+    phase_start: u64,
+    bytes: u64,
+    lat: Vec<u32>,
+    unacked: u32,
+}
+
+/// One connection of the raw client: opens `streams` watch streams on it and reads them
+/// until the connection ends. With `gate`, the connection opens its first stream alone and
+/// opens the rest only once that one answered (so the proxy's access review for this client
+/// is cached before the others arrive) then signals the other connections.
+async fn raw_conn(
+    addr: String,
+    path: String,
+    streams: usize,
+    gate: Option<tokio::sync::watch::Sender<bool>>,
+    mut wait: tokio::sync::watch::Receiver<bool>,
+    target: Arc<AtomicU64>,
+    rep_tx: tokio::sync::mpsc::UnboundedSender<Report>,
+    open_tx: tokio::sync::mpsc::UnboundedSender<u8>,
+) {
+    use h2raw::*;
+    if gate.is_none() && wait.wait_for(|v| *v).await.is_err() {
+        return;
+    }
+    let fail_all = |n: usize| {
+        for _ in 0..n {
+            let _ = open_tx.send(2);
+        }
+    };
+    let Ok(mut tcp) = TcpStream::connect(&addr).await else {
+        return fail_all(streams);
+    };
+    let _ = tcp.set_nodelay(true);
+    let mut out = Vec::with_capacity(64 << 10);
+    open(&mut out);
+    let first = if gate.is_some() { 1 } else { streams };
+    for i in 0..first {
+        get(&mut out, 1 + 2 * i as u32, &addr, &path);
+    }
+    let mut gate = gate;
+    let mut st: Vec<RawStream> = (0..streams).map(|_| RawStream::default()).collect();
+    let mut buf = BytesMut::with_capacity(256 << 10);
+    let mut conn_unacked = 0u32;
+    'conn: loop {
+        if !out.is_empty() {
+            if tcp.write_all(&out).await.is_err() {
+                break;
+            }
+            out.clear();
+        }
+        if buf.capacity() - buf.len() < 32 << 10 {
+            buf.reserve(128 << 10);
+        }
+        match tcp.read_buf(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+        let now = unix_ns();
+        let target_now = target.load(Ordering::Acquire);
+        let mut pos = 0;
+        while buf.len() - pos >= 9 {
+            let h = &buf[pos..pos + 9];
+            let len = u32::from_be_bytes([0, h[0], h[1], h[2]]) as usize;
+            if buf.len() - pos < 9 + len {
+                break;
+            }
+            let (ty, flags) = (h[3], h[4]);
+            let sid = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
+            let payload = &buf[pos + 9..pos + 9 + len];
+            pos += 9 + len;
+            // Client streams are odd: stream 2i+1 is our i-th.
+            let s = (sid % 2 == 1)
+                .then(|| st.get_mut((sid / 2) as usize))
+                .flatten();
+            match (ty, s) {
+                (RST_STREAM, Some(s)) if !s.opened => {
+                    // Refused before it was answered.
+                    s.opened = true;
+                    s.ended = true;
+                    let _ = open_tx.send(2);
+                }
+                (DATA, Some(s)) => {
+                    conn_unacked += len as u32;
+                    s.unacked += len as u32;
+                    if s.unacked >= STREAM_WINDOW / 2 && flags & END_STREAM == 0 {
+                        window_update(&mut out, sid, s.unacked);
+                        s.unacked = 0;
+                    }
+                    let Some(d) = body(ty, flags, payload) else {
+                        break 'conn;
+                    };
+                    s.bytes += d.len() as u64;
+                    let mut done = false;
+                    let (count, lat) = (&mut s.count, &mut s.lat);
+                    s.scan.feed(d, |sent| {
+                        *count += 1;
+                        lat.push((now.saturating_sub(sent) / 1000).min(u32::MAX as u64) as u32);
+                        if *count == target_now {
+                            done = true;
+                        }
+                    });
+                    if done {
+                        let _ = rep_tx.send(Report {
+                            lat: std::mem::take(&mut s.lat),
+                            delivered: s.count - s.phase_start,
+                            bytes: s.bytes,
+                            last_ns: now,
+                            ended: false,
+                        });
+                        s.phase_start = s.count;
+                        s.bytes = 0;
+                    }
+                }
+                (HEADERS, Some(s)) if !s.opened => {
+                    s.opened = true;
+                    let ok = body(ty, flags, payload).is_some_and(is_200);
+                    let _ = open_tx.send(if ok { 0 } else { 2 });
+                    if !ok {
+                        s.ended = true;
+                    }
+                    if let Some(g) = gate.take() {
+                        for i in 1..streams {
+                            get(&mut out, 1 + 2 * i as u32, &addr, &path);
+                        }
+                        let _ = g.send(true);
+                    }
+                }
+                (SETTINGS, _) if flags & ACK == 0 => frame(&mut out, SETTINGS, ACK, 0, &[]),
+                (PING, _) if flags & ACK == 0 => frame(&mut out, PING, ACK, 0, payload),
+                (GOAWAY, _) => break 'conn,
+                _ => {}
+            }
+            // A stream ends with END_STREAM on its DATA or HEADERS, or a reset.
+            if let Some(s) = (sid % 2 == 1)
+                .then(|| st.get_mut((sid / 2) as usize))
+                .flatten()
+                && !s.ended
+                && s.opened
+                && ((matches!(ty, DATA | HEADERS) && flags & END_STREAM != 0) || ty == RST_STREAM)
+            {
+                s.ended = true;
+                let _ = rep_tx.send(Report {
+                    lat: std::mem::take(&mut s.lat),
+                    delivered: s.count - s.phase_start,
+                    bytes: s.bytes,
+                    last_ns: now,
+                    ended: true,
+                });
+            }
+        }
+        let _ = buf.split_to(pos);
+        if conn_unacked >= CONN_WINDOW / 2 {
+            window_update(&mut out, 0, conn_unacked);
+            conn_unacked = 0;
+        }
+    }
+    // The connection ended: every stream still open ends with it.
+    let mut unanswered = 0;
+    for s in &mut st {
+        if !s.opened {
+            unanswered += 1;
+        } else if !s.ended {
+            let _ = rep_tx.send(Report {
+                lat: std::mem::take(&mut s.lat),
+                delivered: s.count - s.phase_start,
+                bytes: s.bytes,
+                last_ns: unix_ns(),
+                ended: true,
+            });
+        }
+    }
+    fail_all(unanswered);
+    if let Some(g) = gate {
+        let _ = g.send(true);
+    }
+}
+
+async fn client_main(addr: String) {
+    let n = env("KCP_FANOUT_N", 1000) as usize;
+    let per_conn = env("KCP_FANOUT_PER_CONN", 250).max(1) as usize;
+    let rv = env("KCP_FANOUT_RV", 1);
+    let started = Instant::now();
+    let conns = n.div_ceil(per_conn);
+    let target = Arc::new(AtomicU64::new(0));
+    let (rep_tx, mut rep_rx) = tokio::sync::mpsc::unbounded_channel::<Report>();
+    let (open_tx, mut open_rx) = tokio::sync::mpsc::unbounded_channel::<u8>();
+    if std::env::var("KCP_FANOUT_WIRE").as_deref() == Ok("hyper") {
+        hyper_streams(&addr, n, conns, rv, &target, &rep_tx, &open_tx).await;
+    } else {
+        let path = format!("/api/v1/configmaps?watch=1&resourceVersion={rv}");
+        let (gate, wait) = tokio::sync::watch::channel(false);
+        let mut gate = Some(gate);
+        for c in 0..conns {
+            tokio::spawn(raw_conn(
+                addr.clone(),
+                path.clone(),
+                (c..n).step_by(conns).count(),
+                gate.take(),
+                wait.clone(),
+                target.clone(),
+                rep_tx.clone(),
+                open_tx.clone(),
+            ));
+        }
+    }
+    drop((rep_tx, open_tx));
+    let mut results = [0usize; 3];
     while results[0] + results[2] < n {
         match tokio::time::timeout(Duration::from_secs(90), open_rx.recv()).await {
             Ok(Some(r)) => results[r as usize] += 1,
@@ -1233,12 +1616,13 @@ fn rows_for(
 }
 
 /// Where (b)'s CPU went during a phase, and the proxy's socket writes per delivery.
-fn cpu_note(n: usize, what: &str, p: &Option<Phase>) -> Option<String> {
+fn cpu_note(n: usize, wire: Wire, what: &str, p: &Option<Phase>) -> Option<String> {
     let p = p.as_ref()?;
     let (proxy, client, writes) = p.cpu?;
     let wall = p.wall.as_secs_f64();
     Some(format!(
-        "- (b) {n} streams, {what}: wall {wall:.2} s; CPU proxy process {proxy:.2} s, client process {client:.2} s; proxy socket writes {writes} ({:.3} per delivery)",
+        "- {} {n} streams, {what}: wall {wall:.2} s; CPU proxy process {proxy:.2} s, client process {client:.2} s; proxy socket writes {writes} ({:.3} per delivery)",
+        wire.label(),
         writes as f64 / p.deliveries.max(1) as f64
     ))
 }
@@ -1288,7 +1672,18 @@ async fn main() {
     eprintln!("fanout: in-process idle: {sub_b:.0} B/subscription, {task_b:.0} B with a task");
 
     let mut notes = Vec::new();
-    let mut http_runs: Vec<(usize, HttpRun)> = Vec::new();
+    let mut http_runs: Vec<(usize, Wire, HttpRun)> = Vec::new();
+    // Which clients (b) runs, each over both sizes: the minimal one first (its run measures
+    // the proxy's memory), then hyper's.
+    let wires: Vec<Wire> = std::env::var("KCP_FANOUT_WIRES")
+        .unwrap_or_else(|_| "raw,hyper".into())
+        .split(',')
+        .filter_map(|w| match w.trim() {
+            "raw" => Some(Wire::Raw),
+            "hyper" => Some(Wire::Hyper),
+            _ => None,
+        })
+        .collect();
     let proxy = if http { start_proxy().await } else { None };
     if http && proxy.is_none() {
         notes
@@ -1299,17 +1694,19 @@ async fn main() {
         let mut ns = vec![10_000usize, 1_000];
         ns.retain(|n| *n <= http_max);
         for n in ns {
-            let (burst, big) = if n >= 10_000 { (100, 0) } else { (500, 3) };
-            eprintln!("fanout: (b) {n} HTTP watch streams ...");
-            let r = http_run(p, n, per_conn, lat_events, burst, big).await;
-            if !r.note.is_empty() {
-                notes.push(format!("(b) {}", r.note));
+            for &wire in &wires {
+                let (burst, big) = if n >= 10_000 { (100, 0) } else { (500, 3) };
+                eprintln!("fanout: (b) {n} HTTP watch streams, {} ...", wire.name());
+                let r = http_run(p, wire, n, per_conn, lat_events, burst, big).await;
+                if !r.note.is_empty() {
+                    notes.push(format!("{}: {}", wire.label(), r.note));
+                }
+                eprintln!(
+                    "fanout: (b) {n} done ({:.0}s total)",
+                    started.elapsed().as_secs_f64()
+                );
+                http_runs.push((n, wire, r));
             }
-            eprintln!(
-                "fanout: (b) {n} done ({:.0}s total)",
-                started.elapsed().as_secs_f64()
-            );
-            http_runs.push((n, r));
         }
     }
     for t in idle_tasks {
@@ -1343,9 +1740,9 @@ async fn main() {
         10_000,
         &mut rows,
     );
-    for (n, r) in &http_runs {
+    for (n, wire, r) in &http_runs {
         rows_for(
-            "(b) HTTP/2",
+            wire.label(),
             &r.burst,
             &[&r.latency, &r.isolated],
             *n,
@@ -1357,7 +1754,7 @@ async fn main() {
             ("burst 1 KB", &r.burst),
             ("burst 1 MB", &r.big),
         ] {
-            notes.extend(cpu_note(*n, what, p));
+            notes.extend(cpu_note(*n, *wire, what, p));
         }
     }
     let gb = a_big.gb_per_sec();
@@ -1367,11 +1764,12 @@ async fn main() {
         flags(&a_big),
         ok(gb >= 0.65)
     ));
-    for (n, r) in &http_runs {
+    for (n, wire, r) in &http_runs {
         if let Some(b) = &r.big {
             let gb = b.gb_per_sec();
             rows.push(format!(
-                "| 1 MB object to {n} watchers, (b) HTTP/2: GB/s read by the clients ({} events{}) | {gb:.2} GB/s | ≥ 0.65 GB/s | {} |",
+                "| 1 MB object to {n} watchers, {}: GB/s read by the clients ({} events{}) | {gb:.2} GB/s | ≥ 0.65 GB/s | {} |",
+                wire.label(),
                 b.events,
                 flags(b),
                 ok(gb >= 0.65)
@@ -1389,10 +1787,11 @@ async fn main() {
         ok(task_b <= 4096.0)
     ));
     // Only the first run's: later runs reuse heap the earlier ones freed.
-    for (n, r) in http_runs.iter().take(1) {
+    for (n, wire, r) in http_runs.iter().take(1) {
         if let Some(b) = r.idle_bytes_per_watcher {
             rows.push(format!(
-                "| memory per idle watcher, (b) HTTP/2 watch stream, proxy process RSS ({n} streams on {} connections, opened in {:.2} s) | {:.0} B | ≤ 4 KB | {} |",
+                "| memory per idle watcher, {} watch stream, proxy process RSS ({n} streams on {} connections, opened in {:.2} s) | {:.0} B | ≤ 4 KB | {} |",
+                wire.label(),
                 n.div_ceil(per_conn),
                 r.open_secs,
                 b,
@@ -1400,10 +1799,11 @@ async fn main() {
             ));
         }
     }
-    for (n, r) in &http_runs {
+    for (n, wire, r) in &http_runs {
         if let Some(b) = r.idle_heap_per_watcher {
             rows.push(format!(
-                "| memory per idle watcher, (b) HTTP/2 watch stream, proxy heap allocated and not freed ({n} streams) | {b:.0} B | ≤ 4 KB | {} |",
+                "| memory per idle watcher, {} watch stream, proxy heap allocated and not freed ({n} streams) | {b:.0} B | ≤ 4 KB | {} |",
+                wire.label(),
                 ok(b <= 4096.0)
             ));
         }

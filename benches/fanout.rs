@@ -1075,20 +1075,34 @@ struct RawStream {
     unacked: u32,
 }
 
+/// What one connection of the raw client needs.
+struct RawConn {
+    addr: String,
+    path: String,
+    /// Streams to open on it.
+    streams: usize,
+    target: Arc<AtomicU64>,
+    rep_tx: tokio::sync::mpsc::UnboundedSender<Report>,
+    open_tx: tokio::sync::mpsc::UnboundedSender<u8>,
+}
+
 /// One connection of the raw client: opens `streams` watch streams on it and reads them
 /// until the connection ends. With `gate`, the connection opens its first stream alone and
 /// opens the rest only once that one answered (so the proxy's access review for this client
 /// is cached before the others arrive) then signals the other connections.
 async fn raw_conn(
-    addr: String,
-    path: String,
-    streams: usize,
+    c: RawConn,
     gate: Option<tokio::sync::watch::Sender<bool>>,
     mut wait: tokio::sync::watch::Receiver<bool>,
-    target: Arc<AtomicU64>,
-    rep_tx: tokio::sync::mpsc::UnboundedSender<Report>,
-    open_tx: tokio::sync::mpsc::UnboundedSender<u8>,
 ) {
+    let RawConn {
+        addr,
+        path,
+        streams,
+        target,
+        rep_tx,
+        open_tx,
+    } = c;
     use h2raw::*;
     if gate.is_none() && wait.wait_for(|v| *v).await.is_err() {
         return;
@@ -1262,16 +1276,15 @@ async fn client_main(addr: String) {
         let (gate, wait) = tokio::sync::watch::channel(false);
         let mut gate = Some(gate);
         for c in 0..conns {
-            tokio::spawn(raw_conn(
-                addr.clone(),
-                path.clone(),
-                (c..n).step_by(conns).count(),
-                gate.take(),
-                wait.clone(),
-                target.clone(),
-                rep_tx.clone(),
-                open_tx.clone(),
-            ));
+            let conn = RawConn {
+                addr: addr.clone(),
+                path: path.clone(),
+                streams: (c..n).step_by(conns).count(),
+                target: target.clone(),
+                rep_tx: rep_tx.clone(),
+                open_tx: open_tx.clone(),
+            };
+            tokio::spawn(raw_conn(conn, gate.take(), wait.clone()));
         }
     }
     drop((rep_tx, open_tx));

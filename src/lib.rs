@@ -12,6 +12,8 @@
 //!   the per-request entry point, graceful drain.
 //! - [`coalesce`]: per-connection write coalescing (what one poll of a connection writes,
 //!   HTTP/2 frames of many watch streams included, leaves in one write).
+//! - [`local_streams`]: an HTTP/2 connection's streams run inside the connection's task
+//!   (one wake per connection per fan-out, not one task per stream).
 //! - [`tls`]: rustls server config, serving-certificate hot reload, client-CA verification.
 //! - [`identity`]: who the caller is, and the identity headers sent upstream (header hygiene).
 //! - [`request_info`]: path hygiene and the apiserver's `RequestInfo` (verb, resource, scope).
@@ -60,6 +62,7 @@ pub mod health;
 pub mod hub;
 pub mod identity;
 pub mod list;
+pub mod local_streams;
 pub mod metrics;
 pub mod paging;
 pub mod passthrough;

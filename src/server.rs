@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
@@ -229,9 +229,9 @@ pub struct Listeners {
     pub insecure: Option<TcpListener>,
 }
 
-fn connection_builder(cfg: &Config) -> auto::Builder<TokioExecutor> {
+fn connection_builder(cfg: &Config) -> auto::Builder<crate::local_streams::LocalExec> {
     let s = &cfg.server;
-    let mut b = auto::Builder::new(TokioExecutor::new());
+    let mut b = auto::Builder::new(crate::local_streams::LocalExec);
     b.http1()
         .timer(TokioTimer::new())
         .header_read_timeout(s.header_read_timeout)
@@ -310,7 +310,7 @@ pub async fn run(state: Arc<State>, listeners: Listeners, shutdown: impl Future<
 
 async fn accept_loop(
     state: Arc<State>,
-    builder: Arc<auto::Builder<TokioExecutor>>,
+    builder: Arc<auto::Builder<crate::local_streams::LocalExec>>,
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
     graceful: Arc<hyper_util::server::graceful::GracefulShutdown>,
@@ -356,7 +356,7 @@ async fn accept_loop(
 
 async fn serve_connection(
     state: Arc<State>,
-    builder: &auto::Builder<TokioExecutor>,
+    builder: &auto::Builder<crate::local_streams::LocalExec>,
     stream: TcpStream,
     peer: SocketAddr,
     tls: Option<TlsAcceptor>,
@@ -402,7 +402,7 @@ async fn serve_connection(
 /// connection writes, HTTP/2 frames of many streams included, leaves in one write.
 async fn serve_io<S>(
     state: Arc<State>,
-    builder: &auto::Builder<TokioExecutor>,
+    builder: &auto::Builder<crate::local_streams::LocalExec>,
     stream: S,
     conn: ConnInfo,
     watcher: hyper_util::server::graceful::Watcher,
@@ -425,6 +425,7 @@ async fn serve_io<S>(
     type BoxError = Box<dyn std::error::Error + Send + Sync>;
     type ConnFuture = std::pin::Pin<Box<dyn Future<Output = Result<(), BoxError>> + Send>>;
     let conn: ConnFuture = Box::pin(watcher.watch(c.into_owned()));
+    let conn = crate::local_streams::WithStreams::new(conn);
     if let Err(e) = coalescing.drive(conn).await {
         tracing::debug!(?peer, error = %e, "connection ended with an error");
     }

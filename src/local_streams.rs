@@ -16,9 +16,16 @@
 //! into one batch ([`crate::coalesce`] writes it out). Envoy serves a connection's streams
 //! from one worker thread the same way.
 //!
-//! The cost: the streams of one connection no longer run on two cores at once. Every stream
-//! future yields at its own await points, the h2 codec already serialises a connection's
-//! frames, and connections (clients) still spread over the workers.
+//! The cost: the streams of one connection no longer run on two cores at once, and a
+//! stream's CPU-heavy step delays the connection's other streams by its length (the largest
+//! is gzipping a large cached list page for a client that accepts gzip). Every
+//! stream future yields at its own await points, the h2 codec already serialises a
+//! connection's frames, and connections (clients) still spread over the workers.
+//!
+//! Measured with `cargo bench --bench fanout` (10,000 watch streams on 40 connections, one
+//! 1 KB event, proxy and client on the same two cores): p99 delivery latency 27–35 ms,
+//! down from 40–48 ms with a task per stream, and one event to all 10,000 streams costs the
+//! proxy about 40 ms of CPU.
 //!
 //! The executor finds its connection through a thread-local set only while [`WithStreams`]
 //! polls the connection, which is where hyper's server accepts streams and hands them over.

@@ -15,11 +15,12 @@
 //!   empty, goes straight through);
 //! - a flush *during a poll of the connection* only marks the end of the protocol's batch;
 //!   [`Driven`] writes the buffer out when that poll returns;
-//! - when a poll wrote something and the buffer is not full, [`Driven`] first yields (wakes
-//!   itself and returns, which puts the connection at the back of the run queue), so the
-//!   hub, still pushing a fan-out's event to other watchers, reaches more of this
-//!   connection's streams before the one write; it yields again while each pass adds to the
-//!   batch, at most [`MAX_YIELDS`] times;
+//! - when a poll wrote something, the buffer is not full and the connection has several
+//!   HTTP/2 streams ([`Batching`]; a single response has nothing to wait for), [`Driven`]
+//!   first yields (wakes itself and returns, which puts the connection at the back of the
+//!   run queue), so the hub, still pushing a fan-out's event to other watchers, reaches more
+//!   of this connection's streams before the one write; it yields again while each pass
+//!   adds to the batch, at most [`MAX_YIELDS`] times;
 //! - outside a poll of the connection (an upgraded connection's IO, used by another task
 //!   after the connection future ended) a flush is a real flush.
 //!
@@ -169,8 +170,28 @@ pub fn coalesce<S>(io: S) -> (CoalescedIo<S>, Coalescing<S>) {
 /// The other half of [`coalesce`].
 pub struct Coalescing<S>(Arc<Mutex<Shared<S>>>);
 
+/// Whether anything besides the poll that just wrote may add to the batch before it leaves:
+/// other streams of an HTTP/2 connection may, a single response (every HTTP/1.1 request, a
+/// lone HTTP/2 stream) may not, and waiting for it would only delay its bytes.
+pub trait Batching {
+    fn batches(&self) -> bool;
+}
+
+impl<F> Batching for crate::local_streams::WithStreams<F> {
+    fn batches(&self) -> bool {
+        self.streams() > 1
+    }
+}
+
+/// Any other connection future (tests): other tasks may add to its batch.
+impl<T: ?Sized> Batching for Pin<Box<T>> {
+    fn batches(&self) -> bool {
+        true
+    }
+}
+
 impl<S> Coalescing<S> {
-    pub fn drive<F: Future + Unpin>(self, fut: F) -> Driven<F, S> {
+    pub fn drive<F: Future + Unpin + Batching>(self, fut: F) -> Driven<F, S> {
         Driven {
             fut,
             shared: self.0,
@@ -185,7 +206,7 @@ fn lock<S>(m: &Mutex<Shared<S>>) -> MutexGuard<'_, Shared<S>> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-impl<F: Future + Unpin, S: AsyncWrite + Unpin> Future for Driven<F, S> {
+impl<F: Future + Unpin + Batching, S: AsyncWrite + Unpin> Future for Driven<F, S> {
     type Output = F::Output;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
@@ -202,7 +223,8 @@ impl<F: Future + Unpin, S: AsyncWrite + Unpin> Future for Driven<F, S> {
         if this.done.is_none() {
             if g.pending() > 0 {
                 let growing = g.yields == 0 || g.pending() > g.pending_at_yield;
-                if growing && g.yields < MAX_YIELDS && g.pending() < CAPACITY {
+                if growing && g.yields < MAX_YIELDS && g.pending() < CAPACITY && this.fut.batches()
+                {
                     // Let the streams the fan-out is still waking queue their frames first:
                     // the batch grows while each pass through the run queue adds to it.
                     g.yields += 1;
@@ -516,6 +538,55 @@ mod tests {
         assert_eq!(joined(&sock), expect);
         assert!(sock.staged.lock().unwrap().is_empty());
         task.abort();
+    }
+
+    /// A connection future whose batch nothing else can add to (one response).
+    struct Single<F>(Pin<Box<F>>);
+
+    impl<F: Future> Future for Single<F> {
+        type Output = F::Output;
+        fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+            self.0.as_mut().poll(cx)
+        }
+    }
+
+    impl<F> Batching for Single<F> {
+        fn batches(&self) -> bool {
+            false
+        }
+    }
+
+    async fn poll_once<F: Future + Unpin + Batching>(mut d: Driven<F, Recorder>) {
+        std::future::poll_fn(|cx| {
+            let _ = Pin::new(&mut d).poll(cx);
+            Poll::Ready(())
+        })
+        .await;
+    }
+
+    /// What a poll wrote leaves at the end of that poll when nothing else can add to the
+    /// batch, and only after a pass through the run queue when something can.
+    #[tokio::test]
+    async fn only_a_batching_connection_waits_for_more() {
+        for batching in [false, true] {
+            let rec = Recorder::default();
+            let (io, driver) = coalesce(rec.clone());
+            let conn = async move {
+                let mut io = io;
+                io.write_all(b"one response").await.unwrap();
+                io.flush().await.unwrap();
+                std::future::pending::<()>().await;
+            };
+            let writes = if batching {
+                let conn: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(conn);
+                poll_once(driver.drive(conn)).await;
+                rec.writes.lock().unwrap().len()
+            } else {
+                poll_once(driver.drive(Single(Box::pin(conn)))).await;
+                rec.writes.lock().unwrap().len()
+            };
+            assert_eq!(writes, usize::from(!batching), "batching: {batching}");
+        }
     }
 
     /// A large write with nothing buffered goes straight through, not through a copy.

@@ -28,6 +28,7 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use serde::Deserialize;
 
 use super::Resource;
+use crate::selector::CustomFields;
 
 /// The `cache.resources` entry that selects every listable and watchable resource.
 pub const ALL: &str = "all";
@@ -70,6 +71,7 @@ pub fn crd_resource() -> Resource {
         kind: "CustomResourceDefinition".into(),
         namespaced: false,
         custom: false,
+        selectable: CustomFields::default(),
     }
 }
 
@@ -154,6 +156,8 @@ pub struct Crd {
     pub namespaced: bool,
     /// Served versions, highest priority first.
     pub served: Vec<String>,
+    /// The selectable fields of the served versions that declare any, by version.
+    pub selectable: BTreeMap<String, CustomFields>,
     /// `status.conditions[Established]` is True: the apiserver serves its resource.
     pub established: bool,
 }
@@ -187,10 +191,18 @@ impl Crd {
             kind: String,
         }
         #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase")]
         struct Version {
             name: String,
             #[serde(default)]
             served: bool,
+            #[serde(default)]
+            selectable_fields: Vec<SelectableField>,
+        }
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase")]
+        struct SelectableField {
+            json_path: String,
         }
         #[derive(Deserialize)]
         struct Status {
@@ -204,12 +216,14 @@ impl Crd {
             status: String,
         }
         let o: Obj = serde_json::from_slice(body).ok()?;
-        let mut served: Vec<String> = o
-            .spec
-            .versions
-            .into_iter()
-            .filter(|v| v.served)
-            .map(|v| v.name)
+        let served_versions = || o.spec.versions.iter().filter(|v| v.served);
+        let mut served: Vec<String> = served_versions().map(|v| v.name.clone()).collect();
+        let selectable = served_versions()
+            .filter(|v| !v.selectable_fields.is_empty())
+            .map(|v| {
+                let paths = v.selectable_fields.iter().map(|f| f.json_path.as_str());
+                (v.name.clone(), CustomFields::from_json_paths(paths))
+            })
             .collect();
         served.sort_by(|a, b| version_order(a, b));
         Some(Crd {
@@ -219,6 +233,7 @@ impl Crd {
             kind: o.spec.names.kind,
             namespaced: o.spec.scope == "Namespaced",
             served,
+            selectable,
             established: o.status.is_some_and(|s| {
                 s.conditions
                     .iter()
@@ -227,15 +242,19 @@ impl Crd {
         })
     }
 
-    /// The resource to cache: its highest-priority served version.
+    /// The resource to cache: its highest-priority served version, with that version's
+    /// selectable fields (the apiserver evaluates a request's field selector with the fields
+    /// of the version it names, and other versions pass through).
     pub fn resource(&self) -> Option<Resource> {
+        let version = self.served.first()?;
         Some(Resource {
             group: self.group.clone(),
-            version: self.served.first()?.clone(),
+            version: version.clone(),
             resource: self.plural.clone(),
             kind: self.kind.clone(),
             namespaced: self.namespaced,
             custom: true,
+            selectable: self.selectable.get(version).cloned().unwrap_or_default(),
         })
     }
 }
@@ -479,6 +498,7 @@ pub fn add_resources(d: &mut Discovery, group: &str, version: &str, list: Resour
                     kind: r.kind,
                     namespaced: r.namespaced,
                     custom: false,
+                    selectable: CustomFields::default(),
                 },
                 listable,
             },
@@ -499,6 +519,7 @@ mod tests {
                 kind: kind.into(),
                 namespaced: true,
                 custom: false,
+                selectable: CustomFields::default(),
             },
             listable,
         }
@@ -521,6 +542,7 @@ mod tests {
             kind: "Widget".into(),
             namespaced: true,
             served: vec!["v1".into(), "v1beta1".into()],
+            selectable: BTreeMap::new(),
             established,
         }
     }

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 
 use super::scan::{ScanError, Scanner};
-use crate::selector::FieldScan;
+use crate::selector::{FieldName, FieldScan};
 use bytes::Bytes;
 
 use super::Resource;
@@ -35,8 +35,10 @@ pub struct Meta {
     pub resource_version: u64,
     pub labels: BTreeMap<Box<str>, Box<str>>,
     /// Values of the resource's selectable fields (beyond metadata.name/namespace), e.g. pods'
-    /// `spec.nodeName`, extracted at ingest so field selectors never re-parse the object.
-    pub fields: Vec<(&'static str, String)>,
+    /// `spec.nodeName` or a custom resource's declared `spec.color`, extracted at ingest so
+    /// field selectors never re-parse the object. Empty (no allocation) for resources without
+    /// such fields.
+    pub fields: Vec<(FieldName, Box<str>)>,
 }
 
 /// An object as the cache holds it. Cheap to clone (`Bytes` is reference counted).
@@ -105,8 +107,8 @@ impl CachedObject {
                 .meta
                 .fields
                 .iter()
-                .find(|(k, _)| *k == path)
-                .map(|(_, v)| v.as_str()),
+                .find(|(k, _)| k.as_str() == path)
+                .map(|(_, v)| &**v),
         }
     }
 }
@@ -199,7 +201,7 @@ fn scan_object(s: &mut Scanner<'_>, resource: &Resource) -> Result<Meta, ObjectE
     let mut uid = None;
     let mut rv = None;
     let mut labels = BTreeMap::new();
-    let mut fields = FieldScan::new(&resource.group, &resource.resource);
+    let mut fields = FieldScan::new(resource);
     if s.peek()? != b'{' {
         return Err(ScanError::Type {
             at: s.pos(),
@@ -423,7 +425,10 @@ mod tests {
             let got: BTreeMap<String, String> = o.meta.labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
             prop_assert_eq!(got, labels);
             let want = crate::selector::extract_fields("", res, text.as_bytes()).unwrap();
-            prop_assert_eq!(&o.meta.fields, &want);
+            let got: Vec<(&str, &str)> = o.meta.fields.iter().map(|(k, v)| (k.as_str(), &**v)).collect();
+            // metadata.name/namespace are read from the metadata, not held twice.
+            let want: Vec<(&str, &str)> = want.iter().skip(2).map(|(k, v)| (*k, v.as_str())).collect();
+            prop_assert_eq!(got, want);
             // The body: the same JSON without the leading kind/apiVersion.
             prop_assert_eq!(o.body.first(), Some(&b'{'));
             prop_assert!(!std::str::from_utf8(&o.body).unwrap().contains("\"apiVersion\":\"v1\""));

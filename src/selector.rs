@@ -1314,11 +1314,10 @@ impl CustomFields {
             });
             match simple {
                 // Validation rejects duplicates; a second copy would add nothing.
-                Some(label) if !fields.iter().any(|f: &CustomField| &*f.label == label) => {
-                    fields.push(CustomField {
+                Some(label) if !fields.iter().any(|f: &CustomField| &*f.label == label) => fields
+                    .push(CustomField {
                         label: label.into(),
-                    })
-                }
+                    }),
                 Some(_) => {}
                 None => {
                     return CustomFields {
@@ -2434,7 +2433,7 @@ mod tests {
     }
 
     #[test]
-    fn unmodelled_and_custom_kinds_cache_only_metadata_fields() {
+    fn unmodelled_and_aggregated_kinds_cache_only_metadata_fields() {
         let check = |g, r, s| check_builtin_field_selector(g, r, &FieldSelector::parse(s).unwrap());
         assert!(matches!(
             check("apps", "deployments", "metadata.name=a"),
@@ -2456,6 +2455,129 @@ mod tests {
             check("events.k8s.io", "events", ""),
             FieldCheck::Cache(_)
         ));
+    }
+
+    fn widgets(namespaced: bool, paths: &[&str]) -> Resource {
+        Resource {
+            group: "example.com".into(),
+            version: "v1".into(),
+            resource: "widgets".into(),
+            kind: "Widget".into(),
+            namespaced,
+            custom: true,
+            selectable: CustomFields::from_json_paths(paths.iter().copied()),
+        }
+    }
+
+    #[test]
+    fn selectable_field_labels_are_the_json_paths_without_the_leading_dot() {
+        let f = CustomFields::from_json_paths([".spec.color", ".spec.size", ".status.x-y_1"]);
+        assert_eq!(
+            f.labels().collect::<Vec<_>>(),
+            ["spec.color", "spec.size", "status.x-y_1"]
+        );
+        assert!(!f.is_opaque() && !f.is_empty());
+        assert!(CustomFields::from_json_paths([]).is_empty());
+        // Paths the proxy does not evaluate exactly make every declared field opaque.
+        for odd in [
+            "spec.color",
+            ".spec..color",
+            ".spec.",
+            ".spec['color']",
+            ".spec.colors[0]",
+            ".spec.a b",
+            ".spec.*",
+            ".spec.a\\.b",
+        ] {
+            let f = CustomFields::from_json_paths([".spec.size", odd]);
+            assert!(f.is_opaque() && !f.is_empty(), "{odd}");
+            assert!(f.evaluated().is_empty(), "{odd}");
+        }
+    }
+
+    /// `crConverter.ConvertFieldLabel`: metadata.name always, metadata.namespace only when
+    /// namespaced, declared fields of the version, anything else rejected with the apiserver's
+    /// message (the router hands rejections to the apiserver, which writes the 400).
+    #[test]
+    fn custom_resources_accept_their_selectable_fields_and_reject_others() {
+        let check =
+            |r: &Resource, s: &str| check_field_selector(r, &FieldSelector::parse(s).unwrap());
+        let ns = widgets(true, &[".spec.color", ".spec.size"]);
+        let cluster = widgets(false, &[".spec.color"]);
+        let cached = |r: &Resource, s: &str| match check(r, s) {
+            FieldCheck::Cache(f) => f.to_string(),
+            other => panic!("{s}: {other:?}"),
+        };
+        assert_eq!(cached(&ns, ""), "");
+        assert_eq!(cached(&ns, "spec.color=red"), "spec.color=red");
+        assert_eq!(
+            cached(&ns, "spec.size!=3,metadata.namespace=a,metadata.name==w"),
+            "metadata.name=w,metadata.namespace=a,spec.size!=3"
+        );
+        assert_eq!(
+            cached(&cluster, "metadata.name=w,spec.color="),
+            "metadata.name=w,spec.color="
+        );
+        let rejected = |r: &Resource, s: &str| match check(r, s) {
+            FieldCheck::Reject(SelectorError::UnsupportedField(m)) => m,
+            other => panic!("{s}: {other:?}"),
+        };
+        assert_eq!(
+            rejected(&ns, "spec.weight=1"),
+            "field label not supported: spec.weight"
+        );
+        // The first unsupported label in the apiserver's (sorted) order is named.
+        assert_eq!(
+            rejected(&ns, "status.z=1,spec.a=1,spec.color=red"),
+            "field label not supported: spec.a"
+        );
+        assert_eq!(
+            rejected(&cluster, "metadata.namespace=a"),
+            "field label not supported: metadata.namespace"
+        );
+        // The path form, with its dot, is not a label.
+        assert_eq!(
+            rejected(&ns, ".spec.color=red"),
+            "field label not supported: .spec.color"
+        );
+        assert_eq!(
+            rejected(&widgets(true, &[]), "spec.color=red"),
+            "field label not supported: spec.color"
+        );
+        // A CRD declaring a path the proxy does not evaluate: the apiserver decides.
+        let odd = widgets(true, &[".spec.color", ".spec['a.b']"]);
+        assert_eq!(check(&odd, "spec.color=red"), FieldCheck::Passthrough);
+        assert!(matches!(
+            check(&odd, "metadata.name=w"),
+            FieldCheck::Cache(_)
+        ));
+    }
+
+    #[test]
+    fn floats_print_as_go_fmt_sprint_prints_them() {
+        // fmt.Sprint(float64(x)) in Go, for each x.
+        let cases = [
+            (0.0, "0"),
+            (-0.0, "-0"),
+            (1.5, "1.5"),
+            (-2.25, "-2.25"),
+            (100000.0, "100000"),
+            (123456.0, "123456"),
+            (999999.5, "999999.5"),
+            (1e6, "1e+06"),
+            (1234567.0, "1.234567e+06"),
+            (1e21, "1e+21"),
+            (1.5e300, "1.5e+300"),
+            (0.0001, "0.0001"),
+            (0.00012345, "0.00012345"),
+            (0.00001, "1e-05"),
+            (1.25e-7, "1.25e-07"),
+            (0.1 + 0.2, "0.30000000000000004"),
+            (5e-324, "5e-324"),
+        ];
+        for (f, want) in cases {
+            assert_eq!(go_format_float(f), want, "{f:e}");
+        }
     }
 
     #[test]

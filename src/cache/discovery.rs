@@ -612,6 +612,92 @@ mod tests {
         assert!(Crd::parse(b"{}").is_none());
     }
 
+    /// Each served version's `selectableFields`, by version; the cached resource carries the
+    /// fields of the version it caches.
+    #[test]
+    fn crds_are_read_with_each_served_versions_selectable_fields() {
+        let crd = |versions: &str| {
+            let body = format!(
+                r#"{{"metadata":{{"uid":"u1"}},"spec":{{"group":"example.com","scope":"Namespaced",
+                   "names":{{"plural":"widgets","kind":"Widget"}},"versions":{versions}}}}}"#
+            );
+            Crd::parse(body.as_bytes()).unwrap()
+        };
+        let labels = |r: Option<Resource>| -> Vec<String> {
+            r.unwrap().selectable.labels().map(str::to_string).collect()
+        };
+        let cases: &[(&str, &[(&str, &[&str])], &[&str])] = &[
+            // (versions, selectable fields by version, the cached resource's labels)
+            (r#"[{"name":"v1","served":true}]"#, &[], &[]),
+            (
+                r#"[{"name":"v1","served":true,"selectableFields":[{"jsonPath":".spec.color"},{"jsonPath":".spec.size"}]}]"#,
+                &[("v1", &["spec.color", "spec.size"])],
+                &["spec.color", "spec.size"],
+            ),
+            (
+                r#"[{"name":"v1","served":true,"selectableFields":[]},
+                    {"name":"v1beta1","served":true,"selectableFields":[{"jsonPath":".spec.colour"}]},
+                    {"name":"v2","served":false,"selectableFields":[{"jsonPath":".spec.hue"}]}]"#,
+                &[("v1beta1", &["spec.colour"])],
+                &[],
+            ),
+            (
+                r#"[{"name":"v1alpha1","served":true,"selectableFields":[{"jsonPath":".spec.a"}]},
+                    {"name":"v1beta1","served":true,"selectableFields":[{"jsonPath":".spec.b"}]}]"#,
+                &[("v1alpha1", &["spec.a"]), ("v1beta1", &["spec.b"])],
+                &["spec.b"],
+            ),
+        ];
+        for (versions, by_version, cached) in cases {
+            let c = crd(versions);
+            let got: Vec<(String, Vec<String>)> = c
+                .selectable
+                .iter()
+                .map(|(v, f)| (v.clone(), f.labels().map(str::to_string).collect()))
+                .collect();
+            let want: Vec<(String, Vec<String>)> = by_version
+                .iter()
+                .map(|(v, l)| (v.to_string(), l.iter().map(|s| s.to_string()).collect()))
+                .collect();
+            assert_eq!(got, want, "{versions}");
+            assert_eq!(labels(c.resource()), *cached, "{versions}");
+        }
+    }
+
+    /// The registry replaces a cache whose planned resource differs from the running one: a
+    /// change of the cached version's selectable fields must change the resource, or the
+    /// cache would keep evaluating the old fields (and not have the new ones' values).
+    #[test]
+    fn a_change_of_the_cached_versions_selectable_fields_changes_the_planned_resource() {
+        let s = sel(&["widgets.example.com"], &[]);
+        let d = Discovery::default();
+        let with = |paths: &[&str]| Crd {
+            selectable: [(
+                "v1".to_string(),
+                CustomFields::from_json_paths(paths.iter().copied()),
+            )]
+            .into(),
+            ..widgets("u1", true)
+        };
+        let key = (
+            "example.com".to_string(),
+            "v1".to_string(),
+            "widgets".to_string(),
+        );
+        let planned = |c: Crd| plan(&s, Some(&d), Some(&[c]), &HashSet::new()).cache[&key].clone();
+        let color = planned(with(&[".spec.color"]));
+        assert_eq!(color, planned(with(&[".spec.color"])));
+        assert_ne!(color, planned(with(&[".spec.color", ".spec.size"])));
+        assert_ne!(color, planned(with(&[])));
+        assert_ne!(color, planned(widgets("u1", true)));
+        // Another version's fields are not the cached version's concern.
+        let mut other = with(&[".spec.color"]);
+        other
+            .selectable
+            .insert("v1beta1".into(), CustomFields::from_json_paths([".spec.x"]));
+        assert_eq!(color, planned(other));
+    }
+
     #[test]
     fn all_caches_every_listable_resource_and_established_crds_minus_exclusions() {
         let d = discovery(vec![

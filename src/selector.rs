@@ -17,10 +17,16 @@
 //!   before storage sees the selector (`ListResource` → `FieldSelector.Transform` →
 //!   `Scheme.ConvertFieldLabel`), in `pkg/apis/core/v1/conversion.go`,
 //!   `pkg/apis/batch/v1/conversion.go`, `pkg/apis/certificates/v1/conversion.go`, and
-//!   `runtime.DefaultMetaV1FieldSelectorConversion` for kinds without one;
+//!   `runtime.DefaultMetaV1FieldSelectorConversion` for kinds without one; for custom
+//!   resources, `crConverter.ConvertFieldLabel` (apiextensions-apiserver
+//!   `pkg/apiserver/conversion/converter.go`): metadata, plus the CRD version's
+//!   `selectableFields` ([`CustomFields`]);
 //! - the values those fields have: the registries' `GetAttrs` / `ToSelectableFields`
 //!   (`pkg/registry/core/pod/strategy.go` and friends), which read the *internal* object, so
-//!   v1 → internal conversion quirks (pod `status.podIP`, `spec.serviceAccount`) are applied here.
+//!   v1 → internal conversion quirks (pod `status.podIP`, `spec.serviceAccount`) are applied
+//!   here; for custom resources, the CR strategy's `selectableFields`
+//!   (apiextensions-apiserver `pkg/registry/customresource/strategy.go`): `fmt.Sprint` of the
+//!   value each JSONPath finds in the unstructured object, `""` when absent or null.
 //!
 //! What the proxy cannot evaluate with certainty is reported as [`FieldCheck::Passthrough`]:
 //! the apiserver then answers, and the proxy never guesses.
@@ -1611,8 +1617,8 @@ struct EventSource<'a> {
     component: JStr<'a>,
 }
 
-/// Values of the selectable fields of an object, from its raw JSON, as the registry's
-/// `GetAttrs` computes them: `metadata.name`, `metadata.namespace` (`""` for cluster-scoped
+/// Values of the selectable fields of an object of a built-in kind, from its raw JSON, as the
+/// registry's `GetAttrs` computes them (custom resources' are read by [`FieldScan`] only): `metadata.name`, `metadata.namespace` (`""` for cluster-scoped
 /// objects) and the kind's [`supported_fields`]. Look fields up by the names that
 /// [`check_field_selector`] returns (aliases already rewritten).
 ///

@@ -22,6 +22,10 @@
 //!   resource in a group that might hold CRDs waits for the CRD list before it is cached.
 //!   Resources in Kubernetes' own groups ([`BUILTIN_GROUPS`]) need no CRD list: the proxy
 //!   then works without permission to list CRDs when no custom resource is configured.
+//! - A custom resource's cache carries the `selectableFields` of the version it caches
+//!   ([`Resource::selectable`]), so field selectors on them are answered from memory. They are
+//!   part of the planned resource: when a CRD changes them, the plan differs from the running
+//!   cache and the registry replaces it (its objects hold the old fields' values).
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 

@@ -524,6 +524,7 @@ fn paints_crd() -> Value {
                        "color": {"type": "string"},
                        "size": {"type": "integer"},
                        "on": {"type": "boolean"},
+                       "weight": {"type": "integer"},
                        "deep": {"type": "object", "properties": {
                          "name": {"type": "string", "nullable": true}}}}}}}}}]}
     })
@@ -771,7 +772,65 @@ async fn crd_selectable_fields_are_served_from_the_cache_as_the_apiserver_serves
             "{verb}: {m}"
         );
     }
-    drop(via_proxy);
+
+    // The CRD declares one more field: the proxy rebuilds the cache with it (its watchers
+    // end cleanly), and serves the new field from memory as the apiserver does.
+    set_spec(
+        admin,
+        &format!("{paints}/p1"),
+        json!({"color": "red", "size": 2, "weight": 3}),
+    )
+    .await;
+    let crd_path = "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/paints.example.com";
+    let mut crd: Value = serde_json::from_str(&send(admin, "GET", crd_path, None).await).unwrap();
+    crd["spec"]["versions"][0]["selectableFields"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({"jsonPath": ".spec.weight"}));
+    send(admin, "PUT", crd_path, Some(crd)).await;
+    loop {
+        let e = tokio::time::timeout(BOUND, via_proxy.try_next())
+            .await
+            .expect("the old cache's watch ends")
+            .expect("a clean end of stream");
+        match e {
+            None => break,
+            // The weight set above, before the CRD changed.
+            Some(e) => assert_eq!(
+                (e["type"].as_str(), e["object"]["metadata"]["name"].as_str()),
+                (Some("MODIFIED"), Some("p1"))
+            ),
+        }
+    }
+    until("the cache is rebuilt with the new field", || async move {
+        state
+            .caches
+            .get("example.com", "v1", "paints")
+            .is_some_and(|c| {
+                c.is_ready()
+                    && c.len() == 3
+                    && c.resource.selectable.labels().any(|l| l == "spec.weight")
+            })
+    })
+    .await;
+    let weight = format!("{paints}?fieldSelector={}", percent("spec.weight=3"));
+    until("the apiserver serves the new field", || {
+        let weight = weight.clone();
+        async move { send_status(admin, &weight).await == 200 }
+    })
+    .await;
+    let lists_before = apiserver_requests(admin, "LIST", "paints").await;
+    let (code, body) = get(px, tk, &format!("{weight}&resourceVersion=0")).await;
+    assert_eq!(code, 200, "{body}");
+    let cached: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        apiserver_requests(admin, "LIST", "paints").await,
+        lists_before
+    );
+    let truth: Value = serde_json::from_str(&send(admin, "GET", &weight, None).await).unwrap();
+    assert_eq!(cached["items"], truth["items"]);
+    assert_eq!(item_names(&cached), ["p1"]);
+
     proxy.shutdown().await;
     cp.stop().await;
 }

@@ -1370,7 +1370,7 @@ impl CustomFields {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FieldCheck {
     /// Every field is supported: evaluate this selector (aliases such as pods' `spec.host`
-    /// already rewritten) against [`extract_fields`].
+    /// already rewritten) against the fields the cache extracted at ingest ([`FieldScan`]).
     Cache(FieldSelector),
     /// The apiserver answers 400 `BadRequest` with this message.
     Reject(SelectorError),
@@ -1407,6 +1407,7 @@ pub fn check_custom_field_selector(
             || (namespaced && f == "metadata.namespace")
             || fields.labels().any(|l| l == f);
         if !ok {
+            // A declared path the proxy does not evaluate may be this label.
             if fields.is_opaque() {
                 return FieldCheck::Passthrough;
             }

@@ -630,7 +630,9 @@ mod tests {
         let labels = |r: Option<Resource>| -> Vec<String> {
             r.unwrap().selectable.labels().map(str::to_string).collect()
         };
-        let cases: &[(&str, &[(&str, &[&str])], &[&str])] = &[
+        /// The selectable field labels of one version.
+        type Labels<'a> = (&'a str, &'a [&'a str]);
+        let cases: &[(&str, &[Labels], &[&str])] = &[
             // (versions, selectable fields by version, the cached resource's labels)
             (r#"[{"name":"v1","served":true}]"#, &[], &[]),
             (

@@ -615,6 +615,76 @@ mod tests {
         })
     }
 
+    fn widget(name: &str, color: Option<&str>, rv: u64) -> Arc<CachedObject> {
+        let r = Resource {
+            group: "example.com".into(),
+            version: "v1".into(),
+            resource: "widgets".into(),
+            kind: "Widget".into(),
+            namespaced: true,
+            custom: true,
+            selectable: crate::selector::CustomFields::from_json_paths([".spec.color"]),
+        };
+        let spec = color.map_or(String::new(), |c| format!(r#","spec":{{"color":"{c}"}}"#));
+        let raw = format!(
+            r#"{{"metadata":{{"name":"{name}","namespace":"ns","resourceVersion":"{rv}"}}{spec}}}"#
+        );
+        Arc::new(CachedObject::parse(Bytes::from(raw), &r).unwrap())
+    }
+
+    /// A custom resource's selectable field moves objects in and out of a field-selected
+    /// watch as the apiserver's cacher does: entering is ADDED, leaving is DELETED.
+    #[tokio::test]
+    async fn custom_resource_fields_move_objects_into_and_out_of_selected_watches() {
+        let hub = Hub::new(16, Duration::from_millis(10));
+        let f = |s: &str| {
+            Arc::new(Filter {
+                fields: crate::selector::FieldSelector::parse(s).unwrap(),
+                ..Filter::default()
+            })
+        };
+        let mut red = hub.subscribe(f("spec.color=red"));
+        let mut not_red = hub.subscribe(f("spec.color!=red"));
+        let mut unset = hub.subscribe(f("spec.color="));
+        let w1 = widget("w", None, 2);
+        let w2 = widget("w", Some("red"), 3);
+        let w3 = widget("w", Some("blue"), 4);
+        hub.dispatch(Arc::new(Event::new(EventKind::Added, w1.clone(), None)))
+            .await;
+        hub.dispatch(Arc::new(Event::new(
+            EventKind::Modified,
+            w2.clone(),
+            Some(w1),
+        )))
+        .await;
+        hub.dispatch(Arc::new(Event::new(
+            EventKind::Modified,
+            w3.clone(),
+            Some(w2),
+        )))
+        .await;
+        let gone = widget("w", Some("blue"), 5);
+        hub.dispatch(Arc::new(Event::new(EventKind::Deleted, gone, Some(w3))))
+            .await;
+        assert_eq!(
+            drain(&mut red),
+            [(3, Delivery::Entered), (4, Delivery::Left)]
+        );
+        assert_eq!(
+            drain(&mut not_red),
+            [
+                (2, Delivery::AsIs),
+                (3, Delivery::Left),
+                (4, Delivery::Entered),
+                (5, Delivery::AsIs)
+            ]
+        );
+        assert_eq!(
+            drain(&mut unset),
+            [(2, Delivery::AsIs), (3, Delivery::Left)]
+        );
+    }
+
     fn drain(s: &mut Subscription) -> Vec<(u64, Delivery)> {
         std::iter::from_fn(|| s.rx.try_recv().ok().map(|(e, d)| (e.rv, d))).collect()
     }

@@ -93,11 +93,10 @@ fn filter_for(
 ) -> Option<Filter> {
     let labels = LabelSelector::parse(labels).ok()?;
     let fields = FieldSelector::parse(fields).ok()?;
-    let fields =
-        match check_field_selector(&cache.resource.group, &cache.resource.resource, &fields) {
-            FieldCheck::Cache(f) => f,
-            FieldCheck::Reject(_) | FieldCheck::Passthrough => return None,
-        };
+    let fields = match check_field_selector(&cache.resource, &fields) {
+        FieldCheck::Cache(f) => f,
+        FieldCheck::Reject(_) | FieldCheck::Passthrough => return None,
+    };
     Some(Filter {
         namespace: (!namespace.is_empty()).then(|| namespace.to_string()),
         labels,

@@ -17,17 +17,25 @@
 //!   before storage sees the selector (`ListResource` → `FieldSelector.Transform` →
 //!   `Scheme.ConvertFieldLabel`), in `pkg/apis/core/v1/conversion.go`,
 //!   `pkg/apis/batch/v1/conversion.go`, `pkg/apis/certificates/v1/conversion.go`, and
-//!   `runtime.DefaultMetaV1FieldSelectorConversion` for kinds without one;
+//!   `runtime.DefaultMetaV1FieldSelectorConversion` for kinds without one; for custom
+//!   resources, `crConverter.ConvertFieldLabel` (apiextensions-apiserver
+//!   `pkg/apiserver/conversion/converter.go`): metadata, plus the CRD version's
+//!   `selectableFields` ([`CustomFields`]);
 //! - the values those fields have: the registries' `GetAttrs` / `ToSelectableFields`
 //!   (`pkg/registry/core/pod/strategy.go` and friends), which read the *internal* object, so
-//!   v1 → internal conversion quirks (pod `status.podIP`, `spec.serviceAccount`) are applied here.
+//!   v1 → internal conversion quirks (pod `status.podIP`, `spec.serviceAccount`) are applied
+//!   here; for custom resources, the CR strategy's `selectableFields`
+//!   (apiextensions-apiserver `pkg/registry/customresource/strategy.go`): `fmt.Sprint` of the
+//!   value each JSONPath finds in the unstructured object, `""` when absent or null.
 //!
 //! What the proxy cannot evaluate with certainty is reported as [`FieldCheck::Passthrough`]:
 //! the apiserver then answers, and the proxy never guesses.
 
 use std::borrow::Cow;
 use std::fmt;
+use std::sync::Arc;
 
+use crate::cache::Resource;
 use crate::cache::scan::{Scalar, ScanError, Scanner};
 
 use serde::Deserialize;
@@ -1238,11 +1246,131 @@ pub fn supported_fields(group: &str, resource: &str) -> &'static [&'static str] 
     kind(group, resource).map_or(&[], |k| k.extra)
 }
 
+/// The name of a selectable field held with a cached object
+/// ([`crate::cache::object::Meta::fields`]): a built-in kind's, or a custom resource's label,
+/// shared by all its objects (an object holds a pointer, not a copy of the name).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum FieldName {
+    Builtin(&'static str),
+    Custom(Arc<str>),
+}
+
+impl FieldName {
+    pub fn as_str(&self) -> &str {
+        match self {
+            FieldName::Builtin(s) => s,
+            FieldName::Custom(s) => s,
+        }
+    }
+}
+
+/// One of a custom resource's selectable fields.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct CustomField {
+    /// The field label: the jsonPath without its leading dot (`spec.color`), as the apiserver
+    /// names it (`strings.TrimPrefix(sf.JSONPath, ".")`).
+    label: Arc<str>,
+}
+
+impl CustomField {
+    pub fn label(&self) -> &str {
+        &self.label
+    }
+
+    fn segments(&self) -> std::str::Split<'_, char> {
+        self.label.split('.')
+    }
+
+    /// The number of segments of the path.
+    fn depth(&self) -> usize {
+        self.label.bytes().filter(|b| *b == b'.').count() + 1
+    }
+}
+
+/// The field selectors a CustomResourceDefinition version accepts besides `metadata.name` and
+/// (namespaced) `metadata.namespace`: its `selectableFields` (Kubernetes 1.31+, GA in 1.32,
+/// KEP-4358), each a JSONPath evaluated against every object of that version.
+///
+/// The proxy evaluates paths of the form `.a.b.c` (names of letters, digits, `-` and `_`),
+/// which is what CRD validation allows (no array notation, properties of the schema) for all
+/// but exotic property names. If any declared path has another form, nothing is evaluated and
+/// field selectors beyond metadata pass through to the apiserver.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct CustomFields {
+    fields: Arc<[CustomField]>,
+    /// A declared path the proxy does not evaluate.
+    opaque: bool,
+}
+
+/// The most fields the scan tracks (one bit each); CRD validation allows 8 per version.
+const MAX_CUSTOM_FIELDS: usize = 64;
+
+impl CustomFields {
+    /// From a CRD version's `selectableFields[].jsonPath`, in the CRD's order.
+    pub fn from_json_paths<'p>(paths: impl IntoIterator<Item = &'p str>) -> CustomFields {
+        let mut fields = Vec::new();
+        for p in paths {
+            let simple = p.strip_prefix('.').filter(|label| {
+                label.split('.').all(|seg| {
+                    !seg.is_empty()
+                        && seg
+                            .bytes()
+                            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+                })
+            });
+            match simple {
+                // Validation rejects duplicates; a second copy would add nothing.
+                Some(label) if !fields.iter().any(|f: &CustomField| &*f.label == label) => fields
+                    .push(CustomField {
+                        label: label.into(),
+                    }),
+                Some(_) => {}
+                None => {
+                    return CustomFields {
+                        fields: Arc::new([]),
+                        opaque: true,
+                    };
+                }
+            }
+        }
+        if fields.len() > MAX_CUSTOM_FIELDS {
+            return CustomFields {
+                fields: Arc::new([]),
+                opaque: true,
+            };
+        }
+        CustomFields {
+            fields: fields.into(),
+            opaque: false,
+        }
+    }
+
+    /// Whether no field is declared.
+    pub fn is_empty(&self) -> bool {
+        self.fields.is_empty() && !self.opaque
+    }
+
+    /// Whether some declared path is one the proxy does not evaluate.
+    pub fn is_opaque(&self) -> bool {
+        self.opaque
+    }
+
+    /// The fields the cache evaluates (none when [`CustomFields::is_opaque`]).
+    pub fn evaluated(&self) -> &[CustomField] {
+        &self.fields
+    }
+
+    /// The field labels, in the CRD's order.
+    pub fn labels(&self) -> impl Iterator<Item = &str> {
+        self.fields.iter().map(CustomField::label)
+    }
+}
+
 /// What the apiserver would do with a field selector on a resource.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FieldCheck {
     /// Every field is supported: evaluate this selector (aliases such as pods' `spec.host`
-    /// already rewritten) against [`extract_fields`].
+    /// already rewritten) against the fields the cache extracted at ingest ([`FieldScan`]).
     Cache(FieldSelector),
     /// The apiserver answers 400 `BadRequest` with this message.
     Reject(SelectorError),
@@ -1250,15 +1378,53 @@ pub enum FieldCheck {
     Passthrough,
 }
 
-/// Applies the apiserver's field label conversion for (group, resource) to a parsed selector:
-/// the step `ListResource` runs before storage sees the selector.
+/// Applies the apiserver's field label conversion for a resource to a parsed selector: the
+/// step `ListResource` runs before storage sees the selector.
 ///
 /// Terms are checked in the apiserver's order (sorted), so the first unsupported field named
 /// in a rejection is the one the apiserver names. Built-in kinds without a modelled conversion
-/// func and custom resources are cached only for `metadata.name` / `metadata.namespace` (the
-/// default conversion, and a CRD's always-selectable fields); any other field passes through,
-/// since a CRD may declare `selectableFields`.
-pub fn check_field_selector(group: &str, resource: &str, selector: &FieldSelector) -> FieldCheck {
+/// func are cached only for `metadata.name` / `metadata.namespace` (the default conversion);
+/// any other field passes through. Custom resources follow [`check_custom_field_selector`].
+pub fn check_field_selector(resource: &Resource, selector: &FieldSelector) -> FieldCheck {
+    if resource.custom {
+        return check_custom_field_selector(resource.namespaced, &resource.selectable, selector);
+    }
+    check_builtin_field_selector(&resource.group, &resource.resource, selector)
+}
+
+/// The field label conversion of a custom resource (`crConverter.ConvertFieldLabel` in
+/// apiextensions-apiserver `pkg/apiserver/conversion/converter.go`): `metadata.name`,
+/// `metadata.namespace` when namespaced, and the version's selectable fields; anything else
+/// is `field label not supported: <label>`.
+pub fn check_custom_field_selector(
+    namespaced: bool,
+    fields: &CustomFields,
+    selector: &FieldSelector,
+) -> FieldCheck {
+    for t in &selector.terms {
+        let f = t.field.as_str();
+        let ok = f == "metadata.name"
+            || (namespaced && f == "metadata.namespace")
+            || fields.labels().any(|l| l == f);
+        if !ok {
+            // A declared path the proxy does not evaluate may be this label.
+            if fields.is_opaque() {
+                return FieldCheck::Passthrough;
+            }
+            return FieldCheck::Reject(SelectorError::UnsupportedField(format!(
+                "field label not supported: {f}"
+            )));
+        }
+    }
+    FieldCheck::Cache(selector.clone())
+}
+
+/// [`check_field_selector`] for a built-in (or aggregated) resource.
+pub fn check_builtin_field_selector(
+    group: &str,
+    resource: &str,
+    selector: &FieldSelector,
+) -> FieldCheck {
     if selector.is_everything() {
         return FieldCheck::Cache(selector.clone());
     }
@@ -1452,8 +1618,8 @@ struct EventSource<'a> {
     component: JStr<'a>,
 }
 
-/// Values of the selectable fields of an object, from its raw JSON, as the registry's
-/// `GetAttrs` computes them: `metadata.name`, `metadata.namespace` (`""` for cluster-scoped
+/// Values of the selectable fields of an object of a built-in kind, from its raw JSON, as the
+/// registry's `GetAttrs` computes them (custom resources' are read by [`FieldScan`] only): `metadata.name`, `metadata.namespace` (`""` for cluster-scoped
 /// objects) and the kind's [`supported_fields`]. Look fields up by the names that
 /// [`check_field_selector`] returns (aliases already rewritten).
 ///
@@ -1481,17 +1647,44 @@ pub fn extract_fields(
 }
 
 /// Collects an object's selectable fields during the cache's single pass over its JSON
-/// ([`crate::cache::scan`]): the same values as [`extract_fields`], without a second parse.
-pub struct FieldScan<'a> {
+/// ([`crate::cache::scan`]): the same values as [`extract_fields`] for built-in kinds, and a
+/// custom resource's declared [`CustomFields`], without a second parse.
+pub struct FieldScan<'a, 'r> {
     kind: Option<&'static KindFields>,
     /// Top-level members the kind's fields read, besides `metadata`.
     wanted: &'static [&'static str],
     obj: Selectable<'a>,
+    custom: Option<CustomScan<'r>>,
 }
 
-impl<'a> FieldScan<'a> {
-    pub fn new(group: &str, resource: &str) -> FieldScan<'a> {
-        let kind = kind(group, resource);
+/// The values of a custom resource's selectable fields found so far, by field index.
+struct CustomScan<'r> {
+    fields: &'r [CustomField],
+    values: Vec<Option<Box<str>>>,
+}
+
+impl CustomScan<'_> {
+    /// The fields whose path starts with the top-level member `key`, as a bit set.
+    fn first_segment_mask(&self, key: &str) -> u64 {
+        segment_mask(self.fields, 0, u64::MAX, key)
+    }
+}
+
+impl<'a, 'r> FieldScan<'a, 'r> {
+    pub fn new(resource: &'r Resource) -> FieldScan<'a, 'r> {
+        if resource.custom {
+            let fields = resource.selectable.evaluated();
+            return FieldScan {
+                kind: None,
+                wanted: &[],
+                obj: Selectable::default(),
+                custom: (!fields.is_empty()).then(|| CustomScan {
+                    fields,
+                    values: vec![None; fields.len()],
+                }),
+            };
+        }
+        let kind = kind(&resource.group, &resource.resource);
         let wanted: &'static [&'static str] = match kind.map(|k| (k.group, k.resource)) {
             Some(("", "pods")) => &["spec", "status"],
             Some(("", "nodes" | "services")) | Some(("certificates.k8s.io", _)) => &["spec"],
@@ -1512,16 +1705,24 @@ impl<'a> FieldScan<'a> {
             kind,
             wanted,
             obj: Selectable::default(),
+            custom: None,
         }
     }
 
     /// Whether the top-level member `key` is read by [`FieldScan::member`].
     pub fn wants(&self, key: &str) -> bool {
-        self.wanted.contains(&key)
+        match &self.custom {
+            Some(c) => c.first_segment_mask(key) != 0,
+            None => self.wanted.contains(&key),
+        }
     }
 
     /// Reads the top-level member `key` (one [`FieldScan::wants`]) at the cursor.
     pub fn member(&mut self, key: &str, s: &mut Scanner<'a>) -> Result<(), ScanError> {
+        if let Some(c) = &mut self.custom {
+            let mask = c.first_segment_mask(key);
+            return custom_value(s, c.fields, &mut c.values, 1, mask);
+        }
         let o = &mut self.obj;
         match key {
             "spec" => {
@@ -1608,20 +1809,163 @@ impl<'a> FieldScan<'a> {
         }
     }
 
-    /// The fields, given the object's metadata name and namespace.
-    pub fn finish(mut self, name: &str, namespace: &str) -> Vec<(&'static str, String)> {
+    /// The fields beyond `metadata.name` / `metadata.namespace` (which the cache reads from
+    /// the object's metadata), given the object's metadata name and namespace.
+    pub fn finish(mut self, name: &str, namespace: &str) -> Vec<(FieldName, Box<str>)> {
+        if let Some(c) = self.custom {
+            // An absent field, or one that is null, is "" (`selectableFields` in the CR
+            // strategy sets "" when the JSONPath finds nothing or a nil value).
+            return c
+                .fields
+                .iter()
+                .zip(c.values)
+                .map(|(f, v)| (FieldName::Custom(f.label.clone()), v.unwrap_or_default()))
+                .collect();
+        }
         let Some(k) = self.kind else {
-            return vec![
-                ("metadata.name", name.to_string()),
-                ("metadata.namespace", namespace.to_string()),
-            ];
+            return Vec::new();
         };
         self.obj.metadata = Some(Meta {
             name: JStr(Cow::Owned(name.to_string())),
             namespace: JStr(Cow::Owned(namespace.to_string())),
         });
         fields_of(k, self.obj)
+            .into_iter()
+            .skip(2)
+            .map(|(f, v)| (FieldName::Builtin(f), v.into_boxed_str()))
+            .collect()
     }
+}
+
+/// The fields of `mask` whose path segment `depth` is `key`.
+fn segment_mask(fields: &[CustomField], depth: usize, mask: u64, key: &str) -> u64 {
+    let mut m = 0;
+    for (i, f) in fields.iter().enumerate() {
+        if mask & (1 << i) != 0 && f.segments().nth(depth) == Some(key) {
+            m |= 1 << i;
+        }
+    }
+    m
+}
+
+/// Reads the value at the cursor, reached by path segment `depth - 1` of the fields in
+/// `mask`: the value of those whose path ends there, the members of an object for those
+/// whose path goes on. Anything else on the way (a scalar where a path goes on, an array)
+/// leaves the field absent, as the apiserver's JSONPath lookup with missing keys allowed
+/// finds nothing there.
+fn custom_value(
+    s: &mut Scanner<'_>,
+    fields: &[CustomField],
+    values: &mut [Option<Box<str>>],
+    depth: usize,
+    mask: u64,
+) -> Result<(), ScanError> {
+    if mask == 0 {
+        return s.skip();
+    }
+    let mut ends = 0;
+    for (i, f) in fields.iter().enumerate() {
+        if mask & (1 << i) != 0 && f.depth() == depth {
+            ends |= 1 << i;
+        }
+    }
+    let goes_on = mask & !ends;
+    match s.peek()? {
+        b'{' if goes_on != 0 => s.object(|s, k| {
+            let m = segment_mask(fields, depth, goes_on, &k);
+            custom_value(s, fields, values, depth + 1, m)
+        }),
+        // CRD validation only lets a selectable field point at a string, boolean or integer
+        // in the schema, which the apiserver enforces on every write: an object or array
+        // where a path ends is never stored.
+        b'{' | b'[' => s.skip(),
+        _ if ends == 0 => s.skip(),
+        _ => {
+            let v = go_sprint(s.scalar()?, s.pos())?;
+            for (i, slot) in values.iter_mut().enumerate() {
+                if ends & (1 << i) != 0 {
+                    *slot = v.clone();
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+/// `fmt.Sprint` of a JSON scalar as the apiserver's unstructured decoding holds it (integers
+/// that fit as int64, other numbers as float64); `None` for null.
+fn go_sprint(v: Scalar<'_>, at: usize) -> Result<Option<Box<str>>, ScanError> {
+    Ok(Some(match v {
+        Scalar::Null => return Ok(None),
+        Scalar::Bool(b) => if b { "true" } else { "false" }.into(),
+        Scalar::Str(s) => s.into(),
+        // strconv.ParseInt(s, 10, 64), as `convertNumber` tries first: the same inputs as
+        // i64::from_str for JSON numbers ("-0" is 0).
+        Scalar::Num(n) => match n.parse::<i64>() {
+            Ok(i) => i.to_string().into(),
+            Err(_) => {
+                let f: f64 = n.parse().map_err(|_| ScanError::Type {
+                    at,
+                    want: "a number",
+                })?;
+                go_format_float(f).into()
+            }
+        },
+    }))
+}
+
+/// `fmt.Sprint(float64)`: `strconv.FormatFloat(f, 'g', -1, 64)`, the shortest digits that
+/// round-trip, in `%e` form when the exponent is below -4 or at least 6 (the precision Go
+/// uses for that decision with shortest formatting), with at least two exponent digits.
+fn go_format_float(f: f64) -> String {
+    if f.is_nan() {
+        return "NaN".into();
+    }
+    if f.is_infinite() {
+        return if f > 0.0 { "+Inf" } else { "-Inf" }.into();
+    }
+    // Rust's `{:e}` is the shortest round-trip form too: `-1.2345e-7`, `0e0`.
+    let e = format!("{f:e}");
+    let (mantissa, exp) = e.split_once('e').unwrap_or((&e, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let (neg, mantissa) = match mantissa.strip_prefix('-') {
+        Some(m) => (true, m),
+        None => (false, mantissa),
+    };
+    let digits: String = mantissa.chars().filter(|c| *c != '.').collect();
+    let mut out = String::with_capacity(digits.len() + 8);
+    if neg {
+        out.push('-');
+    }
+    if !(-4..6).contains(&exp) {
+        out.push_str(&digits[..1]);
+        if digits.len() > 1 {
+            out.push('.');
+            out.push_str(&digits[1..]);
+        }
+        out.push('e');
+        out.push(if exp < 0 { '-' } else { '+' });
+        out.push_str(&format!("{:02}", exp.unsigned_abs()));
+    } else if exp < 0 {
+        out.push_str("0.");
+        for _ in 0..(-exp - 1) {
+            out.push('0');
+        }
+        out.push_str(&digits);
+    } else {
+        let int_len = exp as usize + 1;
+        if digits.len() <= int_len {
+            out.push_str(&digits);
+            for _ in digits.len()..int_len {
+                out.push('0');
+            }
+        } else {
+            out.push_str(&digits[..int_len]);
+            out.push('.');
+            out.push_str(&digits[int_len..]);
+        }
+    }
+    out
 }
 
 fn jstr<'a>(s: &mut Scanner<'a>) -> Result<JStr<'a>, ScanError> {
@@ -2065,7 +2409,7 @@ mod tests {
     #[test]
     fn pods_accept_their_fields_and_rewrite_spec_host() {
         let sel = FieldSelector::parse("spec.host=n1,status.phase=Running").unwrap();
-        let FieldCheck::Cache(conv) = check_field_selector("", "pods", &sel) else {
+        let FieldCheck::Cache(conv) = check_builtin_field_selector("", "pods", &sel) else {
             panic!("pods must be cacheable");
         };
         assert_eq!(conv.exact_value("spec.nodeName"), Some("n1"));
@@ -2074,7 +2418,7 @@ mod tests {
 
     #[test]
     fn unsupported_fields_are_rejected_with_the_conversion_funcs_message() {
-        let check = |g, r, s| check_field_selector(g, r, &FieldSelector::parse(s).unwrap());
+        let check = |g, r, s| check_builtin_field_selector(g, r, &FieldSelector::parse(s).unwrap());
         assert_eq!(
             check("", "pods", "spec.foo=1,zzz=2"),
             FieldCheck::Reject(SelectorError::UnsupportedField(
@@ -2096,8 +2440,8 @@ mod tests {
     }
 
     #[test]
-    fn unmodelled_and_custom_kinds_cache_only_metadata_fields() {
-        let check = |g, r, s| check_field_selector(g, r, &FieldSelector::parse(s).unwrap());
+    fn unmodelled_and_aggregated_kinds_cache_only_metadata_fields() {
+        let check = |g, r, s| check_builtin_field_selector(g, r, &FieldSelector::parse(s).unwrap());
         assert!(matches!(
             check("apps", "deployments", "metadata.name=a"),
             FieldCheck::Cache(_)
@@ -2118,6 +2462,129 @@ mod tests {
             check("events.k8s.io", "events", ""),
             FieldCheck::Cache(_)
         ));
+    }
+
+    fn widgets(namespaced: bool, paths: &[&str]) -> Resource {
+        Resource {
+            group: "example.com".into(),
+            version: "v1".into(),
+            resource: "widgets".into(),
+            kind: "Widget".into(),
+            namespaced,
+            custom: true,
+            selectable: CustomFields::from_json_paths(paths.iter().copied()),
+        }
+    }
+
+    #[test]
+    fn selectable_field_labels_are_the_json_paths_without_the_leading_dot() {
+        let f = CustomFields::from_json_paths([".spec.color", ".spec.size", ".status.x-y_1"]);
+        assert_eq!(
+            f.labels().collect::<Vec<_>>(),
+            ["spec.color", "spec.size", "status.x-y_1"]
+        );
+        assert!(!f.is_opaque() && !f.is_empty());
+        assert!(CustomFields::from_json_paths([]).is_empty());
+        // Paths the proxy does not evaluate exactly make every declared field opaque.
+        for odd in [
+            "spec.color",
+            ".spec..color",
+            ".spec.",
+            ".spec['color']",
+            ".spec.colors[0]",
+            ".spec.a b",
+            ".spec.*",
+            ".spec.a\\.b",
+        ] {
+            let f = CustomFields::from_json_paths([".spec.size", odd]);
+            assert!(f.is_opaque() && !f.is_empty(), "{odd}");
+            assert!(f.evaluated().is_empty(), "{odd}");
+        }
+    }
+
+    /// `crConverter.ConvertFieldLabel`: metadata.name always, metadata.namespace only when
+    /// namespaced, declared fields of the version, anything else rejected with the apiserver's
+    /// message (the router hands rejections to the apiserver, which writes the 400).
+    #[test]
+    fn custom_resources_accept_their_selectable_fields_and_reject_others() {
+        let check =
+            |r: &Resource, s: &str| check_field_selector(r, &FieldSelector::parse(s).unwrap());
+        let ns = widgets(true, &[".spec.color", ".spec.size"]);
+        let cluster = widgets(false, &[".spec.color"]);
+        let cached = |r: &Resource, s: &str| match check(r, s) {
+            FieldCheck::Cache(f) => f.to_string(),
+            other => panic!("{s}: {other:?}"),
+        };
+        assert_eq!(cached(&ns, ""), "");
+        assert_eq!(cached(&ns, "spec.color=red"), "spec.color=red");
+        assert_eq!(
+            cached(&ns, "spec.size!=3,metadata.namespace=a,metadata.name==w"),
+            "metadata.name=w,metadata.namespace=a,spec.size!=3"
+        );
+        assert_eq!(
+            cached(&cluster, "metadata.name=w,spec.color="),
+            "metadata.name=w,spec.color="
+        );
+        let rejected = |r: &Resource, s: &str| match check(r, s) {
+            FieldCheck::Reject(SelectorError::UnsupportedField(m)) => m,
+            other => panic!("{s}: {other:?}"),
+        };
+        assert_eq!(
+            rejected(&ns, "spec.weight=1"),
+            "field label not supported: spec.weight"
+        );
+        // The first unsupported label in the apiserver's (sorted) order is named.
+        assert_eq!(
+            rejected(&ns, "status.z=1,spec.a=1,spec.color=red"),
+            "field label not supported: spec.a"
+        );
+        assert_eq!(
+            rejected(&cluster, "metadata.namespace=a"),
+            "field label not supported: metadata.namespace"
+        );
+        // The path form, with its dot, is not a label.
+        assert_eq!(
+            rejected(&ns, ".spec.color=red"),
+            "field label not supported: .spec.color"
+        );
+        assert_eq!(
+            rejected(&widgets(true, &[]), "spec.color=red"),
+            "field label not supported: spec.color"
+        );
+        // A CRD declaring a path the proxy does not evaluate: the apiserver decides.
+        let odd = widgets(true, &[".spec.color", ".spec['a.b']"]);
+        assert_eq!(check(&odd, "spec.color=red"), FieldCheck::Passthrough);
+        assert!(matches!(
+            check(&odd, "metadata.name=w"),
+            FieldCheck::Cache(_)
+        ));
+    }
+
+    #[test]
+    fn floats_print_as_go_fmt_sprint_prints_them() {
+        // fmt.Sprint(float64(x)) in Go, for each x.
+        let cases = [
+            (0.0, "0"),
+            (-0.0, "-0"),
+            (1.5, "1.5"),
+            (-2.25, "-2.25"),
+            (100000.0, "100000"),
+            (123456.0, "123456"),
+            (999999.5, "999999.5"),
+            (1e6, "1e+06"),
+            (1234567.0, "1.234567e+06"),
+            (1e21, "1e+21"),
+            (1.5e300, "1.5e+300"),
+            (0.0001, "0.0001"),
+            (0.00012345, "0.00012345"),
+            (0.00001, "1e-05"),
+            (1.25e-7, "1.25e-07"),
+            (0.1 + 0.2, "0.30000000000000004"),
+            (5e-324, "5e-324"),
+        ];
+        for (f, want) in cases {
+            assert_eq!(go_format_float(f), want, "{f:e}");
+        }
     }
 
     #[test]

@@ -387,3 +387,229 @@ async fn a_custom_resource_without_its_crd_does_not_keep_the_proxy_unready() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+fn crd_with_fields(paths: &[&str]) -> Value {
+    let mut c = crd();
+    c["spec"]["versions"][0]["selectableFields"] = paths
+        .iter()
+        .map(|p| json!({"jsonPath": p}))
+        .collect::<Vec<_>>()
+        .into();
+    c
+}
+
+fn colored(name: &str, spec: Value) -> Value {
+    json!({"apiVersion": "example.com/v1", "kind": "Widget",
+           "metadata": {"name": name, "namespace": "a"}, "spec": spec})
+}
+
+/// GET straight from the fake apiserver: the answer the proxy must give.
+async fn get_upstream(fake: &FakeApiServer, path: &str) -> (u16, String) {
+    let c = plain_client(false);
+    let r = c
+        .request(
+            http::Request::get(format!("{}{path}", fake.url()))
+                .header("authorization", "Bearer alice")
+                .body(http_body_util::Full::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let code = r.status().as_u16();
+    (code, body_string(r).await)
+}
+
+/// A CRD's `selectableFields` are evaluated from memory: lists and watches with a field
+/// selector on them give the apiserver's answer without reaching it, objects enter and leave
+/// a field-selected watch as their field changes, a field the CRD does not declare goes to
+/// the apiserver (which rejects it), and a change of the declared fields replaces the cache.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn selectable_fields_of_a_crd_are_served_from_the_cache() {
+    let fake = FakeApiServer::start().await;
+    fake.create("/api/v1/namespaces", json!({"metadata": {"name": "a"}}))
+        .await;
+    fake.create(
+        CRDS,
+        crd_with_fields(&[".spec.color", ".spec.size", ".spec.on"]),
+    )
+    .await;
+    fake.create(
+        WIDGETS,
+        colored("w1", json!({"color": "red", "size": 1, "on": true})),
+    )
+    .await;
+    fake.create(
+        WIDGETS,
+        colored("w2", json!({"color": "blue", "size": 2, "on": false})),
+    )
+    .await;
+    fake.create(WIDGETS, colored("w3", json!({"color": null})))
+        .await;
+    let proxy = TestProxy::start(&fake.url(), |c| {
+        c.cache.resources = vec!["widgets.example.com".into()];
+    })
+    .await;
+    until(&proxy, "widgets synced", widgets_synced).await;
+
+    let selectors = [
+        "spec.color=red",
+        "spec.color!=red",
+        "spec.color=",
+        "spec.size=2",
+        "spec.size!=1",
+        "spec.on=true",
+        "spec.on=false",
+        "spec.on=",
+        "spec.color=blue,metadata.name=w2",
+        "spec.color=blue,metadata.name=w1",
+        "metadata.namespace=a,spec.size=1",
+    ];
+    let before = upstream_widget_requests(&fake);
+    let mut from_proxy = Vec::new();
+    for s in selectors {
+        let path = format!("{WIDGETS}?resourceVersion=0&fieldSelector={}", enc(s));
+        let (code, body) = get(&proxy, &path).await;
+        assert_eq!(code, 200, "{s}: {body}");
+        from_proxy.push(names(&serde_json::from_str(&body).unwrap()));
+    }
+    assert_eq!(
+        upstream_widget_requests(&fake),
+        before,
+        "every list came from memory"
+    );
+    for (s, got) in selectors.iter().zip(&from_proxy) {
+        let (code, body) =
+            get_upstream(&fake, &format!("{WIDGETS}?fieldSelector={}", enc(s))).await;
+        assert_eq!(code, 200, "{s}: {body}");
+        assert_eq!(*got, names(&serde_json::from_str(&body).unwrap()), "{s}");
+    }
+    assert_eq!(from_proxy[0], ["w1"]);
+    assert_eq!(from_proxy[2], ["w3"]);
+    assert_eq!(from_proxy[7], ["w3"]);
+
+    // Not declared: the apiserver answers (400), never silently ignored.
+    let (lists, watches) = upstream_widget_requests(&fake);
+    let (code, body) = get(&proxy, &format!("{WIDGETS}?fieldSelector=spec.weight%3D1")).await;
+    assert_eq!(code, 400, "{body}");
+    assert!(
+        body.contains("field label not supported: spec.weight"),
+        "{body}"
+    );
+    assert_eq!(upstream_widget_requests(&fake), (lists + 1, watches));
+
+    // A field-selected watch: objects enter (ADDED) and leave (DELETED) as their field changes.
+    let (lists, watches) = upstream_widget_requests(&fake);
+    let mut w = watch(&proxy, "resourceVersion=0&fieldSelector=spec.color%3Dred").await;
+    let e = w.next().await.unwrap();
+    assert_eq!(
+        (e["type"].as_str(), e["object"]["metadata"]["name"].as_str()),
+        (Some("ADDED"), Some("w1"))
+    );
+    fake.update(
+        &format!("{WIDGETS}/w2"),
+        colored("w2", json!({"color": "red", "size": 2})),
+    )
+    .await;
+    let green = fake
+        .update(
+            &format!("{WIDGETS}/w1"),
+            colored("w1", json!({"color": "green"})),
+        )
+        .await;
+    fake.update(
+        &format!("{WIDGETS}/w2"),
+        colored("w2", json!({"color": "red", "size": 3})),
+    )
+    .await;
+    let mut seen = Vec::new();
+    for _ in 0..3 {
+        let e = w.next().await.unwrap();
+        if e["type"] == "DELETED" {
+            assert_eq!(
+                e["object"]["metadata"]["resourceVersion"],
+                green["metadata"]["resourceVersion"]
+            );
+        }
+        seen.push(format!(
+            "{} {} {}",
+            e["type"].as_str().unwrap(),
+            e["object"]["metadata"]["name"].as_str().unwrap(),
+            e["object"]["spec"]["color"].as_str().unwrap()
+        ));
+    }
+    // Leaving, the object is sent with its last state that matched, at the resourceVersion
+    // of the change (the apiserver's cacher `convertToWatchEvent`).
+    assert_eq!(seen, ["ADDED w2 red", "DELETED w1 red", "MODIFIED w2 red"]);
+    assert_eq!(upstream_widget_requests(&fake), (lists, watches));
+
+    // The CRD declares another field: the cache is rebuilt with it (its watchers end cleanly
+    // and re-watch), and the new field is served from memory.
+    let old = proxy
+        .running
+        .as_ref()
+        .unwrap()
+        .state
+        .caches
+        .get("example.com", "v1", "widgets")
+        .unwrap();
+    // spec.weight comes, spec.on goes.
+    let mut crd = fake.get(&format!("{CRDS}/{WIDGETS_CRD}")).unwrap();
+    crd["spec"]["versions"][0]["selectableFields"] = crd_with_fields(&[
+        ".spec.color",
+        ".spec.size",
+        ".spec.weight",
+    ])["spec"]["versions"][0]["selectableFields"]
+        .clone();
+    fake.update(&format!("{CRDS}/{WIDGETS_CRD}"), crd).await;
+    let end = tokio::time::timeout(GUARD, w.try_next())
+        .await
+        .expect("the watch ends")
+        .expect("a clean end of stream");
+    assert!(end.is_none(), "{end:?}");
+    until(&proxy, "a new widgets cache", |c| {
+        c.get("example.com", "v1", "widgets")
+            .is_some_and(|c| !std::sync::Arc::ptr_eq(&c, &old) && c.is_ready())
+    })
+    .await;
+    fake.update(
+        &format!("{WIDGETS}/w3"),
+        colored("w3", json!({"weight": 5})),
+    )
+    .await;
+    let t0 = tokio::time::Instant::now();
+    loop {
+        let (code, body) = get(
+            &proxy,
+            &format!("{WIDGETS}?resourceVersion=0&fieldSelector=spec.weight%3D5"),
+        )
+        .await;
+        assert_eq!(code, 200, "{body}");
+        if names(&serde_json::from_str(&body).unwrap()) == ["w3"] {
+            break;
+        }
+        assert!(t0.elapsed() < GUARD, "never: {body}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let before = upstream_widget_requests(&fake);
+    let (code, body) = get(
+        &proxy,
+        &format!("{WIDGETS}?resourceVersion=0&fieldSelector=spec.size%3D3"),
+    )
+    .await;
+    assert_eq!(code, 200, "{body}");
+    assert_eq!(names(&serde_json::from_str(&body).unwrap()), ["w2"]);
+    assert_eq!(
+        upstream_widget_requests(&fake),
+        before,
+        "served from the new cache"
+    );
+    // No longer declared: the apiserver's answer.
+    let (code, body) = get(&proxy, &format!("{WIDGETS}?fieldSelector=spec.on%3Dtrue")).await;
+    assert_eq!(code, 400, "{body}");
+    drop(w);
+    proxy.shutdown().await;
+}
+
+fn enc(s: &str) -> String {
+    percent_encoding::utf8_percent_encode(s, percent_encoding::NON_ALPHANUMERIC).to_string()
+}

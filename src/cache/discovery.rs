@@ -22,12 +22,17 @@
 //!   resource in a group that might hold CRDs waits for the CRD list before it is cached.
 //!   Resources in Kubernetes' own groups ([`BUILTIN_GROUPS`]) need no CRD list: the proxy
 //!   then works without permission to list CRDs when no custom resource is configured.
+//! - A custom resource's cache carries the `selectableFields` of the version it caches
+//!   ([`Resource::selectable`]), so field selectors on them are answered from memory. They are
+//!   part of the planned resource: when a CRD changes them, the plan differs from the running
+//!   cache and the registry replaces it (its objects hold the old fields' values).
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
 use serde::Deserialize;
 
 use super::Resource;
+use crate::selector::CustomFields;
 
 /// The `cache.resources` entry that selects every listable and watchable resource.
 pub const ALL: &str = "all";
@@ -70,6 +75,7 @@ pub fn crd_resource() -> Resource {
         kind: "CustomResourceDefinition".into(),
         namespaced: false,
         custom: false,
+        selectable: CustomFields::default(),
     }
 }
 
@@ -154,6 +160,8 @@ pub struct Crd {
     pub namespaced: bool,
     /// Served versions, highest priority first.
     pub served: Vec<String>,
+    /// The selectable fields of the served versions that declare any, by version.
+    pub selectable: BTreeMap<String, CustomFields>,
     /// `status.conditions[Established]` is True: the apiserver serves its resource.
     pub established: bool,
 }
@@ -187,10 +195,18 @@ impl Crd {
             kind: String,
         }
         #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase")]
         struct Version {
             name: String,
             #[serde(default)]
             served: bool,
+            #[serde(default)]
+            selectable_fields: Vec<SelectableField>,
+        }
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase")]
+        struct SelectableField {
+            json_path: String,
         }
         #[derive(Deserialize)]
         struct Status {
@@ -204,12 +220,14 @@ impl Crd {
             status: String,
         }
         let o: Obj = serde_json::from_slice(body).ok()?;
-        let mut served: Vec<String> = o
-            .spec
-            .versions
-            .into_iter()
-            .filter(|v| v.served)
-            .map(|v| v.name)
+        let served_versions = || o.spec.versions.iter().filter(|v| v.served);
+        let mut served: Vec<String> = served_versions().map(|v| v.name.clone()).collect();
+        let selectable = served_versions()
+            .filter(|v| !v.selectable_fields.is_empty())
+            .map(|v| {
+                let paths = v.selectable_fields.iter().map(|f| f.json_path.as_str());
+                (v.name.clone(), CustomFields::from_json_paths(paths))
+            })
             .collect();
         served.sort_by(|a, b| version_order(a, b));
         Some(Crd {
@@ -219,6 +237,7 @@ impl Crd {
             kind: o.spec.names.kind,
             namespaced: o.spec.scope == "Namespaced",
             served,
+            selectable,
             established: o.status.is_some_and(|s| {
                 s.conditions
                     .iter()
@@ -227,15 +246,19 @@ impl Crd {
         })
     }
 
-    /// The resource to cache: its highest-priority served version.
+    /// The resource to cache: its highest-priority served version, with that version's
+    /// selectable fields (the apiserver evaluates a request's field selector with the fields
+    /// of the version it names, and other versions pass through).
     pub fn resource(&self) -> Option<Resource> {
+        let version = self.served.first()?;
         Some(Resource {
             group: self.group.clone(),
-            version: self.served.first()?.clone(),
+            version: version.clone(),
             resource: self.plural.clone(),
             kind: self.kind.clone(),
             namespaced: self.namespaced,
             custom: true,
+            selectable: self.selectable.get(version).cloned().unwrap_or_default(),
         })
     }
 }
@@ -479,6 +502,7 @@ pub fn add_resources(d: &mut Discovery, group: &str, version: &str, list: Resour
                     kind: r.kind,
                     namespaced: r.namespaced,
                     custom: false,
+                    selectable: CustomFields::default(),
                 },
                 listable,
             },
@@ -499,6 +523,7 @@ mod tests {
                 kind: kind.into(),
                 namespaced: true,
                 custom: false,
+                selectable: CustomFields::default(),
             },
             listable,
         }
@@ -521,6 +546,7 @@ mod tests {
             kind: "Widget".into(),
             namespaced: true,
             served: vec!["v1".into(), "v1beta1".into()],
+            selectable: BTreeMap::new(),
             established,
         }
     }
@@ -588,6 +614,94 @@ mod tests {
         let pending = br#"{"metadata":{"uid":"u"},"spec":{"group":"g.io","scope":"Namespaced","names":{"plural":"xs","kind":"X"},"versions":[{"name":"v1","served":true}]}}"#;
         assert!(!Crd::parse(pending).unwrap().established);
         assert!(Crd::parse(b"{}").is_none());
+    }
+
+    /// Each served version's `selectableFields`, by version; the cached resource carries the
+    /// fields of the version it caches.
+    #[test]
+    fn crds_are_read_with_each_served_versions_selectable_fields() {
+        let crd = |versions: &str| {
+            let body = format!(
+                r#"{{"metadata":{{"uid":"u1"}},"spec":{{"group":"example.com","scope":"Namespaced",
+                   "names":{{"plural":"widgets","kind":"Widget"}},"versions":{versions}}}}}"#
+            );
+            Crd::parse(body.as_bytes()).unwrap()
+        };
+        let labels = |r: Option<Resource>| -> Vec<String> {
+            r.unwrap().selectable.labels().map(str::to_string).collect()
+        };
+        /// The selectable field labels of one version.
+        type Labels<'a> = (&'a str, &'a [&'a str]);
+        let cases: &[(&str, &[Labels], &[&str])] = &[
+            // (versions, selectable fields by version, the cached resource's labels)
+            (r#"[{"name":"v1","served":true}]"#, &[], &[]),
+            (
+                r#"[{"name":"v1","served":true,"selectableFields":[{"jsonPath":".spec.color"},{"jsonPath":".spec.size"}]}]"#,
+                &[("v1", &["spec.color", "spec.size"])],
+                &["spec.color", "spec.size"],
+            ),
+            (
+                r#"[{"name":"v1","served":true,"selectableFields":[]},
+                    {"name":"v1beta1","served":true,"selectableFields":[{"jsonPath":".spec.colour"}]},
+                    {"name":"v2","served":false,"selectableFields":[{"jsonPath":".spec.hue"}]}]"#,
+                &[("v1beta1", &["spec.colour"])],
+                &[],
+            ),
+            (
+                r#"[{"name":"v1alpha1","served":true,"selectableFields":[{"jsonPath":".spec.a"}]},
+                    {"name":"v1beta1","served":true,"selectableFields":[{"jsonPath":".spec.b"}]}]"#,
+                &[("v1alpha1", &["spec.a"]), ("v1beta1", &["spec.b"])],
+                &["spec.b"],
+            ),
+        ];
+        for (versions, by_version, cached) in cases {
+            let c = crd(versions);
+            let got: Vec<(String, Vec<String>)> = c
+                .selectable
+                .iter()
+                .map(|(v, f)| (v.clone(), f.labels().map(str::to_string).collect()))
+                .collect();
+            let want: Vec<(String, Vec<String>)> = by_version
+                .iter()
+                .map(|(v, l)| (v.to_string(), l.iter().map(|s| s.to_string()).collect()))
+                .collect();
+            assert_eq!(got, want, "{versions}");
+            assert_eq!(labels(c.resource()), *cached, "{versions}");
+        }
+    }
+
+    /// The registry replaces a cache whose planned resource differs from the running one: a
+    /// change of the cached version's selectable fields must change the resource, or the
+    /// cache would keep evaluating the old fields (and not have the new ones' values).
+    #[test]
+    fn a_change_of_the_cached_versions_selectable_fields_changes_the_planned_resource() {
+        let s = sel(&["widgets.example.com"], &[]);
+        let d = Discovery::default();
+        let with = |paths: &[&str]| Crd {
+            selectable: [(
+                "v1".to_string(),
+                CustomFields::from_json_paths(paths.iter().copied()),
+            )]
+            .into(),
+            ..widgets("u1", true)
+        };
+        let key = (
+            "example.com".to_string(),
+            "v1".to_string(),
+            "widgets".to_string(),
+        );
+        let planned = |c: Crd| plan(&s, Some(&d), Some(&[c]), &HashSet::new()).cache[&key].clone();
+        let color = planned(with(&[".spec.color"]));
+        assert_eq!(color, planned(with(&[".spec.color"])));
+        assert_ne!(color, planned(with(&[".spec.color", ".spec.size"])));
+        assert_ne!(color, planned(with(&[])));
+        assert_ne!(color, planned(widgets("u1", true)));
+        // Another version's fields are not the cached version's concern.
+        let mut other = with(&[".spec.color"]);
+        other
+            .selectable
+            .insert("v1beta1".into(), CustomFields::from_json_paths([".spec.x"]));
+        assert_eq!(color, planned(other));
     }
 
     #[test]

@@ -249,6 +249,7 @@ mod tests {
             kind: "Widget".into(),
             namespaced: true,
             custom: true,
+            selectable: Default::default(),
         };
         let raw = br#"{"apiVersion":"example.com/v1","kind":"Widget","metadata":{"name":"w","namespace":"ns","resourceVersion":"3"},"spec":{"size":1}}"#;
         let o = CachedObject::parse(Bytes::from_static(raw), &r).unwrap();

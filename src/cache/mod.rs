@@ -26,6 +26,11 @@ pub struct Resource {
     /// type meta, and watch frames and GETs write the body as it is), and the apiserver's
     /// unstructured encoder orders keys alphabetically.
     pub custom: bool,
+    /// A custom resource's selectable fields at this version (its CRD's
+    /// `spec.versions[].selectableFields`), extracted from every object at ingest. Part of the
+    /// resource's identity: when they change, the registry replaces the cache, whose objects
+    /// hold the values of the old fields.
+    pub selectable: crate::selector::CustomFields,
 }
 
 impl Resource {
@@ -38,6 +43,7 @@ impl Resource {
             kind: kind.into(),
             namespaced,
             custom: false,
+            selectable: Default::default(),
         }
     }
 
@@ -65,14 +71,6 @@ impl Resource {
             Some(ns) if self.namespaced => format!("{prefix}/namespaces/{ns}/{}", self.resource),
             _ => format!("{prefix}/{}", self.resource),
         }
-    }
-
-    /// The selectable fields of an object of this resource (see [`crate::selector`]).
-    pub fn extract_fields(
-        &self,
-        raw: &[u8],
-    ) -> Result<Vec<(&'static str, String)>, serde_json::Error> {
-        crate::selector::extract_fields(&self.group, &self.resource, raw)
     }
 
     /// `pods` or `deployments.apps`, for logs and metric labels.

@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 
 use super::scan::{ScanError, Scanner};
-use crate::selector::FieldScan;
+use crate::selector::{FieldName, FieldScan};
 use bytes::Bytes;
 
 use super::Resource;
@@ -35,8 +35,10 @@ pub struct Meta {
     pub resource_version: u64,
     pub labels: BTreeMap<Box<str>, Box<str>>,
     /// Values of the resource's selectable fields (beyond metadata.name/namespace), e.g. pods'
-    /// `spec.nodeName`, extracted at ingest so field selectors never re-parse the object.
-    pub fields: Vec<(&'static str, String)>,
+    /// `spec.nodeName` or a custom resource's declared `spec.color`, extracted at ingest so
+    /// field selectors never re-parse the object. Empty (no allocation) for resources without
+    /// such fields.
+    pub fields: Vec<(FieldName, Box<str>)>,
 }
 
 /// An object as the cache holds it. Cheap to clone (`Bytes` is reference counted).
@@ -105,8 +107,8 @@ impl CachedObject {
                 .meta
                 .fields
                 .iter()
-                .find(|(k, _)| *k == path)
-                .map(|(_, v)| v.as_str()),
+                .find(|(k, _)| k.as_str() == path)
+                .map(|(_, v)| &**v),
         }
     }
 }
@@ -199,7 +201,7 @@ fn scan_object(s: &mut Scanner<'_>, resource: &Resource) -> Result<Meta, ObjectE
     let mut uid = None;
     let mut rv = None;
     let mut labels = BTreeMap::new();
-    let mut fields = FieldScan::new(&resource.group, &resource.resource);
+    let mut fields = FieldScan::new(resource);
     if s.peek()? != b'{' {
         return Err(ScanError::Type {
             at: s.pos(),
@@ -294,6 +296,110 @@ mod tests {
             .is_err()
         );
         assert!(CachedObject::parse(Bytes::from_static(br#"not json"#), &r).is_err());
+    }
+
+    fn widgets(paths: &[&str]) -> Resource {
+        Resource {
+            group: "example.com".into(),
+            version: "v1".into(),
+            resource: "widgets".into(),
+            kind: "Widget".into(),
+            namespaced: true,
+            custom: true,
+            selectable: crate::selector::CustomFields::from_json_paths(paths.iter().copied()),
+        }
+    }
+
+    /// The values the apiserver's CR strategy computes (`fmt.Sprint` of the value its JSONPath
+    /// finds, "" when it finds nothing or null), for each kind of value.
+    #[test]
+    fn custom_resource_selectable_fields_are_extracted_like_the_cr_strategy() {
+        let r = widgets(&[
+            ".spec.color",
+            ".spec.size",
+            ".spec.neg",
+            ".spec.big",
+            ".spec.on",
+            ".spec.off",
+            ".spec.gone",
+            ".spec.none",
+            ".spec.deep.inner.name",
+            ".spec.esc",
+            ".status.phase",
+            ".top",
+        ]);
+        let raw = br#"{"apiVersion":"example.com/v1","kind":"Widget","metadata":{"name":"w","namespace":"a","resourceVersion":"5","labels":{"x":"y"}},
+            "spec":{"other":{"color":"decoy"},"color":"red","size":3,"neg":-12,"big":9223372036854775807,"on":true,"off":false,
+                    "none":null,"deep":{"skip":[1,{"name":"decoy"}],"inner":{"name":"n1"}},"esc":"a\u0062\"c,d=e"},
+            "status":{"phase":"Ready"},"top":"t"}"#;
+        let o = CachedObject::parse(Bytes::from_static(raw), &r).unwrap();
+        let got = |f: &str| o.field(f).unwrap_or_else(|| panic!("{f} not extracted"));
+        assert_eq!(got("spec.color"), "red");
+        assert_eq!(got("spec.size"), "3");
+        assert_eq!(got("spec.neg"), "-12");
+        assert_eq!(got("spec.big"), "9223372036854775807");
+        assert_eq!(got("spec.on"), "true");
+        assert_eq!(got("spec.off"), "false");
+        assert_eq!(got("spec.gone"), "");
+        assert_eq!(got("spec.none"), "");
+        assert_eq!(got("spec.deep.inner.name"), "n1");
+        assert_eq!(got("spec.esc"), "ab\"c,d=e");
+        assert_eq!(got("status.phase"), "Ready");
+        assert_eq!(got("top"), "t");
+        assert_eq!(got("metadata.name"), "w");
+        assert_eq!(got("metadata.namespace"), "a");
+        assert_eq!(o.field("spec.other"), None, "not declared");
+        assert_eq!(o.meta.fields.len(), 12);
+        // The body is the object as it came, type meta included (a custom resource's list
+        // items carry it).
+        assert_eq!(&o.body[..], &raw[..]);
+
+        // Numbers beyond int64 (or not integral) are float64 to the apiserver.
+        let r = widgets(&[".spec.n"]);
+        for (n, want) in [
+            ("0", "0"),
+            ("-0", "0"),
+            ("1e3", "1000"),
+            ("2.0", "2"),
+            ("1.5", "1.5"),
+            ("9223372036854775808", "9.223372036854776e+18"),
+            ("1e21", "1e+21"),
+        ] {
+            let raw = format!(
+                r#"{{"metadata":{{"name":"w","resourceVersion":"1"}},"spec":{{"n":{n}}}}}"#
+            );
+            let o = CachedObject::parse(Bytes::from(raw), &r).unwrap();
+            assert_eq!(o.field("spec.n"), Some(want), "{n}");
+        }
+
+        // Absent on the way: no spec, spec null, a scalar or an array where an object would be.
+        let r = widgets(&[".spec.deep.name"]);
+        for spec in [
+            "",
+            r#","spec":null"#,
+            r#","spec":{"deep":"x"}"#,
+            r#","spec":{"deep":[{"name":"x"}]}"#,
+            r#","spec":{"deep":null}"#,
+        ] {
+            let raw = format!(r#"{{"metadata":{{"name":"w","resourceVersion":"1"}}{spec}}}"#);
+            let o = CachedObject::parse(Bytes::from(raw), &r).unwrap();
+            assert_eq!(o.field("spec.deep.name"), Some(""), "{spec}");
+        }
+    }
+
+    #[test]
+    fn resources_without_extra_fields_hold_none() {
+        let raw = Bytes::from_static(br#"{"metadata":{"name":"w","namespace":"a","resourceVersion":"1"},"spec":{"color":"red"}}"#);
+        for r in [
+            widgets(&[]),
+            widgets(&[".spec['color']"]),
+            Resource::core("configmaps", "ConfigMap", true),
+        ] {
+            let o = CachedObject::parse(raw.clone(), &r).unwrap();
+            assert!(o.meta.fields.is_empty(), "{r:?}");
+            assert_eq!(o.field("metadata.name"), Some("w"));
+            assert_eq!(o.field("spec.color"), None);
+        }
     }
 
     fn text() -> impl Strategy<Value = String> {
@@ -423,7 +529,10 @@ mod tests {
             let got: BTreeMap<String, String> = o.meta.labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
             prop_assert_eq!(got, labels);
             let want = crate::selector::extract_fields("", res, text.as_bytes()).unwrap();
-            prop_assert_eq!(&o.meta.fields, &want);
+            let got: Vec<(&str, &str)> = o.meta.fields.iter().map(|(k, v)| (k.as_str(), &**v)).collect();
+            // metadata.name/namespace are read from the metadata, not held twice.
+            let want: Vec<(&str, &str)> = want.iter().skip(2).map(|(k, v)| (*k, v.as_str())).collect();
+            prop_assert_eq!(got, want);
             // The body: the same JSON without the leading kind/apiVersion.
             prop_assert_eq!(o.body.first(), Some(&b'{'));
             prop_assert!(!std::str::from_utf8(&o.body).unwrap().contains("\"apiVersion\":\"v1\""));

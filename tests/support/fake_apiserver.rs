@@ -1000,11 +1000,21 @@ async fn route(
             }
             match method {
                 Method::GET if legacy_watch || req.query.flag("watch") => {
-                    let params = ListParams::parse(&req.query, kind, true)?;
+                    let params = ListParams::parse(
+                        &req.query,
+                        kind,
+                        true,
+                        &selectable_fields(shared, kind),
+                    )?;
                     watch(shared, kind, namespace, params).await
                 }
                 Method::GET => {
-                    let params = ListParams::parse(&req.query, kind, false)?;
+                    let params = ListParams::parse(
+                        &req.query,
+                        kind,
+                        false,
+                        &selectable_fields(shared, kind),
+                    )?;
                     list(shared, kind, namespace.as_deref(), params).await
                 }
                 Method::POST if namespace.is_some() || !kind.namespaced() => {
@@ -1029,7 +1039,8 @@ async fn route(
                 if subresource.is_some() || method != Method::GET {
                     return Err(Status::not_found_path());
                 }
-                let mut params = ListParams::parse(&req.query, kind, true)?;
+                let mut params =
+                    ListParams::parse(&req.query, kind, true, &selectable_fields(shared, kind))?;
                 params.fields.reqs.push(FieldReq {
                     field: "metadata.name".into(),
                     value: name,
@@ -1309,7 +1320,13 @@ struct ListParams {
 }
 
 impl ListParams {
-    fn parse(q: &Query, kind: Kind, watch: bool) -> Result<ListParams, Status> {
+    /// `selectable`: the kind's fields beyond [`supported_fields`] (a CRD's `selectableFields`).
+    fn parse(
+        q: &Query,
+        kind: Kind,
+        watch: bool,
+        selectable: &[String],
+    ) -> Result<ListParams, Status> {
         let rv_raw = q.get("resourceVersion").unwrap_or("");
         let rv = if rv_raw.is_empty() {
             None
@@ -1354,7 +1371,7 @@ impl ListParams {
                 .filter(|c| !c.is_empty())
                 .map(str::to_string),
             labels: LabelSelector::parse(q.get("labelSelector").unwrap_or(""))?,
-            fields: FieldSelector::parse(q.get("fieldSelector").unwrap_or(""), kind)?,
+            fields: FieldSelector::parse(q.get("fieldSelector").unwrap_or(""), kind, selectable)?,
             allow_bookmarks: q.flag("allowWatchBookmarks"),
             send_initial,
             timeout,
@@ -2670,8 +2687,33 @@ fn supported_fields(kind: Kind) -> &'static [&'static str] {
     }
 }
 
+/// The field labels the widgets CRD declares for v1 (`selectableFields`, without the leading
+/// dot), as the apiserver's CR field label conversion accepts them; none for other kinds.
+fn selectable_fields(shared: &Shared, kind: Kind) -> Vec<String> {
+    if kind != Kind::Widget {
+        return Vec::new();
+    }
+    let store = shared.store();
+    let Some(crd) = store.objects(Kind::Crd).get(WIDGETS_CRD) else {
+        return Vec::new();
+    };
+    let versions = crd.pointer("/spec/versions").and_then(Value::as_array);
+    versions
+        .into_iter()
+        .flatten()
+        .filter(|v| v["name"] == "v1")
+        .flat_map(|v| {
+            v["selectableFields"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default()
+        })
+        .filter_map(|f| Some(f["jsonPath"].as_str()?.trim_start_matches('.').to_string()))
+        .collect()
+}
+
 impl FieldSelector {
-    fn parse(s: &str, kind: Kind) -> Result<FieldSelector, Status> {
+    fn parse(s: &str, kind: Kind, selectable: &[String]) -> Result<FieldSelector, Status> {
         let mut reqs = Vec::new();
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (field, value, equal) = if let Some((f, v)) = part.split_once("!=") {
@@ -2686,7 +2728,7 @@ impl FieldSelector {
                 )));
             };
             let field = field.trim();
-            if !supported_fields(kind).contains(&field) {
+            if !supported_fields(kind).contains(&field) && !selectable.iter().any(|f| f == field) {
                 return Err(Status::bad_request(match kind {
                     Kind::ConfigMap => format!(
                         "{field:?} is not a known field selector: only \"metadata.name\", \"metadata.namespace\""
@@ -2723,11 +2765,15 @@ fn field_value(obj: &Value, field: &str) -> String {
             .unwrap_or(false);
         return on.to_string();
     }
+    // As the CR strategy formats a selectable field (`fmt.Sprint`): strings as they are,
+    // integers in decimal, booleans as true/false, absent or null as "".
     let pointer = format!("/{}", field.replace('.', "/"));
-    obj.pointer(&pointer)
-        .and_then(Value::as_str)
-        .unwrap_or("")
-        .to_string()
+    match obj.pointer(&pointer) {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Bool(b)) => b.to_string(),
+        Some(Value::Number(n)) => n.to_string(),
+        _ => String::new(),
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

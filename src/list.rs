@@ -375,6 +375,15 @@ fn gzip<'a>(parts: impl Iterator<Item = &'a Bytes>, len: usize, level: u32) -> O
     e.finish().ok()
 }
 
+/// Runs `f` on the blocking pool: compressing a large page takes milliseconds of CPU, which
+/// on the connection's task would hold back that connection's other streams (watch events
+/// included, [`crate::local_streams`]) and on a runtime worker every task queued behind it.
+async fn off_worker<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, std::io::Error> + Send + 'static,
+) -> Result<T, body::BoxError> {
+    Ok(tokio::task::spawn_blocking(f).await??)
+}
+
 fn gzipped(z: Vec<u8>) -> Response<Body> {
     let mut r = json(Bytes::from(z));
     r.headers_mut()
@@ -384,11 +393,19 @@ fn gzipped(z: Vec<u8>) -> Response<Body> {
     r
 }
 
-fn respond(b: Bytes, cfg: &ListConfig, accepts_gzip: bool) -> Response<Body> {
+/// `parts` (`len` bytes) gzipped off the runtime's workers; `None` if that failed (the
+/// caller then answers uncompressed).
+async fn gzip_off_worker(parts: Vec<Bytes>, len: usize, level: u32) -> Option<Vec<u8>> {
+    off_worker(move || gzip(parts.iter(), len, level).ok_or_else(|| std::io::Error::other("gzip")))
+        .await
+        .ok()
+}
+
+async fn respond(b: Bytes, cfg: &ListConfig, accepts_gzip: bool) -> Response<Body> {
     if accepts_gzip
         && cfg.gzip_min_bytes > 0
         && b.len() >= cfg.gzip_min_bytes
-        && let Some(z) = gzip(std::iter::once(&b), b.len(), cfg.gzip_level)
+        && let Some(z) = gzip_off_worker(vec![b.clone()], b.len(), cfg.gzip_level).await
     {
         return gzipped(z);
     }
@@ -580,9 +597,9 @@ async fn list_inner(
         // A continue with no limit (legal, if odd) resumes after its key.
         if pos.after.is_some() {
             let page = select_page(&cands, filter, &pos, 0);
-            return Outcome::Served(write_page(cache, enc, cx, list_rv, &page, None));
+            return Outcome::Served(write_page(cache, enc, cx, list_rv, &page, None).await);
         }
-        return Outcome::Served(stream_all(cache.clone(), &cands, filter, enc, cx, list_rv));
+        return Outcome::Served(stream_all(cache.clone(), &cands, filter, enc, cx, list_rv).await);
     }
     if let Some(cap) = cx.page_cap {
         limit = limit.min(cap.max(1));
@@ -603,7 +620,7 @@ async fn list_inner(
             .sign(&cx.binding, list_rv, last.clone(), *seen, total);
         (token, no_selectors.then(|| total.saturating_sub(*seen)))
     });
-    Outcome::Served(write_page(cache, enc, cx, list_rv, &page, meta))
+    Outcome::Served(write_page(cache, enc, cx, list_rv, &page, meta).await)
 }
 
 /// Objects at least this large go into a page body as the bytes the cache shares, not copied.
@@ -612,7 +629,7 @@ const ZERO_COPY_MIN: usize = 4096;
 /// A page's body: `meta` is the continue token and remainingItemCount, if any. Large items
 /// are written as their own frames (the cache's shared bytes), small ones copied into 64 KiB
 /// chunks, so a page costs no allocation the size of the page.
-fn write_page(
+async fn write_page(
     cache: &ResourceCache,
     enc: Encoding,
     cx: &ListContext<'_>,
@@ -648,7 +665,12 @@ fn write_page(
     if cx.accepts_gzip
         && cx.cfg.gzip_min_bytes > 0
         && frames.len() >= cx.cfg.gzip_min_bytes as u64
-        && let Some(z) = gzip(frames.iter(), frames.len() as usize, cx.cfg.gzip_level)
+        && let Some(z) = gzip_off_worker(
+            frames.iter().cloned().collect(),
+            frames.len() as usize,
+            cx.cfg.gzip_level,
+        )
+        .await
     {
         return gzipped(z);
     }
@@ -662,7 +684,7 @@ fn write_page(
 
 /// An unpaginated list, written in chunks straight from its snapshot: each chunk resumes the
 /// key range after the previous one, so nothing but the chunk being written is buffered.
-fn stream_all(
+async fn stream_all(
     cache: Arc<ResourceCache>,
     cands: &Candidates<'_>,
     filter: &Filter,
@@ -749,7 +771,7 @@ fn stream_all(
     };
     let first = g.next().unwrap_or_default();
     if g.done {
-        return respond(first.freeze(), cx.cfg, cx.accepts_gzip);
+        return respond(first.freeze(), cx.cfg, cx.accepts_gzip).await;
     }
     // More than one chunk: at least `chunk_bytes`, so past the gzip threshold.
     let gz = (cx.accepts_gzip && cx.cfg.gzip_min_bytes > 0 && first.len() >= cx.cfg.gzip_min_bytes)
@@ -764,21 +786,28 @@ fn stream_all(
                 Some(c) => Some(c),
                 None => g.next(),
             };
-            let out = match (chunk, gz.as_mut()) {
+            // Each chunk is compressed off the runtime's workers (`off_worker`).
+            let out = match (chunk, gz.take()) {
                 (Some(c), None) => c.freeze(),
-                (Some(c), Some(z)) => {
-                    if let Err(e) = z.write_all(&c) {
-                        return Some((Err(body::BoxError::from(e)), (None, g, None)));
+                (Some(c), Some(mut z)) => {
+                    let r = off_worker(move || {
+                        z.write_all(&c)?;
+                        let out = std::mem::take(z.get_mut());
+                        Ok((z, out))
+                    })
+                    .await;
+                    match r {
+                        Ok((z, out)) => {
+                            gz = Some(z);
+                            Bytes::from(out)
+                        }
+                        Err(e) => return Some((Err(e), (None, g, None))),
                     }
-                    Bytes::from(std::mem::take(z.get_mut()))
                 }
-                (None, Some(_)) => {
-                    let z = gz.take()?;
-                    match z.finish() {
-                        Ok(v) => Bytes::from(v),
-                        Err(e) => return Some((Err(body::BoxError::from(e)), (None, g, None))),
-                    }
-                }
+                (None, Some(z)) => match off_worker(move || z.finish()).await {
+                    Ok(v) => Bytes::from(v),
+                    Err(e) => return Some((Err(e), (None, g, None))),
+                },
                 (None, None) => return None,
             };
             Some((Ok(http_body::Frame::data(out)), (None, g, gz)))

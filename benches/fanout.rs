@@ -10,11 +10,15 @@
 //!   `BytesMut`. Latency is `Event::at` (set inside `apply`) to the end of that copy.
 //! - (b) end to end: the proxy embedded on port 0 in front of a tiny fake upstream (discovery,
 //!   an empty configmaps list, a watch that never sends, access reviews that allow). Events
-//!   go in through `apply` on the proxy's own cache. A child process (this binary again)
-//!   opens N h2c watch streams over N/250 connections, so the proxy's RSS is measured apart
-//!   from the client's (one task per connection drives that connection's streams). Each object carries its send time (unix ns) in an annotation; latency
-//!   is that to the end of its line being read by the client. Client and proxy share the
-//!   machine's cores: read (b) against the loopback row.
+//!   go in through `apply` on the proxy's own cache, from a runtime task as the reflector
+//!   applies them. A child process (this binary again) opens N h2c watch streams over N/250
+//!   connections, so the proxy's RSS is measured apart from the client's. Each object carries
+//!   its send time (unix ns) in an annotation; latency is that to the end of its line being
+//!   read by the client. Client and proxy share the machine's two cores, so the client's own
+//!   CPU is part of every (b) latency: each (b) row is measured with two clients, a minimal
+//!   HTTP/2 client (`h2raw`: frames parsed in place, one task per connection) that leaves
+//!   the most CPU to the proxy, and hyper's HTTP/2 client as Rust controllers use it (one
+//!   task per connection drives its streams). `KCP_FANOUT_WIRES=raw` or `=hyper` runs one.
 //!
 //! ```text
 //! cargo bench --bench fanout

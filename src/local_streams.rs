@@ -34,11 +34,12 @@
 
 use std::cell::RefCell;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use futures_util::StreamExt;
 use futures_util::stream::FuturesUnordered;
+use futures_util::{FutureExt, StreamExt};
 
 type StreamFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 
@@ -58,7 +59,14 @@ where
     fn execute(&self, fut: F) {
         let fut = ACCEPTED.with(|a| match a.borrow_mut().as_mut() {
             Some(accepted) => {
-                accepted.push(Box::pin(fut));
+                // A panic in one stream ends that stream (dropping it resets it), not the
+                // connection's task with every other stream in it, as it would have ended
+                // only its own task before.
+                accepted.push(Box::pin(AssertUnwindSafe(fut).catch_unwind().map(|r| {
+                    if r.is_err() {
+                        tracing::error!("an HTTP/2 stream panicked; it was reset");
+                    }
+                })));
                 None
             }
             None => Some(fut),
@@ -228,6 +236,39 @@ mod tests {
         .await;
         assert_eq!(out, "closed");
         assert_eq!(done.load(Ordering::SeqCst), 300);
+    }
+
+    /// A stream that panics ends alone; the connection and its other streams go on.
+    #[tokio::test]
+    async fn a_panicking_stream_ends_alone() {
+        let done = Arc::new(AtomicUsize::new(0));
+        let d = done.clone();
+        let mut accepted = false;
+        let conn = std::future::poll_fn(move |cx| {
+            use hyper::rt::Executor;
+            if !accepted {
+                accepted = true;
+                LocalExec.execute(async {
+                    tokio::task::yield_now().await;
+                    panic!("a stream's bug");
+                });
+                let (d, waker) = (d.clone(), cx.waker().clone());
+                LocalExec.execute(async move {
+                    tokio::task::yield_now().await;
+                    tokio::task::yield_now().await;
+                    d.fetch_add(1, Ordering::SeqCst);
+                    waker.wake();
+                });
+            }
+            if d.load(Ordering::SeqCst) == 1 {
+                Poll::Ready("closed")
+            } else {
+                Poll::Pending
+            }
+        });
+        let out = WithStreams::new(Box::pin(conn)).await;
+        assert_eq!(out, "closed");
+        assert_eq!(done.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test]

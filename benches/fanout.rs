@@ -1079,6 +1079,26 @@ struct RawStream {
     unacked: u32,
 }
 
+impl RawStream {
+    /// Reports what arrived since the last report (at `now`; `ended`: the stream is over).
+    fn report(
+        &mut self,
+        rep_tx: &tokio::sync::mpsc::UnboundedSender<Report>,
+        now: u64,
+        ended: bool,
+    ) {
+        let _ = rep_tx.send(Report {
+            lat: std::mem::take(&mut self.lat),
+            delivered: self.count - self.phase_start,
+            bytes: self.bytes,
+            last_ns: now,
+            ended,
+        });
+        self.phase_start = self.count;
+        self.bytes = 0;
+    }
+}
+
 /// What one connection of the raw client needs.
 struct RawConn {
     addr: String,
@@ -1189,15 +1209,7 @@ async fn raw_conn(
                         }
                     });
                     if done {
-                        let _ = rep_tx.send(Report {
-                            lat: std::mem::take(&mut s.lat),
-                            delivered: s.count - s.phase_start,
-                            bytes: s.bytes,
-                            last_ns: now,
-                            ended: false,
-                        });
-                        s.phase_start = s.count;
-                        s.bytes = 0;
+                        s.report(&rep_tx, now, false);
                     }
                 }
                 (HEADERS, Some(s)) if !s.opened => {
@@ -1228,13 +1240,7 @@ async fn raw_conn(
                 && ((matches!(ty, DATA | HEADERS) && flags & END_STREAM != 0) || ty == RST_STREAM)
             {
                 s.ended = true;
-                let _ = rep_tx.send(Report {
-                    lat: std::mem::take(&mut s.lat),
-                    delivered: s.count - s.phase_start,
-                    bytes: s.bytes,
-                    last_ns: now,
-                    ended: true,
-                });
+                s.report(&rep_tx, now, true);
             }
         }
         let _ = buf.split_to(pos);
@@ -1249,13 +1255,7 @@ async fn raw_conn(
         if !s.opened {
             unanswered += 1;
         } else if !s.ended {
-            let _ = rep_tx.send(Report {
-                lat: std::mem::take(&mut s.lat),
-                delivered: s.count - s.phase_start,
-                bytes: s.bytes,
-                last_ns: unix_ns(),
-                ended: true,
-            });
+            s.report(&rep_tx, unix_ns(), true);
         }
     }
     fail_all(unanswered);

@@ -616,15 +616,7 @@ mod tests {
     }
 
     fn widget(name: &str, color: Option<&str>, rv: u64) -> Arc<CachedObject> {
-        let r = Resource {
-            group: "example.com".into(),
-            version: "v1".into(),
-            resource: "widgets".into(),
-            kind: "Widget".into(),
-            namespaced: true,
-            custom: true,
-            selectable: crate::selector::CustomFields::from_json_paths([".spec.color"]),
-        };
+        let r = Resource::test_widgets(true, &[".spec.color"]);
         let spec = color.map_or(String::new(), |c| format!(r#","spec":{{"color":"{c}"}}"#));
         let raw = format!(
             r#"{{"metadata":{{"name":"{name}","namespace":"ns","resourceVersion":"{rv}"}}{spec}}}"#

@@ -2465,15 +2465,7 @@ mod tests {
     }
 
     fn widgets(namespaced: bool, paths: &[&str]) -> Resource {
-        Resource {
-            group: "example.com".into(),
-            version: "v1".into(),
-            resource: "widgets".into(),
-            kind: "Widget".into(),
-            namespaced,
-            custom: true,
-            selectable: CustomFields::from_json_paths(paths.iter().copied()),
-        }
+        Resource::test_widgets(namespaced, paths)
     }
 
     #[test]

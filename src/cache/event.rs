@@ -242,15 +242,7 @@ mod tests {
 
     #[test]
     fn custom_resource_frames_keep_the_objects_own_type_meta_once() {
-        let r = Resource {
-            group: "example.com".into(),
-            version: "v1".into(),
-            resource: "widgets".into(),
-            kind: "Widget".into(),
-            namespaced: true,
-            custom: true,
-            selectable: Default::default(),
-        };
+        let r = Resource::test_widgets(true, &[]);
         let raw = br#"{"apiVersion":"example.com/v1","kind":"Widget","metadata":{"name":"w","namespace":"ns","resourceVersion":"3"},"spec":{"size":1}}"#;
         let o = CachedObject::parse(Bytes::from_static(raw), &r).unwrap();
         assert_eq!(

@@ -47,6 +47,21 @@ impl Resource {
         }
     }
 
+    /// The test suites' custom resource: `widgets.example.com/v1`, kind `Widget`, with these
+    /// declared selectable fields (JSONPaths such as `.spec.color`).
+    #[cfg(test)]
+    pub fn test_widgets(namespaced: bool, paths: &[&str]) -> Resource {
+        Resource {
+            group: "example.com".into(),
+            version: "v1".into(),
+            resource: "widgets".into(),
+            kind: "Widget".into(),
+            namespaced,
+            custom: true,
+            selectable: crate::selector::CustomFields::from_json_paths(paths.iter().copied()),
+        }
+    }
+
     /// `v1` or `apps/v1`.
     pub fn api_version(&self) -> String {
         if self.group.is_empty() {

@@ -299,15 +299,7 @@ mod tests {
     }
 
     fn widgets(paths: &[&str]) -> Resource {
-        Resource {
-            group: "example.com".into(),
-            version: "v1".into(),
-            resource: "widgets".into(),
-            kind: "Widget".into(),
-            namespaced: true,
-            custom: true,
-            selectable: crate::selector::CustomFields::from_json_paths(paths.iter().copied()),
-        }
+        Resource::test_widgets(true, paths)
     }
 
     /// The values the apiserver's CR strategy computes (`fmt.Sprint` of the value its JSONPath

@@ -1,6 +1,9 @@
 //! A watcher that stops reading is closed by the hub once its queue overflows and the dispatch
 //! budget runs out, while every other watcher keeps receiving every event (ARCHITECTURE.md:
-//! "a watcher that cannot keep up is closed (and counted), never allowed to stall the others").
+//! "a watcher that cannot keep up is closed (and counted), never allowed to stall the others"),
+//! including a watcher on the same HTTP/2 connection. (Checked: with that connection's
+//! flow-control window as small as the slow stream's, the neighbour misses events, so it does
+//! share the connection.)
 
 mod support;
 
@@ -105,12 +108,14 @@ async fn a_watcher_that_stops_reading_is_closed_and_the_others_get_every_event()
     let rv0 = fake.current_rv();
     let path = "/api/v1/namespaces/slow/configmaps?watch=1";
 
-    // The slow watcher: its own h2c connection with small flow-control windows, so the proxy
-    // soon cannot write to it; it receives the response head and then never polls the body.
+    // The slow watcher: an h2c stream with a small flow-control window, so the proxy soon
+    // cannot write to it; it receives the response head and then never polls the body. The
+    // connection's window is large: a fast watcher shares this connection (the proxy runs a
+    // connection's streams in one task, `local_streams`), and must not wait for its neighbour.
     let mut b = Client::builder(TokioExecutor::new());
     b.http2_only(true)
         .http2_initial_stream_window_size(65_535)
-        .http2_initial_connection_window_size(65_535)
+        .http2_initial_connection_window_size(16 << 20)
         .http2_adaptive_window(false);
     let slow_client: Client<HttpConnector, Full<Bytes>> = b.build(HttpConnector::new());
     let slow = slow_client
@@ -124,11 +129,15 @@ async fn a_watcher_that_stops_reading_is_closed_and_the_others_get_every_event()
         .unwrap();
     assert_eq!(slow.status(), 200);
 
-    // The others: TLS HTTP/2, TLS HTTP/1.1, h2c — each reading as fast as it can.
+    // The others: TLS HTTP/2, TLS HTTP/1.1, h2c, and h2c on the slow watcher's own
+    // connection — each reading as fast as it can.
     let stop = tokio_util::sync::CancellationToken::new();
     let mut fast = Vec::new();
     let mut tasks = Vec::new();
-    for (i, kind) in ["h2", "http/1.1", "h2c"].iter().enumerate() {
+    for (i, kind) in ["h2", "http/1.1", "h2c", "h2c beside the slow watcher"]
+        .iter()
+        .enumerate()
+    {
         let seen = Arc::new(Mutex::new((Vec::new(), 0usize)));
         fast.push((kind, seen.clone()));
         let s = stop.clone();
@@ -147,8 +156,15 @@ async fn a_watcher_that_stops_reading_is_closed_and_the_others_get_every_event()
                 seen,
                 s,
             )),
-            _ => tokio::spawn(fast_watcher(
+            2 => tokio::spawn(fast_watcher(
                 plain_client(true),
+                proxy.http(path),
+                rv0,
+                seen,
+                s,
+            )),
+            _ => tokio::spawn(fast_watcher(
+                slow_client.clone(),
                 proxy.http(path),
                 rv0,
                 seen,

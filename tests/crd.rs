@@ -34,10 +34,15 @@ fn widget(name: &str) -> Value {
 }
 
 async fn get(proxy: &TestProxy, path: &str) -> (u16, String) {
+    get_url(proxy.http(path)).await
+}
+
+/// A GET as alice, over plain HTTP/1.1: status and body.
+async fn get_url(url: String) -> (u16, String) {
     let c = plain_client(false);
     let r = c
         .request(
-            http::Request::get(proxy.http(path))
+            http::Request::get(url)
                 .header("authorization", "Bearer alice")
                 .body(http_body_util::Full::default())
                 .unwrap(),
@@ -405,18 +410,7 @@ fn colored(name: &str, spec: Value) -> Value {
 
 /// GET straight from the fake apiserver: the answer the proxy must give.
 async fn get_upstream(fake: &FakeApiServer, path: &str) -> (u16, String) {
-    let c = plain_client(false);
-    let r = c
-        .request(
-            http::Request::get(format!("{}{path}", fake.url()))
-                .header("authorization", "Bearer alice")
-                .body(http_body_util::Full::default())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-    let code = r.status().as_u16();
-    (code, body_string(r).await)
+    get_url(format!("{}{path}", fake.url())).await
 }
 
 /// A CRD's `selectableFields` are evaluated from memory: lists and watches with a field

@@ -27,10 +27,10 @@ use http_body_util::{BodyExt, Full};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use jsonwebtoken::{Algorithm, EncodingKey, Header, encode, jwk};
-use kube_cache_proxy::authn::{Authenticator, KeySet, Outcome, TenantMapper, verify_jwt};
-use kube_cache_proxy::authz::{Attributes, Authorizer, Decision};
+use kube_cache_proxy::auth::authn::{Authenticator, KeySet, Outcome, TenantMapper, verify_jwt};
+use kube_cache_proxy::auth::authz::{Attributes, Authorizer, Decision};
+use kube_cache_proxy::auth::identity::CertIdentity;
 use kube_cache_proxy::config::{AuthenticationConfig, UpstreamConfig};
-use kube_cache_proxy::identity::CertIdentity;
 use kube_cache_proxy::upstream::Upstream;
 use serde_json::{Value, json};
 
@@ -135,7 +135,7 @@ fn bench(c: &mut Criterion) {
     let token_file = dir.path().join("tokens.csv");
     std::fs::write(&token_file, "static-token,alice,uid-alice,\"dev,ops\"\n").unwrap();
     let (authn, authz) = rt.block_on(async {
-        kube_cache_proxy::tls::install_crypto_provider();
+        kube_cache_proxy::http::tls::install_crypto_provider();
         let mut kube = kube::Config::new(url.parse().unwrap());
         kube.auth_info.token = Some("proxy".to_string().into());
         let up = Upstream::new(&kube, &UpstreamConfig::default()).unwrap();

@@ -52,12 +52,12 @@ use hyper::body::Frame;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use kube_cache_proxy::cache::event::Encoding;
+use kube_cache_proxy::cache::hub::Filter;
 use kube_cache_proxy::cache::registry::Caches;
 use kube_cache_proxy::cache::{
     CachedObject, EventKind, ReflectorSink, Resource, ResourceCache, Start, StoreConfig,
 };
 use kube_cache_proxy::config::Config;
-use kube_cache_proxy::hub::Filter;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -141,7 +141,7 @@ fn proc_usage(pid: Option<u32>) -> (f64, u64) {
     // USER_HZ is 100 on Linux.
     let cpu = (ticks(11) + ticks(12)) / 100.0;
     let writes = match pid {
-        None => kube_cache_proxy::coalesce::socket_writes(),
+        None => kube_cache_proxy::http::coalesce::socket_writes(),
         Some(_) => 0,
     };
     (cpu, writes)
@@ -466,7 +466,7 @@ async fn fake_upstream() -> (SocketAddr, Arc<AtomicU64>) {
 }
 
 struct Proxy {
-    running: kube_cache_proxy::server::Running,
+    running: kube_cache_proxy::app::start::Running,
     addr: SocketAddr,
     cache: Arc<ResourceCache>,
     passed: Arc<AtomicU64>,
@@ -485,7 +485,7 @@ async fn start_proxy() -> Option<Proxy> {
     // review the fake upstream allows (one review, then the cached decision).
     cfg.authentication.anonymous = true;
     let kube = kube::Config::new(format!("http://{up}").parse().unwrap());
-    let running = kube_cache_proxy::server::start(cfg, &kube).await.ok()?;
+    let running = kube_cache_proxy::app::start::start(cfg, &kube).await.ok()?;
     let addr = running.insecure_addr?;
     let caches: &Caches = &running.state.caches;
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -1471,7 +1471,7 @@ fn rate<T>(items: &[T], bytes_of: impl Fn(&T) -> usize, secs: f64, mut f: impl F
 }
 
 fn ingest() -> Ingest {
-    use kube_cache_proxy::reflector::{WatchItem, parse_event_line, parse_list_page};
+    use kube_cache_proxy::cache::reflector::{WatchItem, parse_event_line, parse_list_page};
     let pods = Resource::core("pods", "Pod", true);
     let objs: Vec<Bytes> = (0..2000)
         .map(|i| Bytes::from(pod(i, 1_000_000 + i as u64).to_string()))
@@ -1534,7 +1534,7 @@ fn ingest() -> Ingest {
         black_box(serde_json::from_slice::<serde::de::IgnoredAny>(l).unwrap());
     });
     let scan_skip = rate(&lines, line_len, 1.0, |l| {
-        let mut s = kube_cache_proxy::cache::scan::Scanner::new(l);
+        let mut s = kube_cache_proxy::k8s::scan::Scanner::new(l);
         s.skip().unwrap();
         black_box(s.pos());
     });
@@ -1663,7 +1663,7 @@ fn flags(p: &Phase) -> String {
 async fn main() {
     // Proxy and client alike, as the binary does: a subscriber at warn, so the libraries' trace spans are filtered
     // out at their call sites (without one, every span takes tracing's `log` fallback).
-    kube_cache_proxy::cli::init_logging("warn", kube_cache_proxy::config::LogFormat::Text);
+    kube_cache_proxy::app::cli::init_logging("warn", kube_cache_proxy::config::LogFormat::Text);
     if let Ok(addr) = std::env::var("KCP_FANOUT_CLIENT") {
         return client_main(addr).await;
     }

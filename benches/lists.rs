@@ -25,8 +25,8 @@ use http::Request;
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use kube_cache_proxy::config::Config;
-use kube_cache_proxy::devcluster::{ControlPlane, ControlPlaneOptions};
 use peak_alloc::PeakAlloc;
 
 #[global_allocator]
@@ -183,14 +183,14 @@ async fn main() {
     let cm_bytes = env("KCP_BENCH_CM_BYTES", 1_000) as usize;
     let walks = env("KCP_BENCH_WALKS", 3);
     let settle = env("KCP_BENCH_SETTLE_SECS", 3);
-    kube_cache_proxy::tls::install_crypto_provider();
+    kube_cache_proxy::http::tls::install_crypto_provider();
     let cp = ControlPlane::start(ControlPlaneOptions::default())
         .await
         .expect("control plane");
     let token = cp.admin_token().to_string();
     let dir = tempfile::tempdir().unwrap();
     let (proxy_ca, cert, key) =
-        kube_cache_proxy::tls::generate_serving_pair(&["localhost", "127.0.0.1"]).unwrap();
+        kube_cache_proxy::http::tls::generate_serving_pair(&["localhost", "127.0.0.1"]).unwrap();
     std::fs::write(dir.path().join("c"), cert).unwrap();
     std::fs::write(dir.path().join("k"), key).unwrap();
     let c = client(&[&cp.ca_pem, &proxy_ca]);
@@ -221,7 +221,9 @@ async fn main() {
         .await
         .unwrap();
     let t = Instant::now();
-    let proxy = kube_cache_proxy::server::start(cfg, &kube).await.unwrap();
+    let proxy = kube_cache_proxy::app::start::start(cfg, &kube)
+        .await
+        .unwrap();
     let state = proxy.state.clone();
     loop {
         let ready = |r: &str, n: u64| {

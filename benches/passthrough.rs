@@ -82,10 +82,11 @@ fn ms(d: Duration) -> f64 {
 async fn main() {
     let rate = env("KCP_BENCH_RATE", 500);
     let secs = env("KCP_BENCH_SECONDS", 10);
-    kube_cache_proxy::tls::install_crypto_provider();
+    kube_cache_proxy::http::tls::install_crypto_provider();
     let up = upstream().await;
     let dir = tempfile::tempdir().unwrap();
-    let (ca, cert, key) = kube_cache_proxy::tls::generate_serving_pair(&["localhost"]).unwrap();
+    let (ca, cert, key) =
+        kube_cache_proxy::http::tls::generate_serving_pair(&["localhost"]).unwrap();
     std::fs::write(dir.path().join("c"), cert).unwrap();
     std::fs::write(dir.path().join("k"), key).unwrap();
     let mut cfg = Config {
@@ -99,7 +100,9 @@ async fn main() {
     // The passthrough path only: no cache (the bench upstream serves no discovery).
     cfg.cache.resources.clear();
     let kube = kube::Config::new(format!("http://{up}").parse().unwrap());
-    let proxy = kube_cache_proxy::server::start(cfg, &kube).await.unwrap();
+    let proxy = kube_cache_proxy::app::start::start(cfg, &kube)
+        .await
+        .unwrap();
     let path = "/api/v1/namespaces/default/configmaps/x";
     let direct_url = format!("http://{up}{path}");
     let proxy_url = format!("http://{}{path}", proxy.insecure_addr.unwrap());

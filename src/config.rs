@@ -400,16 +400,27 @@ impl Default for CacheConfig {
     }
 }
 
+/// How fresh an unset-resourceVersion read must be (`lists.consistency`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ConsistencyMode {
+    /// Each read is confirmed against the upstream's current revision.
+    Strict,
+    /// From the cache while its upstream watch is up, after the proxy's own writes.
+    #[default]
+    Bounded,
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct ListsConfig {
     /// How reads with resourceVersion unset ("most recent") are served: `bounded` (from the
     /// cache while its upstream watch is up and confirmed, after the proxy's own writes are
     /// reflected) or `strict` (exactly as fresh as the apiserver: each read is confirmed
-    /// against the upstream's current revision; costlier). See src/consistency.rs.
-    pub consistency: crate::consistency::Mode,
+    /// against the upstream's current revision; costlier). See src/read/consistency.rs.
+    pub consistency: ConsistencyMode,
     /// Per-resource overrides of `consistency`, keyed like `cache.resources`.
-    pub consistency_by_resource: std::collections::BTreeMap<String, crate::consistency::Mode>,
+    pub consistency_by_resource: std::collections::BTreeMap<String, ConsistencyMode>,
     /// How long a consistent read may wait for confirmation before it passes through.
     #[serde(with = "humantime_serde")]
     pub consistency_timeout: Duration,
@@ -434,7 +445,7 @@ pub struct ListsConfig {
 impl Default for ListsConfig {
     fn default() -> Self {
         ListsConfig {
-            consistency: crate::consistency::Mode::Bounded,
+            consistency: ConsistencyMode::Bounded,
             consistency_by_resource: Default::default(),
             consistency_timeout: Duration::from_secs(3),
             snapshot_retention: Duration::from_secs(75),
@@ -764,7 +775,18 @@ impl Config {
     }
 
     /// Checks the relations between fields that types cannot express.
+    /// Checks every field; all errors at once. Only the checks that need no other module
+    /// of the crate: [`crate::app::start::validate`] adds the rest.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_with(|_, _| {})
+    }
+
+    /// [`Config::validate`] plus the caller's `checks`, which report through the same
+    /// `(field path, message)` callback.
+    pub fn validate_with(
+        &self,
+        checks: impl FnOnce(&Config, &mut dyn FnMut(&str, String)),
+    ) -> Result<(), ConfigError> {
         let mut errs = Vec::new();
         let mut err = |path: &str, message: String| {
             errs.push(FieldError {
@@ -861,14 +883,6 @@ impl Config {
                     "must be non-empty and unique".into(),
                 );
             }
-            if let Some(sel) = &t.namespace_selector
-                && let Err(e) = crate::selector::LabelSelector::parse(sel)
-            {
-                err(
-                    &format!("tenants[{i}].namespaceSelector"),
-                    format!("invalid label selector: {e}"),
-                );
-            }
             if t.view_recheck_interval < Duration::from_millis(100) {
                 err(
                     &format!("tenants[{i}].viewRecheckInterval"),
@@ -897,13 +911,9 @@ impl Config {
         if self.tokens.reload_interval.is_zero() {
             err("tokens.reloadInterval", "must be greater than 0".into());
         }
-        if let Some(p) = &self.tokens.key_file
-            && let Err(e) = std::fs::read_to_string(p)
-                .map_err(|e| e.to_string())
-                .and_then(|t| crate::token::KeySet::parse(&t))
-        {
-            err("tokens.keyFile", format!("{}: {e}", p.display()));
-        }
+        // Checks that need other modules' parsers (label selectors, continue-token keys): the
+        // caller supplies them, so this module stays a leaf (see `crate::app::start::validate`).
+        checks(self, &mut err);
         if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
             err("log.level", format!("invalid filter: {e}"));
         }

@@ -1,7 +1,7 @@
 //! The `kube-cache-proxy` binary; see the library docs for the design.
 
 use clap::Parser;
-use kube_cache_proxy::cli::{self, Cli, Command};
+use kube_cache_proxy::app::cli::{self, Cli, Command};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
@@ -28,10 +28,10 @@ async fn main() -> anyhow::Result<()> {
                 }
             };
             cli::init_logging(&cfg.log.level, cfg.log.format);
-            kube_cache_proxy::tls::install_crypto_provider();
+            kube_cache_proxy::http::tls::install_crypto_provider();
             let kube = kube_cache_proxy::upstream::load_kube_config(&cfg.upstream).await?;
             tracing::info!(upstream = %kube.cluster_url, "starting");
-            let running = kube_cache_proxy::server::start(cfg, &kube).await?;
+            let running = kube_cache_proxy::app::start::start(cfg, &kube).await?;
             cli::termination_signal().await;
             running.shutdown().await;
             Ok(())

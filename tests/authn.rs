@@ -9,7 +9,7 @@ use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
 use jsonwebtoken::{Algorithm, EncodingKey, Header, jwk};
-use kube_cache_proxy::authn::AuthnMethod;
+use kube_cache_proxy::auth::authn::AuthnMethod;
 use serde_json::json;
 use support::fake_apiserver::FakeApiServer;
 use support::proxy::TestProxy;
@@ -179,7 +179,7 @@ async fn the_issuers_keys_are_refreshed_in_the_background_and_kept_when_a_refres
         "verified offline with the kept keys"
     );
     let ok = &state.authn.stats.ok;
-    let jwt = kube_cache_proxy::authn::METHODS
+    let jwt = kube_cache_proxy::auth::authn::METHODS
         .iter()
         .position(|m| *m == AuthnMethod::ServiceAccountJwt)
         .unwrap();

@@ -22,8 +22,8 @@ use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use kube_cache_proxy::authn::{AuthnMethod, METHODS};
-use kube_cache_proxy::devcluster::{ControlPlane, ControlPlaneOptions, token_auth_file};
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions, token_auth_file};
+use kube_cache_proxy::auth::authn::{AuthnMethod, METHODS};
 use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
 use serde_json::{Value, json};
@@ -45,7 +45,7 @@ const RESOURCES: [(&str, &str, &str); 4] = [
 ];
 
 fn direct_client(ca_pem: &str) -> Https {
-    kube_cache_proxy::tls::install_crypto_provider();
+    kube_cache_proxy::http::tls::install_crypto_provider();
     let mut roots = rustls::RootCertStore::empty();
     for c in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
         roots.add(c.unwrap()).unwrap();
@@ -376,7 +376,7 @@ async fn setup_rbac(env: &Env) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a_refused_object() {
     let _ = tracing_subscriber::fmt()
-        .with_env_filter("kube_cache_proxy::authn=debug,kube_cache_proxy::authz=debug")
+        .with_env_filter("kube_cache_proxy::auth::authn=debug,kube_cache_proxy::auth::authz=debug")
         .with_test_writer()
         .try_init();
     let cp = ControlPlane::start(ControlPlaneOptions::default())

@@ -15,7 +15,7 @@ use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
-use kube_cache_proxy::devcluster::{ControlPlane, ControlPlaneOptions};
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde_json::json;
 use support::proxy::TestProxy;
 
@@ -155,7 +155,7 @@ async fn client_go_informers_converge_to_the_apiservers_state() {
     let ns = "e2e-clientgo";
     let env = env(ns).await;
     env.churn(ns, "pre", 6).await;
-    let bin = tokio::task::spawn_blocking(kube_cache_proxy::devcluster::ensure_client_binaries)
+    let bin = tokio::task::spawn_blocking(kube_cache_proxy::app::dev::ensure_client_binaries)
         .await
         .unwrap()
         .unwrap();

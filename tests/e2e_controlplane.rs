@@ -7,7 +7,7 @@
 use base64::Engine as _;
 use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::api::{Api, ListParams};
-use kube_cache_proxy::devcluster::{ControlPlane, ControlPlaneOptions, client_from_kubeconfig};
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions, client_from_kubeconfig};
 
 async fn get_text(client: &kube::Client, path: &str) -> Result<String, kube::Error> {
     client

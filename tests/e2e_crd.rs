@@ -10,7 +10,7 @@ mod support;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use kube_cache_proxy::devcluster::{ControlPlane, ControlPlaneOptions};
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde_json::{Value, json};
 use support::proxy::{EventReader, TestProxy, body_string};
 

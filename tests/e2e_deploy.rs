@@ -20,8 +20,8 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use http_body_util::Full;
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use kube_cache_proxy::config::Config;
-use kube_cache_proxy::devcluster::{ControlPlane, ControlPlaneOptions};
 use serde_json::{Value, json};
 use support::proxy::{EventReader, TestProxy, body_json, body_string};
 
@@ -49,7 +49,7 @@ fn repo() -> &'static Path {
 fn tools() -> &'static (PathBuf, PathBuf) {
     static TOOLS: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
     TOOLS.get_or_init(|| {
-        let kubectl = kube_cache_proxy::devcluster::ensure_binaries()
+        let kubectl = kube_cache_proxy::app::dev::ensure_binaries()
             .expect("control-plane binaries")
             .join("kubectl");
         let out = Command::new("bash")
@@ -1161,7 +1161,8 @@ impl Replica {
         std::fs::create_dir_all(dir.join("home")).unwrap();
         // The serving pair the TLS Secret would hold.
         let (ca_pem, cert, key) =
-            kube_cache_proxy::tls::generate_serving_pair(&["127.0.0.1", "localhost"]).unwrap();
+            kube_cache_proxy::http::tls::generate_serving_pair(&["127.0.0.1", "localhost"])
+                .unwrap();
         std::fs::write(dir.join("tls.crt"), cert).unwrap();
         std::fs::write(dir.join("tls.key"), key).unwrap();
         let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -1199,7 +1200,7 @@ impl Replica {
             .spawn()
             .unwrap();
         let client =
-            kube_cache_proxy::devcluster::client_from_kubeconfig(&ControlPlane::kubeconfig_yaml(
+            kube_cache_proxy::app::dev::client_from_kubeconfig(&ControlPlane::kubeconfig_yaml(
                 &format!("https://127.0.0.1:{port}"),
                 Some(&ca_pem),
                 Some(cp.admin_token()),

@@ -17,7 +17,7 @@ mod support;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use kube_cache_proxy::devcluster::{ControlPlane, ControlPlaneOptions};
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
 use support::differential::{

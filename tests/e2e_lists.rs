@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, PostParams};
-use kube_cache_proxy::devcluster::{ControlPlane, ControlPlaneOptions};
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde_json::{Value, json};
 use support::proxy::{TestProxy, body_json, plain_client};
 
@@ -66,7 +66,7 @@ async fn chunked_kubectl_lists_equal_direct_and_strict_reads_see_every_write() {
     let proxy = TestProxy::start_with_kube(upstream, |c| {
         c.lists.consistency_by_resource.insert(
             "secrets".into(),
-            kube_cache_proxy::consistency::Mode::Strict,
+            kube_cache_proxy::read::consistency::Mode::Strict,
         );
     })
     .await;

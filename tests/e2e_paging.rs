@@ -9,7 +9,7 @@ use std::time::Duration;
 use http_body_util::{BodyExt, Full};
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, Patch, PatchParams, PostParams};
-use kube_cache_proxy::devcluster::{ControlPlane, ControlPlaneOptions};
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde_json::{Value, json};
 use support::proxy::{TestProxy, plain_client};
 

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use futures_util::TryStreamExt as _;
 use http_body_util::BodyExt as _;
 use kube::core::WatchEvent;
-use kube_cache_proxy::devcluster::{ControlPlane, ControlPlaneOptions};
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde_json::{Value, json};
 use support::proxy::TestProxy;
 use support::watch_validator::{

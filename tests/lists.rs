@@ -242,7 +242,7 @@ async fn exact_and_not_older_than_lists_and_writes_between_pages() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn strict_reads_see_every_direct_write_and_nothing_stale_when_the_upstream_is_cut() {
     let (fake, proxy) = setup(|c| {
-        c.lists.consistency = kube_cache_proxy::consistency::Mode::Strict;
+        c.lists.consistency = kube_cache_proxy::read::consistency::Mode::Strict;
         c.lists.consistency_timeout = Duration::from_secs(2);
     })
     .await;
@@ -277,7 +277,7 @@ async fn strict_reads_see_every_direct_write_and_nothing_stale_when_the_upstream
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bounded_reads_see_the_writes_made_through_the_proxy() {
     let (_fake, proxy) = setup(|c| {
-        c.lists.consistency = kube_cache_proxy::consistency::Mode::Bounded;
+        c.lists.consistency = kube_cache_proxy::read::consistency::Mode::Bounded;
     })
     .await;
     let base = "/api/v1/namespaces/b/configmaps";

@@ -568,7 +568,7 @@ async fn a_thousand_watch_streams_share_one_http2_connection() {
 async fn the_serving_certificate_is_reloaded_without_a_restart() {
     let (_fake, proxy) = setup().await;
     let (new_ca, cert, key) =
-        kube_cache_proxy::tls::generate_serving_pair(&["127.0.0.1", "localhost"]).unwrap();
+        kube_cache_proxy::http::tls::generate_serving_pair(&["127.0.0.1", "localhost"]).unwrap();
     let mut roots = rustls::RootCertStore::empty();
     use rustls_pki_types::pem::PemObject;
     for c in rustls_pki_types::CertificateDer::pem_slice_iter(new_ca.as_bytes()) {

@@ -8,11 +8,11 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kube_cache_proxy::cache::{CachedObject, EventKind, ReflectorSink, Resource};
-use kube_cache_proxy::config::UpstreamConfig;
-use kube_cache_proxy::reflector::{
+use kube_cache_proxy::cache::reflector::{
     Reflector, ReflectorConfig, ReflectorHandle, ReflectorStatus, RelistReason,
 };
+use kube_cache_proxy::cache::{CachedObject, EventKind, ReflectorSink, Resource};
+use kube_cache_proxy::config::UpstreamConfig;
 use kube_cache_proxy::upstream::Upstream;
 use serde_json::json;
 use support::fake_apiserver::{FakeApiServer, LoggedRequest};
@@ -213,7 +213,7 @@ impl Harness {
                 .await;
         }
         before(&fake);
-        kube_cache_proxy::tls::install_crypto_provider();
+        kube_cache_proxy::http::tls::install_crypto_provider();
         let kc = kube::Config::new(fake.url().parse().unwrap());
         let upstream = Upstream::new(&kc, &UpstreamConfig::default()).unwrap();
         let sink = RecordingSink::new();

@@ -34,7 +34,7 @@ impl Target {
     /// A target at `addr` whose serving certificate is signed by `ca_pem` and valid for
     /// `localhost` (both the apiserver's and the proxy's generated certificates are).
     pub fn new(side: &'static str, addr: SocketAddr, ca_pem: &str, token: &str) -> Target {
-        kube_cache_proxy::tls::install_crypto_provider();
+        kube_cache_proxy::http::tls::install_crypto_provider();
         let mut roots = rustls::RootCertStore::empty();
         for c in CertificateDer::pem_slice_iter(ca_pem.as_bytes()).flatten() {
             let _ = roots.add(c);

@@ -1,6 +1,6 @@
 //! Load driver: kube-cache-proxy and kube-apiserver side by side, on one machine, in one run.
 //!
-//! Starts a real etcd + kube-apiserver (`kube_cache_proxy::devcluster`, built from source and
+//! Starts a real etcd + kube-apiserver (`kube_cache_proxy::app::dev`, built from source and
 //! cached), seeds ConfigMaps, and runs each scenario twice: straight against the apiserver, then
 //! through the proxy (a child process, restarted per scenario, see `proxy.rs`). Writes always go
 //! straight to the apiserver. Every phase records the CPU and RSS of the proxy, kube-apiserver,
@@ -39,7 +39,7 @@ use std::time::Instant;
 use anyhow::Context as _;
 use clap::Parser;
 use http::Method;
-use kube_cache_proxy::devcluster::{ControlPlane, ControlPlaneOptions};
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde::Serialize;
 
 use crate::client::{Conn, Target, fetch};

@@ -2,7 +2,7 @@
 //!
 //! By default the child is this binary again (`loadtest serve-proxy ...`), which runs exactly
 //! what `kube-cache-proxy serve` runs (the same flags, [`ServeArgs::resolve`] and
-//! [`kube_cache_proxy::server::start`]) from the library this driver was built with: no separate
+//! [`kube_cache_proxy::app::start::start`]) from the library this driver was built with: no separate
 //! binary to build or to go stale, same build profile as the driver. `--proxy-bin` runs another
 //! `kube-cache-proxy` binary with the same arguments instead.
 
@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, bail};
 use clap::Parser as _;
 use http::Method;
-use kube_cache_proxy::cli::{Cli, Command};
+use kube_cache_proxy::app::cli::{Cli, Command};
 
 use crate::client::{Target, fetch};
 
@@ -29,11 +29,11 @@ pub fn serve_main(args: Vec<String>) -> anyhow::Result<()> {
     let cfg = args.resolve()?;
     let rt = tokio::runtime::Runtime::new()?;
     rt.block_on(async move {
-        kube_cache_proxy::cli::init_logging(&cfg.log.level, cfg.log.format);
-        kube_cache_proxy::tls::install_crypto_provider();
+        kube_cache_proxy::app::cli::init_logging(&cfg.log.level, cfg.log.format);
+        kube_cache_proxy::http::tls::install_crypto_provider();
         let kube = kube_cache_proxy::upstream::load_kube_config(&cfg.upstream).await?;
-        let running = kube_cache_proxy::server::start(cfg, &kube).await?;
-        kube_cache_proxy::cli::termination_signal().await;
+        let running = kube_cache_proxy::app::start::start(cfg, &kube).await?;
+        kube_cache_proxy::app::cli::termination_signal().await;
         running.shutdown().await;
         anyhow::Ok(())
     })
@@ -52,7 +52,7 @@ pub struct ProxyFiles {
 impl ProxyFiles {
     pub fn write(dir: &Path, upstream_kubeconfig: &str) -> anyhow::Result<ProxyFiles> {
         let (ca_pem, cert, key) =
-            kube_cache_proxy::tls::generate_serving_pair(&["127.0.0.1", "localhost"])?;
+            kube_cache_proxy::http::tls::generate_serving_pair(&["127.0.0.1", "localhost"])?;
         let f = ProxyFiles {
             kubeconfig: dir.join("upstream.kubeconfig"),
             config: dir.join("proxy-config.yaml"),

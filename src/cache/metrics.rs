@@ -10,7 +10,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 
 use super::registry::Caches;
-use crate::reflector::{ReflectorStatus, RelistReason};
+use crate::cache::reflector::{ReflectorStatus, RelistReason};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResourceLabels {

@@ -7,8 +7,8 @@
 
 use std::collections::BTreeMap;
 
-use super::scan::{ScanError, Scanner};
-use crate::selector::{FieldName, FieldScan};
+use crate::k8s::scan::{ScanError, Scanner};
+use crate::k8s::selector::{FieldName, FieldScan};
 use bytes::Bytes;
 
 use super::Resource;
@@ -520,7 +520,7 @@ mod tests {
             let labels: BTreeMap<String, String> = serde_json::from_value(m["labels"].clone()).unwrap();
             let got: BTreeMap<String, String> = o.meta.labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
             prop_assert_eq!(got, labels);
-            let want = crate::selector::extract_fields("", res, text.as_bytes()).unwrap();
+            let want = crate::k8s::selector::extract_fields("", res, text.as_bytes()).unwrap();
             let got: Vec<(&str, &str)> = o.meta.fields.iter().map(|(k, v)| (k.as_str(), &**v)).collect();
             // metadata.name/namespace are read from the metadata, not held twice.
             let want: Vec<(&str, &str)> = want.iter().skip(2).map(|(k, v)| (*k, v.as_str())).collect();
@@ -532,8 +532,8 @@ mod tests {
             prop_assert_eq!(body, v);
             // Inside a watch event, the same object parses the same.
             let line = Bytes::from(format!("{{\"type\":\"MODIFIED\",\"object\":{text}}}"));
-            let crate::reflector::WatchItem::Object(_, e) =
-                crate::reflector::parse_event_line(&line, &resource).unwrap() else { panic!() };
+            let crate::cache::reflector::WatchItem::Object(_, e) =
+                crate::cache::reflector::parse_event_line(&line, &resource).unwrap() else { panic!() };
             prop_assert_eq!(e, o);
         }
     }

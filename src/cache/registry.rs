@@ -24,8 +24,8 @@ use tokio_util::sync::CancellationToken;
 
 use super::discovery::{self, Crd, Discovery, Plan, Selection};
 use super::{ReflectorSink, Resource, ResourceCache, StoreConfig};
-use crate::body;
-use crate::reflector::{Reflector, ReflectorConfig, ReflectorHandle, ReflectorStatus};
+use crate::cache::reflector::{Reflector, ReflectorConfig, ReflectorHandle, ReflectorStatus};
+use crate::http::body;
 use crate::upstream::{As, Upstream};
 
 /// In `all` mode, discovery is read again this often to find built-in or aggregated

@@ -15,7 +15,7 @@ use tokio::sync::{mpsc, watch};
 
 use super::event::{Delivery, Event};
 use super::{CachedObject, EventKind, ObjectKey, ReflectorSink, Resource};
-use crate::hub::{CloseReason, Filter, Hub, Subscription};
+use crate::cache::hub::{CloseReason, Filter, Hub, Subscription};
 
 /// History and fan-out limits of one resource's cache.
 #[derive(Debug, Clone)]
@@ -614,7 +614,7 @@ mod tests {
                 }
                 for node in ["n1", "n2", ""] {
                     let f = Filter {
-                        fields: crate::selector::FieldSelector::parse(&format!("spec.nodeName={node}")).unwrap(),
+                        fields: crate::k8s::selector::FieldSelector::parse(&format!("spec.nodeName={node}")).unwrap(),
                         ..Filter::default()
                     };
                     let want: Vec<ObjectKey> = cur.objects.iter().filter(|(_, o)| f.matches(o)).map(|(k, _)| k.clone()).collect();

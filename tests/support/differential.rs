@@ -318,7 +318,7 @@ impl Backend {
     /// A backend at `base` whose serving certificate chains to `ca_pem` (none: plain HTTP).
     /// HTTP/2 is offered through ALPN, as client-go does.
     pub fn new(name: &str, base: &str, ca_pem: Option<&str>, token: Option<&str>) -> Backend {
-        kube_cache_proxy::tls::install_crypto_provider();
+        kube_cache_proxy::http::tls::install_crypto_provider();
         let mut roots = rustls::RootCertStore::empty();
         if let Some(pem) = ca_pem {
             for c in CertificateDer::pem_slice_iter(pem.as_bytes()) {
@@ -1137,7 +1137,7 @@ impl AllowList {
 /// `*` globs for the allow-list: the proxy's own matcher (`authn::glob`, used for username
 /// patterns), kept in one place.
 #[allow(unused_imports)]
-pub use kube_cache_proxy::authn::glob;
+pub use kube_cache_proxy::auth::authn::glob;
 
 fn allowed(allow: &[Allow], d: &Diff) -> Option<usize> {
     allow

@@ -11,8 +11,8 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::{Client, connect::HttpConnector};
 use hyper_util::rt::TokioExecutor;
+use kube_cache_proxy::app::start::{self as server, Running};
 use kube_cache_proxy::config::Config;
-use kube_cache_proxy::server::{self, Running};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 
@@ -94,10 +94,11 @@ impl TestProxy {
     /// Starts the proxy in front of the apiserver `kube` describes (its credentials become the
     /// proxy's own).
     pub async fn start_with_kube(kube: kube::Config, tweak: impl FnOnce(&mut Config)) -> TestProxy {
-        kube_cache_proxy::tls::install_crypto_provider();
+        kube_cache_proxy::http::tls::install_crypto_provider();
         let dir = tempfile::tempdir().unwrap();
         let (ca_pem, cert, key) =
-            kube_cache_proxy::tls::generate_serving_pair(&["127.0.0.1", "localhost"]).unwrap();
+            kube_cache_proxy::http::tls::generate_serving_pair(&["127.0.0.1", "localhost"])
+                .unwrap();
         std::fs::write(dir.path().join("tls.crt"), cert).unwrap();
         std::fs::write(dir.path().join("tls.key"), key).unwrap();
         let (client_ca_pem, client_ca) = client_ca();
@@ -135,7 +136,7 @@ impl TestProxy {
 
     /// A kubeconfig (YAML) for the proxy's TLS listener with a bearer token.
     pub fn kubeconfig_yaml(&self, token: &str) -> String {
-        kube_cache_proxy::devcluster::ControlPlane::kubeconfig_yaml(
+        kube_cache_proxy::app::dev::ControlPlane::kubeconfig_yaml(
             &self.https(""),
             Some(&self.ca_pem),
             Some(token),

@@ -18,7 +18,7 @@
 //!   namespaced resource that RBAC denies at cluster scope is served with only the objects in
 //!   the tenant's namespaces (static list and label selector on cached Namespace objects)
 //!   where the caller may do the same verb — from the one shared cache, with the watch's
-//!   events filtered by the same namespace set ([`crate::hub::Filter::namespaces`]). The set
+//!   events filtered by the same namespace set ([`crate::cache::hub::Filter::namespaces`]). The set
 //!   is fixed when the request starts; a watch never delivers anything from outside the set
 //!   it started with. An open watch re-derives its view every `viewRecheckInterval`
 //!   ([`ViewWatch`]); once it differs (a namespace joined by label or RoleBinding, or left),
@@ -48,12 +48,12 @@ use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultDirectRateLimiter, Quota, RateLimiter};
 use http::StatusCode;
 
-use crate::api::{Reason, Status};
-use crate::authn::{Authenticator, Identity};
-use crate::authz::{Attributes, Authorizer, Decision};
+use crate::auth::authn::{Authenticator, Identity};
+use crate::auth::authz::{Attributes, Authorizer, Decision};
 use crate::cache::ResourceCache;
 use crate::config::TenantConfig;
-use crate::selector::LabelSelector;
+use crate::k8s::selector::LabelSelector;
+use crate::k8s::status::{Reason, Status};
 
 /// Rejections by quota, per tenant (metrics).
 #[derive(Debug, Default)]
@@ -239,7 +239,7 @@ impl ViewWatch {
 
     /// Passes the watch body's frames (whole events) through until the view changes, then
     /// ends the stream with an ERROR event carrying 410 Expired (client-go relists on it).
-    pub fn guard(self, watch: crate::body::Body) -> crate::body::Body {
+    pub fn guard(self, watch: crate::http::body::Body) -> crate::http::body::Body {
         use futures_util::StreamExt;
         use http_body_util::BodyStream;
         type Changed = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
@@ -265,7 +265,7 @@ impl ViewWatch {
                 }
             },
         );
-        crate::body::boxed(http_body_util::StreamBody::new(s))
+        crate::http::body::boxed(http_body_util::StreamBody::new(s))
     }
 }
 
@@ -316,9 +316,9 @@ impl Tenancy {
     pub async fn admit_passthrough(
         &self,
         authn: &Authenticator,
-        cert: Option<&crate::identity::CertIdentity>,
+        cert: Option<&crate::auth::identity::CertIdentity>,
         headers: &http::HeaderMap,
-        info: &crate::request_info::RequestInfo,
+        info: &crate::k8s::request_info::RequestInfo,
         read_charged: bool,
     ) -> Result<Option<WatchPermit>, Refusal> {
         let watch = info.verb == "watch";

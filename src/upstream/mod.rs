@@ -27,8 +27,8 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use kube::client::ConfigExt;
 use tower::{BoxError, ServiceBuilder, ServiceExt, util::BoxCloneSyncService};
 
-use crate::body::Body;
 use crate::config::UpstreamConfig;
+use crate::http::body::Body;
 
 /// A request sender to the apiserver.
 pub type HttpService = BoxCloneSyncService<Request<Body>, Response<Incoming>, BoxError>;
@@ -71,7 +71,7 @@ pub struct Upstream {
     proxy: HttpService,
     proxy_h1: HttpService,
     /// Latency of the proxy's own non-long-running requests, for adaptive paging.
-    latency: std::sync::Arc<crate::paging::LatencyWindow>,
+    latency: std::sync::Arc<crate::metrics::window::LatencyWindow>,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -292,7 +292,7 @@ impl Upstream {
     }
 
     /// The latency window of the proxy's own upstream requests (see [`Upstream::send`]).
-    pub fn latency(&self) -> &std::sync::Arc<crate::paging::LatencyWindow> {
+    pub fn latency(&self) -> &std::sync::Arc<crate::metrics::window::LatencyWindow> {
         &self.latency
     }
 
@@ -318,7 +318,9 @@ mod tests {
     use super::*;
 
     fn ca() -> String {
-        crate::tls::generate_serving_pair(&["localhost"]).unwrap().0
+        crate::http::tls::generate_serving_pair(&["localhost"])
+            .unwrap()
+            .0
     }
 
     fn sa_dir(files: &[(&str, &str)]) -> tempfile::TempDir {

@@ -2,6 +2,8 @@
 //! dashboards and queries carry over (`apiserver_request_total` ->
 //! `kube_cache_proxy_requests_total`).
 
+pub mod window;
+
 use std::sync::Mutex;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -157,32 +159,6 @@ impl Metrics {
     }
 }
 
-/// Authentication, authorization and tenant-quota metrics, read from their counters at scrape
-/// time.
-#[derive(Debug)]
-pub struct AuthCollector {
-    pub authn: std::sync::Arc<crate::authn::Authenticator>,
-    pub authz: std::sync::Arc<crate::authz::Authorizer>,
-    pub tenancy: std::sync::Arc<crate::tenancy::Tenancy>,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct AuthnLabels {
-    method: String,
-    result: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ResultLabels {
-    result: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct QuotaLabels {
-    tenant: String,
-    quota: String,
-}
-
 /// Writes one metric (family) of a scrape-time collector with its name and help.
 pub fn emit<M: prometheus_client::encoding::EncodeMetric>(
     enc: &mut prometheus_client::encoding::DescriptorEncoder,
@@ -192,138 +168,4 @@ pub fn emit<M: prometheus_client::encoding::EncodeMetric>(
 ) -> std::fmt::Result {
     let e = enc.encode_descriptor(name, help, None, m.metric_type())?;
     m.encode(e)
-}
-
-impl prometheus_client::collector::Collector for AuthCollector {
-    fn encode(&self, mut enc: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
-        use std::sync::atomic::Ordering::Relaxed;
-        let authn = Family::<AuthnLabels, Counter>::default();
-        let a = &self.authn.stats;
-        for (i, m) in crate::authn::METHODS.iter().enumerate() {
-            authn
-                .get_or_create(&AuthnLabels {
-                    method: m.as_str().into(),
-                    result: "success".into(),
-                })
-                .inc_by(a.ok[i].load(Relaxed));
-        }
-        // Refusals by the method that refused (`none`: no usable credentials); only
-        // TokenReview can be unavailable.
-        let refusers = crate::authn::METHODS
-            .iter()
-            .map(|m| m.as_str())
-            .chain([crate::authn::NO_METHOD.1]);
-        for (i, method) in refusers.enumerate() {
-            authn
-                .get_or_create(&AuthnLabels {
-                    method: method.into(),
-                    result: "unauthorized".into(),
-                })
-                .inc_by(a.unauthorized[i].load(Relaxed));
-        }
-        authn
-            .get_or_create(&AuthnLabels {
-                method: crate::authn::AuthnMethod::TokenReview.as_str().into(),
-                result: "unavailable".into(),
-            })
-            .inc_by(a.unavailable.load(Relaxed));
-        emit(
-            &mut enc,
-            "kube_cache_proxy_authentications",
-            "Authentications of cache-served requests by method and result",
-            &authn,
-        )?;
-        let authn_cache = Family::<ResultLabels, Counter>::default();
-        authn_cache
-            .get_or_create(&ResultLabels {
-                result: "hit".into(),
-            })
-            .inc_by(a.cache_hits.load(Relaxed));
-        emit(
-            &mut enc,
-            "kube_cache_proxy_authentication_cache",
-            "Token authentications answered from the proxy's token cache",
-            &authn_cache,
-        )?;
-        let jwks = Family::<ResultLabels, Counter>::default();
-        let (fetches, failures) = (
-            a.jwks_fetches.load(Relaxed),
-            a.jwks_fetch_failures.load(Relaxed),
-        );
-        for (result, n) in [
-            ("success", fetches.saturating_sub(failures)),
-            ("failure", failures),
-        ] {
-            jwks.get_or_create(&ResultLabels {
-                result: result.into(),
-            })
-            .inc_by(n);
-        }
-        emit(
-            &mut enc,
-            "kube_cache_proxy_jwks_fetches",
-            "Fetches of the ServiceAccount issuer's discovery document and JWKS (a failure keeps the previous keys)",
-            &jwks,
-        )?;
-
-        let z = &self.authz.stats;
-        let decisions = Family::<ResultLabels, Counter>::default();
-        for (result, n) in [
-            ("allowed", z.allowed.load(Relaxed)),
-            ("denied", z.denied.load(Relaxed)),
-            ("error", z.errors.load(Relaxed)),
-        ] {
-            decisions
-                .get_or_create(&ResultLabels {
-                    result: result.into(),
-                })
-                .inc_by(n);
-        }
-        emit(
-            &mut enc,
-            "kube_cache_proxy_authorization_decisions",
-            "Authorization decisions on cache-served requests (errors fail closed)",
-            &decisions,
-        )?;
-        let lookups = Family::<ResultLabels, Counter>::default();
-        for (result, n) in [
-            ("hit", z.cache_hits.load(Relaxed)),
-            ("miss", z.cache_misses.load(Relaxed)),
-        ] {
-            lookups
-                .get_or_create(&ResultLabels {
-                    result: result.into(),
-                })
-                .inc_by(n);
-        }
-        emit(
-            &mut enc,
-            "kube_cache_proxy_authorization_cache_lookups",
-            "Authorization decision cache lookups (hit ratio = hit / (hit + miss))",
-            &lookups,
-        )?;
-
-        let quota = Family::<QuotaLabels, Counter>::default();
-        for t in self.tenancy.tenants() {
-            let r = &t.rejections;
-            for (q, n) in [
-                ("watches", r.watches.load(Relaxed)),
-                ("rate", r.rate.load(Relaxed)),
-                ("list_size", r.list_size.load(Relaxed)),
-            ] {
-                quota
-                    .get_or_create(&QuotaLabels {
-                        tenant: t.config.name.clone(),
-                        quota: q.into(),
-                    })
-                    .inc_by(n);
-            }
-        }
-        emit(
-            &mut enc,
-            "kube_cache_proxy_quota_rejections",
-            "Requests (cache-served, and passthrough lists/watches of identified callers) refused with 429 by tenant quota",
-            &quota,
-        )
-    }
 }

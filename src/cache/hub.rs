@@ -16,7 +16,7 @@ use dashmap::DashMap;
 
 use crate::cache::CachedObject;
 use crate::cache::event::{Delivery, Event};
-use crate::selector::{FieldSelector, LabelSelector};
+use crate::k8s::selector::{FieldSelector, LabelSelector};
 
 /// What a watcher wants to see.
 #[derive(Debug, Clone, Default)]
@@ -609,7 +609,7 @@ mod tests {
 
     fn on_node(node: &str) -> Arc<Filter> {
         Arc::new(Filter {
-            fields: crate::selector::FieldSelector::parse(&format!("spec.nodeName={node}"))
+            fields: crate::k8s::selector::FieldSelector::parse(&format!("spec.nodeName={node}"))
                 .unwrap(),
             ..Filter::default()
         })
@@ -631,7 +631,7 @@ mod tests {
         let hub = Hub::new(16, Duration::from_millis(10));
         let f = |s: &str| {
             Arc::new(Filter {
-                fields: crate::selector::FieldSelector::parse(s).unwrap(),
+                fields: crate::k8s::selector::FieldSelector::parse(s).unwrap(),
                 ..Filter::default()
             })
         };

@@ -35,8 +35,8 @@ use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 
-use crate::cache::Resource;
-use crate::cache::scan::{Scalar, ScanError, Scanner};
+use crate::k8s::Resource;
+use crate::k8s::scan::{Scalar, ScanError, Scanner};
 
 use serde::Deserialize;
 use serde::de::{self, Deserializer, Visitor};
@@ -1647,7 +1647,7 @@ pub fn extract_fields(
 }
 
 /// Collects an object's selectable fields during the cache's single pass over its JSON
-/// ([`crate::cache::scan`]): the same values as [`extract_fields`] for built-in kinds, and a
+/// ([`crate::k8s::scan`]): the same values as [`extract_fields`] for built-in kinds, and a
 /// custom resource's declared [`CustomFields`], without a second parse.
 pub struct FieldScan<'a, 'r> {
     kind: Option<&'static KindFields>,

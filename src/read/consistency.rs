@@ -27,23 +27,16 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, header};
 use http_body_util::BodyExt;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 use tokio::sync::watch;
 
-use crate::body;
 use crate::cache::ReflectorSink;
 use crate::cache::ResourceCache;
 use crate::cache::store::Snapshot;
+use crate::http::body;
 use crate::upstream::{As, Upstream};
 
-/// How fresh an unset-resourceVersion read must be.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum Mode {
-    Strict,
-    #[default]
-    Bounded,
-}
+pub use crate::config::ConsistencyMode as Mode;
 
 /// Counters for metrics.
 #[derive(Debug)]

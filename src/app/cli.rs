@@ -168,7 +168,7 @@ pub async fn termination_signal() {
 
 /// `check-config FILE`: the list of problems, empty when the file is valid.
 pub fn check_config(file: &std::path::Path) -> Vec<String> {
-    match Config::from_file(file).and_then(|c| c.validate().map(|_| c)) {
+    match Config::from_file(file).and_then(|c| crate::app::start::validate(&c).map(|_| c)) {
         Ok(_) => Vec::new(),
         Err(ConfigError::Invalid(errs)) => errs.iter().map(ToString::to_string).collect(),
         Err(e) => vec![e.to_string()],
@@ -182,15 +182,15 @@ pub fn check_config(file: &std::path::Path) -> Vec<String> {
 pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
     use anyhow::Context;
 
-    use crate::devcluster::{ControlPlane, ControlPlaneOptions};
+    use crate::app::dev::{ControlPlane, ControlPlaneOptions};
 
     init_logging(&args.log_level, LogFormat::Text);
-    crate::tls::install_crypto_provider();
+    crate::http::tls::install_crypto_provider();
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let out = std::fs::canonicalize(&args.out)?;
     eprintln!(">> preparing kube-apiserver, etcd and kubectl (cached after the first build)");
-    tokio::task::spawn_blocking(crate::devcluster::ensure_binaries)
+    tokio::task::spawn_blocking(crate::app::dev::ensure_binaries)
         .await?
         .context("building the control plane")?;
     let cp = ControlPlane::start(ControlPlaneOptions {
@@ -211,7 +211,7 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
     let tls_dir = out.join(".dev").join("proxy-tls");
     std::fs::create_dir_all(&tls_dir)?;
     let (ca_pem, cert_pem, key_pem) =
-        crate::tls::generate_serving_pair(&["127.0.0.1", "localhost"])?;
+        crate::http::tls::generate_serving_pair(&["127.0.0.1", "localhost"])?;
     std::fs::write(tls_dir.join("tls.crt"), cert_pem)?;
     std::fs::write(tls_dir.join("tls.key"), key_pem)?;
     std::fs::write(tls_dir.join("client-ca.crt"), cp.client_ca().0)?;
@@ -226,7 +226,7 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
     cfg.upstream.kubeconfig = Some(upstream_kc.clone());
     cfg.log.level = args.log_level.clone();
     let kube = crate::upstream::load_kube_config(&cfg.upstream).await?;
-    let running = crate::server::start(cfg, &kube).await?;
+    let running = crate::app::start::start(cfg, &kube).await?;
     let addr = running.tls_addr.context("the proxy has no listener")?;
     let proxy_kc = out.join("kube-cache-proxy.kubeconfig");
     std::fs::write(

@@ -13,7 +13,7 @@
 //! accepted it, and [`WithStreams`] polls a connection's streams from the connection's task
 //! (a `FuturesUnordered`: a woken stream costs an atomic push and at most one wake of the
 //! connection task), then the connection itself, which encodes what those streams just sent
-//! into one batch ([`crate::coalesce`] writes it out). Envoy serves a connection's streams
+//! into one batch ([`crate::http::coalesce`] writes it out). Envoy serves a connection's streams
 //! from one worker thread the same way.
 //!
 //! The cost: the streams of one connection no longer run on two cores at once, and a

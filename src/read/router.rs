@@ -11,11 +11,11 @@ use http::Method;
 
 use crate::cache::ResourceCache;
 use crate::cache::event::Encoding;
-use crate::hub::Filter;
-use crate::list::ListParams;
-use crate::request_info::RequestInfo;
-use crate::selector::{FieldCheck, FieldSelector, LabelSelector, check_field_selector};
-use crate::watch::WatchParams;
+use crate::cache::hub::Filter;
+use crate::k8s::request_info::RequestInfo;
+use crate::k8s::selector::{FieldCheck, FieldSelector, LabelSelector, check_field_selector};
+use crate::read::list::ListParams;
+use crate::read::watch::WatchParams;
 
 #[derive(Debug)]
 pub enum Route {

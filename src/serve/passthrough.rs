@@ -6,29 +6,18 @@
 //! relayed byte for byte after a `101` from the apiserver. Redirects are relayed, never
 //! followed.
 
-use std::net::SocketAddr;
-use std::sync::Arc;
-
 use http::{HeaderValue, Request, Response, StatusCode, Version, header};
 use http_body_util::Limited;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
-use crate::api::{Reason, Status};
-use crate::body::{self, Body};
-use crate::drain::DrainBody;
-use crate::identity::{self, Caller, CertIdentity};
+use crate::auth::identity::{self, Caller};
+use crate::http::body::{self, Body};
+use crate::http::drain::DrainBody;
+use crate::k8s::request_info::RequestInfo;
+use crate::k8s::status::{Reason, Status};
 use crate::metrics::UpstreamLabels;
-use crate::request_info::RequestInfo;
-use crate::server::State;
-
-/// What the listener knows about the connection a request arrived on.
-#[derive(Debug, Clone, Default)]
-pub struct ConnInfo {
-    pub peer: Option<SocketAddr>,
-    /// The verified client certificate's identity (TLS listener with a client CA only).
-    pub cert: Option<Arc<CertIdentity>>,
-}
+use crate::serve::state::{ConnInfo, State};
 
 /// Forwards one request upstream and returns the response to stream back.
 pub async fn forward(

@@ -34,9 +34,9 @@ use http_body_util::BodyExt;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::api::{Reason, Status};
-use crate::authn::Identity;
-use crate::body;
+use crate::auth::authn::Identity;
+use crate::http::body;
+use crate::k8s::status::{Reason, Status};
 use crate::upstream::{As, Upstream};
 
 /// What is being asked.

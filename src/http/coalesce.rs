@@ -1,6 +1,6 @@
 //! Write coalescing for one server connection: everything the protocol writes during a poll
 //! of the connection (and of its HTTP/2 streams, which run in the same task:
-//! [`crate::local_streams`]) leaves in one write.
+//! [`crate::http::local_streams`]) leaves in one write.
 //!
 //! hyper's HTTP/2 codec hands every DATA frame larger than 256 bytes to the socket as its own
 //! write and flushes after each one, so a watch event fanned out to the 250 streams of one
@@ -177,7 +177,7 @@ pub trait Batching {
     fn batches(&self) -> bool;
 }
 
-impl<F> Batching for crate::local_streams::WithStreams<F> {
+impl<F> Batching for crate::http::local_streams::WithStreams<F> {
     fn batches(&self) -> bool {
         self.streams() > 1
     }

@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use http::{Response, StatusCode, header};
 use parking_lot_free::Slot;
 
-use crate::body::{self, Body};
+use crate::http::body::{self, Body};
 
 /// A named check's latest result, updated by whoever owns the condition.
 #[derive(Debug, Clone)]

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http::{HeaderValue, StatusCode, header};
 use serde::Serialize;
 
-use crate::body::{self, Body};
+use crate::http::body::{self, Body};
 
 /// The `reason` field of a failure Status, as spelled by k8s.io/apimachinery `metav1.StatusReason`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

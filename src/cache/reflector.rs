@@ -60,10 +60,10 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{Instrument as _, debug, info, warn};
 
-use crate::body::{self, BoxError};
 use crate::cache::object::ObjectError;
-use crate::cache::scan::{Scalar, ScanError, Scanner};
 use crate::cache::{CachedObject, EventKind, ReflectorSink, Resource};
+use crate::http::body::{self, BoxError};
+use crate::k8s::scan::{Scalar, ScanError, Scanner};
 use crate::upstream::{As, Upstream};
 
 /// A watch event line longer than this is refused (the stream is then treated as broken).

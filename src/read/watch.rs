@@ -19,10 +19,10 @@ use http_body::Frame;
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
-use crate::body::{self, Body};
 use crate::cache::event::{Delivery, Encoding, Event, bookmark_frame, encode_frame};
+use crate::cache::hub::{Filter, Item, Subscription};
 use crate::cache::{CachedObject, ResourceCache, Start, WatchError};
-use crate::hub::{Filter, Item, Subscription};
+use crate::http::body::{self, Body};
 
 /// The query of a watch the cache can serve. Anything else (unknown parameters, invalid
 /// combinations) is left to the apiserver, which also writes the exact error.
@@ -159,9 +159,9 @@ pub async fn serve(
         // apiserver watch, just when the apiserver is busiest; with 410 they relist from
         // this cache.
         Err(e @ WatchError::Expired { .. }) => {
-            let status = crate::api::Status::failure(
+            let status = crate::k8s::status::Status::failure(
                 http::StatusCode::GONE,
-                crate::api::Reason::Expired,
+                crate::k8s::status::Reason::Expired,
                 e.to_string(),
             );
             let mut frame = b"{\"type\":\"ERROR\",\"object\":".to_vec();
@@ -419,8 +419,8 @@ impl WatchState {
         loop {
             match self.sub.rx.try_recv() {
                 Ok(i) => self.push_item(&mut out, i),
-                Err(crate::hub::TryRecvError::Empty) => break,
-                Err(crate::hub::TryRecvError::Disconnected) => {
+                Err(crate::cache::hub::TryRecvError::Empty) => break,
+                Err(crate::cache::hub::TryRecvError::Disconnected) => {
                     // Closed by the hub (relist, slow consumer): the dispatcher's progress
                     // may already lie past events this watcher will never get, so no
                     // bookmark — deliver what is queued, then end.
@@ -564,7 +564,7 @@ mod tests {
         while cache.hub.dispatched_rv() < 2 {
             tokio::task::yield_now().await;
         }
-        cache.hub.close_all(crate::hub::CloseReason::Relist);
+        cache.hub.close_all(crate::cache::hub::CloseReason::Relist);
         assert!(
             next(&mut b)
                 .await

@@ -42,9 +42,9 @@ use jsonwebtoken::{Algorithm, DecodingKey, Validation, jwk};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use crate::body;
+use crate::auth::identity::CertIdentity;
 use crate::config::{AuthenticationConfig, RevocationCheck, TenantConfig};
-use crate::identity::CertIdentity;
+use crate::http::body;
 use crate::upstream::{As, Upstream};
 
 /// A verified caller, as the apiserver's `user.Info`, plus the tenant it belongs to.
@@ -1583,7 +1583,7 @@ mod tests {
     }
 
     fn offline_authenticator(cfg: AuthenticationConfig) -> Authenticator {
-        crate::tls::install_crypto_provider();
+        crate::http::tls::install_crypto_provider();
         // Never contacted: these paths need no upstream.
         let kube = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
         let up = Upstream::new(&kube, &crate::config::UpstreamConfig::default()).unwrap();

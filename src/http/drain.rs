@@ -9,7 +9,7 @@ use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
-use crate::body::BoxError;
+use crate::http::body::BoxError;
 
 pin_project_lite::pin_project! {
     /// Ends a streaming body cleanly when the drain token fires.

@@ -3,13 +3,13 @@
 //!
 //! | resourceVersion | match | served at |
 //! | --- | --- | --- |
-//! | unset | - | the current state, once the consistency policy allows ([`crate::consistency`]) |
+//! | unset | - | the current state, once the consistency policy allows ([`crate::read::consistency`]) |
 //! | `0` | unset / NotOlderThan | the current state; `limit` ignored (as the watch cache does) |
 //! | N | NotOlderThan, or unset without `limit` | the current state once the cache reached N |
 //! | N | Exact, or unset with `limit` | the snapshot at exactly N |
 //!
 //! Pages: every page of one walk comes from one snapshot (retained while the walk goes on,
-//! or rebuilt from the event history); the continue token ([`crate::token`]) is signed,
+//! or rebuilt from the event history); the continue token ([`crate::read::token`]) is signed,
 //! bound to the caller and the query, and positions by key. `remainingItemCount` is set when
 //! there are no selectors, as the apiserver does. A page holds at most `limit` items and may
 //! hold fewer (the page-size cap of adaptive paging).
@@ -33,13 +33,13 @@ use std::time::Duration;
 use bytes::{BufMut, Bytes, BytesMut};
 use http::{HeaderValue, Response, StatusCode, header};
 
-use crate::api::{Reason, Status};
-use crate::body::{self, Body};
 use crate::cache::event::{Encoding, put_object};
+use crate::cache::hub::Filter;
 use crate::cache::store::Snapshot;
 use crate::cache::{CachedObject, ObjectKey, ResourceCache};
-use crate::hub::Filter;
-use crate::token::{Binding, Keys, TokenError};
+use crate::http::body::{self, Body};
+use crate::k8s::status::{Reason, Status};
+use crate::read::token::{Binding, Keys, TokenError};
 
 /// `resourceVersion` of a list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -377,7 +377,7 @@ fn gzip<'a>(parts: impl Iterator<Item = &'a Bytes>, len: usize, level: u32) -> O
 
 /// Runs `f` on the blocking pool: compressing a large page takes milliseconds of CPU, which
 /// on the connection's task would hold back that connection's other streams (watch events
-/// included, [`crate::local_streams`]) and on a runtime worker every task queued behind it.
+/// included, [`crate::http::local_streams`]) and on a runtime worker every task queued behind it.
 async fn off_worker<T: Send + 'static>(
     f: impl FnOnce() -> Result<T, std::io::Error> + Send + 'static,
 ) -> Result<T, body::BoxError> {
@@ -831,8 +831,8 @@ async fn stream_all(
 mod tests {
     use super::*;
     use crate::cache::{EventKind, ReflectorSink, Resource, StoreConfig};
-    use crate::selector::{FieldSelector, LabelSelector};
-    use crate::token::KeySet;
+    use crate::k8s::selector::{FieldSelector, LabelSelector};
+    use crate::read::token::KeySet;
     use http_body_util::BodyExt;
     use proptest::prelude::*;
 

@@ -1,0 +1,246 @@
+//! The composition root: validates the configuration, builds every component, binds the
+//! listeners and serves in the background ([`start`]); the CLI, dev mode and tests use it.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use tokio::net::TcpListener;
+use tokio_rustls::TlsAcceptor;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::Config;
+use crate::http::listener::{Listeners, run};
+use crate::metrics::Metrics;
+use crate::serve::health::Health;
+use crate::serve::state::State;
+use crate::upstream::Upstream;
+
+/// Validates a configuration completely: [`Config::validate`] plus what needs the crate's own
+/// parsers (tenants' namespace selectors, the continue-token key file). All errors at once.
+pub fn validate(config: &Config) -> Result<(), crate::config::ConfigError> {
+    config.validate_with(|c, err| {
+        for (i, t) in c.tenants.iter().enumerate() {
+            if let Some(sel) = &t.namespace_selector
+                && let Err(e) = crate::k8s::selector::LabelSelector::parse(sel)
+            {
+                err(
+                    &format!("tenants[{i}].namespaceSelector"),
+                    format!("invalid label selector: {e}"),
+                );
+            }
+        }
+        if let Some(p) = &c.tokens.key_file
+            && let Err(e) = std::fs::read_to_string(p)
+                .map_err(|e| e.to_string())
+                .and_then(|t| crate::read::token::KeySet::parse(&t))
+        {
+            err("tokens.keyFile", format!("{}: {e}", p.display()));
+        }
+    })
+}
+
+/// Builds every component from the configuration and wires them into the shared [`State`].
+pub fn build_state(
+    config: Config,
+    upstream: Upstream,
+    authn: crate::auth::authn::Authenticator,
+) -> Arc<State> {
+    let drain = CancellationToken::new();
+    let c = &config.cache;
+    let store = crate::cache::StoreConfig {
+        history_max_events: c.history_max_events,
+        history_max_age: c.history_max_age,
+        watcher_queue: c.watcher_queue,
+        dispatch_budget: c.dispatch_budget,
+        snapshot_retention: config.lists.snapshot_retention,
+        snapshot_max: config.lists.snapshot_max,
+    };
+    let paging = crate::paging::Paging::new(config.paging.clone(), c.upstream_page_size);
+    let reflector = crate::cache::reflector::ReflectorConfig {
+        page_size: c.upstream_page_size,
+        adaptive_page_size: paging.upstream_source(),
+        ..Default::default()
+    };
+    let caches = crate::cache::registry::Caches::start(
+        c.resources.clone(),
+        c.exclude.clone(),
+        upstream.clone(),
+        store,
+        reflector,
+        drain.clone(),
+    );
+    let authz = Arc::new(crate::auth::authz::Authorizer::new(
+        upstream.clone(),
+        c.authorization_allow_ttl,
+        c.authorization_deny_ttl,
+    ));
+    let authn = Arc::new(authn);
+    let tenancy = Arc::new(crate::tenancy::Tenancy::new(&config.tenants));
+    let watch = crate::read::watch::WatchConfig {
+        bookmark_interval: c.bookmark_interval,
+        ..Default::default()
+    };
+    let l = &config.lists;
+    let lists = crate::read::list::ListConfig {
+        wait_for_rv: l.wait_for_resource_version,
+        gzip_min_bytes: l.gzip_min_bytes,
+        gzip_level: l.gzip_level,
+        ..Default::default()
+    };
+    let keys = crate::read::token::Keys::load(config.tokens.key_file.as_deref(), config.tokens.ttl)
+        .unwrap_or_else(|e| {
+            // `check-config` and startup validation refuse a bad key file; this only
+            // happens if it broke in between.
+            tracing::error!(error = %e, "continue-token keys: using a random key");
+            crate::read::token::Keys::load(None, config.tokens.ttl).expect("generated keys")
+        });
+    keys.spawn_reloader(config.tokens.reload_interval);
+    let consistency =
+        crate::read::consistency::Consistency::new(upstream.clone(), l.consistency_timeout);
+    let metrics = Metrics::new();
+    metrics.register_collector(Box::new(crate::read::consistency::ConsistencyCollector(
+        consistency.clone(),
+    )));
+    metrics.register_collector(Box::new(crate::cache::metrics::CacheCollector(
+        caches.clone(),
+    )));
+    metrics.register_collector(Box::new(crate::app::collectors::AuthCollector {
+        authn: authn.clone(),
+        authz: authz.clone(),
+        tenancy: tenancy.clone(),
+    }));
+    metrics.register_collector(Box::new(crate::paging::PagingCollector(paging.clone())));
+    Arc::new(State {
+        config,
+        upstream,
+        metrics,
+        health: Health::new(),
+        caches,
+        authn,
+        authz,
+        tenancy,
+        watch,
+        lists,
+        keys,
+        consistency,
+        paging,
+        drain,
+    })
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("invalid configuration: {0}")]
+    Config(#[from] crate::config::ConfigError),
+    #[error(transparent)]
+    Upstream(#[from] crate::upstream::UpstreamError),
+    #[error(transparent)]
+    Tls(#[from] crate::http::tls::TlsError),
+    #[error(transparent)]
+    Authn(#[from] crate::auth::authn::AuthnError),
+    #[error("binding {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// A proxy serving in the background (used by the CLI, dev mode and tests).
+#[derive(Debug)]
+pub struct Running {
+    pub state: Arc<State>,
+    pub tls_addr: Option<SocketAddr>,
+    pub insecure_addr: Option<SocketAddr>,
+    stop: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// Begins graceful shutdown (as SIGTERM does) without waiting for it.
+    pub fn begin_shutdown(&self) {
+        self.stop.cancel();
+    }
+
+    /// Shuts down gracefully and waits for the drain to finish.
+    pub async fn shutdown(self) {
+        self.stop.cancel();
+        let _ = self.task.await;
+    }
+
+    /// Waits until the server has stopped (after a shutdown began).
+    pub async fn wait(self) {
+        let _ = self.task.await;
+    }
+}
+
+/// Validates `config`, binds its listeners and starts serving against `kube`'s apiserver.
+pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, StartError> {
+    validate(&config)?;
+    crate::http::tls::install_crypto_provider();
+    let upstream = Upstream::new(kube, &config.upstream)?;
+    let tls = match (&config.tls.cert_file, &config.tls.key_file) {
+        (Some(cert), Some(key)) => {
+            let rc = crate::http::tls::ReloadingCert::load(cert, key)?;
+            rc.spawn_reloader(config.tls.reload_interval);
+            let sc = crate::http::tls::server_config(rc, config.tls.client_ca_file.as_deref())?;
+            let l = TcpListener::bind(config.listen)
+                .await
+                .map_err(|source| StartError::Bind {
+                    addr: config.listen,
+                    source,
+                })?;
+            Some((l, TlsAcceptor::from(Arc::new(sc))))
+        }
+        _ => None,
+    };
+    let insecure = match config.insecure_listen {
+        Some(addr) => Some(
+            TcpListener::bind(addr)
+                .await
+                .map_err(|source| StartError::Bind { addr, source })?,
+        ),
+        None => None,
+    };
+    let tls_addr = tls.as_ref().and_then(|(l, _)| l.local_addr().ok());
+    let insecure_addr = insecure.as_ref().and_then(|l| l.local_addr().ok());
+    let authn = crate::auth::authn::Authenticator::new(
+        config.authentication.clone(),
+        crate::auth::authn::TenantMapper::new(config.tenants.clone()),
+        upstream.clone(),
+    )?;
+    let state = build_state(config, upstream, authn);
+    state.spawn_upstream_probe();
+    state.authn.spawn_jwks_refresher(state.drain.clone());
+    state
+        .paging
+        .spawn(state.upstream.clone(), state.drain.clone());
+    let stop = CancellationToken::new();
+    let task = {
+        let state = state.clone();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let config = state.config.clone();
+            run(
+                state,
+                &config,
+                Listeners { tls, insecure },
+                stop.cancelled_owned(),
+            )
+            .await
+        })
+    };
+    if let Some(a) = tls_addr {
+        tracing::info!(addr = %a, "serving TLS (HTTP/2 and HTTP/1.1)");
+    }
+    if let Some(a) = insecure_addr {
+        tracing::info!(addr = %a, "serving plain HTTP (HTTP/1.1 and h2c) for local use");
+    }
+    Ok(Running {
+        state,
+        tls_addr,
+        insecure_addr,
+        stop,
+        task,
+    })
+}

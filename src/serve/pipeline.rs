@@ -1,0 +1,661 @@
+//! The request pipeline: every request's path from the listener to a response.
+//!
+//! Hygiene checks, the proxy's local endpoints, then either a read served from the cache
+//! (routed, authenticated, authorized, within the tenant's quotas) or the request handed to
+//! the apiserver with the caller's identity; and the request's metrics and log line.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Instant;
+
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use hyper::body::Incoming;
+use rustls_pki_types::CertificateDer;
+
+use crate::auth::identity::CertIdentity;
+use crate::http::body::{self, Body};
+use crate::http::drain::Tracked;
+use crate::k8s::request_info::{self, RequestInfo};
+use crate::k8s::status::{Reason, Status};
+use crate::metrics::{DurationLabels, KindLabels, Metrics, RequestLabels};
+use crate::serve::passthrough;
+use crate::serve::state::{ConnInfo, State};
+
+impl crate::http::listener::Service for State {
+    type Conn = ConnInfo;
+
+    fn accept(&self, peer: SocketAddr, cert: Option<&CertificateDer<'_>>) -> ConnInfo {
+        ConnInfo {
+            peer: Some(peer),
+            cert: cert.and_then(|c| CertIdentity::from_der(c)).map(Arc::new),
+        }
+    }
+
+    fn call(
+        self: Arc<Self>,
+        conn: Arc<ConnInfo>,
+        req: Request<Incoming>,
+    ) -> Pin<Box<dyn Future<Output = Response<Body>> + Send>> {
+        Box::pin(async move { handle(&self, &conn, req).await })
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    fn begin_shutdown(&self) {
+        self.health.begin_shutdown();
+    }
+
+    fn begin_drain(&self) {
+        self.drain.cancel();
+    }
+}
+
+/// Serves a read from memory when the router says it can and the apiserver says this caller
+/// may; `None` sends the request through.
+async fn serve_from_cache(
+    state: &State,
+    conn: &ConnInfo,
+    req: &Request<Incoming>,
+    info: &RequestInfo,
+    query: Option<&str>,
+    read_charged: &mut bool,
+) -> Option<Response<Body>> {
+    use crate::read::router::Route;
+    let accept = req
+        .headers()
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok());
+    let route = crate::read::router::route(req.method(), info, query, accept, |g, v, r| {
+        state.caches.get(g, v, r)
+    });
+    if let Route::Passthrough(why) = route {
+        if info.is_resource_request && info.verb != "create" {
+            tracing::trace!(reason = why, path = %req.uri().path(), "passthrough");
+        }
+        return None;
+    }
+    let namespaced = match &route {
+        Route::Watch { cache, .. } | Route::Get { cache, .. } | Route::List { cache, .. } => {
+            cache.resource.namespaced
+        }
+        Route::Passthrough(_) => false,
+    };
+    let (id, view) = match authenticate_and_authorize(state, conn, req, info, namespaced).await {
+        Ok(x) => x,
+        Err(resp) => return resp,
+    };
+    // Tenant quotas (`tenancy`); the unnamed tenant has none.
+    let tenant = state.tenancy.get(&id.tenant);
+    let mut permit = None;
+    if let Some(t) = tenant {
+        let admitted = match &route {
+            Route::Watch { .. } => t.admit_watch().map(|p| permit = p),
+            _ => t.admit_read().map(|()| *read_charged = true),
+        };
+        if let Err(status) = admitted {
+            return Some(status.into_response());
+        }
+    }
+    match route {
+        Route::Watch {
+            cache,
+            params,
+            mut filter,
+            enc,
+        } => {
+            // Most recent state (a watch or WatchList without resourceVersion): only once the
+            // consistency policy confirms the cache.
+            if params.resource_version.as_deref().unwrap_or("").is_empty()
+                && state
+                    .consistency
+                    .latest(&cache, consistency_mode(state, &cache))
+                    .await
+                    .is_none()
+            {
+                return None;
+            }
+            filter.namespaces = view.clone();
+            let resp = crate::read::watch::serve(
+                cache,
+                params,
+                filter,
+                enc,
+                &state.watch,
+                state.drain.clone(),
+            )
+            .await
+            .ok()?;
+            // The tenant's watch slot is held as long as the stream.
+            let (parts, mut b) = resp.into_parts();
+            // A filtered view is re-derived while the watch is open (`tenancy::ViewWatch`).
+            if let Some(view) = view
+                && parts.status.is_success()
+            {
+                b = crate::tenancy::ViewWatch {
+                    tenancy: state.tenancy.clone(),
+                    authz: state.authz.clone(),
+                    caches: state.caches.clone(),
+                    id: id.clone(),
+                    attrs: authz_attributes(info),
+                    view,
+                }
+                .guard(b);
+            }
+            let b = Tracked::new(b, Instant::now(), move |_| drop(permit));
+            Some(Response::from_parts(parts, body::boxed(b)))
+        }
+        Route::Get {
+            cache,
+            enc,
+            consistent,
+        } => {
+            let snap = if consistent {
+                state
+                    .consistency
+                    .latest(&cache, consistency_mode(state, &cache))
+                    .await?
+            } else {
+                cache.current()
+            };
+            crate::read::list::get(&cache, &snap, &info.namespace, &info.name, enc)
+        }
+        Route::List {
+            cache,
+            mut filter,
+            enc,
+            params,
+        } => {
+            filter.namespaces = view;
+            if let Some(t) = tenant
+                && t.config.quotas.max_list_objects.is_some()
+                && !has_limit(query)
+            {
+                let n = cache
+                    .current()
+                    .objects
+                    .values()
+                    .filter(|o| filter.matches(o))
+                    .count();
+                if let Err(status) = t.admit_list_size(n) {
+                    return Some(status.into_response());
+                }
+            }
+            let latest = if params.rv == crate::read::list::Rv::Unset && params.continue_.is_none()
+            {
+                state
+                    .consistency
+                    .latest(&cache, consistency_mode(state, &cache))
+                    .await
+            } else {
+                None
+            };
+            let cx = crate::read::list::ListContext {
+                cfg: &state.lists,
+                keys: &state.keys,
+                binding: list_binding(&id, info, &params, filter.namespaces.as_deref()),
+                accepts_gzip: accepts_gzip(req.headers()),
+                page_cap: state.paging.downstream_cap().map(|c| c as u64),
+            };
+            match crate::read::list::list(&cache, &filter, enc, &params, &cx, latest).await {
+                crate::read::list::Outcome::Served(r) => Some(r),
+                crate::read::list::Outcome::Passthrough(why) => {
+                    tracing::trace!(reason = why, path = %req.uri().path(), "list passthrough");
+                    None
+                }
+            }
+        }
+        Route::Passthrough(_) => None,
+    }
+}
+
+/// Authentication and authorization of a cache-served request (`authn`, `authz`): `Ok` to
+/// serve it; `Err(Some(status))` the 401/403/503 to answer; `Err(None)` to pass it through
+/// (impersonation requests, which the apiserver or [`impersonation_gate`] authorize).
+/// A cluster-wide list/watch RBAC denies may still be served as the tenant's filtered view:
+/// the namespace set comes back with the identity.
+async fn authenticate_and_authorize(
+    state: &State,
+    conn: &ConnInfo,
+    req: &Request<Incoming>,
+    info: &RequestInfo,
+    namespaced: bool,
+) -> Result<AuthorizedView, Option<Response<Body>>> {
+    use crate::auth::authn::Outcome;
+    use crate::auth::authz::Decision;
+    if has_impersonation(req.headers()) {
+        return Err(None);
+    }
+    let id = match state
+        .authn
+        .authenticate(conn.cert.as_deref(), req.headers())
+        .await
+    {
+        Outcome::Authenticated(id, _) => id,
+        Outcome::Unauthorized => return Err(Some(Status::unauthorized().into_response())),
+        Outcome::Unavailable(e) => {
+            let msg = format!("authentication is unavailable: {e}");
+            return Err(Some(Status::service_unavailable(msg, 1).into_response()));
+        }
+    };
+    let attrs = authz_attributes(info);
+    match state.authz.authorize(&id, &attrs).await {
+        Decision::Allow => Ok((id, None)),
+        Decision::Deny(reason) => {
+            let ns_cache = state.caches.get("", "v1", "namespaces");
+            let view = state
+                .tenancy
+                .filtered_view(&state.authz, ns_cache.as_deref(), &id, &attrs, namespaced)
+                .await;
+            match view {
+                Some(set) => Ok((id, Some(set))),
+                None => Err(Some(
+                    crate::auth::authz::forbidden(&id, &attrs, &reason).into_response(),
+                )),
+            }
+        }
+        Decision::Error(e) => {
+            let msg = format!("authorization is unavailable: {e}");
+            Err(Some(Status::service_unavailable(msg, 1).into_response()))
+        }
+    }
+}
+
+/// The attributes a cache-served request is authorized with.
+fn authz_attributes(info: &RequestInfo) -> crate::auth::authz::Attributes {
+    crate::auth::authz::Attributes {
+        verb: info.verb.clone(),
+        group: info.api_group.clone(),
+        version: info.api_version.clone(),
+        resource: info.resource.clone(),
+        subresource: info.subresource.clone(),
+        namespace: info.namespace.clone(),
+        name: info.name.clone(),
+    }
+}
+
+type AuthorizedView = (
+    Arc<crate::auth::authn::Identity>,
+    Option<Arc<std::collections::BTreeSet<String>>>,
+);
+
+/// Whether a list asks for pages (`limit` > 0).
+fn has_limit(query: Option<&str>) -> bool {
+    query.unwrap_or("").split('&').any(|kv| {
+        kv.strip_prefix("limit=")
+            .and_then(|v| v.parse::<u64>().ok())
+            .is_some_and(|n| n > 0)
+    })
+}
+
+fn has_impersonation(h: &http::HeaderMap) -> bool {
+    h.keys().any(|k| k.as_str().starts_with("impersonate-"))
+}
+
+/// A client-certificate caller's `Impersonate-*` headers, authorized as the apiserver's
+/// impersonation filter would (its requests travel with the proxy's credentials, so the
+/// apiserver cannot): `Err` is the refusal; `Ok(Some(conn))` the connection info to pass
+/// through as the impersonated user; `Ok(None)` nothing to do.
+async fn impersonation_gate(
+    state: &State,
+    conn: &ConnInfo,
+    req: &Request<Incoming>,
+) -> Result<Option<ConnInfo>, Response<Body>> {
+    let Some(cert) = conn.cert.as_deref() else {
+        return Ok(None);
+    };
+    if !has_impersonation(req.headers()) {
+        return Ok(None);
+    }
+    let id = match state.authn.authenticate(Some(cert), req.headers()).await {
+        crate::auth::authn::Outcome::Authenticated(id, _) => id,
+        _ => return Err(Status::unauthorized().into_response()),
+    };
+    match state.authz.impersonate(&id, req.headers()).await {
+        Ok(Some(target)) => Ok(Some(ConnInfo {
+            peer: conn.peer,
+            // Everything that was checked goes up: user, groups, uid and extra.
+            cert: Some(Arc::new(CertIdentity {
+                user: target.user,
+                groups: target
+                    .groups
+                    .into_iter()
+                    .filter(|g| g != "system:authenticated")
+                    .collect(),
+                uid: target.uid,
+                extra: target.extra,
+            })),
+        })),
+        Ok(None) => Ok(None),
+        Err(status) => Err(status.into_response()),
+    }
+}
+
+/// Passes a request through as `forward_as`, within the tenant quotas of the caller on `conn`
+/// when the proxy can name it ([`crate::tenancy::Tenancy::admit_passthrough`]); a watch holds
+/// its slot until the stream ends. The second value is the `served_by` label.
+async fn forward_within_quota(
+    state: &State,
+    conn: &ConnInfo,
+    forward_as: &ConnInfo,
+    req: Request<Incoming>,
+    info: &RequestInfo,
+    long_running: bool,
+    read_charged: bool,
+) -> (Response<Body>, &'static str) {
+    let admitted = state
+        .tenancy
+        .admit_passthrough(
+            &state.authn,
+            conn.cert.as_deref(),
+            req.headers(),
+            info,
+            read_charged,
+        )
+        .await;
+    let permit = match admitted {
+        Ok(p) => p,
+        Err(refusal) => return (refusal.into_response(), "proxy"),
+    };
+    let resp = passthrough::forward(state, forward_as, req, info, long_running).await;
+    let Some(permit) = permit else {
+        return (resp, "upstream");
+    };
+    let (parts, b) = resp.into_parts();
+    let b = Tracked::new(b, Instant::now(), move |_| drop(permit));
+    (Response::from_parts(parts, body::boxed(b)), "upstream")
+}
+
+/// A successful write to a cached resource: remembers the resourceVersion it produced, so
+/// later unset-resourceVersion reads through this proxy wait until the cache reflects it
+/// (read-your-writes in the bounded consistency mode). The response of a write is one small
+/// object; it is buffered (up to 1 MiB) to read that number and sent on unchanged.
+async fn read_your_writes(
+    state: &State,
+    info: &RequestInfo,
+    resp: Response<Body>,
+) -> Response<Body> {
+    if !matches!(info.verb.as_str(), "create" | "update" | "patch" | "delete")
+        || !resp.status().is_success()
+        || !info.subresource.is_empty() && info.subresource != "status"
+    {
+        return resp;
+    }
+    let Some(cache) = state
+        .caches
+        .get(&info.api_group, &info.api_version, &info.resource)
+    else {
+        return resp;
+    };
+    let small = resp
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+        .is_some_and(|n| n <= 1 << 20);
+    let plain = resp.headers().get(header::CONTENT_ENCODING).is_none();
+    if !small || !plain {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    match http_body_util::BodyExt::collect(body).await {
+        Ok(b) => {
+            let b = b.to_bytes();
+            if let Some(rv) = crate::read::consistency::body_rv(&b) {
+                state.consistency.record_write(&cache.resource.label(), rv);
+            }
+            Response::from_parts(parts, body::full(b))
+        }
+        Err(e) => Status::failure(
+            StatusCode::BAD_GATEWAY,
+            Reason::InternalError,
+            format!("the apiserver's response to the write broke off: {e}"),
+        )
+        .into_response(),
+    }
+}
+
+/// The consistency mode configured for a resource.
+fn consistency_mode(
+    state: &State,
+    cache: &crate::cache::ResourceCache,
+) -> crate::read::consistency::Mode {
+    let l = &state.config.lists;
+    l.consistency_by_resource
+        .get(&cache.resource.label())
+        .copied()
+        .unwrap_or(l.consistency)
+}
+
+/// What a continue token is bound to: the caller's tenant and verified identity
+/// (`authn::Identity::identity_hash`), the resource, the namespace, the selectors and, for a
+/// filtered cluster view, the hash of its namespace set (a walk whose view changed between
+/// pages is refused instead of mixing two views).
+fn list_binding(
+    id: &crate::auth::authn::Identity,
+    info: &RequestInfo,
+    p: &crate::read::list::ListParams,
+    view: Option<&std::collections::BTreeSet<String>>,
+) -> crate::read::token::Binding {
+    let identity = id.identity_hash();
+    let tenant = id.tenant.as_str();
+    let view = view.map(crate::tenancy::view_hash);
+    let mut parts: Vec<&[u8]> = vec![
+        tenant.as_bytes(),
+        &identity,
+        info.api_group.as_bytes(),
+        info.api_version.as_bytes(),
+        info.resource.as_bytes(),
+        info.namespace.as_bytes(),
+        p.label_selector.as_bytes(),
+        p.field_selector.as_bytes(),
+    ];
+    // Unfiltered lists keep their binding (tokens stay valid across an upgrade).
+    if let Some(v) = &view {
+        parts.push(v);
+    }
+    crate::read::token::Binding::new(&parts)
+}
+
+/// Whether `Accept-Encoding` allows gzip (`gzip;q=0` does not).
+fn accepts_gzip(headers: &http::HeaderMap) -> bool {
+    headers
+        .get_all(header::ACCEPT_ENCODING)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|item| {
+            let mut parts = item.split(';').map(str::trim);
+            let coding = parts.next().unwrap_or("");
+            let q_zero = parts.any(|p| {
+                p.strip_prefix("q=")
+                    .and_then(|q| q.parse::<f32>().ok())
+                    .is_some_and(|q| q == 0.0)
+            });
+            (coding.eq_ignore_ascii_case("gzip") || coding == "*") && !q_zero
+        })
+}
+
+/// Sum of header name and value lengths, as Go's `MaxHeaderBytes` roughly counts them.
+fn header_bytes(req: &Request<Incoming>) -> usize {
+    req.headers()
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum::<usize>()
+        + req.uri().to_string().len()
+}
+
+/// The entry point of every request: hygiene checks, local endpoints, passthrough, and the
+/// request's metrics and log line.
+pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> Response<Body> {
+    let start = Instant::now();
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let query = req.uri().query().map(str::to_string);
+    let content_type = req
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+
+    if let Err(e) = request_info::validate_path(&path) {
+        state.metrics.reject("bad_path");
+        return Status::bad_request(format!("invalid request path: {e}")).into_response();
+    }
+    if header_bytes(&req) > state.config.server.max_header_bytes {
+        state.metrics.reject("headers_too_large");
+        return Status::failure(
+            StatusCode::from_u16(431).unwrap_or(StatusCode::BAD_REQUEST),
+            Reason::Unknown,
+            format!(
+                "request headers exceed the limit of {} bytes",
+                state.config.server.max_header_bytes
+            ),
+        )
+        .into_response();
+    }
+
+    // Local endpoints. The proxy answers health for itself (its readiness includes the
+    // upstream's); `/metrics` is the proxy's own.
+    if method == Method::GET || method == Method::HEAD {
+        if let Some(r) = state
+            .health
+            .respond_with(&path, query.as_deref(), state.cache_checks())
+        {
+            return r;
+        }
+        if path == "/metrics" {
+            let mut r = Response::new(body::full(state.metrics.encode()));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
+            );
+            return r;
+        }
+        // Served like /metrics (unauthenticated for now; both get the authentication
+        // issue's treatment together).
+        if path == "/debug/paging" {
+            return state.paging.debug_response();
+        }
+    }
+
+    let info = RequestInfo::parse(&method, &path, query.as_deref());
+    let upgrade = crate::auth::identity::upgrade_protocol(req.headers()).is_some();
+    let long_running = info.is_long_running(query.as_deref(), upgrade);
+    let verb = info.metrics_verb(&method, content_type.as_deref(), upgrade);
+    let kind = if upgrade {
+        "upgrade"
+    } else if info.verb == "watch" {
+        "watch"
+    } else if matches!(method, Method::GET | Method::HEAD | Method::OPTIONS) {
+        "readOnly"
+    } else {
+        "mutating"
+    };
+    let inflight = state
+        .metrics
+        .inflight
+        .get_or_create(&KindLabels { kind: kind.into() })
+        .clone();
+    inflight.inc();
+
+    // Whether the cache path took a read-quota token before handing the request over.
+    let mut read_charged = false;
+    // Each branch's future is boxed: this future then holds only the one a request takes,
+    // not the largest of them (it was 6.8 KB for every request, watches included, and a burst
+    // of thousands of watch requests held that many at once).
+    let (resp, served_by) = match Box::pin(impersonation_gate(state, conn, &req)).await {
+        Err(refused) => (refused, "proxy"),
+        Ok(Some(as_target)) => {
+            Box::pin(forward_within_quota(
+                state,
+                conn,
+                &as_target,
+                req,
+                &info,
+                long_running,
+                false,
+            ))
+            .await
+        }
+        Ok(None) => match Box::pin(serve_from_cache(
+            state,
+            conn,
+            &req,
+            &info,
+            query.as_deref(),
+            &mut read_charged,
+        ))
+        .await
+        {
+            Some(r) => (r, "cache"),
+            None => {
+                let (resp, by) = Box::pin(forward_within_quota(
+                    state,
+                    conn,
+                    conn,
+                    req,
+                    &info,
+                    long_running,
+                    read_charged,
+                ))
+                .await;
+                (Box::pin(read_your_writes(state, &info, resp)).await, by)
+            }
+        },
+    };
+
+    let code = resp.status();
+    state
+        .metrics
+        .requests
+        .get_or_create(&RequestLabels {
+            verb: verb.clone(),
+            group: info.api_group.clone(),
+            version: info.api_version.clone(),
+            resource: info.resource.clone(),
+            subresource: info.subresource.clone(),
+            scope: info.metrics_scope().into(),
+            code: code.as_str().into(),
+            served_by: served_by.into(),
+        })
+        .inc();
+    tracing::debug!(
+        %method,
+        path = %path,
+        verb = %verb,
+        code = code.as_u16(),
+        latency_ms = start.elapsed().as_secs_f64() * 1e3,
+        peer = ?conn.peer,
+        "request"
+    );
+    let scope = info.metrics_scope().to_string();
+    let paging = (verb == "LIST").then(|| state.paging.clone());
+    let hist = state
+        .metrics
+        .request_duration
+        .get_or_create(&DurationLabels {
+            verb,
+            group: info.api_group,
+            version: info.api_version,
+            resource: info.resource,
+            subresource: info.subresource,
+            scope,
+            served_by: served_by.into(),
+        })
+        .clone();
+    let (parts, b) = resp.into_parts();
+    let b = Tracked::new(b, start, move |start| {
+        hist.observe(start.elapsed().as_secs_f64());
+        if let Some(p) = &paging {
+            p.record_list(start.elapsed());
+        }
+        inflight.dec();
+    });
+    Response::from_parts(parts, body::boxed(b))
+}

@@ -34,6 +34,7 @@ use crate::cache::ReflectorSink;
 use crate::cache::ResourceCache;
 use crate::cache::store::Snapshot;
 use crate::http::body;
+use crate::read::{Served, delegate};
 use crate::upstream::{As, Upstream};
 
 pub use crate::config::ConsistencyMode as Mode;
@@ -169,12 +170,12 @@ impl Consistency {
         }
     }
 
-    /// The state an unset-resourceVersion read may be served from, or `None`: pass through.
+    /// The state an unset-resourceVersion read may be served from, or the apiserver answers.
     pub async fn latest(
         self: &Arc<Self>,
         cache: &Arc<ResourceCache>,
         mode: Mode,
-    ) -> Option<Snapshot> {
+    ) -> Served<Snapshot> {
         use std::sync::atomic::Ordering::Relaxed;
         let start = Instant::now();
         let ok = match mode {
@@ -208,9 +209,9 @@ impl Consistency {
             .observe(start.elapsed().as_secs_f64());
         if !ok {
             self.stats.fallbacks.fetch_add(1, Relaxed);
-            return None;
+            return delegate("consistent read not confirmed");
         }
-        Some(cache.current())
+        Ok(cache.current())
     }
 
     /// Joins the next probe round of `cache` that starts after now; true when it confirmed

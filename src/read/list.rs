@@ -39,110 +39,9 @@ use crate::cache::store::Snapshot;
 use crate::cache::{CachedObject, ObjectKey, ResourceCache};
 use crate::http::body::{self, Body};
 use crate::k8s::status::{Reason, Status};
+use crate::read::plan::{self, ListFrom, ListParams, ReadAt};
 use crate::read::token::{Binding, Keys, TokenError};
-
-/// `resourceVersion` of a list.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Rv {
-    Unset,
-    Zero,
-    At(u64),
-}
-
-/// `resourceVersionMatch` of a list.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RvMatch {
-    Unset,
-    NotOlderThan,
-    Exact,
-}
-
-/// The list parameters the cache understands; anything else passes through.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ListParams {
-    pub rv: Rv,
-    pub rv_match: RvMatch,
-    /// 0: no limit.
-    pub limit: u64,
-    pub continue_: Option<String>,
-    pub label_selector: String,
-    pub field_selector: String,
-}
-
-impl ListParams {
-    /// Parses a list query, or says why the apiserver must answer it (unknown parameters,
-    /// and every invalid combination: the apiserver writes those errors exactly).
-    pub fn parse(query: Option<&str>) -> Result<ListParams, &'static str> {
-        let mut p = ListParams {
-            rv: Rv::Unset,
-            rv_match: RvMatch::Unset,
-            limit: 0,
-            continue_: None,
-            label_selector: String::new(),
-            field_selector: String::new(),
-        };
-        let mut seen = std::collections::HashSet::new();
-        for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            let plus = v.replace('+', " ");
-            let v = percent_encoding::percent_decode_str(&plus)
-                .decode_utf8()
-                .map_err(|_| "query encoding")?;
-            // A repeated parameter: Go's url.Values takes the first; let the apiserver decide.
-            if !seen.insert(k.to_string()) {
-                return Err("repeated list parameter");
-            }
-            match k {
-                "resourceVersion" => {
-                    p.rv = match &*v {
-                        "" => Rv::Unset,
-                        "0" => Rv::Zero,
-                        n => Rv::At(
-                            n.parse::<u64>()
-                                .ok()
-                                .filter(|n| *n > 0)
-                                .ok_or("resourceVersion")?,
-                        ),
-                    }
-                }
-                "resourceVersionMatch" => {
-                    p.rv_match = match &*v {
-                        "" => RvMatch::Unset,
-                        "NotOlderThan" => RvMatch::NotOlderThan,
-                        "Exact" => RvMatch::Exact,
-                        _ => return Err("resourceVersionMatch"),
-                    }
-                }
-                "limit" => {
-                    let l = v.parse::<i64>().map_err(|_| "limit")?;
-                    p.limit = l.max(0) as u64;
-                }
-                "continue" if !v.is_empty() => p.continue_ = Some(v.into_owned()),
-                "continue" => {}
-                "watch" if v == "false" || v == "0" => {}
-                "labelSelector" => p.label_selector = v.into_owned(),
-                "fieldSelector" => p.field_selector = v.into_owned(),
-                "timeout" | "timeoutSeconds" => {}
-                _ => return Err("list parameters"),
-            }
-        }
-        // Combinations the apiserver refuses (ValidateListOptions): it writes the error.
-        match (p.rv, p.rv_match) {
-            (Rv::Unset, RvMatch::NotOlderThan | RvMatch::Exact) => return Err("match without rv"),
-            (Rv::Zero, RvMatch::Exact) => return Err("exact rv 0"),
-            _ => {}
-        }
-        if let Some(c) = &p.continue_ {
-            if !c.starts_with("k1.") {
-                return Err("continue token not issued by the proxy");
-            }
-            if p.rv_match != RvMatch::Unset {
-                return Err("continue with resourceVersionMatch");
-            }
-        }
-        Ok(p)
-    }
-}
+use crate::read::{NotServed, Served, delegate};
 
 /// Settings of cache-served lists.
 #[derive(Debug, Clone)]
@@ -170,22 +69,6 @@ impl Default for ListConfig {
     }
 }
 
-/// What the list code decided.
-pub enum Outcome {
-    Served(Response<Body>),
-    /// The apiserver answers, for this reason.
-    Passthrough(&'static str),
-}
-
-impl std::fmt::Debug for Outcome {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Outcome::Served(r) => write!(f, "Served({})", r.status()),
-            Outcome::Passthrough(w) => write!(f, "Passthrough({w})"),
-        }
-    }
-}
-
 fn json(b: Bytes) -> Response<Body> {
     let mut r = Response::new(body::full(b));
     r.headers_mut().insert(
@@ -195,25 +78,26 @@ fn json(b: Bytes) -> Response<Body> {
     r
 }
 
-/// One object, or `None` when the cache does not hold it (the caller passes through, so a
-/// 404 comes from the apiserver in its exact form, and an object newer than the cache is
-/// still found).
+/// One object, or the apiserver answers when the cache does not hold it (so a 404 comes from
+/// the apiserver in its exact form, and an object newer than the cache is still found).
 pub fn get(
     cache: &ResourceCache,
     snap: &Snapshot,
     namespace: &str,
     name: &str,
     enc: Encoding,
-) -> Option<Response<Body>> {
+) -> Served {
     let ns = if cache.resource.namespaced {
         namespace
     } else {
         ""
     };
-    let obj = snap.objects.get(&ObjectKey::new(ns, name))?;
+    let Some(obj) = snap.objects.get(&ObjectKey::new(ns, name)) else {
+        return delegate("object not in the cache");
+    };
     let mut b = BytesMut::with_capacity(obj.body.len() + 64);
     put_object(&mut b, &cache.resource, &obj.body, enc);
-    Some(json(b.freeze()))
+    Ok(json(b.freeze()))
 }
 
 /// The candidates of a page, in key order: the request's scope from after `after`,
@@ -423,7 +307,7 @@ pub struct ListContext<'a> {
     pub page_cap: Option<u64>,
 }
 
-fn expired_continue(cx: &ListContext<'_>, after: ObjectKey) -> Response<Body> {
+fn expired_continue(cx: &ListContext<'_>, after: ObjectKey) -> Status {
     // etcd3 `handleCompactedErrorForPaging`: 410 with a token that continues the walk from
     // the same key at the latest state (rv 0 in the proxy's tokens).
     let token = cx.keys.sign(&cx.binding, 0, after, 0, 0);
@@ -438,7 +322,6 @@ fn expired_continue(cx: &ListContext<'_>, after: ObjectKey) -> Response<Body> {
          show up in the list.",
     )
     .with_continue(token)
-    .into_response()
 }
 
 /// Serves a list. `latest` is the current state the consistency policy allows for an
@@ -449,20 +332,25 @@ pub async fn list(
     enc: Encoding,
     p: &ListParams,
     cx: &ListContext<'_>,
-    latest: Option<Snapshot>,
-) -> Outcome {
+    latest: Served<Snapshot>,
+) -> Served {
     use std::sync::atomic::Ordering::Relaxed;
     let out = list_inner(cache, filter, enc, p, cx, latest).await;
     let st = &cache.list_stats;
     match &out {
-        Outcome::Served(r) => {
+        Ok(r) => {
             st.from_cache.fetch_add(1, Relaxed);
             if p.continue_.is_some() && r.status().is_success() {
                 st.continued.fetch_add(1, Relaxed);
             }
         }
-        Outcome::Passthrough(_) => {
+        Err(NotServed::Delegate(_)) => {
             st.passed_through.fetch_add(1, Relaxed);
+        }
+        // Refusals are answered by the proxy, from what the cache knows (bad or expired
+        // continue tokens): served from the cache, as before they were counted so.
+        Err(NotServed::Refuse(_)) => {
+            st.from_cache.fetch_add(1, Relaxed);
         }
     }
     out
@@ -474,121 +362,105 @@ async fn list_inner(
     enc: Encoding,
     p: &ListParams,
     cx: &ListContext<'_>,
-    latest: Option<Snapshot>,
-) -> Outcome {
+    latest: Served<Snapshot>,
+) -> Served {
     use std::sync::atomic::Ordering::Relaxed;
-    let mut limit = if p.rv == Rv::Zero { 0 } else { p.limit };
+    let plan = plan::list(p)?;
+    let mut limit = plan.limit;
     // The snapshot, the list's resourceVersion, where the page starts, index use.
-    let (snap, list_rv, pos, use_index) = if let Some(c) = &p.continue_ {
-        if let Rv::At(_) = p.rv {
-            return Outcome::Served(
-                Status::bad_request(
-                    "specifying resource version is not allowed when using continue",
-                )
-                .into_response(),
-            );
-        }
-        let t = match cx.keys.verify(&cx.binding, c) {
-            Ok(t) => t,
-            Err(TokenError::Foreign) => return Outcome::Passthrough("foreign continue token"),
-            Err(TokenError::Invalid) => {
-                cache.list_stats.token_invalid.fetch_add(1, Relaxed);
-                return Outcome::Served(
+    let (snap, list_rv, pos, use_index) = match plan.from {
+        ListFrom::Continue(c) => {
+            let t = match cx.keys.verify(&cx.binding, c) {
+                Ok(t) => t,
+                Err(TokenError::Foreign) => return delegate("foreign continue token"),
+                Err(TokenError::Invalid) => {
+                    cache.list_stats.token_invalid.fetch_add(1, Relaxed);
                     // One message for every cause (nothing disclosed about which part
                     // failed), naming them all, including a filtered view that changed.
-                    Status::bad_request(
+                    return Err(Status::bad_request(
                         "invalid continue token: continue key is not valid for this caller, \
                          query and namespace view; start a new list without the continue \
                          parameter",
                     )
-                    .into_response(),
-                );
-            }
-            Err(TokenError::Expired) => {
-                cache.list_stats.token_expired.fetch_add(1, Relaxed);
-                return Outcome::Served(
-                    Status::failure(
+                    .into());
+                }
+                Err(TokenError::Expired) => {
+                    cache.list_stats.token_expired.fetch_add(1, Relaxed);
+                    return Err(Status::failure(
                         StatusCode::GONE,
                         Reason::Expired,
                         "The provided continue parameter is too old to display a consistent \
                          list result. You can start a new list without the continue parameter.",
                     )
-                    .into_response(),
-                );
-            }
-        };
-        if t.rv == 0 {
-            // An inconsistent continuation: the latest state from that key on.
-            let snap = cache.current();
-            let rv = snap.rv;
-            (
-                snap,
-                rv,
-                Position {
-                    after: Some(t.after),
-                    seen: 0,
-                    total: None,
-                },
-                false,
-            )
-        } else {
-            if t.rv > cache.rv() {
-                // Issued by a replica whose cache is ahead.
-                cache.wait_for_rv(t.rv, cx.cfg.wait_for_rv).await;
-            }
-            let Some(snap) = cache.snapshot_at(t.rv) else {
-                cache.list_stats.snapshot_gone.fetch_add(1, Relaxed);
-                return Outcome::Served(expired_continue(cx, t.after));
+                    .into());
+                }
             };
-            (
-                snap,
-                t.rv,
-                Position {
-                    after: Some(t.after),
-                    seen: t.seen,
-                    total: Some(t.total),
-                },
-                false,
-            )
+            if t.rv == 0 {
+                // An inconsistent continuation: the latest state from that key on.
+                let snap = cache.current();
+                let rv = snap.rv;
+                (
+                    snap,
+                    rv,
+                    Position {
+                        after: Some(t.after),
+                        seen: 0,
+                        total: None,
+                    },
+                    false,
+                )
+            } else {
+                if t.rv > cache.rv() {
+                    // Issued by a replica whose cache is ahead.
+                    cache.wait_for_rv(t.rv, cx.cfg.wait_for_rv).await;
+                }
+                let Some(snap) = cache.snapshot_at(t.rv) else {
+                    cache.list_stats.snapshot_gone.fetch_add(1, Relaxed);
+                    return Err(expired_continue(cx, t.after).into());
+                };
+                (
+                    snap,
+                    t.rv,
+                    Position {
+                        after: Some(t.after),
+                        seen: t.seen,
+                        total: Some(t.total),
+                    },
+                    false,
+                )
+            }
         }
-    } else {
-        let start = Position {
-            after: None,
-            seen: 0,
-            total: None,
-        };
-        let exact = p.rv_match == RvMatch::Exact
-            || (p.rv_match == RvMatch::Unset && limit > 0 && matches!(p.rv, Rv::At(_)));
-        match p.rv {
-            Rv::At(n) if exact => {
-                if cache.rv() < n && !cache.wait_for_rv(n, cx.cfg.wait_for_rv).await {
-                    return Outcome::Passthrough("resourceVersion not reached");
+        ListFrom::Start(at) => {
+            let start = Position {
+                after: None,
+                seen: 0,
+                total: None,
+            };
+            let snap = match at {
+                ReadAt::Exact(n) => {
+                    if cache.rv() < n && !cache.wait_for_rv(n, cx.cfg.wait_for_rv).await {
+                        return delegate("resourceVersion not reached");
+                    }
+                    let Some(snap) = cache.snapshot_at(n) else {
+                        return delegate("snapshot older than the history");
+                    };
+                    snap
                 }
-                let Some(snap) = cache.snapshot_at(n) else {
-                    return Outcome::Passthrough("snapshot older than the history");
-                };
-                (snap, n, start, false)
-            }
-            Rv::At(n) => {
-                if cache.rv() < n && !cache.wait_for_rv(n, cx.cfg.wait_for_rv).await {
-                    return Outcome::Passthrough("resourceVersion not reached");
+                ReadAt::NotOlderThan(n) => {
+                    if cache.rv() < n && !cache.wait_for_rv(n, cx.cfg.wait_for_rv).await {
+                        return delegate("resourceVersion not reached");
+                    }
+                    cache.current()
                 }
-                let snap = cache.current();
-                let rv = snap.rv;
-                (snap, rv, start, true)
-            }
-            Rv::Zero => {
-                let snap = cache.current();
-                let rv = snap.rv;
-                (snap, rv, start, true)
-            }
-            Rv::Unset => {
-                let Some(snap) = latest else {
-                    return Outcome::Passthrough("consistent read not confirmed");
-                };
-                let rv = snap.rv;
-                (snap, rv, start, true)
-            }
+                ReadAt::Any => cache.current(),
+                ReadAt::Latest => latest?,
+            };
+            // An exact snapshot's resourceVersion is the one asked for.
+            let rv = match at {
+                ReadAt::Exact(n) => n,
+                _ => snap.rv,
+            };
+            (snap, rv, start, at.uses_index())
         }
     };
     let no_selectors = filter.labels.is_everything() && filter.fields.is_everything();
@@ -597,9 +469,9 @@ async fn list_inner(
         // A continue with no limit (legal, if odd) resumes after its key.
         if pos.after.is_some() {
             let page = select_page(&cands, filter, &pos, 0);
-            return Outcome::Served(write_page(cache, enc, cx, list_rv, &page, None).await);
+            return Ok(write_page(cache, enc, cx, list_rv, &page, None).await);
         }
-        return Outcome::Served(stream_all(cache.clone(), &cands, filter, enc, cx, list_rv).await);
+        return Ok(stream_all(cache.clone(), &cands, filter, enc, cx, list_rv).await);
     }
     if let Some(cap) = cx.page_cap {
         limit = limit.min(cap.max(1));
@@ -620,7 +492,7 @@ async fn list_inner(
             .sign(&cx.binding, list_rv, last.clone(), *seen, total);
         (token, no_selectors.then(|| total.saturating_sub(*seen)))
     });
-    Outcome::Served(write_page(cache, enc, cx, list_rv, &page, meta).await)
+    Ok(write_page(cache, enc, cx, list_rv, &page, meta).await)
 }
 
 /// Objects at least this large go into a page body as the bytes the cache shares, not copied.
@@ -832,6 +704,7 @@ mod tests {
     use super::*;
     use crate::cache::{EventKind, ReflectorSink, Resource, StoreConfig};
     use crate::k8s::selector::{FieldSelector, LabelSelector};
+    use crate::read::plan::{Rv, RvMatch};
     use crate::read::token::KeySet;
     use http_body_util::BodyExt;
     use proptest::prelude::*;
@@ -910,10 +783,9 @@ mod tests {
                 label_selector: String::new(),
                 field_selector: String::new(),
             };
-            let latest = Some(cache.current());
-            let Outcome::Served(r) = list(cache, filter, Encoding::Json, &p, &cx, latest).await
-            else {
-                panic!("passed through");
+            let latest = Ok(cache.current());
+            let Ok(r) = list(cache, filter, Encoding::Json, &p, &cx, latest).await else {
+                panic!("not served from the cache");
             };
             assert_eq!(r.status(), 200);
             let v = body_json(r).await;
@@ -1071,17 +943,17 @@ mod tests {
                     fields: FieldSelector::default(),
                     namespaces: None,
                 };
-                let Outcome::Served(r) = list(
+                let Ok(r) = list(
                     &cache,
                     &filter,
                     Encoding::Json,
                     &p,
                     &cx,
-                    Some(cache.current()),
+                    Ok(cache.current()),
                 )
                 .await
                 else {
-                    panic!("passed through");
+                    panic!("not served from the cache");
                 };
                 assert_eq!(r.headers().get(header::CONTENT_ENCODING).is_some(), gz);
                 let declared = http_body::Body::size_hint(r.body()).exact();
@@ -1197,12 +1069,17 @@ mod tests {
                     Encoding::Json,
                     &p,
                     &cx,
-                    Some(cache.current()),
+                    Ok(cache.current()),
                 )
                 .await
                 {
-                    Outcome::Served(r) => (r.status().as_u16(), body_json(r).await),
-                    Outcome::Passthrough(w) => panic!("passthrough: {w}"),
+                    Ok(r) => (r.status().as_u16(), body_json(r).await),
+                    // The pipeline writes refusals; so does this test.
+                    Err(NotServed::Refuse(s)) => {
+                        let r = s.into_response();
+                        (r.status().as_u16(), body_json(r).await)
+                    }
+                    Err(NotServed::Delegate(w)) => panic!("passthrough: {w}"),
                 }
             }
         };
@@ -1231,28 +1108,5 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(1100)).await;
         let (code, v) = serve(b"alice", Some(expired), 2).await;
         assert_eq!((code, v["reason"].as_str()), (410, Some("Expired")));
-    }
-
-    #[test]
-    fn list_params_leave_invalid_combinations_to_the_apiserver() {
-        let ok = |q: &str| ListParams::parse(Some(q));
-        assert_eq!(ok("limit=5&resourceVersion=0").unwrap().rv, Rv::Zero);
-        assert_eq!(
-            ok("resourceVersion=12&resourceVersionMatch=Exact")
-                .unwrap()
-                .rv_match,
-            RvMatch::Exact
-        );
-        assert!(ok("resourceVersionMatch=Exact").is_err());
-        assert!(ok("resourceVersion=0&resourceVersionMatch=Exact").is_err());
-        assert!(ok("resourceVersionMatch=NotOlderThan").is_err());
-        assert!(ok("resourceVersionMatch=Bogus&resourceVersion=3").is_err());
-        assert!(ok("resourceVersion=abc").is_err());
-        assert!(ok("limit=abc").is_err());
-        assert!(ok("limit=1&limit=2").is_err());
-        assert!(ok("continue=eyJ2IjoibWV0YS5rOHMuaW8vdjEifQ").is_err());
-        assert!(ok("continue=k1.dev.AAAA&resourceVersionMatch=Exact").is_err());
-        assert_eq!(ok("limit=-3").unwrap().limit, 0);
-        assert!(ok("pretty=true").is_err());
     }
 }

@@ -14,8 +14,8 @@ use crate::cache::event::Encoding;
 use crate::cache::hub::Filter;
 use crate::k8s::request_info::RequestInfo;
 use crate::k8s::selector::{FieldCheck, FieldSelector, LabelSelector, check_field_selector};
-use crate::read::list::ListParams;
-use crate::read::watch::WatchParams;
+use crate::read::plan::{self, ListParams, ReadAt, WatchParams};
+use crate::read::{Served, delegate};
 
 #[derive(Debug)]
 pub enum Route {
@@ -28,9 +28,8 @@ pub enum Route {
     Get {
         cache: Arc<ResourceCache>,
         enc: Encoding,
-        /// resourceVersion unset: the most recent state (subject to the consistency policy);
-        /// otherwise "0", any state.
-        consistent: bool,
+        /// `Latest` (subject to the consistency policy) or `Any`.
+        at: ReadAt,
     },
     List {
         cache: Arc<ResourceCache>,
@@ -38,8 +37,17 @@ pub enum Route {
         enc: Encoding,
         params: ListParams,
     },
-    /// With the reason, for debug logs.
-    Passthrough(&'static str),
+}
+
+impl Route {
+    /// The cache the request reads.
+    pub fn cache(&self) -> &Arc<ResourceCache> {
+        match self {
+            Route::Watch { cache, .. } | Route::Get { cache, .. } | Route::List { cache, .. } => {
+                cache
+            }
+        }
+    }
 }
 
 /// What a response may be encoded as, from `Accept` (in the client's order of preference).
@@ -105,31 +113,31 @@ fn filter_for(
     })
 }
 
-/// Decides where a request goes. `lookup(group, version, resource)` finds a ready cache.
+/// Decides where a request goes: a cache read, or the apiserver (with the reason).
+/// `lookup(group, version, resource)` finds a cache.
 pub fn route(
     method: &Method,
     info: &RequestInfo,
     query: Option<&str>,
     accept: Option<&str>,
     lookup: impl Fn(&str, &str, &str) -> Option<Arc<ResourceCache>>,
-) -> Route {
-    use Route::Passthrough;
+) -> Served<Route> {
     if *method != Method::GET {
-        return Passthrough("not a read");
+        return delegate("not a read");
     }
     if !info.is_resource_request || !info.subresource.is_empty() {
-        return Passthrough("not a cacheable resource request");
+        return delegate("not a cacheable resource request");
     }
     let Some(cache) = lookup(&info.api_group, &info.api_version, &info.resource) else {
-        return Passthrough("resource not cached");
+        return delegate("resource not cached");
     };
     if !cache.is_ready() {
-        return Passthrough("cache not synced");
+        return delegate("cache not synced");
     }
     // A namespaced path for a cluster-scoped resource (or the reverse) is the apiserver's
     // 404 to write.
     if !cache.resource.namespaced && !info.namespace.is_empty() && info.resource != "namespaces" {
-        return Passthrough("namespace on a cluster-scoped resource");
+        return delegate("namespace on a cluster-scoped resource");
     }
     let ns = if info.resource == "namespaces" {
         ""
@@ -139,10 +147,10 @@ pub fn route(
     match info.verb.as_str() {
         "watch" if info.name.is_empty() => {
             let Some(enc) = negotiate(accept, true) else {
-                return Passthrough("encoding");
+                return delegate("encoding");
             };
             let Some(params) = WatchParams::parse(query) else {
-                return Passthrough("watch parameters");
+                return delegate("watch parameters");
             };
             // A watch without resourceVersion asks for the most recent state; while the
             // upstream watch is down or unconfirmed the cache may be behind, so the
@@ -150,54 +158,43 @@ pub fn route(
             if params.resource_version.as_deref().unwrap_or("").is_empty()
                 && cache.unhealthy().is_some()
             {
-                return Passthrough("cache unconfirmed for a most-recent watch");
+                return delegate("cache unconfirmed for a most-recent watch");
             }
             let Some(filter) =
                 filter_for(&cache, ns, &params.label_selector, &params.field_selector)
             else {
-                return Passthrough("selector");
+                return delegate("selector");
             };
-            Route::Watch {
+            Ok(Route::Watch {
                 cache,
                 params,
                 filter,
                 enc,
-            }
+            })
         }
         "get" if !info.name.is_empty() => {
             let Some(enc) = negotiate(accept, false) else {
-                return Passthrough("encoding");
+                return delegate("encoding");
             };
             // resourceVersion=0 ("any") or unset (most recent, when the consistency policy
             // confirms the cache); anything else is the apiserver's.
-            let params: Vec<&str> = query
-                .unwrap_or("")
-                .split('&')
-                .filter(|p| !p.is_empty())
-                .collect();
-            let consistent = match params.as_slice() {
-                [] | ["resourceVersion="] => true,
-                ["resourceVersion=0"] => false,
-                _ => return Passthrough("get parameters"),
+            let Some(at) = plan::get(query) else {
+                return delegate("get parameters");
             };
-            Route::Get {
-                cache,
-                enc,
-                consistent,
-            }
+            Ok(Route::Get { cache, enc, at })
         }
         "list" => {
             let Some(enc) = negotiate(accept, true) else {
-                return Passthrough("encoding");
+                return delegate("encoding");
             };
             let params = match ListParams::parse(query) {
                 Ok(p) => p,
-                Err(why) => return Passthrough(why),
+                Err(why) => return delegate(why),
             };
             let Some(filter) =
                 filter_for(&cache, ns, &params.label_selector, &params.field_selector)
             else {
-                return Passthrough("selector");
+                return delegate("selector");
             };
             // A cluster-wide list narrowed to one namespace by field selector is read from
             // that namespace's keys by the apiserver, which then pages it inconsistently
@@ -206,16 +203,16 @@ pub fn route(
                 && params.limit > 0
                 && filter.fields.exact_value("metadata.namespace").is_some()
             {
-                return Passthrough("namespace field selector with limit");
+                return delegate("namespace field selector with limit");
             }
-            Route::List {
+            Ok(Route::List {
                 cache,
                 filter,
                 enc,
                 params,
-            }
+            })
         }
-        _ => Passthrough("verb"),
+        _ => delegate("verb"),
     }
 }
 

@@ -23,92 +23,8 @@ use crate::cache::event::{Delivery, Encoding, Event, bookmark_frame, encode_fram
 use crate::cache::hub::{Filter, Item, Subscription};
 use crate::cache::{CachedObject, ResourceCache, Start, WatchError};
 use crate::http::body::{self, Body};
-
-/// The query of a watch the cache can serve. Anything else (unknown parameters, invalid
-/// combinations) is left to the apiserver, which also writes the exact error.
-#[derive(Debug, Clone, PartialEq)]
-pub struct WatchParams {
-    pub resource_version: Option<String>,
-    pub send_initial_events: Option<bool>,
-    pub allow_bookmarks: bool,
-    pub timeout: Option<Duration>,
-    pub label_selector: String,
-    pub field_selector: String,
-}
-
-fn parse_bool(v: &str) -> Option<bool> {
-    match v {
-        "1" | "true" | "True" | "TRUE" | "t" | "T" => Some(true),
-        "0" | "false" | "False" | "FALSE" | "f" | "F" => Some(false),
-        _ => None,
-    }
-}
-
-impl WatchParams {
-    /// `None` when the query holds something the cache does not implement exactly.
-    pub fn parse(query: Option<&str>) -> Option<WatchParams> {
-        let mut p = WatchParams {
-            resource_version: None,
-            send_initial_events: None,
-            allow_bookmarks: false,
-            timeout: None,
-            label_selector: String::new(),
-            field_selector: String::new(),
-        };
-        let mut rv_match: Option<String> = None;
-        let mut watch = false;
-        for pair in query.unwrap_or("").split('&').filter(|s| !s.is_empty()) {
-            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
-            let v = percent_encoding::percent_decode_str(&v.replace('+', " "))
-                .decode_utf8()
-                .ok()?
-                .into_owned();
-            match k {
-                "watch" => watch = parse_bool(&v)?,
-                "resourceVersion" => p.resource_version = Some(v),
-                "resourceVersionMatch" => rv_match = Some(v),
-                "sendInitialEvents" => p.send_initial_events = Some(parse_bool(&v)?),
-                "allowWatchBookmarks" => p.allow_bookmarks = parse_bool(&v)?,
-                "timeoutSeconds" => p.timeout = Some(Duration::from_secs(v.parse().ok()?)),
-                "labelSelector" => p.label_selector = v,
-                "fieldSelector" => p.field_selector = v,
-                // The request timeout of a long-running request is ignored by the apiserver.
-                "timeout" => {}
-                _ => return None,
-            }
-        }
-        let _ = watch;
-        match (&p.send_initial_events, rv_match.as_deref()) {
-            (Some(_), Some("NotOlderThan")) => {}
-            (None, None) => {}
-            // Everything else is a validation error the apiserver words itself.
-            _ => return None,
-        }
-        match p.resource_version.as_deref() {
-            None | Some("") | Some("0") => {}
-            Some(n) if n.parse::<u64>().is_ok() => {}
-            _ => return None,
-        }
-        Some(p)
-    }
-
-    fn start(&self, cache_rv: u64) -> (Start, Option<u64>) {
-        let rv = self.resource_version.as_deref().unwrap_or("");
-        let n = rv.parse::<u64>().ok().filter(|n| *n > 0);
-        match self.send_initial_events {
-            // The initial state at least as new as N (waited for by the caller).
-            Some(true) => (Start::Initial, n),
-            Some(false) => match n {
-                Some(n) => (Start::After(n), Some(n)),
-                None => (Start::After(cache_rv), None),
-            },
-            None => match n {
-                Some(n) => (Start::After(n), None),
-                None => (Start::Initial, None),
-            },
-        }
-    }
-}
+use crate::read::plan::{self, WatchParams};
+use crate::read::{Served, delegate};
 
 /// Tunables of served watches.
 #[derive(Debug, Clone)]
@@ -132,8 +48,8 @@ impl Default for WatchConfig {
     }
 }
 
-/// Serves a watch from `cache`, or returns `Err(())` when it must pass through (cache not
-/// ready, or the wait for a newer resourceVersion failed).
+/// Serves a watch from `cache`, or hands it to the apiserver (cache not ready, or the wait for
+/// a newer resourceVersion failed).
 pub async fn serve(
     cache: Arc<ResourceCache>,
     params: WatchParams,
@@ -141,18 +57,18 @@ pub async fn serve(
     enc: Encoding,
     cfg: &WatchConfig,
     drain: CancellationToken,
-) -> Result<Response<Body>, ()> {
-    let (start, wait) = params.start(cache.rv());
+) -> Served {
+    let (start, wait) = plan::watch_start(&params, cache.rv());
     if let Some(n) = wait
         && n > cache.rv()
         && !cache.wait_for_rv(n, cfg.wait_for_rv).await
     {
-        return Err(());
+        return delegate("resourceVersion not reached");
     }
     let filter = Arc::new(filter);
     let reg = match cache.watch(start, filter) {
         Ok(r) => r,
-        Err(WatchError::NotReady) => return Err(()),
+        Err(WatchError::NotReady) => return delegate("cache not ready"),
         // Older than this cache's history: 410 Expired as an ERROR event on a 200 stream, as
         // the apiserver answers past its own window. Passing such watches through instead
         // would turn every client resuming after a proxy restart or relist into a long-lived
@@ -613,24 +529,5 @@ mod tests {
         assert_eq!(b.len(), 6);
         assert_eq!(b.finish().unwrap(), "a\nb\nc\n");
         assert!(Batch::default().finish().is_none());
-    }
-
-    #[test]
-    fn start_points_follow_the_contract() {
-        let p = |q: &str| WatchParams::parse(Some(q)).unwrap();
-        assert_eq!(p("watch=1").start(9), (Start::Initial, None));
-        assert_eq!(
-            p("watch=1&resourceVersion=0").start(9),
-            (Start::Initial, None)
-        );
-        assert_eq!(
-            p("watch=1&resourceVersion=4").start(9),
-            (Start::After(4), None)
-        );
-        assert_eq!(p("watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&resourceVersion=12").start(9), (Start::Initial, Some(12)));
-        assert_eq!(
-            p("watch=1&sendInitialEvents=false&resourceVersionMatch=NotOlderThan").start(9),
-            (Start::After(9), None)
-        );
     }
 }

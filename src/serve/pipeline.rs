@@ -20,6 +20,9 @@ use crate::http::drain::Tracked;
 use crate::k8s::request_info::{self, RequestInfo};
 use crate::k8s::status::{Reason, Status};
 use crate::metrics::{DurationLabels, KindLabels, Metrics, RequestLabels};
+use crate::read::plan::{ReadAt, Rv};
+use crate::read::router::{self, Route};
+use crate::read::{NotServed, Served, delegate};
 use crate::serve::passthrough;
 use crate::serve::state::{ConnInfo, State};
 
@@ -55,7 +58,7 @@ impl crate::http::listener::Service for State {
 }
 
 /// Serves a read from memory when the router says it can and the apiserver says this caller
-/// may; `None` sends the request through.
+/// may; otherwise hands it to the apiserver or refuses it (see [`NotServed`]).
 async fn serve_from_cache(
     state: &State,
     conn: &ConnInfo,
@@ -63,41 +66,26 @@ async fn serve_from_cache(
     info: &RequestInfo,
     query: Option<&str>,
     read_charged: &mut bool,
-) -> Option<Response<Body>> {
-    use crate::read::router::Route;
+) -> Served {
     let accept = req
         .headers()
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok());
-    let route = crate::read::router::route(req.method(), info, query, accept, |g, v, r| {
+    let route = router::route(req.method(), info, query, accept, |g, v, r| {
         state.caches.get(g, v, r)
-    });
-    if let Route::Passthrough(why) = route {
-        if info.is_resource_request && info.verb != "create" {
-            tracing::trace!(reason = why, path = %req.uri().path(), "passthrough");
-        }
-        return None;
-    }
-    let namespaced = match &route {
-        Route::Watch { cache, .. } | Route::Get { cache, .. } | Route::List { cache, .. } => {
-            cache.resource.namespaced
-        }
-        Route::Passthrough(_) => false,
-    };
-    let (id, view) = match authenticate_and_authorize(state, conn, req, info, namespaced).await {
-        Ok(x) => x,
-        Err(resp) => return resp,
-    };
+    })?;
+    let namespaced = route.cache().resource.namespaced;
+    let (id, view) = authenticate_and_authorize(state, conn, req, info, namespaced).await?;
     // Tenant quotas (`tenancy`); the unnamed tenant has none.
     let tenant = state.tenancy.get(&id.tenant);
     let mut permit = None;
     if let Some(t) = tenant {
-        let admitted = match &route {
-            Route::Watch { .. } => t.admit_watch().map(|p| permit = p),
-            _ => t.admit_read().map(|()| *read_charged = true),
-        };
-        if let Err(status) = admitted {
-            return Some(status.into_response());
+        match &route {
+            Route::Watch { .. } => permit = t.admit_watch()?,
+            _ => {
+                t.admit_read()?;
+                *read_charged = true;
+            }
         }
     }
     match route {
@@ -109,14 +97,11 @@ async fn serve_from_cache(
         } => {
             // Most recent state (a watch or WatchList without resourceVersion): only once the
             // consistency policy confirms the cache.
-            if params.resource_version.as_deref().unwrap_or("").is_empty()
-                && state
+            if params.resource_version.as_deref().unwrap_or("").is_empty() {
+                state
                     .consistency
                     .latest(&cache, consistency_mode(state, &cache))
-                    .await
-                    .is_none()
-            {
-                return None;
+                    .await?;
             }
             filter.namespaces = view.clone();
             let resp = crate::read::watch::serve(
@@ -127,8 +112,7 @@ async fn serve_from_cache(
                 &state.watch,
                 state.drain.clone(),
             )
-            .await
-            .ok()?;
+            .await?;
             // The tenant's watch slot is held as long as the stream.
             let (parts, mut b) = resp.into_parts();
             // A filtered view is re-derived while the watch is open (`tenancy::ViewWatch`).
@@ -146,20 +130,17 @@ async fn serve_from_cache(
                 .guard(b);
             }
             let b = Tracked::new(b, Instant::now(), move |_| drop(permit));
-            Some(Response::from_parts(parts, body::boxed(b)))
+            Ok(Response::from_parts(parts, body::boxed(b)))
         }
-        Route::Get {
-            cache,
-            enc,
-            consistent,
-        } => {
-            let snap = if consistent {
-                state
-                    .consistency
-                    .latest(&cache, consistency_mode(state, &cache))
-                    .await?
-            } else {
-                cache.current()
+        Route::Get { cache, enc, at } => {
+            let snap = match at {
+                ReadAt::Latest => {
+                    state
+                        .consistency
+                        .latest(&cache, consistency_mode(state, &cache))
+                        .await?
+                }
+                _ => cache.current(),
             };
             crate::read::list::get(&cache, &snap, &info.namespace, &info.name, enc)
         }
@@ -180,18 +161,15 @@ async fn serve_from_cache(
                     .values()
                     .filter(|o| filter.matches(o))
                     .count();
-                if let Err(status) = t.admit_list_size(n) {
-                    return Some(status.into_response());
-                }
+                t.admit_list_size(n)?;
             }
-            let latest = if params.rv == crate::read::list::Rv::Unset && params.continue_.is_none()
-            {
+            let latest = if params.rv == Rv::Unset && params.continue_.is_none() {
                 state
                     .consistency
                     .latest(&cache, consistency_mode(state, &cache))
                     .await
             } else {
-                None
+                delegate("not a most-recent list")
             };
             let cx = crate::read::list::ListContext {
                 cfg: &state.lists,
@@ -200,34 +178,27 @@ async fn serve_from_cache(
                 accepts_gzip: accepts_gzip(req.headers()),
                 page_cap: state.paging.downstream_cap().map(|c| c as u64),
             };
-            match crate::read::list::list(&cache, &filter, enc, &params, &cx, latest).await {
-                crate::read::list::Outcome::Served(r) => Some(r),
-                crate::read::list::Outcome::Passthrough(why) => {
-                    tracing::trace!(reason = why, path = %req.uri().path(), "list passthrough");
-                    None
-                }
-            }
+            crate::read::list::list(&cache, &filter, enc, &params, &cx, latest).await
         }
-        Route::Passthrough(_) => None,
     }
 }
 
-/// Authentication and authorization of a cache-served request (`authn`, `authz`): `Ok` to
-/// serve it; `Err(Some(status))` the 401/403/503 to answer; `Err(None)` to pass it through
-/// (impersonation requests, which the apiserver or [`impersonation_gate`] authorize).
-/// A cluster-wide list/watch RBAC denies may still be served as the tenant's filtered view:
-/// the namespace set comes back with the identity.
+/// Authentication and authorization of a cache-served request (`authn`, `authz`): the
+/// identity and, for a tenant's filtered cluster view, its namespace set; a 401/403/503
+/// refusal; or the apiserver decides (impersonation requests, which the apiserver or
+/// [`impersonation_gate`] authorize). A cluster-wide list/watch RBAC denies may still be
+/// served as the tenant's filtered view.
 async fn authenticate_and_authorize(
     state: &State,
     conn: &ConnInfo,
     req: &Request<Incoming>,
     info: &RequestInfo,
     namespaced: bool,
-) -> Result<AuthorizedView, Option<Response<Body>>> {
+) -> Served<AuthorizedView> {
     use crate::auth::authn::Outcome;
     use crate::auth::authz::Decision;
     if has_impersonation(req.headers()) {
-        return Err(None);
+        return delegate("impersonation");
     }
     let id = match state
         .authn
@@ -235,10 +206,10 @@ async fn authenticate_and_authorize(
         .await
     {
         Outcome::Authenticated(id, _) => id,
-        Outcome::Unauthorized => return Err(Some(Status::unauthorized().into_response())),
+        Outcome::Unauthorized => return Err(Status::unauthorized().into()),
         Outcome::Unavailable(e) => {
             let msg = format!("authentication is unavailable: {e}");
-            return Err(Some(Status::service_unavailable(msg, 1).into_response()));
+            return Err(Status::service_unavailable(msg, 1).into());
         }
     };
     let attrs = authz_attributes(info);
@@ -252,14 +223,12 @@ async fn authenticate_and_authorize(
                 .await;
             match view {
                 Some(set) => Ok((id, Some(set))),
-                None => Err(Some(
-                    crate::auth::authz::forbidden(&id, &attrs, &reason).into_response(),
-                )),
+                None => Err(crate::auth::authz::forbidden(&id, &attrs, &reason).into()),
             }
         }
         Decision::Error(e) => {
             let msg = format!("authorization is unavailable: {e}");
-            Err(Some(Status::service_unavailable(msg, 1).into_response()))
+            Err(Status::service_unavailable(msg, 1).into())
         }
     }
 }
@@ -437,7 +406,7 @@ fn consistency_mode(
 fn list_binding(
     id: &crate::auth::authn::Identity,
     info: &RequestInfo,
-    p: &crate::read::list::ListParams,
+    p: &crate::read::plan::ListParams,
     view: Option<&std::collections::BTreeSet<String>>,
 ) -> crate::read::token::Binding {
     let identity = id.identity_hash();
@@ -593,8 +562,14 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         ))
         .await
         {
-            Some(r) => (r, "cache"),
-            None => {
+            Ok(r) => (r, "cache"),
+            // A refusal decided on the cache path (401, 403, 429, 400 for a bad continue
+            // token, ...): the only place the pipeline turns a `Status` into a response.
+            Err(NotServed::Refuse(status)) => (status.into_response(), "cache"),
+            Err(NotServed::Delegate(why)) => {
+                if info.is_resource_request && info.verb != "create" {
+                    tracing::trace!(reason = why, path = %path, "passthrough");
+                }
                 let (resp, by) = Box::pin(forward_within_quota(
                     state,
                     conn,

@@ -436,7 +436,9 @@ mod tests {
 
     /// The bookmark 2 s before the deadline, then the end at the deadline (timings are
     /// lower bounds: neither may come early).
-    #[tokio::test]
+    // Paused time: the deadline and bookmark timers fire when the runtime is idle, without
+    // waiting seconds of wall-clock time.
+    #[tokio::test(start_paused = true)]
     async fn a_watch_bookmarks_before_its_deadline_and_ends_at_it() {
         let q = "watch=1&resourceVersion=1&allowWatchBookmarks=true&timeoutSeconds=3";
         let (cache, mut b, _drain) = watch(q, &WatchConfig::default()).await;
@@ -455,7 +457,9 @@ mod tests {
 
     /// Periodic bookmarks carry the progress; the drain ends a watch; the hub closing a
     /// watcher ends its stream after what was queued.
-    #[tokio::test]
+    // Paused time: the deadline and bookmark timers fire when the runtime is idle, without
+    // waiting seconds of wall-clock time.
+    #[tokio::test(start_paused = true)]
     async fn a_watch_bookmarks_periodically_and_ends_on_drain_or_hub_close() {
         let cfg = WatchConfig {
             bookmark_interval: Duration::from_millis(200),

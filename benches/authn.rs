@@ -27,10 +27,11 @@ use http_body_util::{BodyExt, Full};
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use jsonwebtoken::{Algorithm, EncodingKey, Header, encode, jwk};
-use kube_cache_proxy::auth::authn::{Authenticator, KeySet, Outcome, TenantMapper, verify_jwt};
+use kube_cache_proxy::auth::authn::{Authenticator, KeySet, Outcome, verify_jwt};
 use kube_cache_proxy::auth::authz::{Attributes, Authorizer, Decision};
 use kube_cache_proxy::auth::identity::CertIdentity;
 use kube_cache_proxy::config::{AuthenticationConfig, UpstreamConfig};
+use kube_cache_proxy::tenancy::TenantMapper;
 use kube_cache_proxy::upstream::Upstream;
 use serde_json::{Value, json};
 

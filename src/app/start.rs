@@ -206,7 +206,7 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
     let insecure_addr = insecure.as_ref().and_then(|l| l.local_addr().ok());
     let authn = crate::auth::authn::Authenticator::new(
         config.authentication.clone(),
-        crate::auth::authn::TenantMapper::new(config.tenants.clone()),
+        crate::tenancy::TenantMapper::new(config.tenants.clone()),
         upstream.clone(),
     )?;
     let state = build_state(config, upstream, authn);

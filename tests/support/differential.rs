@@ -1134,10 +1134,10 @@ impl AllowList {
     }
 }
 
-/// `*` globs for the allow-list: the proxy's own matcher (`authn::glob`, used for username
+/// `*` globs for the allow-list: the proxy's own matcher (`tenancy::glob`, used for username
 /// patterns), kept in one place.
 #[allow(unused_imports)]
-pub use kube_cache_proxy::auth::authn::glob;
+pub use kube_cache_proxy::tenancy::glob;
 
 fn allowed(allow: &[Allow], d: &Diff) -> Option<usize> {
     allow

@@ -1,0 +1,571 @@
+//! The authentication chain ([`Authenticator`]): certificates, the token file, offline
+//! ServiceAccount JWTs, TokenReview, anonymous (see the folder's docs for the order and the
+//! caching), its verdict cache and single flight, and offline identification of passthrough
+//! callers.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use http::HeaderMap;
+use sha2::{Digest, Sha256};
+
+use super::bearer::{Bearer, bearer};
+use super::identity::{Identity, TenantOf};
+use super::jwks::{Jwks, Why};
+use super::jwt::{JwtError, unverified_issuer, verify_jwt};
+use super::review::{ReviewError, token_review};
+use super::stats::{AuthnMethod, AuthnStats, METHODS, method_slot};
+use super::token_file::{TokenFileError, TokenFileRow, parse_token_file};
+use super::verdict::{Cached, Verdicts, verdicts};
+use crate::auth::identity::CertIdentity;
+use crate::config::{AuthenticationConfig, RevocationCheck};
+use crate::upstream::Upstream;
+
+/// The result of authenticating one request.
+#[derive(Debug, Clone)]
+pub enum Outcome {
+    Authenticated(Arc<Identity>, AuthnMethod),
+    /// 401: no credentials (anonymous disabled) or credentials that do not verify.
+    Unauthorized,
+    /// The apiserver could not answer a TokenReview: 503, not the caller's fault.
+    Unavailable(String),
+}
+
+fn sha256(b: &[u8]) -> [u8; 32] {
+    Sha256::digest(b).into()
+}
+
+/// The authentication chain (see the module docs).
+pub struct Authenticator {
+    cfg: AuthenticationConfig,
+    upstream: Upstream,
+    /// Names each established identity's tenant (tenancy's mapping, injected).
+    tenants: Box<dyn TenantOf>,
+    static_tokens: HashMap<[u8; 32], TokenFileRow>,
+    /// The issuer's keys for offline ServiceAccount JWT verification.
+    jwks: Jwks,
+    /// Verdicts by token hash; also the single flight of concurrent identical tokens.
+    verdicts: Verdicts,
+    /// Offline-only JWT verdicts for [`Authenticator::identify_offline`] (no revocation check,
+    /// so never mixed with `verdicts`); a signature check costs ~0.3 ms.
+    offline: Verdicts,
+    /// Bounds each TokenReview (and each JWKS fetch).
+    timeout: Duration,
+    pub stats: AuthnStats,
+}
+
+impl std::fmt::Debug for Authenticator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Authenticator")
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AuthnError {
+    #[error("reading the token file {path}: {source}")]
+    ReadTokenFile {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("token file {path}: {source}")]
+    TokenFile {
+        path: std::path::PathBuf,
+        #[source]
+        source: TokenFileError,
+    },
+}
+
+impl Authenticator {
+    /// The chain of `cfg`, asking `upstream` (TokenReview, the issuer's keys) with the
+    /// proxy's credentials; `tenants` names the tenant of every identity it establishes.
+    pub fn new(
+        cfg: AuthenticationConfig,
+        tenants: impl TenantOf + 'static,
+        upstream: Upstream,
+    ) -> Result<Authenticator, AuthnError> {
+        let mut static_tokens = HashMap::new();
+        if let Some(path) = &cfg.token_auth_file {
+            let text =
+                std::fs::read_to_string(path).map_err(|source| AuthnError::ReadTokenFile {
+                    path: path.clone(),
+                    source,
+                })?;
+            let rows = parse_token_file(&text).map_err(|source| AuthnError::TokenFile {
+                path: path.clone(),
+                source,
+            })?;
+            for mut row in rows {
+                // Only the hash of a token is kept.
+                let key = sha256(std::mem::take(&mut row.token).as_bytes());
+                static_tokens.insert(key, row);
+            }
+        }
+        let timeout = Duration::from_secs(5);
+        Ok(Authenticator {
+            verdicts: verdicts(cfg.cache_ttl, cfg.failure_cache_ttl),
+            offline: verdicts(cfg.cache_ttl, cfg.failure_cache_ttl),
+            jwks: Jwks::new(
+                upstream.clone(),
+                cfg.jwks_refresh_interval,
+                cfg.jwks_min_refresh_interval,
+                timeout,
+            ),
+            cfg,
+            upstream,
+            tenants: Box::new(tenants),
+            static_tokens,
+            timeout,
+            stats: AuthnStats::default(),
+        })
+    }
+
+    fn count(&self, o: &Outcome, refused_by: Option<AuthnMethod>) {
+        match o {
+            Outcome::Authenticated(_, m) => {
+                let i = METHODS.iter().position(|x| x == m).unwrap_or(0);
+                self.stats.ok[i].fetch_add(1, Relaxed);
+            }
+            Outcome::Unauthorized => {
+                self.stats.unauthorized[method_slot(refused_by)].fetch_add(1, Relaxed);
+            }
+            Outcome::Unavailable(_) => {
+                self.stats.unavailable.fetch_add(1, Relaxed);
+            }
+        }
+    }
+
+    fn finish(&self, mut id: Identity, m: AuthnMethod) -> (Arc<Identity>, AuthnMethod) {
+        if !id.groups.iter().any(|g| g == "system:authenticated") && m != AuthnMethod::Anonymous {
+            // kube-apiserver's group adder: every authenticated user is in this group.
+            id.groups.push("system:authenticated".into());
+        }
+        id.tenant = self.tenants.tenant_of(&id);
+        (Arc::new(id), m)
+    }
+
+    /// Authenticates one request from its verified client certificate (if any) and headers.
+    pub async fn authenticate(&self, cert: Option<&CertIdentity>, headers: &HeaderMap) -> Outcome {
+        let (o, refused_by) = self.authenticate_inner(cert, headers).await;
+        self.count(&o, refused_by);
+        o
+    }
+
+    fn certificate_identity(&self, c: &CertIdentity) -> (Arc<Identity>, AuthnMethod) {
+        self.finish(
+            Identity {
+                user: c.user.clone(),
+                uid: c.uid.clone(),
+                groups: c.groups.clone(),
+                extra: c.extra.clone(),
+                tenant: String::new(),
+            },
+            AuthnMethod::Certificate,
+        )
+    }
+
+    /// The outcome, and for a refusal the method that refused (`None`: no credentials).
+    async fn authenticate_inner(
+        &self,
+        cert: Option<&CertIdentity>,
+        headers: &HeaderMap,
+    ) -> (Outcome, Option<AuthnMethod>) {
+        if let Some(c) = cert {
+            let (id, m) = self.certificate_identity(c);
+            return (Outcome::Authenticated(id, m), None);
+        }
+        let token = match bearer(headers) {
+            Bearer::None => {
+                if self.cfg.anonymous {
+                    let (id, m) = self.finish(Identity::anonymous(), AuthnMethod::Anonymous);
+                    return (Outcome::Authenticated(id, m), None);
+                }
+                return (Outcome::Unauthorized, None);
+            }
+            Bearer::Invalid => return (Outcome::Unauthorized, None),
+            Bearer::Token(t) => t,
+        };
+        let key = sha256(token.as_bytes());
+        // Set only by the call whose verification runs (the flight's leader).
+        let led = std::sync::atomic::AtomicBool::new(false);
+        let r = self
+            .verdicts
+            .try_get_with(key, async {
+                led.store(true, Relaxed);
+                let (outcome, until, refused_by) = self.authenticate_token(token).await;
+                match outcome {
+                    Outcome::Authenticated(id, m) => Ok(Cached {
+                        outcome: Ok((id, m)),
+                        until,
+                    }),
+                    Outcome::Unauthorized => Ok(Cached {
+                        outcome: Err(refused_by),
+                        until: None,
+                    }),
+                    Outcome::Unavailable(e) => Err(e),
+                }
+            })
+            .await;
+        if !led.load(Relaxed) {
+            self.stats.cache_hits.fetch_add(1, Relaxed);
+        }
+        match r {
+            // Never served past the token's `exp`: the entry's TTL ends there ([`VerdictTtl`]).
+            Ok(Cached {
+                outcome: Ok((id, m)),
+                ..
+            }) => (Outcome::Authenticated(id, m), None),
+            Ok(Cached {
+                outcome: Err(m), ..
+            }) => (Outcome::Unauthorized, m),
+            Err(e) => (
+                Outcome::Unavailable(e.to_string()),
+                Some(AuthnMethod::TokenReview),
+            ),
+        }
+    }
+
+    /// The caller of a passthrough request, for tenant quotas, without asking the apiserver
+    /// anything: a verified client certificate, a cached verdict of the chain, the token file,
+    /// or a ServiceAccount JWT verified offline with the keys at hand (no revocation check:
+    /// the apiserver authenticates the request itself and the identity only names the tenant
+    /// to charge; results cached apart, for `cacheTtl` / `failureCacheTtl`). `None`: not identified (no credentials, or a token only
+    /// the apiserver can judge).
+    pub async fn identify_offline(
+        &self,
+        cert: Option<&CertIdentity>,
+        headers: &HeaderMap,
+    ) -> Option<Arc<Identity>> {
+        if let Some(c) = cert {
+            return Some(self.certificate_identity(c).0);
+        }
+        let Bearer::Token(token) = bearer(headers) else {
+            return None;
+        };
+        let key = sha256(token.as_bytes());
+        if let Some(c) = self.verdicts.get(&key).await {
+            return c.outcome.ok().map(|(id, _)| id);
+        }
+        if let Some(u) = self.static_tokens.get(&key) {
+            return Some(self.static_identity(u).0);
+        }
+        if !self.cfg.service_account_jwt || token.bytes().filter(|b| *b == b'.').count() != 2 {
+            return None;
+        }
+        let keys = self.jwks.current()?;
+        let c = self
+            .offline
+            .get_with(key, async {
+                match verify_jwt(token, &keys, &self.cfg.audiences, self.cfg.leeway) {
+                    Ok(v) => Cached {
+                        outcome: Ok(self.finish(v.identity, AuthnMethod::ServiceAccountJwt)),
+                        until: v.exp,
+                    },
+                    Err(_) => Cached {
+                        outcome: Err(Some(AuthnMethod::ServiceAccountJwt)),
+                        until: None,
+                    },
+                }
+            })
+            .await;
+        c.outcome.ok().map(|(id, _)| id)
+    }
+
+    fn static_identity(&self, u: &TokenFileRow) -> (Arc<Identity>, AuthnMethod) {
+        self.finish(
+            Identity {
+                user: u.user.clone(),
+                uid: u.uid.clone(),
+                groups: u.groups.clone(),
+                extra: BTreeMap::new(),
+                tenant: String::new(),
+            },
+            AuthnMethod::StaticToken,
+        )
+    }
+
+    /// One token through the chain: the outcome, the `exp` bounding its cache entry, and
+    /// for a refusal the method that refused it (the last one that could judge the token).
+    async fn authenticate_token(&self, token: &str) -> (Outcome, Option<u64>, Option<AuthnMethod>) {
+        if let Some(u) = self.static_tokens.get(&sha256(token.as_bytes())) {
+            let (id, m) = self.static_identity(u);
+            return (Outcome::Authenticated(id, m), None, None);
+        }
+        let mut refused_by = (!self.static_tokens.is_empty()).then_some(AuthnMethod::StaticToken);
+        if self.cfg.service_account_jwt
+            && token.bytes().filter(|b| *b == b'.').count() == 2
+            && let Some(keys) = self.jwks.key_set(&self.stats).await
+        {
+            refused_by = Some(AuthnMethod::ServiceAccountJwt);
+            let mut r = verify_jwt(token, &keys, &self.cfg.audiences, self.cfg.leeway);
+            if matches!(r, Err(JwtError::NotOurs))
+                && unverified_issuer(token).as_deref() == Some(keys.issuer())
+                && self.jwks.refresh(Why::UnknownKid, &self.stats).await
+                && let Some(k) = self.jwks.key_set(&self.stats).await
+            {
+                // A key id we do not know: the apiserver may have rotated its keys.
+                r = verify_jwt(token, &k, &self.cfg.audiences, self.cfg.leeway);
+            }
+            match r {
+                Ok(v) => {
+                    let review = match self.cfg.revocation_check {
+                        RevocationCheck::None => false,
+                        RevocationCheck::BoundObjects => v.bound,
+                        RevocationCheck::Always => true,
+                    };
+                    if review {
+                        match self.token_review(token).await {
+                            Ok(Some(_)) => {}
+                            Ok(None) => {
+                                return (
+                                    Outcome::Unauthorized,
+                                    None,
+                                    Some(AuthnMethod::TokenReview),
+                                );
+                            }
+                            Err(e) => return (Outcome::Unavailable(e.to_string()), None, None),
+                        }
+                    }
+                    let (id, m) = self.finish(v.identity, AuthnMethod::ServiceAccountJwt);
+                    return (Outcome::Authenticated(id, m), v.exp, None);
+                }
+                Err(JwtError::Invalid(why)) => {
+                    tracing::debug!(reason = %why, "serviceaccount token rejected");
+                    return (Outcome::Unauthorized, None, refused_by);
+                }
+                Err(JwtError::NotOurs) => {}
+            }
+        }
+        if !self.cfg.token_review {
+            return (Outcome::Unauthorized, None, refused_by);
+        }
+        match self.token_review(token).await {
+            Ok(Some(id)) => {
+                let (id, m) = self.finish(id, AuthnMethod::TokenReview);
+                (Outcome::Authenticated(id, m), None, None)
+            }
+            Ok(None) => (Outcome::Unauthorized, None, Some(AuthnMethod::TokenReview)),
+            Err(e) => (Outcome::Unavailable(e.to_string()), None, None),
+        }
+    }
+
+    /// A TokenReview of `token` (see [`token_review`]).
+    async fn token_review(&self, token: &str) -> Result<Option<Identity>, ReviewError> {
+        token_review(&self.upstream, self.timeout, token).await
+    }
+
+    /// Refreshes the issuer's keys every `jwksRefreshInterval` until `stop` (first at once),
+    /// so rotated keys are known before the first token signed with them arrives and no
+    /// request waits for a fetch. Nothing to do when offline JWT verification is off.
+    pub fn spawn_jwks_refresher(self: &Arc<Self>, stop: tokio_util::sync::CancellationToken) {
+        if !self.cfg.service_account_jwt {
+            return;
+        }
+        let this = Arc::downgrade(self);
+        let period = self.cfg.jwks_refresh_interval.max(Duration::from_secs(1));
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(period);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => return,
+                    _ = tick.tick() => {}
+                }
+                let Some(a) = this.upgrade() else { return };
+                a.jwks.refresh(Why::Periodic, &a.stats).await;
+            }
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testkit::*;
+    use super::*;
+    use http::{HeaderValue, header};
+
+    #[tokio::test]
+    async fn passthrough_callers_are_identified_without_asking_the_apiserver() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("tokens.csv");
+        std::fs::write(&file, "tok-1,alice,uid-1\n").unwrap();
+        let a = offline_authenticator(AuthenticationConfig {
+            token_auth_file: Some(file),
+            ..AuthenticationConfig::default()
+        });
+        let s = signer("k1");
+        a.jwks.set(keys(&s));
+        async fn who(
+            a: &Authenticator,
+            h: HeaderMap,
+            cert: Option<&CertIdentity>,
+        ) -> Option<String> {
+            a.identify_offline(cert, &h).await.map(|i| i.user.clone())
+        }
+        let cert = CertIdentity {
+            user: "carol".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            who(&a, headers(None), Some(&cert)).await.as_deref(),
+            Some("carol")
+        );
+        assert_eq!(
+            who(&a, headers(Some("Bearer tok-1")), None)
+                .await
+                .as_deref(),
+            Some("alice")
+        );
+        let token = sign(&s, "k1", &claims(3600));
+        let jwt = format!("Bearer {token}");
+        assert_eq!(
+            who(&a, headers(Some(&jwt)), None).await.as_deref(),
+            Some("system:serviceaccount:team-a:builder")
+        );
+        // Remembered apart from the chain's verdicts (no revocation check was made).
+        assert!(a.offline.contains_key(&sha256(token.as_bytes())));
+        assert!(!a.verdicts.contains_key(&sha256(token.as_bytes())));
+        // Forged, unknown to any offline method, or no credentials: not identified (the
+        // apiserver alone judges them; the upstream here is never contacted).
+        let forged = format!("Bearer {}", sign(&signer("k1"), "k1", &claims(3600)));
+        for h in [
+            headers(Some(&forged)),
+            headers(Some("Bearer opaque")),
+            headers(None),
+        ] {
+            assert_eq!(who(&a, h, None).await, None);
+        }
+        // A verdict of the full chain (a TokenReview, say) names the caller while cached.
+        let (id, m) = a.finish(
+            Identity {
+                user: "reviewed".into(),
+                ..Identity::anonymous()
+            },
+            AuthnMethod::TokenReview,
+        );
+        a.verdicts
+            .insert(
+                sha256(b"opaque"),
+                Cached {
+                    outcome: Ok((id, m)),
+                    until: None,
+                },
+            )
+            .await;
+        assert_eq!(
+            who(&a, headers(Some("Bearer opaque")), None)
+                .await
+                .as_deref(),
+            Some("reviewed")
+        );
+        // Nothing of this counts as an authentication of a cache-served request.
+        assert_eq!(a.stats.ok.iter().map(|c| c.load(Relaxed)).sum::<u64>(), 0);
+    }
+
+    #[tokio::test]
+    async fn verdicts_are_cached_for_cache_ttl_and_not_at_all_with_zero() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("tokens.csv");
+        std::fs::write(&file, "tok-1,alice,uid-1\n").unwrap();
+        for (ttl, hits) in [(Duration::from_secs(10), 2), (Duration::ZERO, 0)] {
+            let a = offline_authenticator(AuthenticationConfig {
+                token_auth_file: Some(file.clone()),
+                cache_ttl: ttl,
+                ..AuthenticationConfig::default()
+            });
+            for _ in 0..3 {
+                let o = a.authenticate(None, &headers(Some("Bearer tok-1"))).await;
+                assert!(matches!(o, Outcome::Authenticated(..)));
+            }
+            assert_eq!(a.stats.cache_hits.load(Relaxed), hits, "ttl {ttl:?}");
+        }
+    }
+
+    fn offline_authenticator(cfg: AuthenticationConfig) -> Authenticator {
+        crate::http::tls::install_crypto_provider();
+        // Never contacted: these paths need no upstream.
+        let kube = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let up = Upstream::new(&kube, &crate::config::UpstreamConfig::default()).unwrap();
+        // No tenants: every identity's tenant is "".
+        Authenticator::new(cfg, |_: &Identity| String::new(), up).unwrap()
+    }
+
+    fn headers(auth: Option<&str>) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        if let Some(a) = auth {
+            h.insert(header::AUTHORIZATION, HeaderValue::from_str(a).unwrap());
+        }
+        h
+    }
+
+    #[tokio::test]
+    async fn the_chain_without_upstream_calls_certificates_token_file_anonymous_and_401() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("tokens.csv");
+        std::fs::write(&file, "tok-1,alice,uid-1,\"dev,ops\"\n").unwrap();
+        let cfg = AuthenticationConfig {
+            token_auth_file: Some(file),
+            service_account_jwt: false,
+            token_review: false,
+            ..AuthenticationConfig::default()
+        };
+        let a = offline_authenticator(cfg.clone());
+        let Outcome::Authenticated(id, m) =
+            a.authenticate(None, &headers(Some("Bearer tok-1"))).await
+        else {
+            panic!("static token not accepted");
+        };
+        assert_eq!(m, AuthnMethod::StaticToken);
+        assert_eq!((id.user.as_str(), id.uid.as_str()), ("alice", "uid-1"));
+        assert_eq!(id.groups, ["dev", "ops", "system:authenticated"]);
+        // A certificate wins over a token.
+        let cert = CertIdentity {
+            user: "carol".into(),
+            groups: vec!["ops".into()],
+            ..Default::default()
+        };
+        let Outcome::Authenticated(id, m) = a
+            .authenticate(Some(&cert), &headers(Some("Bearer tok-1")))
+            .await
+        else {
+            panic!("certificate not accepted");
+        };
+        assert_eq!((id.user.as_str(), m), ("carol", AuthnMethod::Certificate));
+        for bad in [
+            Some("Bearer nope"),
+            Some("Bearer "),
+            None,
+            Some("Basic YTpi"),
+        ] {
+            assert!(
+                matches!(
+                    a.authenticate(None, &headers(bad)).await,
+                    Outcome::Unauthorized
+                ),
+                "{bad:?}"
+            );
+        }
+        let anon = offline_authenticator(AuthenticationConfig {
+            anonymous: true,
+            ..cfg
+        });
+        let Outcome::Authenticated(id, m) = anon.authenticate(None, &headers(None)).await else {
+            panic!("anonymous not accepted");
+        };
+        assert_eq!(m, AuthnMethod::Anonymous);
+        assert_eq!(id.user, "system:anonymous");
+        assert_eq!(id.groups, ["system:unauthenticated"]);
+        // An invalid token is not anonymous, even with anonymous enabled.
+        assert!(matches!(
+            anon.authenticate(None, &headers(Some("Bearer nope"))).await,
+            Outcome::Unauthorized
+        ));
+        // Refusals by the method that refused: the token file judged `nope`; the others had
+        // no usable credentials.
+        assert_eq!(a.stats.unauthorized_by(Some(AuthnMethod::StaticToken)), 1);
+        assert_eq!(a.stats.unauthorized_by(None), 3);
+        assert_eq!(a.stats.unauthorized_by(Some(AuthnMethod::TokenReview)), 0);
+    }
+}

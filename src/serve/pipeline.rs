@@ -23,6 +23,7 @@ use crate::metrics::{DurationLabels, KindLabels, Metrics, RequestLabels};
 use crate::read::plan::{ReadAt, Rv};
 use crate::read::router::{self, Route};
 use crate::read::{NotServed, Served, delegate};
+use crate::serve::caller::Caller;
 use crate::serve::passthrough;
 use crate::serve::state::{ConnInfo, State};
 
@@ -62,10 +63,10 @@ impl crate::http::listener::Service for State {
 async fn serve_from_cache(
     state: &State,
     conn: &ConnInfo,
+    caller: &mut Caller,
     req: &Request<Incoming>,
     info: &RequestInfo,
     query: Option<&str>,
-    read_charged: &mut bool,
 ) -> Served {
     let accept = req
         .headers()
@@ -75,7 +76,7 @@ async fn serve_from_cache(
         state.caches.get(g, v, r)
     })?;
     let namespaced = route.cache().resource.namespaced;
-    let (id, view) = authenticate_and_authorize(state, conn, req, info, namespaced).await?;
+    let (id, view) = authenticate_and_authorize(state, conn, caller, req, info, namespaced).await?;
     // Tenant quotas (`tenancy`); the unnamed tenant has none.
     let tenant = state.tenancy.get(&id.tenant);
     let mut permit = None;
@@ -84,7 +85,7 @@ async fn serve_from_cache(
             Route::Watch { .. } => permit = t.admit_watch()?,
             _ => {
                 t.admit_read()?;
-                *read_charged = true;
+                caller.read_charged = true;
             }
         }
     }
@@ -191,6 +192,7 @@ async fn serve_from_cache(
 async fn authenticate_and_authorize(
     state: &State,
     conn: &ConnInfo,
+    caller: &mut Caller,
     req: &Request<Incoming>,
     info: &RequestInfo,
     namespaced: bool,
@@ -200,12 +202,8 @@ async fn authenticate_and_authorize(
     if has_impersonation(req.headers()) {
         return delegate("impersonation");
     }
-    let id = match state
-        .authn
-        .authenticate(conn.cert.as_deref(), req.headers())
-        .await
-    {
-        Outcome::Authenticated(id, _) => id,
+    let id = match caller.authenticate(state, conn, req.headers()).await {
+        Outcome::Authenticated(id, _) => id.clone(),
         Outcome::Unauthorized => return Err(Status::unauthorized().into()),
         Outcome::Unavailable(e) => {
             let msg = format!("authentication is unavailable: {e}");
@@ -271,16 +269,14 @@ fn has_impersonation(h: &http::HeaderMap) -> bool {
 async fn impersonation_gate(
     state: &State,
     conn: &ConnInfo,
+    caller: &mut Caller,
     req: &Request<Incoming>,
 ) -> Result<Option<ConnInfo>, Response<Body>> {
-    let Some(cert) = conn.cert.as_deref() else {
-        return Ok(None);
-    };
-    if !has_impersonation(req.headers()) {
+    if conn.cert.is_none() || !has_impersonation(req.headers()) {
         return Ok(None);
     }
-    let id = match state.authn.authenticate(Some(cert), req.headers()).await {
-        crate::auth::authn::Outcome::Authenticated(id, _) => id,
+    let id = match caller.authenticate(state, conn, req.headers()).await {
+        crate::auth::authn::Outcome::Authenticated(id, _) => id.clone(),
         _ => return Err(Status::unauthorized().into_response()),
     };
     match state.authz.impersonate(&id, req.headers()).await {
@@ -309,26 +305,21 @@ async fn impersonation_gate(
 async fn forward_within_quota(
     state: &State,
     conn: &ConnInfo,
+    caller: &Caller,
     forward_as: &ConnInfo,
     req: Request<Incoming>,
     info: &RequestInfo,
     long_running: bool,
-    read_charged: bool,
 ) -> (Response<Body>, &'static str) {
-    let admitted = state
-        .tenancy
-        .admit_passthrough(
-            &state.authn,
-            conn.cert.as_deref(),
-            req.headers(),
-            info,
-            read_charged,
-        )
-        .await;
-    let permit = match admitted {
-        Ok(p) => p,
-        Err(refusal) => return (refusal.into_response(), "proxy"),
-    };
+    let mut permit = None;
+    if state.tenancy.charges_passthrough(info, caller.read_charged)
+        && let Some(id) = caller.identity_for_quota(state, conn, req.headers()).await
+    {
+        match state.tenancy.admit_passthrough(&id, info) {
+            Ok(p) => permit = p,
+            Err(refusal) => return (refusal.into_response(), "proxy"),
+        }
+    }
     let resp = passthrough::forward(state, forward_as, req, info, long_running).await;
     let Some(permit) = permit else {
         return (resp, "upstream");
@@ -533,32 +524,33 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         .clone();
     inflight.inc();
 
-    // Whether the cache path took a read-quota token before handing the request over.
-    let mut read_charged = false;
+    // Authenticated at most once, by whichever step needs it first.
+    let mut caller = Caller::default();
     // Each branch's future is boxed: this future then holds only the one a request takes,
     // not the largest of them (it was 6.8 KB for every request, watches included, and a burst
     // of thousands of watch requests held that many at once).
-    let (resp, served_by) = match Box::pin(impersonation_gate(state, conn, &req)).await {
+    let (resp, served_by) = match Box::pin(impersonation_gate(state, conn, &mut caller, &req)).await
+    {
         Err(refused) => (refused, "proxy"),
         Ok(Some(as_target)) => {
             Box::pin(forward_within_quota(
                 state,
                 conn,
+                &caller,
                 &as_target,
                 req,
                 &info,
                 long_running,
-                false,
             ))
             .await
         }
         Ok(None) => match Box::pin(serve_from_cache(
             state,
             conn,
+            &mut caller,
             &req,
             &info,
             query.as_deref(),
-            &mut read_charged,
         ))
         .await
         {
@@ -573,11 +565,11 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
                 let (resp, by) = Box::pin(forward_within_quota(
                     state,
                     conn,
+                    &caller,
                     conn,
                     req,
                     &info,
                     long_running,
-                    read_charged,
                 ))
                 .await;
                 (Box::pin(read_your_writes(state, &info, resp)).await, by)

@@ -54,7 +54,7 @@ pub use view_watch::ViewWatch;
 
 use std::collections::HashMap;
 
-use crate::auth::authn::Authenticator;
+use crate::auth::authn::Identity;
 use crate::config::TenantConfig;
 
 /// All tenants, by name.
@@ -82,33 +82,33 @@ impl Tenancy {
         self.tenants.values()
     }
 
-    /// Tenant quotas on a passthrough request: a LIST takes a token of the caller's tenant's
-    /// read bucket (unless the cache path already took one for this request:
-    /// `read_charged`), a WATCH one of its watch slots, held by the returned permit until the
-    /// stream ends. Everything else, unidentified callers and callers of no tenant pass
-    /// untouched (see the module docs).
-    pub async fn admit_passthrough(
+    /// Whether a passthrough request is subject to tenant quotas: a LIST takes a token of
+    /// the caller's tenant's read bucket (unless the cache path already took one for this
+    /// request: `read_charged`), a WATCH one of its watch slots. Everything else passes
+    /// untouched (see the module docs), and the caller need not be identified.
+    pub fn charges_passthrough(
         &self,
-        authn: &Authenticator,
-        cert: Option<&crate::auth::identity::CertIdentity>,
-        headers: &http::HeaderMap,
         info: &crate::k8s::request_info::RequestInfo,
         read_charged: bool,
-    ) -> Result<Option<WatchPermit>, Refusal> {
+    ) -> bool {
         let watch = info.verb == "watch";
-        if self.tenants.is_empty()
-            || !info.is_resource_request
-            || !(watch || info.verb == "list" && !read_charged)
-        {
-            return Ok(None);
-        }
-        let Some(id) = authn.identify_offline(cert, headers).await else {
-            return Ok(None);
-        };
+        !self.tenants.is_empty()
+            && info.is_resource_request
+            && (watch || info.verb == "list" && !read_charged)
+    }
+
+    /// Tenant quotas on a passthrough request that [`Tenancy::charges_passthrough`] selected,
+    /// for the identified caller `id`: a watch holds the returned permit until the stream
+    /// ends. Callers of no tenant pass untouched.
+    pub fn admit_passthrough(
+        &self,
+        id: &Identity,
+        info: &crate::k8s::request_info::RequestInfo,
+    ) -> Result<Option<WatchPermit>, Refusal> {
         let Some(t) = self.get(&id.tenant) else {
             return Ok(None);
         };
-        if watch {
+        if info.verb == "watch" {
             t.admit_watch()
         } else {
             t.admit_read().map(|()| None)

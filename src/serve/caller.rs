@@ -1,0 +1,61 @@
+//! The caller of one request, authenticated at most once and carried with the request: the
+//! impersonation gate, the cache path and the passthrough quota all read the same result, so
+//! no request costs two token reviews or two JWT verifications.
+
+use std::sync::Arc;
+
+use http::HeaderMap;
+
+use crate::auth::authn::{Identity, Outcome};
+use crate::serve::state::{ConnInfo, State};
+
+/// One request's caller: its memoized authentication, and what its tenant was charged.
+#[derive(Default)]
+pub struct Caller {
+    /// `None` until a step needs it.
+    outcome: Option<Outcome>,
+    /// The cache path took a read-quota token before handing the request to the apiserver
+    /// (the passthrough then charges none).
+    pub read_charged: bool,
+}
+
+impl Caller {
+    /// Authenticates the caller (client certificate, token file, ServiceAccount JWT,
+    /// TokenReview), the first time any step asks.
+    pub async fn authenticate(
+        &mut self,
+        state: &State,
+        conn: &ConnInfo,
+        headers: &HeaderMap,
+    ) -> &Outcome {
+        if self.outcome.is_none() {
+            let o = state
+                .authn
+                .authenticate(conn.cert.as_deref(), headers)
+                .await;
+            self.outcome = Some(o);
+        }
+        self.outcome.get_or_insert(Outcome::Unauthorized)
+    }
+
+    /// Who the caller is, to charge its tenant on a passthrough request: the identity an
+    /// earlier step authenticated, else what the proxy can verify without asking the
+    /// apiserver (the apiserver authenticates a passthrough request itself; this only names
+    /// the tenant). `None`: not identified.
+    pub async fn identity_for_quota(
+        &self,
+        state: &State,
+        conn: &ConnInfo,
+        headers: &HeaderMap,
+    ) -> Option<Arc<Identity>> {
+        match &self.outcome {
+            Some(Outcome::Authenticated(id, _)) => Some(id.clone()),
+            _ => {
+                state
+                    .authn
+                    .identify_offline(conn.cert.as_deref(), headers)
+                    .await
+            }
+        }
+    }
+}

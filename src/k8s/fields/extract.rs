@@ -199,7 +199,8 @@ pub fn extract_fields(
 
 /// Collects an object's selectable fields during the cache's single pass over its JSON
 /// ([`crate::k8s::scan`]): the same values as [`extract_fields`] for built-in kinds, and a
-/// custom resource's declared [`CustomFields`](crate::k8s::selectable::CustomFields), without a second parse.
+/// custom resource's declared [`CustomFields`](crate::k8s::selectable::CustomFields), without
+/// a second parse.
 pub struct FieldScan<'a, 'r> {
     kind: Option<&'static KindFields>,
     /// Top-level members the kind's fields read, besides `metadata`.

@@ -5,15 +5,16 @@
 //!
 //! Sources, ported line by line where behaviour depends on it:
 //!
-//! - which fields each kind accepts ([`kinds`], [`check`]): the field label conversion
+//! - which fields each kind accepts (`kinds.rs`, `check.rs`): the field label conversion
 //!   functions the apiserver applies before storage sees the selector (`ListResource` →
 //!   `FieldSelector.Transform` → `Scheme.ConvertFieldLabel`), in
 //!   `pkg/apis/core/v1/conversion.go`, `pkg/apis/batch/v1/conversion.go`,
-//!   `pkg/apis/certificates/v1/conversion.go`, and `runtime.DefaultMetaV1FieldSelectorConversion`
-//!   for kinds without one; for custom resources, `crConverter.ConvertFieldLabel`
-//!   (apiextensions-apiserver `pkg/apiserver/conversion/converter.go`): metadata, plus the CRD
-//!   version's `selectableFields` ([`crate::k8s::selectable::CustomFields`]);
-//! - the values those fields have ([`extract`]): the registries' `GetAttrs` /
+//!   `pkg/apis/certificates/v1/conversion.go`, and
+//!   `runtime.DefaultMetaV1FieldSelectorConversion` for kinds without one; for custom
+//!   resources, `crConverter.ConvertFieldLabel` (apiextensions-apiserver
+//!   `pkg/apiserver/conversion/converter.go`): metadata, plus the CRD version's
+//!   `selectableFields` ([`crate::k8s::selectable::CustomFields`]);
+//! - the values those fields have (`extract.rs`): the registries' `GetAttrs` /
 //!   `ToSelectableFields` (`pkg/registry/core/pod/strategy.go` and friends), which read the
 //!   *internal* object, so v1 → internal conversion quirks (pod `status.podIP`,
 //!   `spec.serviceAccount`) are applied here; for custom resources, the CR strategy's

@@ -8,12 +8,12 @@
 //!
 //! Sources, ported line by line where behaviour depends on it:
 //!
-//! - label selectors ([`label`], [`lexer`]): `k8s.io/apimachinery/pkg/labels/selector.go`
+//! - label selectors (`label.rs`, `lexer.rs`): `k8s.io/apimachinery/pkg/labels/selector.go`
 //!   (lexer, parser, `NewRequirement`, `Requirement.Matches`, `Requirement.String`), key and
-//!   value rules ([`validation`]) from `k8s.io/apimachinery/pkg/api/validate/content`
+//!   value rules (`validation.rs`) from `k8s.io/apimachinery/pkg/api/validate/content`
 //!   (`IsLabelKey`, `IsLabelValue`), error text from
 //!   `k8s.io/apimachinery/pkg/util/validation/field` (`field.Invalid`, `ToAggregate`);
-//! - field selectors ([`field`]): `k8s.io/apimachinery/pkg/fields/selector.go`
+//! - field selectors (`field.rs`): `k8s.io/apimachinery/pkg/fields/selector.go`
 //!   (`ParseSelector`, `splitTerms`, `splitTerm`, `UnescapeValue`, `EscapeValue`).
 //!
 //! Which fields a resource accepts and the values its objects have for them are

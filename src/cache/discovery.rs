@@ -32,7 +32,7 @@ use std::collections::{BTreeMap, BTreeSet, HashSet};
 use serde::Deserialize;
 
 use super::Resource;
-use crate::k8s::selector::CustomFields;
+use crate::k8s::selectable::CustomFields;
 
 /// The `cache.resources` entry that selects every listable and watchable resource.
 pub const ALL: &str = "all";

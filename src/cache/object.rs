@@ -7,8 +7,9 @@
 
 use std::collections::BTreeMap;
 
+use crate::k8s::fields::FieldScan;
 use crate::k8s::scan::{ScanError, Scanner};
-use crate::k8s::selector::{FieldName, FieldScan};
+use crate::k8s::selectable::FieldName;
 use bytes::Bytes;
 
 use super::Resource;
@@ -520,7 +521,7 @@ mod tests {
             let labels: BTreeMap<String, String> = serde_json::from_value(m["labels"].clone()).unwrap();
             let got: BTreeMap<String, String> = o.meta.labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
             prop_assert_eq!(got, labels);
-            let want = crate::k8s::selector::extract_fields("", res, text.as_bytes()).unwrap();
+            let want = crate::k8s::fields::extract_fields("", res, text.as_bytes()).unwrap();
             let got: Vec<(&str, &str)> = o.meta.fields.iter().map(|(k, v)| (k.as_str(), &**v)).collect();
             // metadata.name/namespace are read from the metadata, not held twice.
             let want: Vec<(&str, &str)> = want.iter().skip(2).map(|(k, v)| (*k, v.as_str())).collect();

@@ -1,10 +1,24 @@
 //! The Kubernetes model the proxy reads and writes: `Status` errors, the apiserver's
 //! `RequestInfo`, resource types, label and field selectors, and the JSON scanner that reads
 //! objects without decoding them. Pure data and functions: nothing here does I/O.
+//!
+//! - [`status`]: `Status` errors as the apiserver writes them.
+//! - [`request_info`]: the apiserver's `RequestInfo` of a request path.
+//! - [`resource`]: a resource type (group/version/resource, kind, scope).
+//! - [`selectable`]: a custom resource's declared selectable fields, and the names a cached
+//!   object holds field values under.
+//! - [`selector`]: label and field selector syntax: parsing, matching, canonical strings.
+//! - [`fields`]: field selectors against a resource: each kind's supported fields, the
+//!   cache-or-apiserver check, and the fields' values extracted at ingest.
+//! - [`scan`]: the JSON scanner that reads objects without decoding them.
+//! - [`go_format`]: Go's printing of quoted strings and floats, byte for byte.
 
+pub mod fields;
+pub mod go_format;
 pub mod request_info;
 pub mod resource;
 pub mod scan;
+pub mod selectable;
 pub mod selector;
 pub mod status;
 

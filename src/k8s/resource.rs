@@ -20,7 +20,7 @@ pub struct Resource {
     /// `spec.versions[].selectableFields`), extracted from every object at ingest. Part of the
     /// resource's identity: when they change, the registry replaces the cache, whose objects
     /// hold the values of the old fields.
-    pub selectable: crate::k8s::selector::CustomFields,
+    pub selectable: crate::k8s::selectable::CustomFields,
 }
 
 impl Resource {
@@ -48,7 +48,9 @@ impl Resource {
             kind: "Widget".into(),
             namespaced,
             custom: true,
-            selectable: crate::k8s::selector::CustomFields::from_json_paths(paths.iter().copied()),
+            selectable: crate::k8s::selectable::CustomFields::from_json_paths(
+                paths.iter().copied(),
+            ),
         }
     }
 

@@ -12,8 +12,9 @@ use http::Method;
 use crate::cache::ResourceCache;
 use crate::cache::event::Encoding;
 use crate::cache::hub::Filter;
+use crate::k8s::fields::{FieldCheck, check_field_selector};
 use crate::k8s::request_info::RequestInfo;
-use crate::k8s::selector::{FieldCheck, FieldSelector, LabelSelector, check_field_selector};
+use crate::k8s::selector::{FieldSelector, LabelSelector};
 use crate::read::plan::{self, ListParams, ReadAt, WatchParams};
 use crate::read::{Served, delegate};
 

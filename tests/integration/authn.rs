@@ -3,16 +3,14 @@
 //! counted by the method that refused, and the ServiceAccount issuer's keys are refreshed in
 //! the background, keeping the previous keys when a refresh fails.
 
-mod support;
-
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::{Duration, Instant};
 
+use crate::support::fake_apiserver::FakeApiServer;
+use crate::support::proxy::TestProxy;
 use jsonwebtoken::{Algorithm, EncodingKey, Header, jwk};
 use kube_cache_proxy::auth::authn::AuthnMethod;
 use serde_json::json;
-use support::fake_apiserver::FakeApiServer;
-use support::proxy::TestProxy;
 
 const GUARD: Duration = Duration::from_secs(20);
 const ISS: &str = "https://kubernetes.default.svc.cluster.local";

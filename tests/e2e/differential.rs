@@ -12,20 +12,18 @@
 //! Both run in one test against one control plane: starting kube-apiserver is the expensive part
 //! (and two at once on a 2-core machine slow each other down).
 
-mod support;
-
 use std::path::PathBuf;
 use std::time::Instant;
 
-use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
-use rustls_pki_types::CertificateDer;
-use rustls_pki_types::pem::PemObject;
-use support::differential::{
+use crate::support::differential::{
     AllowList, Backend, Corpus, Mode, Report, Symbols, compact_etcd, glob,
     mirror_bootstrap_objects, run, seed_namespaces, seed_objects,
 };
-use support::fake_apiserver::FakeApiServer;
-use support::proxy::TestProxy;
+use crate::support::fake_apiserver::FakeApiServer;
+use crate::support::proxy::TestProxy;
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
+use rustls_pki_types::CertificateDer;
+use rustls_pki_types::pem::PemObject;
 
 /// Requests in flight at once. The corpus makes no writes, so order is irrelevant; this hides
 /// the seconds that watches (timeoutSeconds) and future resourceVersions (3 s wait) take.

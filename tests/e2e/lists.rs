@@ -5,16 +5,14 @@
 //! - `strict` consistency: a write made directly on the apiserver, then a resourceVersion-unset
 //!   list through the proxy, always contains it (1,000 times).
 
-mod support;
-
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crate::support::proxy::{TestProxy, body_json, plain_client};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, PostParams};
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde_json::{Value, json};
-use support::proxy::{TestProxy, body_json, plain_client};
 
 const GUARD: Duration = Duration::from_secs(60);
 

@@ -10,8 +10,6 @@
 //! Tools: kubectl from the control-plane build (`tests/e2e/build-control-plane.sh`), helm from
 //! `tests/e2e/build-helm.sh` (both cached under ~/.cache/kube-cache-proxy/).
 
-mod support;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -19,11 +17,12 @@ use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use crate::support;
+use crate::support::proxy::{EventReader, TestProxy, body_json, body_string};
 use http_body_util::Full;
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use kube_cache_proxy::config::Config;
 use serde_json::{Value, json};
-use support::proxy::{EventReader, TestProxy, body_json, body_string};
 
 /// Bound on waiting for caches to sync and for the proxy to become ready.
 const BOUND: Duration = Duration::from_secs(90);

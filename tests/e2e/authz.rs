@@ -11,11 +11,11 @@
 //! impersonation). A last part checks revocation: a pod-bound token stops working at the proxy
 //! once its pod is deleted.
 
-mod support;
-
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use crate::support;
+use crate::support::proxy::{TestClient, TestProxy};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use http::{Method, Request, StatusCode};
@@ -27,7 +27,6 @@ use kube_cache_proxy::auth::authn::{AuthnMethod, METHODS};
 use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
 use serde_json::{Value, json};
-use support::proxy::{TestClient, TestProxy};
 
 type Https = Client<
     hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,

@@ -2,12 +2,11 @@
 //! dropped / cleanly ended / stalled watches without relisting, relist after 410, backoff
 //! through injected failures, bookmarks, cancellation.
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::fake_apiserver::{FakeApiServer, LoggedRequest};
 use kube_cache_proxy::cache::reflector::{
     Reflector, ReflectorConfig, ReflectorHandle, ReflectorStatus, RelistReason,
 };
@@ -15,7 +14,6 @@ use kube_cache_proxy::cache::{CachedObject, EventKind, ReflectorSink, Resource};
 use kube_cache_proxy::config::UpstreamConfig;
 use kube_cache_proxy::upstream::Upstream;
 use serde_json::json;
-use support::fake_apiserver::{FakeApiServer, LoggedRequest};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 

@@ -3,21 +3,20 @@
 //! with streaming lists), kubectl, and the Python client. Each client's final view must equal
 //! the apiserver's own state after creates, updates and deletes made directly upstream.
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use crate::support;
+use crate::support::proxy::TestProxy;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde_json::json;
-use support::proxy::TestProxy;
 
 const BOUND: Duration = Duration::from_secs(60);
 

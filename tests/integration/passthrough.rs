@@ -1,15 +1,13 @@
 //! The proxy as a transparent passthrough in front of the in-process fake apiserver.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::fake_apiserver::FakeApiServer;
+use crate::support::proxy::{EventReader, TestProxy, body_json, body_string, client_cert};
 use bytes::Bytes;
 use http::{Method, Request, StatusCode};
 use http_body_util::Full;
 use serde_json::json;
-use support::fake_apiserver::FakeApiServer;
-use support::proxy::{EventReader, TestProxy, body_json, body_string, client_cert};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const BOUND: Duration = Duration::from_secs(20);
@@ -684,7 +682,7 @@ async fn graceful_shutdown_fails_readiness_then_ends_watches_cleanly() {
 async fn a_configured_resource_not_yet_discovered_keeps_the_proxy_unready() {
     // The fake apiserver does not serve coordination.k8s.io: a configured built-in resource
     // the apiserver does not serve keeps the proxy unready (a new replica would take traffic
-    // it cannot cache). Custom resources never gate readiness (tests/crd.rs).
+    // it cannot cache). Custom resources never gate readiness (tests/integration/crd.rs).
     let fake = FakeApiServer::start().await;
     let proxy = TestProxy::start(&fake.url(), |c| {
         c.cache.resources = vec!["configmaps".into(), "leases.coordination.k8s.io".into()];

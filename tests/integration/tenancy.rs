@@ -3,14 +3,13 @@
 //! the view) and quotas (429 with an integer `Retry-After`), on cache-served requests and on
 //! passthrough lists and watches of callers the proxy identifies.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support;
+use crate::support::fake_apiserver::FakeApiServer;
+use crate::support::proxy::{EventReader, TestProxy, body_json, body_string};
 use kube_cache_proxy::config::{TenantConfig, TenantMatch, TenantQuotas};
 use serde_json::{Value, json};
-use support::fake_apiserver::FakeApiServer;
-use support::proxy::{EventReader, TestProxy, body_json, body_string};
 
 const GUARD: Duration = Duration::from_secs(20);
 

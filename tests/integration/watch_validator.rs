@@ -7,21 +7,20 @@
 //! Also: access reviews decide what is served from the cache (a denied caller gets the
 //! apiserver's 403 from the proxy).
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use http_body_util::BodyExt as _;
-use serde_json::{Value, json};
-use support::fake_apiserver::{FakeApiServer, LoggedRequest};
-use support::proxy::{TestProxy, body_string, client_cert, plain_client};
-use support::watch_validator::{
+use crate::support;
+use crate::support::fake_apiserver::{FakeApiServer, LoggedRequest};
+use crate::support::proxy::{TestProxy, body_string, client_cert, plain_client};
+use crate::support::watch_validator::{
     Control, Req, Rng, Rules, SELECTORS, Scope, Start, Truth, WatchLog, WatcherSpec, random_labels,
     run_watcher, sum_metric,
 };
+use http_body_util::BodyExt as _;
+use serde_json::{Value, json};
 
 const NAMESPACES: [&str; 3] = ["wv-a", "wv-b", "wv-c"];
 const NAMES_PER_NAMESPACE: usize = 12;

@@ -5,14 +5,13 @@
 //! from a fresh cache; and `all` syncs every listable and watchable resource the apiserver
 //! serves.
 
-mod support;
-
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use crate::support;
+use crate::support::proxy::{EventReader, TestProxy, body_string};
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde_json::{Value, json};
-use support::proxy::{EventReader, TestProxy, body_string};
 
 /// Guard against hangs only.
 const BOUND: Duration = Duration::from_secs(60);

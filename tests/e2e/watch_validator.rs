@@ -14,23 +14,22 @@
 //! update returns the object at its new resourceVersion; a ConfigMap delete returns only a
 //! Status, so the reference supplies the delete's resourceVersion and last state).
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::support;
+use crate::support::proxy::TestProxy;
+use crate::support::watch_validator::{
+    Control, Key, Report, Rng, Rules, SELECTORS, Scope, Start, Truth, WatchLog, WatcherSpec,
+    key_of, random_labels, run_watcher, rv_of, sum_metric, validate,
+};
 use futures_util::TryStreamExt as _;
 use http_body_util::BodyExt as _;
 use kube::core::WatchEvent;
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde_json::{Value, json};
-use support::proxy::TestProxy;
-use support::watch_validator::{
-    Control, Key, Report, Rng, Rules, SELECTORS, Scope, Start, Truth, WatchLog, WatcherSpec,
-    key_of, random_labels, run_watcher, rv_of, sum_metric, validate,
-};
 
 const NAMESPACES: [&str; 3] = ["e2e-wv-a", "e2e-wv-b", "e2e-wv-c"];
 /// Holds the end marker only, outside every watched namespace.

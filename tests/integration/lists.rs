@@ -3,13 +3,11 @@
 //! caller, namespace, selectors and resource, tampered tokens are 400, the apiserver's own
 //! tokens pass through, and consistent reads are never answered stale when the upstream is cut.
 
-mod support;
-
 use std::time::{Duration, Instant};
 
+use crate::support::fake_apiserver::FakeApiServer;
+use crate::support::proxy::{TestProxy, body_json, plain_client};
 use serde_json::{Value, json};
-use support::fake_apiserver::FakeApiServer;
-use support::proxy::{TestProxy, body_json, plain_client};
 
 /// Guard against hangs only; no assertion depends on time.
 const GUARD: Duration = Duration::from_secs(30);

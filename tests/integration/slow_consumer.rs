@@ -5,12 +5,13 @@
 //! flow-control window as small as the slow stream's, the neighbour misses events, so it does
 //! share the connection.)
 
-mod support;
-
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::support::fake_apiserver::FakeApiServer;
+use crate::support::proxy::{EventReader, TestProxy, plain_client};
+use crate::support::watch_validator::{Truth, rv_of};
 use bytes::Bytes;
 use http::Request;
 use http_body_util::Full;
@@ -18,9 +19,6 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::json;
-use support::fake_apiserver::FakeApiServer;
-use support::proxy::{EventReader, TestProxy, plain_client};
-use support::watch_validator::{Truth, rv_of};
 
 /// Guard against hangs only; no assertion depends on time.
 const GUARD: Duration = Duration::from_secs(30);

@@ -4,13 +4,11 @@
 //! same name starts from a fresh cache. Both with the resource named in `cache.resources` and
 //! with `all`.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::fake_apiserver::{FakeApiServer, WIDGETS_CRD};
+use crate::support::proxy::{EventReader, TestProxy, body_json, body_string, plain_client};
 use serde_json::{Value, json};
-use support::fake_apiserver::{FakeApiServer, WIDGETS_CRD};
-use support::proxy::{EventReader, TestProxy, body_json, body_string, plain_client};
 
 /// Guard against hangs only; no assertion depends on time.
 const GUARD: Duration = Duration::from_secs(30);

@@ -6,16 +6,14 @@
 //! The cap is checked as a value (`/debug/paging`): serving downstream pages from the cache is
 //! not on this branch yet.
 
-mod support;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::support::fake_apiserver::{FakeApiServer, LoggedRequest};
+use crate::support::proxy::{TestProxy, plain_client};
 use http_body_util::{BodyExt, Full};
 use serde_json::{Value, json};
-use support::fake_apiserver::{FakeApiServer, LoggedRequest};
-use support::proxy::{TestProxy, plain_client};
 
 const WAIT: Duration = Duration::from_secs(20);
 const CMS: &str = "/api/v1/namespaces/default/configmaps";

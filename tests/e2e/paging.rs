@@ -2,16 +2,14 @@
 //! real `/metrics` and etcd's, and produces page sizes that follow its formula from populated
 //! inputs. The observed inputs and sizes are printed (`--nocapture`).
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::proxy::{TestProxy, plain_client};
 use http_body_util::{BodyExt, Full};
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde_json::{Value, json};
-use support::proxy::{TestProxy, plain_client};
 
 const BOUND: Duration = Duration::from_secs(90);
 

@@ -20,6 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::support;
+use crate::support::eventually::{eventually, ok_if, poll_within};
 use crate::support::proxy::TestProxy;
 use crate::support::watch_validator::{
     Control, Key, Report, Rng, Rules, SELECTORS, Scope, Start, Truth, WatchLog, WatcherSpec,
@@ -264,19 +265,14 @@ async fn watchers_through_the_proxy_see_exactly_the_apiservers_history() {
     })
     .await;
     let state = &proxy.running.as_ref().unwrap().state;
-    let t0 = Instant::now();
-    let cache = loop {
-        if let Some(c) = state.caches.get("", "v1", "configmaps")
-            && c.is_ready()
-        {
-            break c;
-        }
-        assert!(
-            t0.elapsed() < GUARD,
-            "the proxy's configmaps cache never synced"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let cache = eventually("the proxy's configmaps cache to sync", GUARD, async || {
+        state
+            .caches
+            .get("", "v1", "configmaps")
+            .filter(|c| c.is_ready())
+            .ok_or("not synced")
+    })
+    .await;
     let history_start = cache.rv();
     let synced_after = t_start.elapsed();
 
@@ -381,17 +377,16 @@ async fn watchers_through_the_proxy_see_exactly_the_apiservers_history() {
         })
         .collect();
     let t_conv = Instant::now();
-    loop {
+    // (If some watchers are still behind after GUARD, the validation below says why.)
+    let _still_behind = poll_within(GUARD, async || {
         let behind = logs
             .iter()
             .zip(&finals)
             .filter(|(l, want)| !l.lock().unwrap().converged(want))
             .count();
-        if behind == 0 || t_conv.elapsed() > GUARD {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        ok_if(behind == 0, behind)
+    })
+    .await;
     let converge_took = t_conv.elapsed();
     upstream_watches.push(support::e2e::apiserver_watches(&admin, "configmaps").await);
     ctl.stop.cancel();

@@ -7,6 +7,7 @@
 
 pub mod differential;
 pub mod e2e;
+pub mod eventually;
 pub mod fake_apiserver;
 pub mod proxy;
 pub mod watch_validator;

@@ -64,8 +64,8 @@ impl ProxyFiles {
         std::fs::write(&f.kubeconfig, upstream_kubeconfig)?;
         // The proxy's defaults, except a fixed upstream page size (500): the scenarios measure
         // serving, and scenario b checks that the proxy's initial sync is ONE upstream LIST
-        // request per resource; adaptive upstream pages (tests/paging.rs) would split it into
-        // a varying number of page requests.
+        // request per resource; adaptive upstream pages (tests/integration/paging.rs) would split
+        // it into a varying number of page requests.
         std::fs::write(&f.config, "paging:\n  adaptUpstream: false\n")?;
         std::fs::write(&f.cert, cert)?;
         std::fs::write(&f.key, key)?;

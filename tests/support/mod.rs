@@ -1,11 +1,13 @@
-//! Shared harness for the integration tests in `tests/`.
+//! Shared harness of the two test binaries, `tests/integration/` (the in-process fake
+//! apiserver tier) and `tests/e2e/` (a real kube-apiserver).
 //!
-//! Each test binary declares `mod support;` and uses only part of this harness, so items unused by
-//! one binary are not dead code for the project as a whole.
+//! Each binary declares `#[path = "../support/mod.rs"] mod support;` and uses only part of this
+//! harness, so items unused by one binary are not dead code for the project as a whole.
 #![allow(dead_code)]
 
 pub mod differential;
 pub mod e2e;
+pub mod eventually;
 pub mod fake_apiserver;
 pub mod proxy;
 pub mod watch_validator;

@@ -3,21 +3,21 @@
 //! with streaming lists), kubectl, and the Python client. Each client's final view must equal
 //! the apiserver's own state after creates, updates and deletes made directly upstream.
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
+use crate::support;
+use crate::support::eventually::{eventually, ok_if};
+use crate::support::proxy::TestProxy;
 use futures_util::StreamExt;
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde_json::json;
-use support::proxy::TestProxy;
 
 const BOUND: Duration = Duration::from_secs(60);
 
@@ -284,18 +284,12 @@ async fn kube_rs_reflectors_converge_with_and_without_streaming_lists() {
         env.churn(ns, if streaming { "streaming" } else { "legacy" }, 9)
             .await;
         let (truth, _) = env.truth(ns).await;
-        let deadline = tokio::time::Instant::now() + BOUND;
-        loop {
+        let what = format!("the reflector (streaming={streaming}) to converge on {truth:?}");
+        eventually(&what, BOUND, async || {
             let seen = view(&reader);
-            if seen == truth {
-                break;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "streaming={streaming}: reflector never converged:\n seen {seen:?}\n want {truth:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+            ok_if(seen == truth, seen)
+        })
+        .await;
         task.abort();
     }
     env.proxy.shutdown().await;
@@ -535,23 +529,19 @@ async fn a_hundred_watchers_cost_the_apiserver_one_watch() {
     let env = env(ns).await;
     env.churn(ns, "pre", 4).await;
     // Wait for the proxy's configmaps cache: the apiserver then sees its one watch.
-    let deadline = tokio::time::Instant::now() + BOUND;
-    while env
-        .proxy
-        .running
-        .as_ref()
-        .unwrap()
-        .state
-        .caches
-        .get("", "v1", "configmaps")
-        .is_none_or(|c| !c.is_ready())
-    {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "configmaps cache never synced"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("the configmaps cache to sync", BOUND, async || {
+        let synced = env
+            .proxy
+            .running
+            .as_ref()
+            .unwrap()
+            .state
+            .caches
+            .get("", "v1", "configmaps")
+            .is_some_and(|c| c.is_ready());
+        ok_if(synced, "not synced")
+    })
+    .await;
     let baseline = support::e2e::apiserver_watches(&env.admin, "configmaps").await;
     eprintln!("apiserver configmaps watches (all, cluster) with the proxy synced: {baseline:?}");
     let client = env.via_proxy().await;
@@ -581,18 +571,11 @@ async fn a_hundred_watchers_cost_the_apiserver_one_watch() {
     env.churn(ns, "live", 6).await;
     let (truth, _) = env.truth(ns).await;
     for r in &readers {
-        let deadline = tokio::time::Instant::now() + BOUND;
-        loop {
+        eventually("every watcher to converge", BOUND, async || {
             let seen = view(r);
-            if seen == truth {
-                break;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "a watcher never converged"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+            ok_if(seen == truth, seen)
+        })
+        .await;
     }
     // The apiserver's own metrics: its open configmaps WATCHes are its own internal ones
     // plus the proxy's one, however many watchers the proxy serves.

@@ -2,16 +2,15 @@
 //! real `/metrics` and etcd's, and produces page sizes that follow its formula from populated
 //! inputs. The observed inputs and sizes are printed (`--nocapture`).
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::eventually::eventually;
+use crate::support::proxy::{TestProxy, plain_client};
 use http_body_util::{BodyExt, Full};
 use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, Patch, PatchParams, PostParams};
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde_json::{Value, json};
-use support::proxy::{TestProxy, plain_client};
 
 const BOUND: Duration = Duration::from_secs(90);
 
@@ -59,9 +58,8 @@ async fn real_apiserver_and_etcd_metrics_feed_a_sane_page_size() {
     }
     let client = plain_client(false);
     let token = cp.admin_token().to_string();
-    let deadline = tokio::time::Instant::now() + BOUND;
     let mut round = 0u64;
-    let found = loop {
+    let found = eventually("the paging inputs to be populated", BOUND, async || {
         round += 1;
         cms.patch(
             "paging-0",
@@ -96,15 +94,9 @@ async fn real_apiserver_and_etcd_metrics_feed_a_sane_page_size() {
             && cur["inputs"]["upstreamLatencyP95Seconds"].is_number()
             && signal(cur, "etcdRequestP99Seconds").is_some()
             && signal(cur, "etcdCommitP99Seconds").is_some();
-        if ready {
-            break j;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "inputs not populated within {BOUND:?}: {j:#}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+        if ready { Ok(j) } else { Err(format!("{j:#}")) }
+    })
+    .await;
     let cur = &found["current"];
     eprintln!("observed paging sample against the real apiserver:\n{cur:#}");
     for r in found["history"].as_array().unwrap() {

@@ -6,16 +6,15 @@
 //! The cap is checked as a value (`/debug/paging`): serving downstream pages from the cache is
 //! not on this branch yet.
 
-mod support;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
+use crate::support::eventually::{eventually, ok_if};
+use crate::support::fake_apiserver::{FakeApiServer, LoggedRequest};
+use crate::support::proxy::{TestProxy, plain_client};
 use http_body_util::{BodyExt, Full};
 use serde_json::{Value, json};
-use support::fake_apiserver::{FakeApiServer, LoggedRequest};
-use support::proxy::{TestProxy, plain_client};
 
 const WAIT: Duration = Duration::from_secs(20);
 const CMS: &str = "/api/v1/namespaces/default/configmaps";
@@ -60,17 +59,11 @@ async fn get_json(proxy: &TestProxy, path: &str) -> Value {
 
 /// Polls `/debug/paging` until `f` accepts it (bounded by [`WAIT`]).
 async fn debug_until(proxy: &TestProxy, what: &str, f: impl Fn(&Value) -> bool) -> Value {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    loop {
+    eventually(what, WAIT, async || {
         let j = get_json(proxy, "/debug/paging").await;
-        if f(&j) {
-            return j;
-        }
-        if tokio::time::Instant::now() > deadline {
-            panic!("timed out waiting for {what}: {j:#}");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        ok_if(f(&j), j)
+    })
+    .await
 }
 
 fn upstream_size(j: &Value) -> u64 {
@@ -108,15 +101,14 @@ fn list_limits(fake: &FakeApiServer) -> Vec<u64> {
 
 /// Waits until the fake has received a configmaps watch (the list before it is complete).
 async fn wait_for_watch(fake: &FakeApiServer) {
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while !fake
-        .requests()
-        .iter()
-        .any(|r| r.path == "/api/v1/configmaps" && is_watch(r))
-    {
-        assert!(tokio::time::Instant::now() < deadline, "no watch");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("a configmaps watch", WAIT, async || {
+        let requests = fake.requests();
+        let watched = requests
+            .iter()
+            .any(|r| r.path == "/api/v1/configmaps" && is_watch(r));
+        ok_if(watched, requests.len())
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,13 +3,12 @@
 //! caller, namespace, selectors and resource, tampered tokens are 400, the apiserver's own
 //! tokens pass through, and consistent reads are never answered stale when the upstream is cut.
 
-mod support;
+use std::time::Duration;
 
-use std::time::{Duration, Instant};
-
+use crate::support::eventually::{eventually, ok_if};
+use crate::support::fake_apiserver::FakeApiServer;
+use crate::support::proxy::{TestProxy, body_json, plain_client};
 use serde_json::{Value, json};
-use support::fake_apiserver::FakeApiServer;
-use support::proxy::{TestProxy, body_json, plain_client};
 
 /// Guard against hangs only; no assertion depends on time.
 const GUARD: Duration = Duration::from_secs(30);
@@ -50,16 +49,20 @@ async fn setup(
     })
     .await;
     let state = proxy.running.as_ref().unwrap().state.clone();
-    let t0 = Instant::now();
-    while !["configmaps", "pods"].iter().all(|r| {
-        state
-            .caches
-            .get("", "v1", r)
-            .is_some_and(|c| c.is_ready() && c.unhealthy().is_none())
-    }) {
-        assert!(t0.elapsed() < GUARD, "caches never synced");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        "the configmaps and pods caches to sync",
+        GUARD,
+        async || {
+            let synced = ["configmaps", "pods"].iter().all(|r| {
+                state
+                    .caches
+                    .get("", "v1", r)
+                    .is_some_and(|c| c.is_ready() && c.unhealthy().is_none())
+            });
+            ok_if(synced, "not synced")
+        },
+    )
+    .await;
     (fake, proxy)
 }
 
@@ -204,11 +207,14 @@ async fn exact_and_not_older_than_lists_and_writes_between_pages() {
     fake.delete(&format!("{base}/cm-6")).await;
     let state = proxy.running.as_ref().unwrap().state.clone();
     let cache = state.caches.get("", "v1", "configmaps").unwrap();
-    let t0 = Instant::now();
-    while cache.rv() < fake.current_rv() {
-        assert!(t0.elapsed() < GUARD);
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually("the cache to catch up with the writes", GUARD, async || {
+        let (cached, upstream) = (cache.rv(), fake.current_rv());
+        ok_if(
+            cached >= upstream,
+            format!("cache at {cached}, upstream at {upstream}"),
+        )
+    })
+    .await;
     let t = first["metadata"]["continue"].as_str().unwrap();
     let (code, second) = get(&proxy, &format!("{base}?limit=4&continue={t}"), "alice").await;
     assert_eq!(code, 200);
@@ -361,16 +367,14 @@ async fn large_lists_over_tls_arrive_whole_to_slow_readers() {
         .await;
     }
     let state = proxy.running.as_ref().unwrap().state.clone();
-    let t0 = Instant::now();
-    while state
-        .caches
-        .get("", "v1", "configmaps")
-        .map_or(0, |c| c.len())
-        < 14 + 40
-    {
-        assert!(t0.elapsed() < GUARD, "the cache never got the objects");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the cache to get the objects", GUARD, async || {
+        let cached = state
+            .caches
+            .get("", "v1", "configmaps")
+            .map_or(0, |c| c.len());
+        ok_if(cached >= 14 + 40, cached)
+    })
+    .await;
     fake.clear_requests();
     let url = proxy.https("/api/v1/namespaces/big/configmaps?resourceVersion=0");
     for h2 in [false, true] {

@@ -1,15 +1,14 @@
 //! The proxy as a transparent passthrough in front of the in-process fake apiserver.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::eventually::{eventually, ok_if};
+use crate::support::fake_apiserver::FakeApiServer;
+use crate::support::proxy::{EventReader, TestProxy, body_json, body_string, client_cert};
 use bytes::Bytes;
 use http::{Method, Request, StatusCode};
 use http_body_util::Full;
 use serde_json::json;
-use support::fake_apiserver::FakeApiServer;
-use support::proxy::{EventReader, TestProxy, body_json, body_string, client_cert};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const BOUND: Duration = Duration::from_secs(20);
@@ -403,11 +402,15 @@ async fn upstream_response_headers_and_errors_are_relayed() {
         c.upstream.health_check_interval = Duration::from_secs(3600)
     })
     .await;
-    let deadline = tokio::time::Instant::now() + BOUND;
-    while !fake.requests().iter().any(|r| r.path == "/readyz") {
-        assert!(tokio::time::Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    eventually(
+        "the proxy's first readiness probe upstream",
+        BOUND,
+        async || {
+            let requests = fake.requests();
+            ok_if(requests.iter().any(|r| r.path == "/readyz"), requests.len())
+        },
+    )
+    .await;
     let c = proxy.client(None, true);
     fake.faults().fail_next(1, 429);
     let r = c
@@ -595,17 +598,10 @@ async fn the_serving_certificate_is_reloaded_without_a_restart() {
     // A key written before its certificate must not break serving.
     std::fs::write(proxy.key_path(), &key).unwrap();
     std::fs::write(proxy.cert_path(), &cert).unwrap();
-    let deadline = tokio::time::Instant::now() + BOUND;
-    loop {
-        if try_handshake().await {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "certificate not reloaded in time"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("the certificate to be reloaded", BOUND, async || {
+        ok_if(try_handshake().await, "the new CA is not trusted yet")
+    })
+    .await;
     proxy.shutdown().await;
 }
 
@@ -655,16 +651,15 @@ async fn graceful_shutdown_fails_readiness_then_ends_watches_cleanly() {
     let running = proxy.running.take().unwrap();
     running.begin_shutdown();
     // During the delay, readiness fails and liveness holds.
-    let deadline = tokio::time::Instant::now() + BOUND;
-    loop {
+    eventually("readiness to fail", BOUND, async || {
         let r = c.get(&proxy.https("/readyz"), None).await;
         if r.status() == 500 {
             assert!(body_string(r).await.contains("[-]shutdown failed"));
-            break;
+            return Ok(());
         }
-        assert!(tokio::time::Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        Err(r.status())
+    })
+    .await;
     assert_eq!(c.get(&proxy.https("/livez"), None).await.status(), 200);
     // Then both watches end with a clean end of stream, not an error or a torn event.
     assert_eq!(
@@ -684,25 +679,24 @@ async fn graceful_shutdown_fails_readiness_then_ends_watches_cleanly() {
 async fn a_configured_resource_not_yet_discovered_keeps_the_proxy_unready() {
     // The fake apiserver does not serve coordination.k8s.io: a configured built-in resource
     // the apiserver does not serve keeps the proxy unready (a new replica would take traffic
-    // it cannot cache). Custom resources never gate readiness (tests/crd.rs).
+    // it cannot cache). Custom resources never gate readiness (tests/integration/crd.rs).
     let fake = FakeApiServer::start().await;
     let proxy = TestProxy::start(&fake.url(), |c| {
         c.cache.resources = vec!["configmaps".into(), "leases.coordination.k8s.io".into()];
     })
     .await;
     let c = proxy.client(None, false);
-    let deadline = tokio::time::Instant::now() + BOUND;
-    let body = loop {
+    let body = eventually("a successful upstream probe", BOUND, async || {
         let r = c.get(&proxy.https("/readyz?verbose"), None).await;
         let code = r.status();
         let body = body_string(r).await;
         if body.contains("[+]upstream ok") {
             assert_eq!(code, 500, "{body}");
-            break body;
+            return Ok(body);
         }
-        assert!(tokio::time::Instant::now() < deadline, "{body}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+        Err(body)
+    })
+    .await;
     assert!(
         body.lines()
             .any(|l| l == "[-]cache:leases.coordination.k8s.io failed: reason withheld"),
@@ -722,22 +716,18 @@ async fn a_configured_resource_not_yet_discovered_keeps_the_proxy_unready() {
 async fn health_and_metrics_endpoints_answer_in_the_apiservers_format() {
     let (_fake, proxy) = setup().await;
     let c = proxy.client(None, false);
-    let deadline = tokio::time::Instant::now() + BOUND;
-    loop {
+    eventually("the upstream probe to succeed", BOUND, async || {
         let r = c.get(&proxy.https("/readyz?verbose"), None).await;
         if r.status() == 200 {
             assert_eq!(
                 body_string(r).await,
                 "[+]ping ok\n[+]shutdown ok\n[+]upstream ok\nreadyz check passed\n"
             );
-            break;
+            return Ok(());
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "upstream probe never succeeded"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        Err(body_string(r).await)
+    })
+    .await;
     assert_eq!(
         body_string(c.get(&proxy.https("/healthz"), None).await).await,
         "ok"

@@ -5,16 +5,16 @@
 //! - `strict` consistency: a write made directly on the apiserver, then a resourceVersion-unset
 //!   list through the proxy, always contains it (1,000 times).
 
-mod support;
-
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use crate::support::eventually::eventually;
+
+use crate::support::proxy::{TestProxy, body_json, plain_client};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, PostParams};
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde_json::{Value, json};
-use support::proxy::{TestProxy, body_json, plain_client};
 
 const GUARD: Duration = Duration::from_secs(60);
 
@@ -92,21 +92,17 @@ async fn chunked_kubectl_lists_equal_direct_and_strict_reads_see_every_write() {
         }
     }
     let state = proxy.running.as_ref().unwrap().state.clone();
-    let t0 = Instant::now();
-    let cms = loop {
+    let cms = eventually("the configmaps cache to sync", GUARD, async || {
         let direct: u64 = kubectl(&cp, &dk, &["get", "cm", "-A", "-o", "name"])
             .lines()
             .count() as u64;
-        if let Some(c) = state
+        state
             .caches
             .get("", "v1", "configmaps")
             .filter(|c| c.is_ready() && c.unhealthy().is_none() && c.len() as u64 == direct)
-        {
-            break c;
-        }
-        assert!(t0.elapsed() < GUARD, "configmaps never synced");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+            .ok_or(format!("{direct} configmaps upstream"))
+    })
+    .await;
     assert!(cms.len() >= 120);
 
     // kubectl's chunked lists, every page, through the proxy vs direct.

@@ -9,6 +9,8 @@ use k8s_openapi::api::core::v1::{Namespace, Secret};
 use kube::api::{Api, ListParams};
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions, client_from_kubeconfig};
 
+use crate::support::eventually::{ok_if, poll_within};
+
 async fn get_text(client: &kube::Client, path: &str) -> Result<String, kube::Error> {
     client
         .request_text(http::Request::get(path).body(Vec::new()).unwrap())
@@ -157,10 +159,12 @@ async fn seed_creates_demo_namespaces_and_dropping_kills_children() {
     let dir = cp.dir.clone();
     drop(cp);
     // SIGKILL is sent synchronously in Drop; the kernel needs a moment to tear down.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while pids.iter().any(|p| alive(*p)) && std::time::Instant::now() < deadline {
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-    }
+    // (Then the check below names any survivor.)
+    let _survivors = poll_within(std::time::Duration::from_secs(10), async || {
+        let running: Vec<u32> = pids.iter().copied().filter(|p| alive(*p)).collect();
+        ok_if(running.is_empty(), running)
+    })
+    .await;
     for pid in pids {
         assert!(!alive(pid), "process {pid} survived drop");
     }

@@ -11,11 +11,12 @@
 //! impersonation). A last part checks revocation: a pod-bound token stops working at the proxy
 //! once its pod is deleted.
 
-mod support;
-
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use crate::support;
+use crate::support::eventually::{eventually, ok_if};
+use crate::support::proxy::{TestClient, TestProxy};
 use bytes::Bytes;
 use futures_util::StreamExt;
 use http::{Method, Request, StatusCode};
@@ -27,7 +28,6 @@ use kube_cache_proxy::auth::authn::{AuthnMethod, METHODS};
 use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
 use serde_json::{Value, json};
-use support::proxy::{TestClient, TestProxy};
 
 type Https = Client<
     hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
@@ -448,16 +448,15 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
     setup_rbac(&env).await;
 
     let state = env.proxy.running.as_ref().unwrap().state.clone();
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
-    for (r, _, g) in RESOURCES {
-        while state.caches.get(g, "v1", r).is_none_or(|c| !c.is_ready()) {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{r} cache never synced"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
+    eventually("every cache to sync", Duration::from_secs(60), async || {
+        let unsynced: Vec<&str> = RESOURCES
+            .iter()
+            .filter(|(r, _, g)| state.caches.get(g, "v1", r).is_none_or(|c| !c.is_ready()))
+            .map(|(r, _, _)| *r)
+            .collect();
+        ok_if(unsynced.is_empty(), unsynced)
+    })
+    .await;
 
     let (cert, key) = support::proxy::client_cert(&env.proxy.client_ca, "carol", &["ops"]);
     let subjects = [
@@ -670,19 +669,18 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
         async move { read(c.send(req).await).await }
     };
     // RBAC RoleBindings take effect at once; retry briefly in case the authorizer cache lags.
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    let review = loop {
-        let (status, body) = who_am_i("uid-dave").await;
-        if status == StatusCode::CREATED || status == StatusCode::OK {
-            break serde_json::from_slice::<Value>(&body).unwrap();
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{status} {}",
-            String::from_utf8_lossy(&body)
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
+    let review = eventually(
+        "dave's review through impersonation",
+        Duration::from_secs(30),
+        async || {
+            let (status, body) = who_am_i("uid-dave").await;
+            if status == StatusCode::CREATED || status == StatusCode::OK {
+                return Ok(serde_json::from_slice::<Value>(&body).unwrap());
+            }
+            Err(format!("{status} {}", String::from_utf8_lossy(&body)))
+        },
+    )
+    .await;
     let user = &review["status"]["userInfo"];
     assert_eq!(user["username"], "dave", "{review}");
     assert_eq!(user["uid"], "uid-dave", "{review}");
@@ -732,8 +730,7 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
         None,
     )
     .await;
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
+    eventually("the pod to go away", Duration::from_secs(30), async || {
         let gone = env
             .admin(
                 Method::GET,
@@ -741,20 +738,19 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
                 None,
             )
             .await;
-        if gone["items"].as_array().is_some_and(|i| i.is_empty()) {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "pod never went away");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
+        ok_if(gone["items"].as_array().is_some_and(|i| i.is_empty()), gone)
+    })
+    .await;
     // The apiserver itself caches token authentications for 10 s.
-    while env.ask_apiserver(&s, path).await.0 != StatusCode::UNAUTHORIZED {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the apiserver kept accepting the token"
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    }
+    eventually(
+        "the apiserver to refuse the token",
+        Duration::from_secs(30),
+        async || {
+            let status = env.ask_apiserver(&s, path).await.0;
+            ok_if(status == StatusCode::UNAUTHORIZED, status)
+        },
+    )
+    .await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let (status, body) = env.ask_proxy(&s, &clients, path).await;
     assert_eq!(

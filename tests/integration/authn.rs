@@ -3,16 +3,15 @@
 //! counted by the method that refused, and the ServiceAccount issuer's keys are refreshed in
 //! the background, keeping the previous keys when a refresh fails.
 
-mod support;
-
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use crate::support::eventually::{eventually, ok_if};
+use crate::support::fake_apiserver::FakeApiServer;
+use crate::support::proxy::TestProxy;
 use jsonwebtoken::{Algorithm, EncodingKey, Header, jwk};
 use kube_cache_proxy::auth::authn::AuthnMethod;
 use serde_json::json;
-use support::fake_apiserver::FakeApiServer;
-use support::proxy::TestProxy;
 
 const GUARD: Duration = Duration::from_secs(20);
 const ISS: &str = "https://kubernetes.default.svc.cluster.local";
@@ -39,15 +38,14 @@ async fn setup(
     })
     .await;
     let state = proxy.running.as_ref().unwrap().state.clone();
-    let t0 = Instant::now();
-    while !state
-        .caches
-        .get("", "v1", "configmaps")
-        .is_some_and(|c| c.is_ready())
-    {
-        assert!(t0.elapsed() < GUARD, "cache never synced");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the configmaps cache to sync", GUARD, async || {
+        let ready = state
+            .caches
+            .get("", "v1", "configmaps")
+            .is_some_and(|c| c.is_ready());
+        ok_if(ready, "not ready")
+    })
+    .await;
     (fake, proxy)
 }
 
@@ -155,19 +153,23 @@ async fn the_issuers_keys_are_refreshed_in_the_background_and_kept_when_a_refres
     .await;
     let state = proxy.running.as_ref().unwrap().state.clone();
     // No token arrives, yet the keys are fetched again and again.
-    let t0 = Instant::now();
-    while count(&fake, "/openid/v1/jwks") < 2 {
-        assert!(t0.elapsed() < GUARD, "no background refresh");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually(
+        "a background refresh (two JWKS fetches)",
+        GUARD,
+        async || {
+            let fetches = count(&fake, "/openid/v1/jwks");
+            ok_if(fetches >= 2, fetches)
+        },
+    )
+    .await;
     // The apiserver stops answering: refreshes fail, are counted, and the keys stay.
     fake.faults().set_jwks(None);
     fake.clear_requests();
-    let t0 = Instant::now();
-    while count(&fake, "/.well-known/openid-configuration") < 2 {
-        assert!(t0.elapsed() < GUARD, "no failed refresh");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("two failed refreshes", GUARD, async || {
+        let fetches = count(&fake, "/.well-known/openid-configuration");
+        ok_if(fetches >= 2, fetches)
+    })
+    .await;
     fake.clear_requests();
     let client = proxy.client(None, true);
     let url = proxy.https("/api/v1/namespaces/ns1/configmaps?resourceVersion=0");
@@ -214,13 +216,13 @@ async fn refusals_are_counted_by_the_method_that_refused() {
     let state = proxy.running.as_ref().unwrap().state.clone();
     // The keys are fetched in the background at start; no request may fall back to a
     // TokenReview meanwhile (the fake's would accept any token).
-    let t0 = Instant::now();
     // (The refresher holds its lock from the request to storing the keys: a token arriving
     // after the request was seen waits for the keys.)
-    while count(&fake, "/openid/v1/jwks") == 0 {
-        assert!(t0.elapsed() < GUARD, "the issuer's keys never loaded");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the issuer's keys to load", GUARD, async || {
+        let fetches = count(&fake, "/openid/v1/jwks");
+        ok_if(fetches > 0, fetches)
+    })
+    .await;
     let client = proxy.client(None, true);
     let url = proxy.https("/api/v1/namespaces/ns1/configmaps?resourceVersion=0");
     let send = |token: Option<String>| {

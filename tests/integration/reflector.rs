@@ -2,12 +2,12 @@
 //! dropped / cleanly ended / stalled watches without relisting, relist after 410, backoff
 //! through injected failures, bookmarks, cancellation.
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::support::eventually::{eventually, ok_if};
+use crate::support::fake_apiserver::{FakeApiServer, LoggedRequest};
 use kube_cache_proxy::cache::reflector::{
     Reflector, ReflectorConfig, ReflectorHandle, ReflectorStatus, RelistReason,
 };
@@ -15,7 +15,6 @@ use kube_cache_proxy::cache::{CachedObject, EventKind, ReflectorSink, Resource};
 use kube_cache_proxy::config::UpstreamConfig;
 use kube_cache_proxy::upstream::Upstream;
 use serde_json::json;
-use support::fake_apiserver::{FakeApiServer, LoggedRequest};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
@@ -689,13 +688,11 @@ async fn compaction_mid_list_restarts_the_list_unpaged() {
     .await;
     // The second page's request is logged before the fake's delay; compact while it waits so
     // its continue token's snapshot is gone when it is served.
-    tokio::time::timeout(WAIT, async {
-        while configmap_requests(&h.fake).len() < 2 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
+    eventually("the second page's request", WAIT, async || {
+        let requests = configmap_requests(&h.fake).len();
+        ok_if(requests >= 2, requests)
     })
-    .await
-    .expect("second page requested");
+    .await;
     h.fake
         .create(CMS, json!({"metadata": {"name": "mid-list"}}))
         .await;

@@ -4,13 +4,12 @@
 //! same name starts from a fresh cache. Both with the resource named in `cache.resources` and
 //! with `all`.
 
-mod support;
-
 use std::time::Duration;
 
+use crate::support::eventually::{eventually, ok_if};
+use crate::support::fake_apiserver::{FakeApiServer, WIDGETS_CRD};
+use crate::support::proxy::{EventReader, TestProxy, body_json, body_string, plain_client};
 use serde_json::{Value, json};
-use support::fake_apiserver::{FakeApiServer, WIDGETS_CRD};
-use support::proxy::{EventReader, TestProxy, body_json, body_string, plain_client};
 
 /// Guard against hangs only; no assertion depends on time.
 const GUARD: Duration = Duration::from_secs(30);
@@ -103,11 +102,7 @@ async fn until(
     cond: impl Fn(&kube_cache_proxy::cache::registry::Caches) -> bool,
 ) {
     let state = proxy.running.as_ref().unwrap().state.clone();
-    let t0 = tokio::time::Instant::now();
-    while !cond(&state.caches) {
-        assert!(t0.elapsed() < GUARD, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(what, GUARD, async || ok_if(cond(&state.caches), "not yet")).await;
 }
 
 fn widgets_synced(c: &kube_cache_proxy::cache::registry::Caches) -> bool {
@@ -301,8 +296,7 @@ async fn all_lists_every_cached_resource_in_readiness() {
     })
     .await;
     let c = plain_client(false);
-    let t0 = tokio::time::Instant::now();
-    let body = loop {
+    let body = eventually("readiness with every cache synced", GUARD, async || {
         let r = c
             .request(
                 http::Request::get(proxy.http("/readyz?verbose"))
@@ -314,12 +308,9 @@ async fn all_lists_every_cached_resource_in_readiness() {
         let code = r.status();
         let body = body_string(r).await;
         // Custom resources do not gate readiness: also wait for them to be synced.
-        if code == 200 && !body.contains(" ok: ") {
-            break body;
-        }
-        assert!(t0.elapsed() < GUARD, "never ready: {body}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+        ok_if(code == 200 && !body.contains(" ok: "), body)
+    })
+    .await;
     let caches: Vec<&str> = body.lines().filter(|l| l.contains("cache:")).collect();
     assert_eq!(
         caches,
@@ -360,15 +351,11 @@ async fn a_custom_resource_without_its_crd_does_not_keep_the_proxy_unready() {
         c.cache.resources = vec!["configmaps".into(), "widgets.example.com".into()];
     })
     .await;
-    let t0 = tokio::time::Instant::now();
-    let body = loop {
+    let body = eventually("readiness", GUARD, async || {
         let (code, body) = get(&proxy, "/readyz?verbose").await;
-        if code == 200 {
-            break body;
-        }
-        assert!(t0.elapsed() < GUARD, "never ready: {body}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+        ok_if(code == 200, body)
+    })
+    .await;
     let line = body
         .lines()
         .find(|l| l.contains("cache:widgets.example.com"))
@@ -382,15 +369,14 @@ async fn a_custom_resource_without_its_crd_does_not_keep_the_proxy_unready() {
     // Built-in resources still gate: the single check of a synced one is ok.
     assert_eq!(get(&proxy, "/readyz/cache:configmaps").await.0, 200);
     fake.create(CRDS, crd()).await;
-    let t0 = tokio::time::Instant::now();
-    loop {
+    eventually("the widgets cache to sync", GUARD, async || {
         let (code, body) = get(&proxy, "/readyz?verbose").await;
-        if code == 200 && body.contains("[+]cache:widgets.example.com ok\n") {
-            break;
-        }
-        assert!(t0.elapsed() < GUARD, "widgets never synced: {body}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        ok_if(
+            code == 200 && body.contains("[+]cache:widgets.example.com ok\n"),
+            body,
+        )
+    })
+    .await;
 }
 
 fn crd_with_fields(paths: &[&str]) -> Value {
@@ -570,20 +556,16 @@ async fn selectable_fields_of_a_crd_are_served_from_the_cache() {
         colored("w3", json!({"weight": 5})),
     )
     .await;
-    let t0 = tokio::time::Instant::now();
-    loop {
+    eventually("spec.weight=5 to select w3", GUARD, async || {
         let (code, body) = get(
             &proxy,
             &format!("{WIDGETS}?resourceVersion=0&fieldSelector=spec.weight%3D5"),
         )
         .await;
         assert_eq!(code, 200, "{body}");
-        if names(&serde_json::from_str(&body).unwrap()) == ["w3"] {
-            break;
-        }
-        assert!(t0.elapsed() < GUARD, "never: {body}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        ok_if(names(&serde_json::from_str(&body).unwrap()) == ["w3"], body)
+    })
+    .await;
     let before = upstream_widget_requests(&fake);
     let (code, body) = get(
         &proxy,

@@ -5,12 +5,14 @@
 //! flow-control window as small as the slow stream's, the neighbour misses events, so it does
 //! share the connection.)
 
-mod support;
-
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use crate::support::eventually::{eventually, ok_if};
+use crate::support::fake_apiserver::FakeApiServer;
+use crate::support::proxy::{EventReader, TestProxy, plain_client};
+use crate::support::watch_validator::{Truth, rv_of};
 use bytes::Bytes;
 use http::Request;
 use http_body_util::Full;
@@ -18,9 +20,6 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use serde_json::json;
-use support::fake_apiserver::FakeApiServer;
-use support::proxy::{EventReader, TestProxy, plain_client};
-use support::watch_validator::{Truth, rv_of};
 
 /// Guard against hangs only; no assertion depends on time.
 const GUARD: Duration = Duration::from_secs(30);
@@ -93,18 +92,14 @@ async fn a_watcher_that_stops_reading_is_closed_and_the_others_get_every_event()
     })
     .await;
     let state = proxy.running.as_ref().unwrap().state.clone();
-    let t0 = Instant::now();
-    let cache = loop {
-        if let Some(c) = state
+    let cache = eventually("the configmaps cache to sync", GUARD, async || {
+        state
             .caches
             .get("", "v1", "configmaps")
             .filter(|c| c.is_ready())
-        {
-            break c;
-        }
-        assert!(t0.elapsed() < GUARD, "cache never synced");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+            .ok_or("not synced")
+    })
+    .await;
     let rv0 = fake.current_rv();
     let path = "/api/v1/namespaces/slow/configmaps?watch=1";
 
@@ -203,16 +198,14 @@ async fn a_watcher_that_stops_reading_is_closed_and_the_others_get_every_event()
     assert_eq!(all.len(), writes);
 
     // Every fast watcher gets every event, in order, exactly once.
-    let t0 = Instant::now();
-    loop {
-        let done = fast
+    eventually("every fast watcher to get every event", GUARD, async || {
+        let got: Vec<(&str, usize)> = fast
             .iter()
-            .all(|(_, s)| s.lock().unwrap().0.len() >= all.len());
-        if done || t0.elapsed() > GUARD {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+            .map(|(kind, s)| (**kind, s.lock().unwrap().0.len()))
+            .collect();
+        ok_if(got.iter().all(|(_, n)| *n >= all.len()), got)
+    })
+    .await;
     stop.cancel();
     for t in tasks {
         t.await.unwrap();

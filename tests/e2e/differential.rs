@@ -12,20 +12,19 @@
 //! Both run in one test against one control plane: starting kube-apiserver is the expensive part
 //! (and two at once on a 2-core machine slow each other down).
 
-mod support;
-
 use std::path::PathBuf;
 use std::time::Instant;
 
-use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
-use rustls_pki_types::CertificateDer;
-use rustls_pki_types::pem::PemObject;
-use support::differential::{
+use crate::support::differential::{
     AllowList, Backend, Corpus, Mode, Report, Symbols, compact_etcd, glob,
     mirror_bootstrap_objects, run, seed_namespaces, seed_objects,
 };
-use support::fake_apiserver::FakeApiServer;
-use support::proxy::TestProxy;
+use crate::support::eventually::{eventually, ok_if};
+use crate::support::fake_apiserver::FakeApiServer;
+use crate::support::proxy::TestProxy;
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
+use rustls_pki_types::CertificateDer;
+use rustls_pki_types::pem::PemObject;
 
 /// Requests in flight at once. The corpus makes no writes, so order is irrelevant; this hides
 /// the seconds that watches (timeoutSeconds) and future resourceVersions (3 s wait) take.
@@ -103,21 +102,16 @@ async fn proxy_and_fake_answer_the_corpus_like_the_real_apiserver() {
     let proxy = TestProxy::start_with_kube(kube, |_| {}).await;
     // The proxy syncs before the data is written, so its history holds every seeded event and
     // watches from the seed resourceVersion are answered from it, exactly.
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-    for resource in ["configmaps", "pods", "namespaces"] {
-        let state = proxy.running.as_ref().expect("running").state.clone();
-        while state
-            .caches
-            .get("", "v1", resource)
-            .is_none_or(|c| !c.is_ready())
-        {
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{resource} cache never synced"
-            );
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
-        }
-    }
+    let state = proxy.running.as_ref().expect("running").state.clone();
+    let limit = std::time::Duration::from_secs(60);
+    eventually("every cache to sync", limit, async || {
+        let unsynced: Vec<&str> = ["configmaps", "pods", "namespaces"]
+            .into_iter()
+            .filter(|r| state.caches.get("", "v1", r).is_none_or(|c| !c.is_ready()))
+            .collect();
+        ok_if(unsynced.is_empty(), unsynced)
+    })
+    .await;
     let mut real = apiserver_backend(&cp);
     let seed = seed_objects(&real).await;
     real.symbols = Symbols {

@@ -7,21 +7,21 @@
 //! Also: access reviews decide what is served from the cache (a denied caller gets the
 //! apiserver's 403 from the proxy).
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use http_body_util::BodyExt as _;
-use serde_json::{Value, json};
-use support::fake_apiserver::{FakeApiServer, LoggedRequest};
-use support::proxy::{TestProxy, body_string, client_cert, plain_client};
-use support::watch_validator::{
+use crate::support;
+use crate::support::eventually::{eventually, ok_if, poll_within};
+use crate::support::fake_apiserver::{FakeApiServer, LoggedRequest};
+use crate::support::proxy::{TestProxy, body_string, client_cert, plain_client};
+use crate::support::watch_validator::{
     Control, Req, Rng, Rules, SELECTORS, Scope, Start, Truth, WatchLog, WatcherSpec, random_labels,
     run_watcher, sum_metric,
 };
+use http_body_util::BodyExt as _;
+use serde_json::{Value, json};
 
 const NAMESPACES: [&str; 3] = ["wv-a", "wv-b", "wv-c"];
 const NAMES_PER_NAMESPACE: usize = 12;
@@ -109,14 +109,13 @@ async fn start_proxy(fake: &FakeApiServer) -> TestProxy {
 
 async fn wait_synced(proxy: &TestProxy) {
     let state = &proxy.running.as_ref().unwrap().state;
-    let t0 = Instant::now();
-    while !["configmaps", "pods"]
-        .iter()
-        .all(|r| state.caches.get("", "v1", r).is_some_and(|c| c.is_ready()))
-    {
-        assert!(t0.elapsed() < GUARD, "the proxy's caches never synced");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually("the proxy's caches to sync", GUARD, async || {
+        let synced = ["configmaps", "pods"]
+            .iter()
+            .all(|r| state.caches.get("", "v1", r).is_some_and(|c| c.is_ready()));
+        ok_if(synced, "not synced")
+    })
+    .await;
 }
 
 async fn metrics(proxy: &TestProxy) -> String {
@@ -261,11 +260,10 @@ async fn watchers_through_the_cache_see_exactly_the_real_history_across_faults()
             fake.compact(fake.current_rv());
             // New watchers asking for the most recent state while the upstream is down: they
             // must not get the stale cache (checked strictly below).
-            let t0 = Instant::now();
-            while cache.unhealthy().is_none() {
-                assert!(t0.elapsed() < GUARD, "the upstream outage went unnoticed");
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
+            eventually("the upstream outage to be noticed", GUARD, async || {
+                cache.unhealthy().ok_or("healthy")
+            })
+            .await;
             for i in WATCHERS..WATCHERS + LATE_WATCHERS {
                 spawn(i, 2 * (i % 2), &mut rng);
             }
@@ -275,14 +273,10 @@ async fn watchers_through_the_cache_see_exactly_the_real_history_across_faults()
         tokio::time::sleep(WRITE_PACE).await;
     }
     let writes_took = t_writes.elapsed();
-    let t0 = Instant::now();
-    while cache.relists() == 0 {
-        assert!(
-            t0.elapsed() < GUARD,
-            "the forced upstream relist never happened"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    eventually("the forced upstream relist", GUARD, async || {
+        ok_if(cache.relists() > 0, "no relist")
+    })
+    .await;
 
     // Wait until every watcher's view equals the real state (or the guard runs out and the
     // validation below says why), then stop them.
@@ -292,17 +286,16 @@ async fn watchers_through_the_cache_see_exactly_the_real_history_across_faults()
         .iter()
         .map(|l| truth.filtered(&l.lock().unwrap().scope).state_at(u64::MAX))
         .collect();
-    loop {
+    // (If some watchers are still behind after GUARD, the validation below says why.)
+    let _still_behind = poll_within(GUARD, async || {
         let behind = logs
             .iter()
             .zip(&finals)
             .filter(|(l, want)| !l.lock().unwrap().converged(want))
             .count();
-        if behind == 0 || t_conv.elapsed() > GUARD {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        ok_if(behind == 0, behind)
+    })
+    .await;
     let converge_took = t_conv.elapsed();
     ctl.stop.cancel();
     for t in tasks {

@@ -1,7 +1,5 @@
 //! Tests of the fake kube-apiserver itself, so the integration tests built on it can trust it.
 
-mod support;
-
 use std::time::Duration;
 
 use base64::Engine as _;
@@ -15,7 +13,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-use support::fake_apiserver::FakeApiServer;
+use crate::support::fake_apiserver::FakeApiServer;
 
 /// Guards every wait so a broken fake fails a test instead of hanging it; never used to order
 /// events.

@@ -5,14 +5,14 @@
 //! from a fresh cache; and `all` syncs every listable and watchable resource the apiserver
 //! serves.
 
-mod support;
-
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use crate::support;
+use crate::support::eventually::{eventually, ok_if};
+use crate::support::proxy::{EventReader, TestProxy, body_string};
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde_json::{Value, json};
-use support::proxy::{EventReader, TestProxy, body_string};
 
 /// Guard against hangs only.
 const BOUND: Duration = Duration::from_secs(60);
@@ -81,11 +81,7 @@ async fn get(proxy: &TestProxy, token: &str, path: &str) -> (u16, String) {
 }
 
 async fn until<F: std::future::Future<Output = bool>>(what: &str, mut f: impl FnMut() -> F) {
-    let t0 = tokio::time::Instant::now();
-    while !f().await {
-        assert!(t0.elapsed() < BOUND, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    eventually(what, BOUND, async || ok_if(f().await, "not yet")).await;
 }
 
 fn item_names(v: &Value) -> Vec<String> {
@@ -185,20 +181,16 @@ async fn a_crd_created_while_running_is_cached_and_its_deletion_hands_requests_b
     // Lists from memory equal the apiserver's; the apiserver sees none of them.
     let lists_before = apiserver_requests(admin, "LIST", "widgets").await;
     let truth: Value = serde_json::from_str(&send(admin, "GET", widgets, None).await).unwrap();
-    let t0 = tokio::time::Instant::now();
-    let cached = loop {
+    let cached = eventually("the cache to have every widget", BOUND, async || {
         let (code, body) = get(px, tk, &format!("{widgets}?resourceVersion=0")).await;
         assert_eq!(code, 200, "{body}");
         let cached: Value = serde_json::from_str(&body).unwrap();
         if cached["items"].as_array().unwrap().len() == 3 {
-            break cached;
+            return Ok(cached);
         }
-        assert!(
-            t0.elapsed() < BOUND,
-            "the cache never had every widget: {body}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+        Err(body)
+    })
+    .await;
     assert_eq!(cached["items"], truth["items"]);
     assert_eq!(cached["kind"], "WidgetList");
     let (code, body) = get(px, tk, "/apis/example.com/v1/gizmos?resourceVersion=0").await;
@@ -429,18 +421,14 @@ async fn all_syncs_every_listable_and_watchable_resource_of_the_apiserver() {
     })
     .await;
     let c = proxy.client(None, true);
-    let t0 = tokio::time::Instant::now();
-    let readyz = loop {
+    let readyz = eventually("readiness with every cache synced", BOUND, async || {
         let r = c.get(&proxy.https("/readyz?verbose"), None).await;
         let ok = r.status() == 200;
         let body = body_string(r).await;
         // Custom resources do not gate readiness: also wait for them to be synced.
-        if ok && !body.contains(" ok: ") {
-            break body;
-        }
-        assert!(t0.elapsed() < BOUND, "never ready: {body}");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+        ok_if(ok && !body.contains(" ok: "), body)
+    })
+    .await;
     let cached: BTreeSet<String> = readyz
         .lines()
         .filter_map(|l| l.strip_prefix("[+]cache:")?.strip_suffix(" ok"))

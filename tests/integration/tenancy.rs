@@ -3,14 +3,14 @@
 //! the view) and quotas (429 with an integer `Retry-After`), on cache-served requests and on
 //! passthrough lists and watches of callers the proxy identifies.
 
-mod support;
+use std::time::Duration;
 
-use std::time::{Duration, Instant};
-
+use crate::support;
+use crate::support::eventually::{eventually, ok_if};
+use crate::support::fake_apiserver::FakeApiServer;
+use crate::support::proxy::{EventReader, TestProxy, body_json, body_string};
 use kube_cache_proxy::config::{TenantConfig, TenantMatch, TenantQuotas};
 use serde_json::{Value, json};
-use support::fake_apiserver::FakeApiServer;
-use support::proxy::{EventReader, TestProxy, body_json, body_string};
 
 const GUARD: Duration = Duration::from_secs(20);
 
@@ -62,14 +62,17 @@ async fn setup_with(
     })
     .await;
     let state = proxy.running.as_ref().unwrap().state.clone();
-    let t0 = Instant::now();
-    while !["configmaps", "namespaces"]
-        .iter()
-        .all(|r| state.caches.get("", "v1", r).is_some_and(|c| c.is_ready()))
-    {
-        assert!(t0.elapsed() < GUARD, "caches never synced");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        "the configmaps and namespaces caches to sync",
+        GUARD,
+        async || {
+            let synced = ["configmaps", "namespaces"]
+                .iter()
+                .all(|r| state.caches.get("", "v1", r).is_some_and(|c| c.is_ready()));
+            ok_if(synced, "not synced")
+        },
+    )
+    .await;
     (fake, proxy)
 }
 
@@ -362,23 +365,20 @@ async fn a_page_walk_or_watch_whose_filtered_view_changed_is_refused_or_ended_wi
     )
     .await;
     let state = proxy.running.as_ref().unwrap().state.clone();
-    let t0 = Instant::now();
-    loop {
-        let ns = state.caches.get("", "v1", "namespaces").unwrap();
-        let labelled = ns
-            .current()
-            .objects
-            .values()
-            .any(|o| o.meta.name.as_ref() == "ns4" && o.label("team") == Some("a"));
-        if labelled {
-            break;
-        }
-        assert!(
-            t0.elapsed() < GUARD,
-            "the namespace cache never saw the label"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    eventually(
+        "the namespace cache to see ns4's label",
+        GUARD,
+        async || {
+            let ns = state.caches.get("", "v1", "namespaces").unwrap();
+            let labelled = ns
+                .current()
+                .objects
+                .values()
+                .any(|o| o.meta.name.as_ref() == "ns4" && o.label("team") == Some("a"));
+            ok_if(labelled, "not labelled")
+        },
+    )
+    .await;
     // The walk started under the old view is refused, with no object, instead of going on
     // with pages of another view.
     let changed = client.get(&next, Some("a-user")).await;
@@ -578,18 +578,14 @@ async fn passthrough_lists_and_watches_of_identified_callers_count_against_the_t
         assert!(metrics.contains(line), "{line} missing:\n{metrics}");
     }
     drop(first);
-    let t0 = Instant::now();
-    loop {
+    eventually("the ended watch to give its slot back", GUARD, async || {
         let r = client.get(&watch, Some("tok-w")).await;
         if r.status() == 200 {
-            break;
+            return Ok(());
         }
         assert_eq!(r.status(), 429);
-        assert!(
-            t0.elapsed() < GUARD,
-            "the ended watch never gave its slot back"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        Err(r.status())
+    })
+    .await;
     proxy.shutdown().await;
 }

@@ -14,23 +14,23 @@
 //! update returns the object at its new resourceVersion; a ConfigMap delete returns only a
 //! Status, so the reference supplies the delete's resourceVersion and last state).
 
-mod support;
-
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::support;
+use crate::support::eventually::{eventually, ok_if, poll_within};
+use crate::support::proxy::TestProxy;
+use crate::support::watch_validator::{
+    Control, Key, Report, Rng, Rules, SELECTORS, Scope, Start, Truth, WatchLog, WatcherSpec,
+    key_of, random_labels, run_watcher, rv_of, sum_metric, validate,
+};
 use futures_util::TryStreamExt as _;
 use http_body_util::BodyExt as _;
 use kube::core::WatchEvent;
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde_json::{Value, json};
-use support::proxy::TestProxy;
-use support::watch_validator::{
-    Control, Key, Report, Rng, Rules, SELECTORS, Scope, Start, Truth, WatchLog, WatcherSpec,
-    key_of, random_labels, run_watcher, rv_of, sum_metric, validate,
-};
 
 const NAMESPACES: [&str; 3] = ["e2e-wv-a", "e2e-wv-b", "e2e-wv-c"];
 /// Holds the end marker only, outside every watched namespace.
@@ -265,19 +265,14 @@ async fn watchers_through_the_proxy_see_exactly_the_apiservers_history() {
     })
     .await;
     let state = &proxy.running.as_ref().unwrap().state;
-    let t0 = Instant::now();
-    let cache = loop {
-        if let Some(c) = state.caches.get("", "v1", "configmaps")
-            && c.is_ready()
-        {
-            break c;
-        }
-        assert!(
-            t0.elapsed() < GUARD,
-            "the proxy's configmaps cache never synced"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    let cache = eventually("the proxy's configmaps cache to sync", GUARD, async || {
+        state
+            .caches
+            .get("", "v1", "configmaps")
+            .filter(|c| c.is_ready())
+            .ok_or("not synced")
+    })
+    .await;
     let history_start = cache.rv();
     let synced_after = t_start.elapsed();
 
@@ -382,17 +377,16 @@ async fn watchers_through_the_proxy_see_exactly_the_apiservers_history() {
         })
         .collect();
     let t_conv = Instant::now();
-    loop {
+    // (If some watchers are still behind after GUARD, the validation below says why.)
+    let _still_behind = poll_within(GUARD, async || {
         let behind = logs
             .iter()
             .zip(&finals)
             .filter(|(l, want)| !l.lock().unwrap().converged(want))
             .count();
-        if behind == 0 || t_conv.elapsed() > GUARD {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+        ok_if(behind == 0, behind)
+    })
+    .await;
     let converge_took = t_conv.elapsed();
     upstream_watches.push(support::e2e::apiserver_watches(&admin, "configmaps").await);
     ctl.stop.cancel();

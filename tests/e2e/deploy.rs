@@ -10,8 +10,6 @@
 //! Tools: kubectl from the control-plane build (`tests/e2e/build-control-plane.sh`), helm from
 //! `tests/e2e/build-helm.sh` (both cached under ~/.cache/kube-cache-proxy/).
 
-mod support;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
@@ -19,11 +17,13 @@ use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::Duration;
 
+use crate::support;
+use crate::support::eventually::{eventually, ok_if};
+use crate::support::proxy::{EventReader, TestProxy, body_json, body_string};
 use http_body_util::Full;
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use kube_cache_proxy::config::Config;
 use serde_json::{Value, json};
-use support::proxy::{EventReader, TestProxy, body_json, body_string};
 
 /// Bound on waiting for caches to sync and for the proxy to become ready.
 const BOUND: Duration = Duration::from_secs(90);
@@ -837,26 +837,20 @@ fn install_rbac_and_get_token(kc: &Path, base: &[Value]) -> String {
 }
 
 async fn wait_ready(c: &support::proxy::TestClient, url: &str, cached: &[String]) -> String {
-    let deadline = tokio::time::Instant::now() + BOUND;
-    loop {
+    let body = eventually("readiness", BOUND, async || {
         let r = c.get(url, None).await;
         let code = r.status();
         let body = body_string(r).await;
-        if code == 200 {
-            for res in cached {
-                assert!(
-                    body.lines().any(|l| l == format!("[+]cache:{res} ok")),
-                    "{res} missing from readyz:\n{body}"
-                );
-            }
-            return body;
-        }
+        ok_if(code == 200, body)
+    })
+    .await;
+    for res in cached {
         assert!(
-            tokio::time::Instant::now() < deadline,
-            "not ready after {BOUND:?}:\n{body}"
+            body.lines().any(|l| l == format!("[+]cache:{res} ok")),
+            "{res} missing from readyz:\n{body}"
         );
-        tokio::time::sleep(Duration::from_millis(250)).await;
     }
+    body
 }
 
 /// `kube_cache_proxy_requests_total` served from the cache for `resource` and `verb`.
@@ -1098,8 +1092,7 @@ async fn the_proxy_runs_with_exactly_the_rbac_from_deploy() {
 
 /// Polls `url` through `client` until `ok` holds for (status, body) or BOUND passes.
 async fn poll(client: &kube::Client, url: &str, ok: impl Fn(u16, &str) -> bool) -> String {
-    let deadline = tokio::time::Instant::now() + BOUND;
-    loop {
+    eventually(url, BOUND, async || {
         let req = http::Request::get(url).body(Vec::new()).unwrap();
         let (code, body) = match client.send(req.map(Into::into)).await {
             Ok(r) => {
@@ -1113,14 +1106,11 @@ async fn poll(client: &kube::Client, url: &str, ok: impl Fn(u16, &str) -> bool) 
             Err(e) => (0, e.to_string()),
         };
         if ok(code, &body) {
-            return body;
+            return Ok(body);
         }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{url}: last answer {code}: {body}"
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
-    }
+        Err(format!("{code}: {body}"))
+    })
+    .await
 }
 
 /// A line of a continue-token key file: `<id> <base64 secret>` with 32 random bytes.
@@ -1214,22 +1204,17 @@ impl Replica {
     /// Waits for `/readyz` and checks every cache is listed ok.
     async fn wait_ready(&mut self, cached: &[String]) {
         let log = |r: &Replica| std::fs::read_to_string(&r.log).unwrap_or_default();
-        let deadline = tokio::time::Instant::now() + BOUND;
-        let readyz = loop {
+        let readyz = eventually("the replica's readiness", BOUND, async || {
             if let Ok(Some(status)) = self.child.try_wait() {
                 panic!("the proxy exited ({status}):\n{}", log(self));
             }
             let (code, body) = self.get_text("/readyz?verbose").await;
             if code == 200 {
-                break body;
+                return Ok(body);
             }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "not ready: {code} {body}\n{}",
-                log(self)
-            );
-            tokio::time::sleep(Duration::from_millis(250)).await;
-        };
+            Err(format!("{code} {body}\n{}", log(self)))
+        })
+        .await;
         for res in cached {
             assert!(
                 readyz.lines().any(|l| l == format!("[+]cache:{res} ok")),

@@ -1,0 +1,19 @@
+//! The end-to-end tier: the proxy in front of a real kube-apiserver + etcd (the control plane
+//! built by `tests/e2e/build-control-plane.sh` and cached), with real clients (kubectl,
+//! client-go, kube-rs, the Python client) and the deploy manifests. One test binary; each module
+//! is one concern (run one with `cargo test --test e2e -- authz::`). The folder also holds what
+//! these tests run: `go/` (the control-plane build and the client-go checker), `python/`,
+//! `differential/` (corpus and allowlist) and the build scripts.
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod authz;
+mod clients;
+mod controlplane;
+mod crd;
+mod deploy;
+mod differential;
+mod lists;
+mod paging;
+mod watch_validator;

@@ -1,0 +1,17 @@
+//! The integration tier: the proxy (and its parts) against the in-process fake apiserver of
+//! `tests/support/fake_apiserver`, with fault injection. One test binary; each module is one
+//! concern (run one with `cargo test --test integration -- paging::`).
+
+#[path = "../support/mod.rs"]
+mod support;
+
+mod authn;
+mod crd;
+mod fake_apiserver;
+mod lists;
+mod paging;
+mod passthrough;
+mod reflector;
+mod slow_consumer;
+mod tenancy;
+mod watch_validator;

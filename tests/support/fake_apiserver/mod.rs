@@ -1,0 +1,444 @@
+//! An in-process fake kube-apiserver for deterministic integration and fault tests.
+//!
+//! It serves plain HTTP on `127.0.0.1:0` (HTTP/1.1, and HTTP/2 with prior knowledge) and keeps
+//! namespaces, configmaps and pods in memory behind one global resourceVersion counter, the way
+//! etcd's revision works; also CustomResourceDefinitions (established on creation) and one
+//! custom resource, `widgets.example.com/v1`, served with its discovery documents only while
+//! its CRD exists (deleting the CRD deletes the widgets and ends their watches). Where it implements a behaviour it follows kube-apiserver's wire
+//! contract: `Status` errors with the same codes, reasons and messages, the same continue-token
+//! format, watch framing, bookmarks and the `k8s.io/initial-events-end` annotation.
+//! See <https://kubernetes.io/docs/reference/using-api/api-concepts/>.
+//!
+//! # Layout
+//! - this file: [`FakeApiServer`] (lifecycle, request log, direct store helpers) and [`Faults`]
+//!   (fault switches: fail next requests, delays, refusing connections, ending or expiring
+//!   watches, denying callers, the `/metrics` text);
+//! - `kind`: the kinds served and their object keys; `store`: objects per kind, event history
+//!   for watch resume and Exact lists, open watchers;
+//! - request handling: `server` (connections, routing), `authz` (deny list, access and token
+//!   reviews), `reads` (GET, LIST), `watch`, `writes`, `upgrade` (exec / attach / portforward),
+//!   `discovery`;
+//! - `selectors`, `continue_token`, `status` (`Status` construction), `util` (JSON bodies,
+//!   query parsing, names, timestamps, the WebSocket accept key).
+//!
+//! # Simplifications (not the real apiserver)
+//! - No admission, no defaulting beyond the few fields named below, no managedFields, no
+//!   protobuf/Table, no dryRun, no deletecollection, no JSON patch or server-side apply (415).
+//! - Pods are deleted immediately (as the apiserver does for unscheduled pods); a namespace
+//!   DELETE answers with the Terminating namespace like the apiserver, then the fake's
+//!   "namespace controller" immediately deletes its content and the namespace itself.
+//! - Name validation is a plain RFC 1123 check.
+//! - No authentication: a bearer token is its own user name. Authorization allows everything
+//!   except callers on the deny list ([`Faults::deny`]): their resource requests get 403 and
+//!   access reviews about them answer `allowed: false`.
+
+use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::convert::Infallible;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use base64::Engine as _;
+use bytes::Bytes;
+use futures_util::StreamExt as _;
+use http::header::{CONTENT_TYPE, HeaderValue, UPGRADE};
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt as _, Full, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::{Map, Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type Body = UnsyncBoxBody<Bytes, BoxError>;
+
+/// Events kept for watch resume and Exact lists; older ones are compacted away (like etcd
+/// compaction) and then answer 410.
+const HISTORY_CAPACITY: usize = 10_000;
+
+/// How long a list or watch for a future resourceVersion waits before 504 "Too large resource
+/// version": the apiserver's cacher waits 3 s (`blockTimeout` in `watch_cache.go`).
+const FRESHNESS_WAIT: Duration = Duration::from_secs(3);
+
+/// Default bookmark period. The apiserver's is about a minute; tests want it short.
+const DEFAULT_BOOKMARK_INTERVAL: Duration = Duration::from_secs(1);
+
+/// The apiserver sends a bookmark this long before a watch's `timeoutSeconds` deadline.
+const PRE_DEADLINE_BOOKMARK: Duration = Duration::from_secs(2);
+
+/// Namespaces a fresh cluster has; created at start so namespaced writes work at once.
+const INITIAL_NAMESPACES: [&str; 4] = ["default", "kube-node-lease", "kube-public", "kube-system"];
+
+/// Reported by `/version`.
+const GIT_VERSION: &str = "v1.36.0";
+
+/// One request as the fake received it.
+#[derive(Debug, Clone)]
+pub struct LoggedRequest {
+    pub method: Method,
+    pub path: String,
+    pub query: Option<String>,
+    pub headers: HeaderMap,
+    /// Empty for upgrade requests (their body is the upgraded stream).
+    pub body: Bytes,
+}
+
+/// A running fake apiserver. Dropping it stops it too; [`FakeApiServer::shutdown`] also waits.
+pub struct FakeApiServer {
+    shared: Arc<Shared>,
+    faults: Faults,
+    accept: Option<JoinHandle<()>>,
+}
+
+/// Cheap-clone handle to the fault switches of one [`FakeApiServer`].
+#[derive(Clone)]
+pub struct Faults {
+    shared: Arc<Shared>,
+}
+
+/// Makes the `/metrics` text of the n-th scrape (counting from 1).
+type MetricsText = Arc<dyn Fn(u64) -> String + Send + Sync>;
+
+struct Shared {
+    addr: SocketAddr,
+    store: Mutex<Store>,
+    /// Latest resourceVersion, for requests waiting on a future one.
+    rv_tx: tokio::sync::watch::Sender<u64>,
+    log: Mutex<Vec<LoggedRequest>>,
+    fail_next: Mutex<(usize, u16)>,
+    delay: Mutex<Duration>,
+    refuse: AtomicBool,
+    bookmark_interval: Mutex<Duration>,
+    /// Tokens and user names that are not authorized for anything (see [`Faults::deny`]).
+    deny: Mutex<HashSet<String>>,
+    impersonators: Mutex<HashSet<String>>,
+    only_in: Mutex<std::collections::HashMap<String, HashSet<String>>>,
+    /// Extra delay of access and token reviews only (see [`Faults::set_review_delay`]).
+    review_delay: Mutex<Duration>,
+    /// While set, access and token reviews answer 500 (see [`Faults::fail_reviews`]).
+    fail_reviews: AtomicBool,
+    /// The ServiceAccount issuer and JWKS served (see [`Faults::set_jwks`]).
+    jwks: Mutex<Option<(String, String)>>,
+    /// The `/metrics` text for the n-th scrape (see [`Faults::set_metrics`]), and scrapes so far.
+    metrics: Mutex<(MetricsText, u64)>,
+    shutdown: CancellationToken,
+}
+
+impl Shared {
+    fn store(&self) -> MutexGuard<'_, Store> {
+        lock(&self.store)
+    }
+}
+
+/// Locks ignoring poison: a panicking test thread must not cascade into every other request.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl FakeApiServer {
+    /// Binds `127.0.0.1:0` and serves until [`FakeApiServer::shutdown`] or drop.
+    pub async fn start() -> FakeApiServer {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind 127.0.0.1:0");
+        let addr = listener.local_addr().expect("local addr");
+        let (rv_tx, _) = tokio::sync::watch::channel(0);
+        let shared = Arc::new(Shared {
+            addr,
+            store: Mutex::new(Store::new()),
+            rv_tx,
+            log: Mutex::new(Vec::new()),
+            fail_next: Mutex::new((0, 500)),
+            delay: Mutex::new(Duration::ZERO),
+            refuse: AtomicBool::new(false),
+            bookmark_interval: Mutex::new(DEFAULT_BOOKMARK_INTERVAL),
+            deny: Mutex::new(HashSet::new()),
+            impersonators: Mutex::new(HashSet::new()),
+            only_in: Mutex::new(std::collections::HashMap::new()),
+            review_delay: Mutex::new(Duration::ZERO),
+            fail_reviews: AtomicBool::new(false),
+            jwks: Mutex::new(None),
+            metrics: Mutex::new((Arc::new(|_| String::new()), 0)),
+            shutdown: CancellationToken::new(),
+        });
+        for ns in INITIAL_NAMESPACES {
+            create_object(
+                &shared,
+                Kind::Namespace,
+                None,
+                json!({"metadata": {"name": ns}}),
+            )
+            .expect("initial namespace");
+        }
+        let accept = tokio::spawn(accept_loop(listener, shared.clone()));
+        FakeApiServer {
+            faults: Faults {
+                shared: shared.clone(),
+            },
+            shared,
+            accept: Some(accept),
+        }
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.shared.addr
+    }
+
+    /// `http://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.shared.addr)
+    }
+
+    pub fn faults(&self) -> &Faults {
+        &self.faults
+    }
+
+    /// Every request received so far, in arrival order.
+    pub fn requests(&self) -> Vec<LoggedRequest> {
+        lock(&self.shared.log).clone()
+    }
+
+    pub fn clear_requests(&self) {
+        lock(&self.shared.log).clear();
+    }
+
+    /// The latest resourceVersion (etcd revision) of the whole store.
+    pub fn current_rv(&self) -> u64 {
+        self.shared.store().rv
+    }
+
+    /// Every write of `resource` (e.g. `configmaps`) since the start, in resourceVersion order:
+    /// the ground truth a watch is checked against. Unlike the watch history this journal is
+    /// never compacted.
+    pub fn writes(&self, resource: &str) -> Vec<Write> {
+        self.shared
+            .store()
+            .journal
+            .iter()
+            .filter(|w| w.resource == resource)
+            .cloned()
+            .collect()
+    }
+
+    /// Forgets history below `rv`, like an etcd compaction at `rv`.
+    ///
+    /// Afterwards Exact lists at an older resourceVersion, continue tokens from an older snapshot
+    /// and watches from an older resourceVersion get 410 Expired. Compacting beyond the current
+    /// resourceVersion compacts up to the current one.
+    pub fn compact(&self, rv: u64) {
+        self.shared.store().compact(rv);
+    }
+
+    /// Creates an object in-process (not logged), as `POST collection_path` would.
+    ///
+    /// `collection_path` is e.g. `/api/v1/namespaces/default/configmaps`.
+    ///
+    /// # Panics
+    /// If the path is not a collection or the store rejects the object (the `Status` is shown).
+    pub async fn create(&self, collection_path: &str, obj: Value) -> Value {
+        let (kind, ns) = match parse_route(collection_path) {
+            Some(Route::Collection { kind, namespace }) => (kind, namespace),
+            _ => panic!("not a collection path: {collection_path}"),
+        };
+        create_object(&self.shared, kind, ns.as_deref(), obj)
+            .unwrap_or_else(|s| panic!("create {collection_path}: {}", s.to_json()))
+    }
+
+    /// Replaces an object in-process (not logged), as `PUT item_path` would.
+    ///
+    /// # Panics
+    /// If the path is not an object path or the store rejects the update.
+    pub async fn update(&self, item_path: &str, obj: Value) -> Value {
+        let (kind, ns, name) = item_route(item_path);
+        update_object(&self.shared, kind, ns.as_deref(), &name, obj, false)
+            .unwrap_or_else(|s| panic!("update {item_path}: {}", s.to_json()))
+    }
+
+    /// Deletes an object in-process (not logged), as `DELETE item_path` would; returns what the
+    /// apiserver would answer (a `Status` for configmaps, the object for pods and namespaces).
+    ///
+    /// # Panics
+    /// If the path is not an object path or the object does not exist.
+    pub async fn delete(&self, item_path: &str) -> Value {
+        let (kind, ns, name) = item_route(item_path);
+        delete_object(&self.shared, kind, ns.as_deref(), &name, &Value::Null)
+            .unwrap_or_else(|s| panic!("delete {item_path}: {}", s.to_json()))
+    }
+
+    /// The stored object at `item_path`, if any.
+    pub fn get(&self, item_path: &str) -> Option<Value> {
+        let (kind, ns, name) = item_route(item_path);
+        self.shared
+            .store()
+            .objects(kind)
+            .get(&object_key(kind, ns.as_deref(), &name))
+            .cloned()
+    }
+
+    /// Stops accepting, closes every connection (open watches end abruptly) and waits for the
+    /// accept loop to finish.
+    pub async fn shutdown(mut self) {
+        self.shared.shutdown.cancel();
+        if let Some(accept) = self.accept.take() {
+            let _ = accept.await;
+        }
+    }
+}
+
+impl Drop for FakeApiServer {
+    fn drop(&mut self) {
+        self.shared.shutdown.cancel();
+    }
+}
+
+fn item_route(path: &str) -> (Kind, Option<String>, String) {
+    match parse_route(path) {
+        Some(Route::Item {
+            kind,
+            namespace,
+            name,
+            subresource: None,
+        }) => (kind, namespace, name),
+        _ => panic!("not an object path: {path}"),
+    }
+}
+
+impl Faults {
+    /// Ends every open watch stream now, abruptly: the body ends with an error, as on a
+    /// connection loss (HTTP/1.1 closes the connection without the last chunk, HTTP/2 resets the
+    /// stream).
+    pub fn drop_watches(&self) {
+        self.shared.store().end_watchers(WatchMsg::Abort);
+    }
+
+    /// Ends every open watch stream cleanly, as the apiserver does at a watch's timeout.
+    pub fn end_watches_cleanly(&self) {
+        self.shared.store().end_watchers(WatchMsg::End);
+    }
+
+    /// The next `n` requests (of any kind) get a `Status` error with `code`.
+    ///
+    /// The reason follows the code: 500 InternalError, 503 ServiceUnavailable, 429
+    /// TooManyRequests (with `Retry-After: 1`), 410 Expired, 504 Timeout, 401 Unauthorized, 403
+    /// Forbidden, 404 NotFound, 409 Conflict, 400 BadRequest, 422 Invalid.
+    pub fn fail_next(&self, n: usize, code: u16) {
+        *lock(&self.shared.fail_next) = (n, code);
+    }
+
+    /// Delays every response (including injected failures and watch headers) by `d`.
+    pub fn set_delay(&self, d: Duration) {
+        *lock(&self.shared.delay) = d;
+    }
+
+    /// While on, new connections are closed right after accept, and requests arriving on
+    /// already open connections get the connection closed without a response.
+    pub fn set_refuse(&self, on: bool) {
+        self.shared.refuse.store(on, Ordering::SeqCst);
+    }
+
+    /// Puts a bearer token or a user name (a client certificate's CN, sent by the proxy as
+    /// `Impersonate-User`, or a SubjectAccessReview's user or group) on the deny list: its
+    /// resource requests get 403 Forbidden and access reviews about it answer
+    /// `allowed: false`. Everyone else is allowed everything but impersonation
+    /// ([`Faults::allow_impersonation`]).
+    pub fn deny(&self, token_or_user: &str) {
+        lock(&self.shared.deny).insert(token_or_user.to_string());
+    }
+
+    /// Lets `user` impersonate: SubjectAccessReviews with verb `impersonate` are allowed only
+    /// for such users.
+    pub fn allow_impersonation(&self, user: &str) {
+        lock(&self.shared.impersonators).insert(user.to_string());
+    }
+
+    /// SubjectAccessReviews about `user` are allowed only in these namespaces (denied at
+    /// cluster scope and elsewhere), like a user with RoleBindings in just those.
+    pub fn allow_only_in(&self, user: &str, namespaces: &[&str]) {
+        lock(&self.shared.only_in).insert(
+            user.to_string(),
+            namespaces.iter().map(|n| n.to_string()).collect(),
+        );
+    }
+
+    /// Delays the answers to SubjectAccessReviews and TokenReviews (nothing else) by `d`, so
+    /// concurrent identical reviews overlap.
+    pub fn set_review_delay(&self, d: Duration) {
+        *lock(&self.shared.review_delay) = d;
+    }
+
+    /// While on, SubjectAccessReviews and TokenReviews (nothing else) answer 500.
+    pub fn fail_reviews(&self, on: bool) {
+        self.shared.fail_reviews.store(on, Ordering::SeqCst);
+    }
+
+    /// Serves `/.well-known/openid-configuration` naming `issuer` and `/openid/v1/jwks` with
+    /// `jwks` (a JWK set document); `None`: both answer 503, as an apiserver that cannot.
+    pub fn set_jwks(&self, issuer_and_jwks: Option<(&str, &str)>) {
+        *lock(&self.shared.jwks) = issuer_and_jwks.map(|(i, j)| (i.to_string(), j.to_string()));
+    }
+
+    /// Ends every open watch with an ERROR event carrying 410 Expired ("too old resource
+    /// version"), as the apiserver does when a watcher falls behind its window; a client must
+    /// relist.
+    pub fn expire_watches(&self) {
+        let mut store = self.shared.store();
+        let rv = store.rv;
+        let status = Status::expired(&format!("too old resource version: {rv} ({})", rv + 1));
+        let obj: Value = serde_json::from_str(&status.to_json()).unwrap_or(Value::Null);
+        for w in store.watchers.drain(..) {
+            let _ = w.tx.send(WatchMsg::Line(event_line("ERROR", &obj)));
+            let _ = w.tx.send(WatchMsg::End);
+        }
+    }
+
+    /// Serves `GET /metrics` (Prometheus text) from `text(n)` for the n-th scrape, counting
+    /// from 1, so a test can make counters and histograms move between scrapes. Default: an
+    /// empty exposition.
+    pub fn set_metrics(&self, text: impl Fn(u64) -> String + Send + Sync + 'static) {
+        lock(&self.shared.metrics).0 = Arc::new(text);
+    }
+
+    /// Period of BOOKMARK events on watches with `allowWatchBookmarks=true` (default 1 s).
+    /// Applies from each watch's next bookmark on.
+    pub fn set_bookmark_interval(&self, d: Duration) {
+        *lock(&self.shared.bookmark_interval) = d.max(Duration::from_millis(1));
+    }
+}
+
+mod authz;
+mod continue_token;
+mod discovery;
+mod kind;
+mod reads;
+mod selectors;
+mod server;
+mod status;
+mod store;
+mod upgrade;
+mod util;
+mod watch;
+mod writes;
+
+use authz::*;
+use continue_token::*;
+use discovery::*;
+pub use kind::WIDGETS_CRD;
+use kind::*;
+use reads::*;
+use selectors::*;
+use server::*;
+use status::*;
+pub use store::Write;
+use store::*;
+use upgrade::*;
+use util::*;
+use watch::*;
+use writes::*;

@@ -5,8 +5,10 @@
 //! listener; connections already established keep the certificate they negotiated.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
+
+use parking_lot::RwLock;
 
 use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::CertifiedKey;
@@ -97,7 +99,7 @@ impl ReloadingCert {
     /// (certificate written, key not yet) is reported and the old pair kept.
     pub fn reload(&self) -> Result<bool, TlsError> {
         let (ck, digest) = load_certified_key(&self.cert_path, &self.key_path)?;
-        let mut cur = self.current.write().unwrap_or_else(|p| p.into_inner());
+        let mut cur = self.current.write();
         if cur.1 == digest {
             return Ok(false);
         }
@@ -131,13 +133,7 @@ impl ReloadingCert {
 
 impl ResolvesServerCert for ReloadingCert {
     fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        Some(
-            self.current
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .0
-                .clone(),
-        )
+        Some(self.current.read().0.clone())
     }
 }
 

@@ -24,7 +24,7 @@
 //! clean up after itself, so its children would outlive it.
 
 use std::fmt::Write as _;
-use std::io::{Read as _, Write as _};
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -840,11 +840,13 @@ fn free_ports<const N: usize>() -> Result<[u16; N], DevClusterError> {
     Ok(ports)
 }
 
+/// `bytes` random bytes from the system's cryptographic source, hex-encoded (tokens are
+/// credentials).
 fn random_hex(bytes: usize) -> Result<String, DevClusterError> {
     let mut buf = vec![0u8; bytes];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut buf))
-        .map_err(io_err("reading /dev/urandom"))?;
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut buf)
+        .map_err(|_| std::io::Error::other("the system's random source failed"))
+        .map_err(io_err("generating a random token"))?;
     Ok(hex::encode(buf))
 }
 

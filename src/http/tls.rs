@@ -199,6 +199,7 @@ pub fn server_config(
 /// A fresh CA and a serving certificate it signed, for `names` (DNS names or IP literals),
 /// all as PEM: `(ca_cert, cert, key)`. For `dev` mode and tests; production certificates
 /// come from the operator (Secret, cert-manager).
+#[cfg(any(test, feature = "dev"))]
 pub fn generate_serving_pair(names: &[&str]) -> Result<(String, String, String), rcgen::Error> {
     use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
     let ca_key = KeyPair::generate()?;

@@ -77,14 +77,14 @@ pub struct AuthenticationConfig {
     /// `--api-audiences` default).
     pub audiences: Vec<String>,
     /// Clock skew allowed on `exp`/`nbf` (go-jose's default leeway, used by kube-apiserver).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub leeway: Duration,
     /// The JWKS is refetched this often in the background (and at start; a failure keeps the
     /// previous keys), and on a token with an unknown `kid`...
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub jwks_refresh_interval: Duration,
     /// ...but not more often than this (a flood of forged `kid`s cannot hammer the apiserver).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub jwks_min_refresh_interval: Duration,
     /// Which offline-verified tokens are also checked by TokenReview, which sees revocation
     /// (a deleted ServiceAccount, or the pod/secret/node a bound token names): `None`,
@@ -95,11 +95,11 @@ pub struct AuthenticationConfig {
     pub token_review: bool,
     /// How long a successful authentication is remembered (kube-apiserver's token cache: 10 s).
     /// Never beyond the token's own expiry.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub cache_ttl: Duration,
     /// How long a failed one is (kube-apiserver: 0). A few seconds bound a flood of bad
     /// tokens to one review per token per interval.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub failure_cache_ttl: Duration,
 }
 
@@ -153,7 +153,7 @@ pub struct TenantConfig {
     /// the watch with a 410 Expired ERROR event, so the client relists into the new view
     /// instead of missing a namespace that joined or keeping one that left. Each recheck
     /// costs one decision-cache lookup per tenant namespace per open filtered watch.
-    #[serde(default = "default_view_recheck_interval", with = "humantime_serde")]
+    #[serde(default = "default_view_recheck_interval", with = "duration")]
     pub view_recheck_interval: Duration,
     #[serde(default)]
     pub quotas: TenantQuotas,
@@ -202,10 +202,10 @@ pub struct TlsConfig {
     pub client_ca_file: Option<PathBuf>,
     /// How often the certificate and key files are checked for changes. Polling (not inotify)
     /// because Kubernetes updates mounted Secrets by swapping a symlink.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub reload_interval: Duration,
     /// Bound on a TLS handshake, so half-open connections cannot pin resources.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub handshake_timeout: Duration,
 }
 
@@ -234,14 +234,14 @@ pub struct UpstreamConfig {
     /// kubelet mounts them; set it only when they are elsewhere (tests use it).
     pub service_account_dir: Option<PathBuf>,
     /// TCP+TLS connect timeout to the apiserver.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub connect_timeout: Duration,
     /// How often `/readyz` of the upstream is probed for the proxy's own readiness.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub health_check_interval: Duration,
     /// HTTP/2 keepalive ping interval on upstream connections: detects a dead apiserver
     /// connection under a long watch (client-go uses 30 s for the same purpose).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub keepalive_interval: Duration,
 }
 
@@ -267,9 +267,9 @@ pub struct ServerConfig {
     /// itself allows 100 since its rapid-reset hardening.)
     pub http2_max_concurrent_streams: u32,
     /// Server-initiated HTTP/2 PING interval; dead clients are dropped after the timeout.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub http2_keepalive_interval: Duration,
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub http2_keepalive_timeout: Duration,
     /// Streams a client may open and reset before the server accepts them (CVE-2023-44487
     /// "rapid reset"); hyper's default is 20.
@@ -286,7 +286,7 @@ pub struct ServerConfig {
     /// Concurrent downstream connections; further connections wait in the accept backlog.
     pub max_connections: usize,
     /// Time allowed to receive a request head on HTTP/1.1 (slowloris protection).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub header_read_timeout: Duration,
 }
 
@@ -312,10 +312,10 @@ pub struct ShutdownConfig {
     /// Time between failing `/readyz` and closing listeners, so load balancers and
     /// Endpoints stop sending new connections first (kube-apiserver's
     /// `--shutdown-delay-duration`). 0 for local use; the deploy manifests set 10 s.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub delay: Duration,
     /// Bound on draining open requests and watch streams after the listeners close.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub drain_timeout: Duration,
 }
 
@@ -344,26 +344,26 @@ pub struct CacheConfig {
     /// Events kept per resource for resuming watches from a resourceVersion.
     pub history_max_events: usize,
     /// Events older than this leave the history (kube-apiserver keeps at least 75 s).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub history_max_age: Duration,
     /// Events queued per watcher; a watcher whose queue stays full is closed.
     pub watcher_queue: usize,
     /// How long one event may wait in total for watchers with full queues before they are
     /// closed (k8s.io/apiserver's cacher: 100 ms).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub dispatch_budget: Duration,
     /// Interval of BOOKMARK events to watchers that allow them (kube-apiserver: ~1 minute).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub bookmark_interval: Duration,
     /// Items per page of the proxy's own upstream LISTs when `paging.adaptUpstream` is off.
     pub upstream_page_size: u32,
     /// A cached decision that a caller may read something lasts this long (kube-apiserver's
     /// `--authorization-webhook-cache-authorized-ttl`: 5 minutes; it bounds how long a
     /// revoked permission can still read the cache).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub authorization_allow_ttl: Duration,
     /// A cached "not allowed" lasts this long (the webhook authorizer's default: 30 s).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub authorization_deny_ttl: Duration,
 }
 
@@ -422,18 +422,18 @@ pub struct ListsConfig {
     /// Per-resource overrides of `consistency`, keyed like `cache.resources`.
     pub consistency_by_resource: std::collections::BTreeMap<String, ConsistencyMode>,
     /// How long a consistent read may wait for confirmation before it passes through.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub consistency_timeout: Duration,
     /// A snapshot used by a paginated list stays available this long after its last page
     /// (KEP-4988: 75 s). Older walks continue from the event history while it covers them,
     /// else get 410 Expired with an inconsistent-continue token, as from the apiserver.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub snapshot_retention: Duration,
     /// Snapshots retained per resource at most (least recently used dropped first).
     pub snapshot_max: usize,
     /// How long a list waits for the cache to reach a requested resourceVersion before the
     /// apiserver answers it instead.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub wait_for_resource_version: Duration,
     /// Responses at least this large are gzipped for clients that accept it (kube-apiserver:
     /// 128 KiB); 0 turns compression off.
@@ -466,10 +466,10 @@ pub struct TokensConfig {
     /// changes. Unset: a random key per process, with a warning.
     pub key_file: Option<PathBuf>,
     /// How long a continue token is accepted.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub ttl: Duration,
     /// How often the key file is checked for changes.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub reload_interval: Duration,
 }
 
@@ -499,7 +499,7 @@ pub struct PagingConfig {
     /// without `limit` are never capped.
     pub cap_downstream: bool,
     /// How often the inputs are sampled and the page size recomputed.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub interval: Duration,
     /// The page size when every factor is 1.
     pub base_page_size: u32,
@@ -514,7 +514,7 @@ pub struct PagingConfig {
     pub min_qps_factor: f64,
     pub max_qps_factor: f64,
     /// A p95 latency above this multiplies the page size by `latencyPenalty`.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub latency_threshold: Duration,
     pub latency_penalty: f64,
     /// Load factor: 1 below `moderateLoad`, `moderateLoadFactor` from `moderateLoad` to
@@ -656,7 +656,7 @@ impl PagingConfig {
 pub struct LoadConfig {
     /// p99 of `etcd_request_duration_seconds` (the worst operation) counted as full load.
     /// Healthy etcd answers in a few milliseconds; a second is far past any SLO.
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub etcd_request_p99: Duration,
     /// Requests waiting in API Priority and Fairness queues
     /// (`apiserver_flowcontrol_current_inqueue_requests`, all levels) counted as full load.
@@ -669,7 +669,7 @@ pub struct LoadConfig {
     pub storage_objects: f64,
     /// p99 of etcd's `etcd_disk_backend_commit_duration_seconds` counted as full load (etcd
     /// guidance: below 25 ms).
-    #[serde(with = "humantime_serde")]
+    #[serde(with = "duration")]
     pub etcd_commit_p99: Duration,
     /// `etcd_server_proposals_pending` counted as full load.
     pub etcd_pending_proposals: f64,
@@ -925,21 +925,19 @@ impl Config {
     }
 }
 
-/// Durations as humantime strings ("10s", "1m30s") in the YAML file.
-mod humantime_serde {
+/// Durations as humantime strings ("10s", "1m30s") in the YAML file: `humantime_serde`, with
+/// an error that says what the value should look like.
+mod duration {
     use std::time::Duration;
 
-    use serde::{Deserialize, Deserializer, Serializer};
+    use serde::Deserializer;
+    use serde::de::Error as _;
 
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_str(&humantime::format_duration(*d).to_string())
-    }
+    pub use humantime_serde::serialize;
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
-        let s = String::deserialize(d)?;
-        humantime::parse_duration(&s).map_err(|e| {
-            serde::de::Error::custom(format!("invalid duration {s:?}: {e} (use e.g. \"10s\")"))
-        })
+        humantime_serde::deserialize(d)
+            .map_err(|e| D::Error::custom(format!("invalid duration: {e} (use e.g. \"10s\")")))
     }
 }
 

@@ -36,6 +36,7 @@ async fn main() -> anyhow::Result<()> {
             running.shutdown().await;
             Ok(())
         }
+        #[cfg(feature = "dev")]
         Command::Dev(args) => cli::dev(args).await,
     }
 }

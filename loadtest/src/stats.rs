@@ -84,7 +84,7 @@ pub fn clk_tck() -> f64 {
 pub struct Sampler {
     procs: Vec<(String, u32, u64)>,
     started: Instant,
-    peaks: std::sync::Arc<std::sync::Mutex<BTreeMap<u32, u64>>>,
+    peaks: std::sync::Arc<parking_lot::Mutex<BTreeMap<u32, u64>>>,
     stop: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -96,14 +96,14 @@ impl Sampler {
             .map(|(n, p)| (n.clone(), *p, cpu_ticks(*p).unwrap_or(0)))
             .collect();
         let pids: Vec<u32> = procs.iter().map(|p| p.1).collect();
-        let peaks = std::sync::Arc::new(std::sync::Mutex::new(BTreeMap::new()));
+        let peaks = std::sync::Arc::new(parking_lot::Mutex::new(BTreeMap::new()));
         let (stop, mut stopped) = tokio::sync::watch::channel(false);
         let p2 = peaks.clone();
         let task = tokio::spawn(async move {
             loop {
                 for pid in &pids {
                     if let Some(r) = rss_kb(*pid) {
-                        let mut g = p2.lock().expect("peaks lock");
+                        let mut g = p2.lock();
                         let e = g.entry(*pid).or_insert(0);
                         *e = (*e).max(r);
                     }
@@ -128,7 +128,7 @@ impl Sampler {
         let _ = self.stop.send(true);
         let _ = self.task.await;
         let tck = clk_tck();
-        let peaks = self.peaks.lock().expect("peaks lock").clone();
+        let peaks = self.peaks.lock().clone();
         self.procs
             .into_iter()
             .map(|(name, pid, t0)| {

@@ -21,6 +21,10 @@ pub struct Cli {
 }
 
 #[derive(Debug, Subcommand)]
+#[allow(
+    clippy::large_enum_variant,
+    reason = "parsed once per process; without `dev`, `serve` is by far the largest"
+)]
 pub enum Command {
     /// Serve as a proxy in front of the apiserver named by kubeconfig or in-cluster config.
     Serve(ServeArgs),
@@ -31,6 +35,7 @@ pub enum Command {
     },
     /// Start a local kube-apiserver + etcd, the proxy in front of them, and write
     /// ./kube-cache-proxy.kubeconfig and ./upstream.kubeconfig. Ctrl-C stops everything.
+    #[cfg(feature = "dev")]
     Dev(DevArgs),
 }
 
@@ -70,6 +75,7 @@ pub struct ServeArgs {
     pub log_format: Option<LogFormat>,
 }
 
+#[cfg(feature = "dev")]
 #[derive(Debug, Args)]
 pub struct DevArgs {
     /// Where the proxy listens (TLS with a generated certificate, loopback). client-go sends
@@ -179,6 +185,7 @@ pub fn check_config(file: &std::path::Path) -> Vec<String> {
 ///
 /// This is the proxy's default "embedded" upstream for someone without a cluster. The
 /// proxy's own identity (for impersonation and health probes) is the control plane's admin.
+#[cfg(feature = "dev")]
 pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
     use anyhow::Context;
 

@@ -2,8 +2,10 @@
 //!
 //! [`ControlPlane::start`] builds (once, cached) and runs the same binaries a cluster runs:
 //! etcd from `go.etcd.io/etcd/server/v3` and kube-apiserver/kubectl from `k8s.io/kubernetes`,
-//! pinned in `tests/e2e/go/go.mod` and built by `tests/e2e/build-control-plane.sh`. Everything
-//! listens on loopback ports picked at start, so several control planes can run side by side.
+//! pinned in `tests/e2e/go/go.mod` and built by `tests/e2e/build-control-plane.sh`. Both are
+//! embedded in the binary and written out under the cache directory before a build, so an
+//! installed binary needs no source tree (only Go, for the first build). Everything listens on
+//! loopback ports picked at start, so several control planes can run side by side.
 //!
 //! What the apiserver is configured with, and why:
 //! - TLS serving with a throwaway CA ([`ControlPlane::ca_pem`]) and a cert for `127.0.0.1`,
@@ -24,7 +26,7 @@
 //! clean up after itself, so its children would outlive it.
 
 use std::fmt::Write as _;
-use std::io::{Read as _, Write as _};
+use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -182,7 +184,7 @@ impl ControlPlane {
         let bin_dir = tokio::task::spawn_blocking(ensure_binaries)
             .await
             .map_err(|e| DevClusterError::Build {
-                script: build_script(),
+                script: PathBuf::from(BUILD_SCRIPT),
                 message: e.to_string(),
             })??;
         let (dir, remove_dir) = match opts.dir {
@@ -555,11 +557,12 @@ impl Drop for ControlPlane {
 
 /// Builds (or finds cached) kube-apiserver, kubectl and etcd; returns their directory.
 ///
-/// Runs `tests/e2e/build-control-plane.sh`; its progress (stderr) goes straight to this process's
-/// stderr. A first build takes several minutes; later calls return at once.
+/// Runs the embedded `tests/e2e/build-control-plane.sh` (see [`write_build_sources`]); its
+/// progress (stderr) goes straight to this process's stderr. A first build takes several
+/// minutes; later calls return at once.
 ///
 /// # Errors
-/// If the script cannot be run or fails.
+/// If the sources cannot be written, or the script cannot be run or fails.
 pub fn ensure_binaries() -> Result<PathBuf, DevClusterError> {
     run_build_script(None)
 }
@@ -567,17 +570,95 @@ pub fn ensure_binaries() -> Result<PathBuf, DevClusterError> {
 /// Builds (or finds cached) the client programs (`informer-check`); returns their directory.
 ///
 /// # Errors
-/// If the script cannot be run or fails.
+/// If the sources cannot be written, or the script cannot be run or fails.
 pub fn ensure_client_binaries() -> Result<PathBuf, DevClusterError> {
     run_build_script(Some("clients"))
 }
 
-fn build_script() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/build-control-plane.sh")
+/// The build script's name among [`BUILD_SOURCES`].
+const BUILD_SCRIPT: &str = "build-control-plane.sh";
+
+/// The build script and the Go module it builds from (`tests/e2e/` in the repository), by path
+/// relative to the directory they are written to: the script finds the module in `go/` beside
+/// itself. The script keys its binaries on a hash of the module's files, so these bytes, being
+/// the repository's, find binaries built from the checkout and the other way round.
+const BUILD_SOURCES: &[(&str, &str)] = &[
+    (
+        BUILD_SCRIPT,
+        include_str!("../../tests/e2e/build-control-plane.sh"),
+    ),
+    ("go/go.mod", include_str!("../../tests/e2e/go/go.mod")),
+    ("go/go.sum", include_str!("../../tests/e2e/go/go.sum")),
+    ("go/tools.go", include_str!("../../tests/e2e/go/tools.go")),
+    (
+        "go/cmd/etcd/main.go",
+        include_str!("../../tests/e2e/go/cmd/etcd/main.go"),
+    ),
+    (
+        "go/cmd/informer-check/main.go",
+        include_str!("../../tests/e2e/go/cmd/informer-check/main.go"),
+    ),
+];
+
+/// The cache directory the build script also uses: `$KCP_CACHE_DIR`, else
+/// `$HOME/.cache/kube-cache-proxy`.
+fn cache_root() -> Option<PathBuf> {
+    match std::env::var_os("KCP_CACHE_DIR") {
+        Some(d) if !d.is_empty() => Some(PathBuf::from(d)),
+        _ => std::env::var_os("HOME")
+            .filter(|h| !h.is_empty())
+            .map(|h| Path::new(&h).join(".cache").join("kube-cache-proxy")),
+    }
+}
+
+/// Writes [`BUILD_SOURCES`] to `<cache>/src/<hash of the sources>/` (files already there with
+/// the same content are left alone; others are replaced atomically, so concurrent callers do
+/// not see half-written files) and returns the script's path.
+///
+/// # Errors
+/// If neither `KCP_CACHE_DIR` nor `HOME` is set, or a file cannot be written.
+pub fn write_build_sources() -> Result<PathBuf, DevClusterError> {
+    let root = cache_root().ok_or_else(|| DevClusterError::Build {
+        script: PathBuf::from(BUILD_SCRIPT),
+        message: "neither KCP_CACHE_DIR nor HOME is set, so there is no cache directory to \
+                  build the control plane in"
+            .into(),
+    })?;
+    write_build_sources_in(&root)
+}
+
+fn write_build_sources_in(root: &Path) -> Result<PathBuf, DevClusterError> {
+    use sha2::{Digest as _, Sha256};
+    let mut h = Sha256::new();
+    for (path, content) in BUILD_SOURCES {
+        h.update(path.as_bytes());
+        h.update([0]);
+        h.update(content.as_bytes());
+        h.update([0]);
+    }
+    let dir = root.join("src").join(hex::encode(&h.finalize()[..6]));
+    for (path, content) in BUILD_SOURCES {
+        let file = dir.join(path);
+        if std::fs::read(&file).is_ok_and(|have| have == content.as_bytes()) {
+            continue;
+        }
+        let parent = file.parent().unwrap_or(&dir);
+        std::fs::create_dir_all(parent)
+            .map_err(io_err(format!("creating {}", parent.display())))?;
+        let tmp = parent.join(format!(
+            ".{}.{}-{}.tmp",
+            file.file_name().unwrap_or_default().to_string_lossy(),
+            std::process::id(),
+            random_hex(4)?
+        ));
+        std::fs::write(&tmp, content).map_err(io_err(format!("writing {}", tmp.display())))?;
+        std::fs::rename(&tmp, &file).map_err(io_err(format!("writing {}", file.display())))?;
+    }
+    Ok(dir.join(BUILD_SCRIPT))
 }
 
 fn run_build_script(set: Option<&str>) -> Result<PathBuf, DevClusterError> {
-    let script = build_script();
+    let script = write_build_sources()?;
     let fail = |message: String| DevClusterError::Build {
         script: script.clone(),
         message,
@@ -840,11 +921,13 @@ fn free_ports<const N: usize>() -> Result<[u16; N], DevClusterError> {
     Ok(ports)
 }
 
+/// `bytes` random bytes from the system's cryptographic source, hex-encoded (tokens are
+/// credentials).
 fn random_hex(bytes: usize) -> Result<String, DevClusterError> {
     let mut buf = vec![0u8; bytes];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut buf))
-        .map_err(io_err("reading /dev/urandom"))?;
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut buf)
+        .map_err(|_| std::io::Error::other("the system's random source failed"))
+        .map_err(io_err("generating a random token"))?;
     Ok(hex::encode(buf))
 }
 
@@ -956,6 +1039,50 @@ mod tests {
         assert!(cluster.get("certificate-authority-data").is_none());
         assert_eq!(v["users"][0]["user"], serde_json::json!({}));
         kube::config::Kubeconfig::from_yaml(&yaml).expect("kube-rs reads it");
+    }
+
+    /// Every file of `tests/e2e/go` is embedded, byte for byte, with the build script.
+    #[test]
+    fn the_embedded_build_sources_are_the_repositorys() {
+        let e2e = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e");
+        fn files(dir: &Path, out: &mut Vec<PathBuf>) {
+            for e in std::fs::read_dir(dir).unwrap() {
+                let p = e.unwrap().path();
+                if p.is_dir() {
+                    files(&p, out);
+                } else {
+                    out.push(p);
+                }
+            }
+        }
+        let mut want = vec![e2e.join(BUILD_SCRIPT)];
+        files(&e2e.join("go"), &mut want);
+        want.sort();
+        let mut have: Vec<PathBuf> = BUILD_SOURCES.iter().map(|(p, _)| e2e.join(p)).collect();
+        have.sort();
+        assert_eq!(have, want, "BUILD_SOURCES lists every file of tests/e2e/go");
+        for (path, content) in BUILD_SOURCES {
+            assert_eq!(std::fs::read_to_string(e2e.join(path)).unwrap(), *content);
+        }
+    }
+
+    #[test]
+    fn build_sources_are_written_once_under_the_cache_directory() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("cache");
+        let script = write_build_sources_in(&root).unwrap();
+        assert!(script.starts_with(root.join("src")), "{}", script.display());
+        assert_eq!(
+            std::fs::read_to_string(&script).unwrap(),
+            BUILD_SOURCES[0].1
+        );
+        let go_mod = script.parent().unwrap().join("go/go.mod");
+        assert_eq!(
+            std::fs::read_to_string(&go_mod).unwrap(),
+            BUILD_SOURCES[1].1
+        );
+        let again = write_build_sources_in(&root).unwrap();
+        assert_eq!(again, script);
     }
 
     #[test]

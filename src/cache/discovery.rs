@@ -263,38 +263,23 @@ impl Crd {
     }
 }
 
-/// `v1` -> (major 1, stage GA, 0); `v2beta3` -> (2, beta, 3); anything else `None`.
-fn kube_version(v: &str) -> Option<(u64, u8, u64)> {
-    let rest = v.strip_prefix('v')?;
-    let end = rest
-        .find(|c: char| !c.is_ascii_digit())
-        .unwrap_or(rest.len());
-    let major = rest[..end].parse().ok()?;
-    let tail = &rest[end..];
-    if tail.is_empty() {
-        return Some((major, 2, 0));
-    }
-    for (stage, prefix) in [(1, "beta"), (0, "alpha")] {
-        if let Some(n) = tail.strip_prefix(prefix)
-            && !n.is_empty()
-            && n.bytes().all(|b| b.is_ascii_digit())
-        {
-            return Some((major, stage, n.parse().ok()?));
-        }
-    }
-    None
-}
-
 /// Kubernetes' version priority (`version.CompareKubeAwareVersionStrings`), `Less` meaning
 /// "preferred": GA before beta before alpha, then higher major, then higher minor; versions
 /// not of that form last, alphabetically.
 pub fn version_order(a: &str, b: &str) -> std::cmp::Ordering {
-    match (kube_version(a), kube_version(b)) {
-        (Some((ma, sa, na)), Some((mb, sb, nb))) => sb.cmp(&sa).then(mb.cmp(&ma)).then(nb.cmp(&na)),
-        (Some(_), None) => std::cmp::Ordering::Less,
-        (None, Some(_)) => std::cmp::Ordering::Greater,
-        (None, None) => a.cmp(b),
+    priority(b).cmp(&priority(a))
+}
+
+/// `kube`'s version priority, except that `alpha`/`beta` without a number after it (`v1beta`)
+/// is not a Kubernetes version for the apiserver (`^v(\d+)(?:(alpha|beta)(\d+))?$`): it sorts
+/// with the other names, alphabetically.
+fn priority(v: &str) -> impl Ord + use<> {
+    use kube::core::Version;
+    match Version::parse(v) {
+        Version::Alpha(_, None) | Version::Beta(_, None) => Version::Nonconformant(v.to_owned()),
+        parsed => parsed,
     }
+    .priority()
 }
 
 /// What to cache now.
@@ -598,6 +583,13 @@ mod tests {
                 "foo10"
             ]
         );
+    }
+
+    #[test]
+    fn alpha_or_beta_without_a_number_is_not_a_kube_version() {
+        let mut v = vec!["v1beta", "zeta", "v1alpha1", "v2alpha", "v1"];
+        v.sort_by(|a, b| version_order(a, b));
+        assert_eq!(v, ["v1", "v1alpha1", "v1beta", "v2alpha", "zeta"]);
     }
 
     #[test]

@@ -101,7 +101,7 @@ struct Entry {
 /// the first event and holds what is queued. The dispatcher is its only writer, the watch's
 /// writer its only reader, so the lock is rarely contended.
 struct Queue {
-    state: std::sync::Mutex<QueueState>,
+    state: parking_lot::Mutex<QueueState>,
     cap: usize,
     /// The reader's task, woken by every push and by the last sender's drop.
     rx_waker: futures_util::task::AtomicWaker,
@@ -119,14 +119,14 @@ struct QueueState {
 }
 
 impl Queue {
-    fn lock(&self) -> std::sync::MutexGuard<'_, QueueState> {
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> parking_lot::MutexGuard<'_, QueueState> {
+        self.state.lock()
     }
 }
 
 fn queue(cap: usize) -> (Sender, Receiver) {
     let q = Arc::new(Queue {
-        state: std::sync::Mutex::new(QueueState {
+        state: parking_lot::Mutex::new(QueueState {
             senders: 1,
             ..QueueState::default()
         }),

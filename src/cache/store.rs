@@ -8,9 +8,10 @@
 //! dropped by resourceVersion on its side, so it sees no gap and no duplicate.
 
 use std::collections::VecDeque;
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use tokio::sync::{mpsc, watch};
 
 use super::event::{Delivery, Event};
@@ -260,10 +261,7 @@ impl ResourceCache {
     }
 
     pub fn unhealthy(&self) -> Option<String> {
-        self.unhealthy
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone()
+        self.unhealthy.lock().clone()
     }
 
     pub fn stop(&self) {
@@ -299,12 +297,12 @@ impl ResourceCache {
         self.relists.load(std::sync::atomic::Ordering::Relaxed)
     }
 
-    fn read(&self) -> std::sync::RwLockReadGuard<'_, State> {
-        self.state.read().unwrap_or_else(|p| p.into_inner())
+    fn read(&self) -> RwLockReadGuard<'_, State> {
+        self.state.read()
     }
 
-    fn write(&self) -> std::sync::RwLockWriteGuard<'_, State> {
-        self.state.write().unwrap_or_else(|p| p.into_inner())
+    fn write(&self) -> RwLockWriteGuard<'_, State> {
+        self.state.write()
     }
 
     /// The current state: an O(1) consistent snapshot.
@@ -321,7 +319,7 @@ impl ResourceCache {
     /// continue from it), refreshing its retention if it is already kept.
     pub fn retain(&self, snap: &Snapshot) {
         let now = Instant::now();
-        let mut r = self.retained.lock().unwrap_or_else(|p| p.into_inner());
+        let mut r = self.retained.lock();
         r.retain(|x| now.duration_since(x.last_used) < self.cfg.snapshot_retention);
         match r.binary_search_by_key(&snap.rv, |x| x.snap.rv) {
             Ok(i) => r[i].last_used = now,
@@ -343,7 +341,7 @@ impl ResourceCache {
 
     /// (snapshots retained, resourceVersion of the oldest).
     pub fn retained_snapshots(&self) -> (usize, Option<u64>) {
-        let r = self.retained.lock().unwrap_or_else(|p| p.into_inner());
+        let r = self.retained.lock();
         (r.len(), r.front().map(|x| x.snap.rv))
     }
 
@@ -369,7 +367,7 @@ impl ResourceCache {
     pub fn snapshot_at(&self, rv: u64) -> Option<Snapshot> {
         {
             let now = Instant::now();
-            let mut r = self.retained.lock().unwrap_or_else(|p| p.into_inner());
+            let mut r = self.retained.lock();
             if let Ok(i) = r.binary_search_by_key(&rv, |x| x.snap.rv)
                 && now.duration_since(r[i].last_used) < self.cfg.snapshot_retention
             {
@@ -556,7 +554,7 @@ impl ReflectorSink for ResourceCache {
     }
 
     fn set_unhealthy(&self, reason: Option<String>) {
-        *self.unhealthy.lock().unwrap_or_else(|p| p.into_inner()) = reason;
+        *self.unhealthy.lock() = reason;
     }
 }
 

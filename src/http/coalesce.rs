@@ -32,8 +32,10 @@
 use std::future::Future;
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+
+use parking_lot::{Mutex, MutexGuard};
 use std::task::{Context, Poll, ready};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -201,9 +203,9 @@ impl<S> Coalescing<S> {
 }
 
 fn lock<S>(m: &Mutex<Shared<S>>) -> MutexGuard<'_, Shared<S>> {
-    // A panic while holding the lock cannot leave the buffer inconsistent in a way that
-    // matters more than the panic itself; keep serving the other side.
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    // No poisoning: a panic while holding the lock cannot leave the buffer inconsistent in a
+    // way that matters more than the panic itself; keep serving the other side.
+    m.lock()
 }
 
 impl<F: Future + Unpin + Batching, S: AsyncWrite + Unpin> Future for Driven<F, S> {
@@ -370,17 +372,17 @@ mod tests {
                 data.len().min(self.max)
             };
             if self.stage {
-                self.staged.lock().unwrap().extend_from_slice(&data[..n]);
+                self.staged.lock().extend_from_slice(&data[..n]);
             } else {
-                self.writes.lock().unwrap().push(data[..n].to_vec());
+                self.writes.lock().push(data[..n].to_vec());
             }
             Poll::Ready(Ok(n))
         }
         fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
             self.flushes.fetch_add(1, Ordering::Relaxed);
-            let staged = std::mem::take(&mut *self.staged.lock().unwrap());
+            let staged = std::mem::take(&mut *self.staged.lock());
             if !staged.is_empty() {
-                self.writes.lock().unwrap().push(staged);
+                self.writes.lock().push(staged);
             }
             Poll::Ready(Ok(()))
         }
@@ -390,7 +392,7 @@ mod tests {
     }
 
     fn joined(r: &Recorder) -> Vec<u8> {
-        r.writes.lock().unwrap().concat()
+        r.writes.lock().concat()
     }
 
     /// Waits (bounded, for hangs only) until `len` bytes have reached the socket.
@@ -423,7 +425,7 @@ mod tests {
         let frames: Vec<Vec<u8>> = (0..250u8).map(|i| vec![i; 1100]).collect();
         tx.send(frames.clone()).unwrap();
         wait_for_bytes(&rec, frames.concat().len()).await;
-        let writes = rec.writes.lock().unwrap().clone();
+        let writes = rec.writes.lock().clone();
         // 275,000 bytes: the buffer fills four times, then the rest after the poll.
         assert_eq!(
             writes.len(),
@@ -469,7 +471,7 @@ mod tests {
         first.send(()).unwrap();
         let _ = prev.await;
         wait_for_bytes(&rec, 4000).await;
-        let writes = rec.writes.lock().unwrap().clone();
+        let writes = rec.writes.lock().clone();
         assert_eq!(
             writes.len(),
             1,
@@ -536,7 +538,7 @@ mod tests {
         let task = tokio::spawn(driver.drive(Box::pin(conn)));
         wait_for_bytes(&sock, expect.len()).await;
         assert_eq!(joined(&sock), expect);
-        assert!(sock.staged.lock().unwrap().is_empty());
+        assert!(sock.staged.lock().is_empty());
         task.abort();
     }
 
@@ -580,10 +582,10 @@ mod tests {
             let writes = if batching {
                 let conn: Pin<Box<dyn Future<Output = ()> + Send>> = Box::pin(conn);
                 poll_once(driver.drive(conn)).await;
-                rec.writes.lock().unwrap().len()
+                rec.writes.lock().len()
             } else {
                 poll_once(driver.drive(Single(Box::pin(conn)))).await;
-                rec.writes.lock().unwrap().len()
+                rec.writes.lock().len()
             };
             assert_eq!(writes, usize::from(!batching), "batching: {batching}");
         }
@@ -597,6 +599,6 @@ mod tests {
         let big = vec![7u8; CAPACITY + 1];
         let n = io.write(&big).await.unwrap();
         assert_eq!(n, big.len());
-        assert_eq!(rec.writes.lock().unwrap().len(), 1);
+        assert_eq!(rec.writes.lock().len(), 1);
     }
 }

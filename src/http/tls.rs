@@ -5,8 +5,10 @@
 //! listener; connections already established keep the certificate they negotiated.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::Duration;
+
+use parking_lot::RwLock;
 
 use rustls::server::{ClientHello, ResolvesServerCert, WebPkiClientVerifier};
 use rustls::sign::CertifiedKey;
@@ -97,7 +99,7 @@ impl ReloadingCert {
     /// (certificate written, key not yet) is reported and the old pair kept.
     pub fn reload(&self) -> Result<bool, TlsError> {
         let (ck, digest) = load_certified_key(&self.cert_path, &self.key_path)?;
-        let mut cur = self.current.write().unwrap_or_else(|p| p.into_inner());
+        let mut cur = self.current.write();
         if cur.1 == digest {
             return Ok(false);
         }
@@ -131,13 +133,7 @@ impl ReloadingCert {
 
 impl ResolvesServerCert for ReloadingCert {
     fn resolve(&self, _hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
-        Some(
-            self.current
-                .read()
-                .unwrap_or_else(|p| p.into_inner())
-                .0
-                .clone(),
-        )
+        Some(self.current.read().0.clone())
     }
 }
 
@@ -203,6 +199,7 @@ pub fn server_config(
 /// A fresh CA and a serving certificate it signed, for `names` (DNS names or IP literals),
 /// all as PEM: `(ca_cert, cert, key)`. For `dev` mode and tests; production certificates
 /// come from the operator (Secret, cert-manager).
+#[cfg(any(test, feature = "dev"))]
 pub fn generate_serving_pair(names: &[&str]) -> Result<(String, String, String), rcgen::Error> {
     use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, KeyPair, KeyUsagePurpose};
     let ca_key = KeyPair::generate()?;

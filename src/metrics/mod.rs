@@ -4,8 +4,7 @@
 
 pub mod window;
 
-use std::sync::Mutex;
-
+use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -135,10 +134,7 @@ impl Metrics {
 
     /// Adds a collector read at every scrape (per-resource cache metrics).
     pub fn register_collector(&self, c: Box<dyn prometheus_client::collector::Collector>) {
-        self.registry
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .register_collector(c);
+        self.registry.lock().register_collector(c);
     }
 
     pub fn reject(&self, reason: &str) {
@@ -152,7 +148,7 @@ impl Metrics {
     /// The OpenMetrics text exposition.
     pub fn encode(&self) -> String {
         let mut out = String::new();
-        let reg = self.registry.lock().unwrap_or_else(|p| p.into_inner());
+        let reg = self.registry.lock();
         // Encoding into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &reg);
         out

@@ -4,9 +4,11 @@
 //! cap), the recent samples and `GET /debug/paging`.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use parking_lot::Mutex;
 
 use http::{HeaderValue, Response, header};
 use serde::Serialize;
@@ -115,8 +117,8 @@ impl Paging {
         &self.cfg
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    fn lock(&self) -> parking_lot::MutexGuard<'_, Inner> {
+        self.inner.lock()
     }
 
     /// The adaptive upstream page size for the reflectors; `None` when `adaptUpstream` is off.

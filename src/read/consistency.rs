@@ -21,12 +21,13 @@
 //!   resource (read-your-writes); otherwise the read passes through. Staleness is then the
 //!   watch propagation delay (milliseconds), never a disconnected period.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::{HeaderValue, Method, Request, header};
 use http_body_util::BodyExt;
+use parking_lot::Mutex;
 use serde::Deserialize;
 use tokio::sync::watch;
 
@@ -229,7 +230,7 @@ impl Consistency {
             .clone();
         let mut rx = rounds.done.subscribe();
         let target = {
-            let mut s = rounds.state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut s = rounds.state.lock();
             let target = s.started + 1;
             s.wanted = s.wanted.max(target);
             if !s.running {
@@ -248,11 +249,7 @@ impl Consistency {
     fn spawn_round(self: Arc<Self>, rounds: Arc<Rounds>, cache: Arc<ResourceCache>) {
         tokio::spawn(async move {
             loop {
-                let n = rounds
-                    .state
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .started;
+                let n = rounds.state.lock().started;
                 let outcome = match tokio::time::timeout(self.timeout, self.probe(&cache)).await {
                     Ok(r) => r,
                     Err(_) => Err("timed out".into()),
@@ -265,7 +262,7 @@ impl Consistency {
                         .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
                 rounds.done.send_replace((n, ok));
-                let mut s = rounds.state.lock().unwrap_or_else(|p| p.into_inner());
+                let mut s = rounds.state.lock();
                 if s.wanted > s.started {
                     s.started += 1;
                 } else {

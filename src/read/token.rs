@@ -27,12 +27,13 @@
 //! base64, which has no `.`): those requests pass through and the apiserver judges them.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use base64::Engine;
 use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use hmac::{Hmac, Mac};
+use parking_lot::RwLock;
 use sha2::{Digest, Sha256};
 
 use crate::cache::ObjectKey;
@@ -344,7 +345,7 @@ impl Keys {
     }
 
     pub fn current(&self) -> Arc<KeySet> {
-        self.set.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.set.read().clone()
     }
 
     /// Re-reads the key file; a file that no longer parses keeps the keys in use (logged).
@@ -352,7 +353,7 @@ impl Keys {
         let Some(p) = &self.path else { return false };
         match read(p) {
             Ok(set) => {
-                let mut cur = self.set.write().unwrap_or_else(|p| p.into_inner());
+                let mut cur = self.set.write();
                 if **cur == set {
                     return false;
                 }

@@ -87,8 +87,8 @@ pub async fn serve(
         }
     };
     let timeout = params.timeout.unwrap_or_else(|| {
-        let jitter = rand_fraction();
-        cfg.default_timeout + cfg.default_timeout.mul_f64(jitter)
+        // In [default, 2 * default), as the apiserver's `minRequestTimeout` jitter.
+        cfg.default_timeout + cfg.default_timeout.mul_f64(fastrand::f64())
     });
     let deadline = Instant::now() + timeout;
     let initial: VecDeque<_> = reg.initial.into();
@@ -126,13 +126,6 @@ pub async fn serve(
         st,
     };
     Ok(json_stream_response(body::boxed(body)))
-}
-
-fn rand_fraction() -> f64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u64(0);
-    (h.finish() % 10_000) as f64 / 10_000.0
 }
 
 fn json_stream_response(b: Body) -> Response<Body> {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use http::{Response, StatusCode, header};
-use parking_lot_free::Slot;
+use slot::Slot;
 
 use crate::http::body::{self, Body};
 
@@ -231,20 +231,20 @@ fn text(code: StatusCode, s: String) -> Response<Body> {
 }
 
 /// A tiny lock-protected slot; checks are read per health request, written every few
-/// seconds, so a std mutex is ample.
-mod parking_lot_free {
-    use std::sync::Mutex;
+/// seconds.
+mod slot {
+    use parking_lot::Mutex;
 
     #[derive(Debug, Default)]
     pub struct Slot(Mutex<Option<String>>);
 
     impl Slot {
         pub fn set(&self, r: Result<(), String>) {
-            *self.0.lock().unwrap_or_else(|p| p.into_inner()) = r.err();
+            *self.0.lock() = r.err();
         }
 
         pub fn get(&self) -> Result<(), String> {
-            match &*self.0.lock().unwrap_or_else(|p| p.into_inner()) {
+            match &*self.0.lock() {
                 None => Ok(()),
                 Some(e) => Err(e.clone()),
             }

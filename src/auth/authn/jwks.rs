@@ -3,9 +3,11 @@
 //! stale or when a token names an unknown `kid` (at most once per `jwksMinRefreshInterval`)
 //! and by the chain's background refresher. A failed fetch keeps the previous keys.
 
+use std::sync::Arc;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
+
+use parking_lot::RwLock;
 
 use http::{HeaderValue, Request, StatusCode, header};
 use http_body_util::BodyExt;
@@ -91,34 +93,26 @@ impl Jwks {
 
     /// The keys at hand, however old, without fetching.
     pub(super) fn current(&self) -> Option<Arc<KeySet>> {
-        self.keys
-            .read()
-            .ok()
-            .and_then(|g| g.clone())
-            .map(|(k, _)| k)
+        self.keys.read().as_ref().map(|(k, _)| k.clone())
     }
 
     /// Replaces the keys at hand (tests: keys without an apiserver).
     #[cfg(test)]
     pub(super) fn set(&self, keys: KeySet) {
-        *self.keys.write().unwrap() = Some((Arc::new(keys), Instant::now()));
+        *self.keys.write() = Some((Arc::new(keys), Instant::now()));
     }
 
     /// The current key set, fetched on first use and refreshed when older than
     /// `jwksRefreshInterval` (the background refresher normally keeps it fresh). `None` when
     /// discovery is unavailable (then TokenReview decides).
     pub(super) async fn key_set(&self, stats: &AuthnStats) -> Option<Arc<KeySet>> {
-        let cur = self.keys.read().ok().and_then(|g| g.clone());
+        let cur = self.keys.read().clone();
         match cur {
             Some((k, at)) if at.elapsed() < self.refresh_interval => Some(k),
             stale => {
                 self.refresh(Why::Stale, stats).await;
-                self.keys
-                    .read()
-                    .ok()
-                    .and_then(|g| g.clone())
-                    .map(|(k, _)| k)
-                    .or(stale.map(|(k, _)| k))
+                let fresh = self.keys.read().as_ref().map(|(k, _)| k.clone());
+                fresh.or(stale.map(|(k, _)| k))
             }
         }
     }
@@ -142,7 +136,7 @@ impl Jwks {
             // last one (on use) skips, without skipping every other tick on timer jitter.
             Why::Periodic => self.refresh_interval / 2,
         };
-        if let Some((_, at)) = self.keys.read().ok().and_then(|g| g.clone())
+        if let Some((_, at)) = self.keys.read().clone()
             && at.elapsed() < fresh_for
         {
             // Another caller refreshed while this one waited for the lock.
@@ -152,14 +146,12 @@ impl Jwks {
         stats.jwks_fetches.fetch_add(1, Relaxed);
         match self.fetch().await {
             Ok(ks) => {
-                if let Ok(mut g) = self.keys.write() {
-                    *g = Some((Arc::new(ks), Instant::now()));
-                }
+                *self.keys.write() = Some((Arc::new(ks), Instant::now()));
                 true
             }
             Err(e) => {
                 stats.jwks_fetch_failures.fetch_add(1, Relaxed);
-                let kept = self.keys.read().ok().is_some_and(|g| g.is_some());
+                let kept = self.keys.read().is_some();
                 tracing::warn!(error = %e, kept_previous_keys = kept, ?why, "fetching the serviceaccount issuer's keys failed; tokens no key verifies go to TokenReview");
                 false
             }

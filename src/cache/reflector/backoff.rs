@@ -1,8 +1,6 @@
 //! The delay between failed attempts: client-go's exponential backoff with jitter, and the
 //! randomness for it.
 
-use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, Hasher};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -58,17 +56,9 @@ pub(super) fn jitter(d: Duration, unit: f64) -> Duration {
     d + d.mul_f64(unit)
 }
 
-/// A random number in `[0, 1)`, good enough for jitter (no `rand` dependency): std's
-/// `RandomState` is randomly keyed per process and per instance.
+/// A random number in `[0, 1)`, for jitter (not for anything secret).
 pub(super) fn random_unit() -> f64 {
-    let mut h = RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0),
-    );
-    (h.finish() >> 11) as f64 / (1u64 << 53) as f64
+    fastrand::f64()
 }
 
 #[cfg(test)]

@@ -483,7 +483,7 @@ impl Default for TokensConfig {
     }
 }
 
-/// The adaptive page-size controller (`src/paging.rs`): every `interval` it reads the
+/// The adaptive page-size controller (`src/paging/`): every `interval` it reads the
 /// downstream LIST rate and latency, the upstream request latency and the apiserver's (and
 /// optionally etcd's) load, and computes
 /// `clamp(basePageSize * qpsFactor * latencyFactor * loadFactor, minPageSize, maxPageSize)`,

@@ -136,16 +136,10 @@ impl prometheus_client::collector::Collector for PagingCollector {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::PagingConfig;
     use crate::metrics::window::LatencyWindow;
     use crate::paging::scrape::{APISERVER_TEXT, ApiserverScrape};
-    use std::time::Duration;
 
-    fn cfg() -> PagingConfig {
-        PagingConfig::default()
-    }
-
-    const MS: fn(u64) -> Duration = Duration::from_millis;
+    use crate::paging::controller::tests::{MS, cfg};
 
     #[test]
     fn gauges_report_sizes_inputs_and_factors() {

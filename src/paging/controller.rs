@@ -163,17 +163,18 @@ impl Controller {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
     use crate::metrics::window::LatencyWindow;
 
-    fn cfg() -> PagingConfig {
+    // Shared with the other paging files' tests.
+    pub(in crate::paging) fn cfg() -> PagingConfig {
         PagingConfig::default()
     }
 
-    const MS: fn(u64) -> Duration = Duration::from_millis;
+    pub(in crate::paging) const MS: fn(u64) -> Duration = Duration::from_millis;
 
-    fn approx(a: f64, b: f64) -> bool {
+    pub(in crate::paging) fn approx(a: f64, b: f64) -> bool {
         (a - b).abs() < 1e-9
     }
 

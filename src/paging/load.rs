@@ -161,16 +161,9 @@ impl LoadTracker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::PagingConfig;
     use crate::paging::controller::load_factor;
 
-    fn cfg() -> PagingConfig {
-        PagingConfig::default()
-    }
-
-    fn approx(a: f64, b: f64) -> bool {
-        (a - b).abs() < 1e-9
-    }
+    use crate::paging::controller::tests::{approx, cfg};
 
     fn etcd_text(op: &str, fast: u64, slow: u64, rejected: u64) -> String {
         format!(

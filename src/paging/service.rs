@@ -332,15 +332,7 @@ mod tests {
     use super::*;
     use crate::paging::scrape::ApiserverScrape;
 
-    fn cfg() -> PagingConfig {
-        PagingConfig::default()
-    }
-
-    const MS: fn(u64) -> Duration = Duration::from_millis;
-
-    fn approx(a: f64, b: f64) -> bool {
-        (a - b).abs() < 1e-9
-    }
+    use crate::paging::controller::tests::{MS, approx, cfg};
 
     #[test]
     fn samples_measure_qps_publish_sizes_and_keep_bounded_history() {

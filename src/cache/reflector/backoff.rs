@@ -61,16 +61,23 @@ pub(super) fn random_unit() -> f64 {
     fastrand::f64()
 }
 
+/// The reflector's backoff with client-go's parameters (800 ms initial, 30 s cap, reset
+/// after 2 min), shared by the tests of the reflector's files.
+#[cfg(test)]
+pub(super) fn test_backoff() -> Backoff {
+    Backoff::new(
+        Duration::from_millis(800),
+        Duration::from_secs(30),
+        Duration::from_secs(120),
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn backoff() -> Backoff {
-        Backoff::new(
-            Duration::from_millis(800),
-            Duration::from_secs(30),
-            Duration::from_secs(120),
-        )
+        test_backoff()
     }
 
     #[test]

@@ -208,17 +208,23 @@ pub(super) async fn error_response(
     }
 }
 
+/// A Status from the apiserver with this code and reason, for the reflector's tests.
+#[cfg(test)]
+pub(super) fn test_status(code: u16, reason: &str) -> ApiStatus {
+    ApiStatus {
+        code,
+        reason: reason.into(),
+        message: "m".into(),
+        ..ApiStatus::default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn status(code: u16, reason: &str) -> ApiStatus {
-        ApiStatus {
-            code,
-            reason: reason.into(),
-            message: "m".into(),
-            ..ApiStatus::default()
-        }
+        test_status(code, reason)
     }
 
     #[test]

@@ -230,22 +230,8 @@ fn delay_for(
 mod tests {
     use super::*;
 
-    fn backoff() -> Backoff {
-        Backoff::new(
-            Duration::from_millis(800),
-            Duration::from_secs(30),
-            Duration::from_secs(120),
-        )
-    }
-
-    fn status(code: u16, reason: &str) -> ApiStatus {
-        ApiStatus {
-            code,
-            reason: reason.into(),
-            message: "m".into(),
-            ..ApiStatus::default()
-        }
-    }
+    use crate::cache::reflector::backoff::test_backoff as backoff;
+    use crate::cache::reflector::error::test_status as status;
 
     fn outcome(end: WatchEnd, delivered: u64) -> WatchOutcome {
         WatchOutcome {

@@ -1,6 +1,8 @@
 //! The planning of a cache read, from the request's parameters alone: which parameters the
 //! cache implements exactly (anything else is the apiserver's), which state a read asks for
-//! (the resourceVersion forms of ARCHITECTURE.md "Lists"), how many items a page holds, and
+//! (the resourceVersion forms of
+//! <https://kubernetes.io/docs/reference/using-api/api-concepts/#resource-versions>, tabled in
+//! `docs/architecture.md`), how many items a page holds, and
 //! where a watch starts. Pure functions, table-tested; `list`, `watch` and the pipeline
 //! execute the plans against a cache.
 //!

@@ -1,5 +1,5 @@
 //! Downstream WATCH served from the cache, with the apiserver's semantics (see
-//! ARCHITECTURE.md "Watches"): start points, 410 Expired as an ERROR event for a
+//! `docs/architecture.md`, "The Kubernetes contract"): start points, 410 Expired as an ERROR event for a
 //! resourceVersion older than the cache's history, bookmarks
 //! (periodic and ~2 s before the deadline), `sendInitialEvents` with the
 //! `k8s.io/initial-events-end` bookmark, `timeoutSeconds`, selectors with transitions,

@@ -18,14 +18,17 @@
 //	stdout  MODE <mode> WatchListClient=<true|false>    at start
 //	stdout  SYNCED <lastSyncResourceVersion>            once the informer has synced (60 s bound)
 //	stdin   WAIT <rv>                                   wait (60 s bound) until the informer's
-//	                                                    LastSyncResourceVersion >= rv (numeric), then
+//	                                                    LastSyncResourceVersion >= rv (numeric) and its
+//	                                                    handlers have seen an object at >= rv, then
 //	stdout  CACHE <json>                                the cache: a JSON array sorted by namespace,
 //	                                                    name of {namespace,name,uid,resourceVersion,labels}
 //	                                                    (labels always an object)
 //	stdin   EOF                                         exit 0
 //
-// LastSyncResourceVersion only moves on events and bookmarks of the watched resource and scope,
-// so WAIT for the RV of a write the informer sees; an unrelated write's RV is reached only at
+// LastSyncResourceVersion moves when the reflector has queued an event, before the informer's
+// store holds it; a handler is called after the store is updated, so WAIT also waits for a
+// handler to see the write. It only moves on events and bookmarks of the watched resource and
+// scope, so WAIT for the RV of a write the informer sees; an unrelated write's RV is reached only at
 // the next bookmark (kube-apiserver sends them about once a minute), likely past the 60 s bound.
 //
 // Every HTTP request the informer makes is logged to stderr as
@@ -45,6 +48,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"k8s.io/apimachinery/pkg/api/meta"
@@ -136,6 +140,35 @@ func run() error {
 	}); err != nil {
 		return err
 	}
+	// The highest resourceVersion of an object the handlers were given: the store already
+	// holds every change up to it.
+	var handled atomic.Uint64
+	record := func(obj interface{}) {
+		if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+			obj = d.Obj
+		}
+		m, err := meta.Accessor(obj)
+		if err != nil {
+			return
+		}
+		rv, err := strconv.ParseUint(m.GetResourceVersion(), 10, 64)
+		if err != nil {
+			return
+		}
+		for {
+			cur := handled.Load()
+			if rv <= cur || handled.CompareAndSwap(cur, rv) {
+				return
+			}
+		}
+	}
+	if _, err := informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    record,
+		UpdateFunc: func(_, obj interface{}) { record(obj) },
+		DeleteFunc: record,
+	}); err != nil {
+		return err
+	}
 	go informer.RunWithContext(ctx)
 
 	syncCtx, syncCancel := context.WithTimeout(ctx, waitBound)
@@ -159,7 +192,7 @@ func run() error {
 			if err != nil {
 				return fmt.Errorf("WAIT %q: resource version is not a number", arg)
 			}
-			if err := waitFor(informer, want); err != nil {
+			if err := waitFor(informer, &handled, want); err != nil {
 				return err
 			}
 			out, err := dump(informer.GetStore())
@@ -201,12 +234,13 @@ func newInformer(cfg *rest.Config, mode, resource, ns string) (cache.SharedIndex
 	return f.Core().V1().ConfigMaps().Informer(), nil
 }
 
-// waitFor polls until the informer has synced up to resource version want.
-func waitFor(informer cache.SharedIndexInformer, want uint64) error {
+// waitFor polls until the informer has synced up to resource version want and its handlers
+// (called after its store is updated) have seen an object at want or later.
+func waitFor(informer cache.SharedIndexInformer, handled *atomic.Uint64, want uint64) error {
 	deadline := time.Now().Add(waitBound)
 	for {
 		last := informer.LastSyncResourceVersion()
-		if got, err := strconv.ParseUint(last, 10, 64); err == nil && got >= want {
+		if got, err := strconv.ParseUint(last, 10, 64); err == nil && got >= want && handled.Load() >= want {
 			return nil
 		}
 		if time.Now().After(deadline) {

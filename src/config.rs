@@ -494,9 +494,11 @@ pub struct PagingConfig {
     /// The proxy's own upstream LISTs (initial sync, relists) use the adaptive page size;
     /// off: `cache.upstreamPageSize`.
     pub adapt_upstream: bool,
-    /// Downstream LISTs with a `limit` above the adaptive size get a shorter page with a
-    /// continue token (the API conventions allow fewer items than `limit`); requests
-    /// without `limit` are never capped.
+    /// Opt-in, NOT conformant: downstream LISTs with a `limit` above the adaptive size get a
+    /// shorter page with a continue token. The apiserver returns `min(limit, remaining)`
+    /// items and Kubernetes' conformance tests check that, so this stays off unless an
+    /// operator accepts clients seeing shorter pages. Requests without `limit` are never
+    /// capped.
     pub cap_downstream: bool,
     /// How often the inputs are sampled and the page size recomputed.
     #[serde(with = "duration")]
@@ -537,7 +539,7 @@ impl Default for PagingConfig {
     fn default() -> Self {
         PagingConfig {
             adapt_upstream: true,
-            cap_downstream: true,
+            cap_downstream: false,
             interval: Duration::from_secs(10),
             base_page_size: 100,
             min_page_size: 20,

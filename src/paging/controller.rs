@@ -168,8 +168,12 @@ pub(super) mod tests {
     use crate::metrics::window::LatencyWindow;
 
     // Shared with the other paging files' tests.
+    /// The defaults, with the opt-in downstream cap on (the tests look at both sizes).
     pub(in crate::paging) fn cfg() -> PagingConfig {
-        PagingConfig::default()
+        PagingConfig {
+            cap_downstream: true,
+            ..PagingConfig::default()
+        }
     }
 
     pub(in crate::paging) const MS: fn(u64) -> Duration = Duration::from_millis;

@@ -1,5 +1,6 @@
 //! Adaptive page size: a pure controller fed every `paging.interval` with what the proxy
-//! observes, driving the page size of its own upstream LISTs and a cap on downstream pages.
+//! observes, driving the page size of its own upstream LISTs and (opt-in, not conformant) a cap on
+//! downstream pages.
 //!
 //! # The policy ([`Controller::step`], pure)
 //! For each target (upstream, downstream) separately:

@@ -319,8 +319,9 @@ async fn bounded_reads_see_the_writes_made_through_the_proxy() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_adaptive_cap_shortens_pages_whose_limit_is_above_it() {
+async fn the_opt_in_adaptive_cap_shortens_pages_whose_limit_is_above_it() {
     let (_fake, proxy) = setup(|c| {
+        c.paging.cap_downstream = true;
         // A fixed cap of 3 (the controller's bounds pin it).
         c.paging.base_page_size = 3;
         c.paging.min_page_size = 3;
@@ -347,6 +348,40 @@ async fn the_adaptive_cap_shortens_pages_whose_limit_is_above_it() {
     assert_eq!(names(&small).len(), 2);
     let (_, all) = get(&proxy, base, "alice").await;
     assert_eq!(names(&all).len(), 7);
+}
+
+/// `limit` is a promise by default: a page holds `min(limit, remaining)` items, as the
+/// apiserver's (Kubernetes' chunking conformance test checks it), whatever the adaptive page
+/// size is; only the opt-in `paging.capDownstream` shortens pages.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_a_page_holds_min_of_limit_and_remaining() {
+    let (_fake, proxy) = setup(|c| {
+        // The adaptive size pinned at 3, below every limit asked for here.
+        c.paging.base_page_size = 3;
+        c.paging.min_page_size = 3;
+        c.paging.max_page_size = 3;
+    })
+    .await;
+    let base = "/api/v1/namespaces/a/configmaps";
+    // limit above the total: everything, no continue.
+    let (code, all) = get(&proxy, &format!("{base}?limit=8"), "alice").await;
+    assert_eq!(code, 200, "{all}");
+    assert_eq!(names(&all).len(), 7);
+    assert!(all["metadata"].get("continue").is_none(), "{all}");
+    // limit between the adaptive size and the total: exactly limit, then the rest.
+    let (_, first) = get(&proxy, &format!("{base}?limit=5"), "alice").await;
+    assert_eq!(names(&first), ["cm-0", "cm-1", "cm-2", "cm-3", "cm-4"]);
+    assert_eq!(first["metadata"]["remainingItemCount"], 2);
+    let t = first["metadata"]["continue"]
+        .as_str()
+        .expect("a continue token");
+    let (_, rest) = get(&proxy, &format!("{base}?limit=5&continue={t}"), "alice").await;
+    assert_eq!(names(&rest), ["cm-5", "cm-6"]);
+    assert!(rest["metadata"].get("continue").is_none(), "{rest}");
+    // limit equal to the total: all of it, no continue.
+    let (_, exact) = get(&proxy, &format!("{base}?limit=7"), "alice").await;
+    assert_eq!(names(&exact).len(), 7);
+    assert!(exact["metadata"].get("continue").is_none(), "{exact}");
 }
 
 /// Multi-megabyte lists over TLS, HTTP/1.1 and HTTP/2, to a reader that lets the socket fill

@@ -123,6 +123,7 @@ async fn rising_etcd_latency_shrinks_the_next_relists_pages_and_the_downstream_c
     let proxy = TestProxy::start(&fake.url(), |c| {
         c.cache.resources = vec!["configmaps".into()];
         c.paging.interval = Duration::from_millis(100);
+        c.paging.cap_downstream = true;
     })
     .await;
     wait_for_watch(&fake).await;

@@ -439,6 +439,23 @@ fn accepts_gzip(headers: &http::HeaderMap) -> bool {
         })
 }
 
+const AUDIT_ID: header::HeaderName = header::HeaderName::from_static("audit-id");
+
+/// The headers kube-apiserver's filters add to every response: `Audit-Id` (the caller's own,
+/// echoed, else a fresh UUID) and `Cache-Control: no-cache, private` unless set.
+fn stamp_apiserver_headers(audit_id: Option<&HeaderValue>, h: &mut http::HeaderMap) {
+    if !h.contains_key(AUDIT_ID) {
+        let id = match audit_id.filter(|v| !v.is_empty()) {
+            Some(v) => v.clone(),
+            None => HeaderValue::try_from(uuid::Uuid::new_v4().to_string())
+                .unwrap_or(HeaderValue::from_static("")),
+        };
+        h.insert(AUDIT_ID, id);
+    }
+    h.entry(header::CACHE_CONTROL)
+        .or_insert(HeaderValue::from_static("no-cache, private"));
+}
+
 /// Sum of header name and value lengths, as Go's `MaxHeaderBytes` roughly counts them.
 fn header_bytes(req: &Request<Incoming>) -> usize {
     req.headers()
@@ -461,21 +478,26 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         .and_then(|v| v.to_str().ok())
         .map(str::to_string);
 
+    let audit_id = req.headers().get(AUDIT_ID).cloned();
+    let refuse = |status: Status| {
+        let mut r = status.into_response();
+        stamp_apiserver_headers(audit_id.as_ref(), r.headers_mut());
+        r
+    };
     if let Err(e) = request_info::validate_path(&path) {
         state.metrics.reject("bad_path");
-        return Status::bad_request(format!("invalid request path: {e}")).into_response();
+        return refuse(Status::bad_request(format!("invalid request path: {e}")));
     }
     if header_bytes(&req) > state.config.server.max_header_bytes {
         state.metrics.reject("headers_too_large");
-        return Status::failure(
+        return refuse(Status::failure(
             StatusCode::from_u16(431).unwrap_or(StatusCode::BAD_REQUEST),
             Reason::Unknown,
             format!(
                 "request headers exceed the limit of {} bytes",
                 state.config.server.max_header_bytes
             ),
-        )
-        .into_response();
+        ));
     }
 
     // Local endpoints. The proxy answers health for itself (its readiness includes the
@@ -577,6 +599,12 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         },
     };
 
+    // What the apiserver's filter chain puts on every response it writes itself
+    // (WithAuditInit, WithCacheControl); passed-through responses carry the apiserver's own.
+    let mut resp = resp;
+    if served_by != "upstream" {
+        stamp_apiserver_headers(audit_id.as_ref(), resp.headers_mut());
+    }
     let code = resp.status();
     state
         .metrics

@@ -30,6 +30,9 @@ use tower::{BoxError, ServiceBuilder, ServiceExt, util::BoxCloneSyncService};
 use crate::config::UpstreamConfig;
 use crate::http::body::Body;
 
+/// The `User-Agent` of the proxy's own requests to the apiserver.
+pub const USER_AGENT: &str = concat!("kube-cache-proxy/", env!("CARGO_PKG_VERSION"));
+
 /// A request sender to the apiserver.
 pub type HttpService = BoxCloneSyncService<Request<Body>, Response<Incoming>, BoxError>;
 
@@ -296,13 +299,20 @@ impl Upstream {
         &self.latency
     }
 
-    /// [`Upstream::send`] without latency accounting.
+    /// [`Upstream::send`] without latency accounting. The proxy's own requests
+    /// (`As::Proxy`) without a `User-Agent` carry [`USER_AGENT`], so the apiserver's audit
+    /// log and metrics name them; a caller's request (impersonated or not) keeps its own.
     pub fn send_untimed(
         &self,
-        req: Request<Body>,
+        mut req: Request<Body>,
         who: As,
         http1: bool,
     ) -> impl Future<Output = Result<Response<Incoming>, BoxError>> + Send + 'static {
+        if who == As::Proxy {
+            req.headers_mut()
+                .entry(http::header::USER_AGENT)
+                .or_insert(http::HeaderValue::from_static(USER_AGENT));
+        }
         let svc = match (who, http1) {
             (As::Caller, false) => &self.caller,
             (As::Caller, true) => &self.caller_h1,

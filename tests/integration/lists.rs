@@ -445,3 +445,55 @@ async fn large_lists_over_tls_arrive_whole_to_slow_readers() {
     );
     proxy.shutdown().await;
 }
+
+/// What kube-apiserver's filter chain adds to every response it writes is on the responses
+/// the proxy writes itself: `Audit-Id` (the caller's echoed, else a fresh UUID per request)
+/// and `Cache-Control: no-cache, private`; and the proxy's own requests to the apiserver
+/// name it in `User-Agent`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cache_served_responses_carry_the_apiservers_headers() {
+    let (fake, proxy) = setup(|_| {}).await;
+    let c = plain_client(false);
+    let send = async |path: &str, audit: Option<&str>| {
+        let mut b = http::Request::get(proxy.http(path)).header("authorization", "Bearer alice");
+        if let Some(a) = audit {
+            b = b.header("audit-id", a);
+        }
+        let r = c
+            .request(b.body(http_body_util::Full::default()).unwrap())
+            .await
+            .unwrap();
+        r.headers().clone()
+    };
+    let list = "/api/v1/namespaces/a/configmaps";
+    let get = "/api/v1/namespaces/a/configmaps/cm-1";
+    let bad_token = "/api/v1/namespaces/a/configmaps?limit=1&continue=garbage";
+    let mut ids = std::collections::HashSet::new();
+    for path in [list, get, bad_token, list] {
+        let h = send(path, None).await;
+        assert_eq!(h["cache-control"], "no-cache, private", "{path}: {h:?}");
+        let id = h.get("audit-id").unwrap_or_else(|| panic!("{path}: {h:?}"));
+        let id = id.to_str().unwrap().to_string();
+        assert!(uuid::Uuid::parse_str(&id).is_ok(), "{path}: {id}");
+        assert!(ids.insert(id), "a fresh Audit-Id per request");
+    }
+    let h = send(list, Some("my-own-id")).await;
+    assert_eq!(h["audit-id"], "my-own-id");
+    // Nothing in this test reached the apiserver: the headers are the proxy's.
+    assert_eq!(list_requests(&fake, list), 0);
+
+    let own = fake
+        .requests()
+        .into_iter()
+        .filter(|r| r.path == "/api/v1/configmaps")
+        .collect::<Vec<_>>();
+    assert!(!own.is_empty());
+    for r in own {
+        assert_eq!(
+            r.headers["user-agent"],
+            concat!("kube-cache-proxy/", env!("CARGO_PKG_VERSION")),
+            "{:?}",
+            r.query
+        );
+    }
+}

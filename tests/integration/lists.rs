@@ -466,10 +466,15 @@ async fn cache_served_responses_carry_the_apiservers_headers() {
         r.headers().clone()
     };
     let list = "/api/v1/namespaces/a/configmaps";
-    let get = "/api/v1/namespaces/a/configmaps/cm-1";
-    let bad_token = "/api/v1/namespaces/a/configmaps?limit=1&continue=garbage";
+    let one = "/api/v1/namespaces/a/configmaps/cm-1";
+    // A proxy token with one character changed: the proxy's 400, not the apiserver's.
+    let (_, page) = get(&proxy, &format!("{list}?limit=1"), "alice").await;
+    let mut token = page["metadata"]["continue"].as_str().unwrap().to_string();
+    let last = if token.ends_with('A') { "B" } else { "A" };
+    token.replace_range(token.len() - 1.., last);
+    let bad_token = &format!("{list}?limit=1&continue={token}");
     let mut ids = std::collections::HashSet::new();
-    for path in [list, get, bad_token, list] {
+    for path in [list, one, bad_token.as_str(), list] {
         let h = send(path, None).await;
         assert_eq!(h["cache-control"], "no-cache, private", "{path}: {h:?}");
         let id = h.get("audit-id").unwrap_or_else(|| panic!("{path}: {h:?}"));

@@ -278,7 +278,8 @@ pub struct ServerConfig {
     /// (CVE-2024-27316-class floods); hyper's default is 1024.
     pub http2_max_local_error_reset_streams: usize,
     /// Largest request head (all header names and values) accepted; larger gets 431.
-    /// Go's net/http, and so kube-apiserver, allows 1 MiB; 256 KiB is ample for any token.
+    /// kube-apiserver (Go's net/http default) allows 1 MiB; the proxy must not be stricter
+    /// than the server it stands for.
     pub max_header_bytes: usize,
     /// Largest body of a non-streaming request (create/update/patch); larger gets 413.
     /// kube-apiserver's own limit is 3 MiB (`MaxRequestBodyBytes`).
@@ -298,7 +299,7 @@ impl Default for ServerConfig {
             http2_keepalive_timeout: Duration::from_secs(20),
             http2_max_pending_accept_reset_streams: 20,
             http2_max_local_error_reset_streams: 1024,
-            max_header_bytes: 256 * 1024,
+            max_header_bytes: 1024 * 1024,
             max_request_body_bytes: 3 * 1024 * 1024,
             max_connections: 10_000,
             header_read_timeout: Duration::from_secs(30),

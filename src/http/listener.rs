@@ -62,7 +62,10 @@ fn connection_builder(cfg: &Config) -> auto::Builder<LocalExec> {
     b.http1()
         .timer(TokioTimer::new())
         .header_read_timeout(s.header_read_timeout)
-        .max_headers(256)
+        // Go's server limits only the bytes of the head; hyper also counts headers. 2048 is
+        // far above what any client sends (kube-apiserver answered 300 headers; hyper's
+        // default of 100 refused them), and the index it allocates per parse stays small.
+        .max_headers(2048)
         // hyper refuses a head beyond its buffer with a bare 431; leave room above our own
         // limit so oversized heads reach the handler and get a Status.
         .max_buf_size((s.max_header_bytes + 64 * 1024).max(8192 + 4096));

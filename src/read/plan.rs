@@ -43,6 +43,16 @@ pub struct ListParams {
     pub field_selector: String,
 }
 
+/// A resourceVersion as the apiserver parses it (Go's `strconv.ParseUint(s, 10, 64)`): ASCII
+/// digits only. Rust's `u64::from_str` also takes a leading `+`, which the apiserver refuses
+/// with 400.
+fn go_uint(s: &str) -> Option<u64> {
+    if s.is_empty() || !s.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    s.parse().ok()
+}
+
 impl ListParams {
     /// Parses a list query, or says why the apiserver must answer it (unknown parameters,
     /// and every invalid combination: the apiserver writes those errors exactly).
@@ -62,21 +72,16 @@ impl ListParams {
             let v = percent_encoding::percent_decode_str(&plus)
                 .decode_utf8()
                 .map_err(|_| "query encoding")?;
-            // A repeated parameter: Go's url.Values takes the first; let the apiserver decide.
-            if !seen.insert(k.to_string()) {
-                return Err("repeated list parameter");
+            // A repeated parameter: the apiserver's query decoding takes the first value.
+            if !seen.insert(k) {
+                continue;
             }
             match k {
                 "resourceVersion" => {
                     p.rv = match &*v {
                         "" => Rv::Unset,
                         "0" => Rv::Zero,
-                        n => Rv::At(
-                            n.parse::<u64>()
-                                .ok()
-                                .filter(|n| *n > 0)
-                                .ok_or("resourceVersion")?,
-                        ),
+                        n => Rv::At(go_uint(n).filter(|n| *n > 0).ok_or("resourceVersion")?),
                     }
                 }
                 "resourceVersionMatch" => {
@@ -151,8 +156,13 @@ impl WatchParams {
         };
         let mut rv_match: Option<String> = None;
         let mut watch = false;
+        let mut seen = std::collections::HashSet::new();
         for pair in query.unwrap_or("").split('&').filter(|s| !s.is_empty()) {
             let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            // A repeated parameter: the apiserver's query decoding takes the first value.
+            if !seen.insert(k) {
+                continue;
+            }
             let v = percent_encoding::percent_decode_str(&v.replace('+', " "))
                 .decode_utf8()
                 .ok()?
@@ -180,7 +190,7 @@ impl WatchParams {
         }
         match p.resource_version.as_deref() {
             None | Some("") | Some("0") => {}
-            Some(n) if n.parse::<u64>().is_ok() => {}
+            Some(n) if go_uint(n).is_some() => {}
             _ => return None,
         }
         Some(p)
@@ -191,7 +201,7 @@ impl WatchParams {
 /// resourceVersion newer than the cache waits for it, then passes through if it never comes).
 pub fn watch_start(p: &WatchParams, cache_rv: u64) -> (Start, Option<u64>) {
     let rv = p.resource_version.as_deref().unwrap_or("");
-    let n = rv.parse::<u64>().ok().filter(|n| *n > 0);
+    let n = go_uint(rv).filter(|n| *n > 0);
     match p.send_initial_events {
         // The initial state at least as new as N (waited for by the caller).
         Some(true) => (Start::Initial, n),
@@ -408,6 +418,17 @@ mod tests {
     }
 
     #[test]
+    fn watch_params_read_resource_versions_and_repeats_as_the_apiserver() {
+        let w = |q: &str| WatchParams::parse(Some(q));
+        assert!(w("watch=1&resourceVersion=+5").is_none());
+        assert!(w("watch=1&resourceVersion=0x5").is_none());
+        let p = w("watch=1&resourceVersion=5&resourceVersion=9&labelSelector=a&labelSelector=b")
+            .unwrap();
+        assert_eq!(p.resource_version.as_deref(), Some("5"));
+        assert_eq!(p.label_selector, "a");
+    }
+
+    #[test]
     fn list_params_leave_invalid_combinations_to_the_apiserver() {
         let ok = |q: &str| ListParams::parse(Some(q));
         assert_eq!(ok("limit=5&resourceVersion=0").unwrap().rv, Rv::Zero);
@@ -423,7 +444,18 @@ mod tests {
         assert!(ok("resourceVersionMatch=Bogus&resourceVersion=3").is_err());
         assert!(ok("resourceVersion=abc").is_err());
         assert!(ok("limit=abc").is_err());
-        assert!(ok("limit=1&limit=2").is_err());
+        assert!(
+            ok("resourceVersion=+5").is_err(),
+            "Go's ParseUint takes no sign"
+        );
+        assert!(ok("resourceVersion=-5").is_err());
+        assert!(ok("resourceVersion= 5").is_err());
+        // A repeated parameter: the first value, as the apiserver's query decoding.
+        assert_eq!(ok("limit=1&limit=2").unwrap().limit, 1);
+        assert_eq!(
+            ok("resourceVersion=5&resourceVersion=0").unwrap().rv,
+            Rv::At(5)
+        );
         assert!(ok("continue=eyJ2IjoibWV0YS5rOHMuaW8vdjEifQ").is_err());
         assert!(ok("continue=k1.dev.AAAA&resourceVersionMatch=Exact").is_err());
         assert_eq!(ok("limit=-3").unwrap().limit, 0);

@@ -251,11 +251,9 @@ type AuthorizedView = (
 
 /// Whether a list asks for pages (`limit` > 0).
 fn has_limit(query: Option<&str>) -> bool {
-    query.unwrap_or("").split('&').any(|kv| {
-        kv.strip_prefix("limit=")
-            .and_then(|v| v.parse::<u64>().ok())
-            .is_some_and(|n| n > 0)
-    })
+    request_info::query_param(query, "limit")
+        .and_then(|v| v.parse::<i64>().ok())
+        .is_some_and(|n| n > 0)
 }
 
 fn has_impersonation(h: &http::HeaderMap) -> bool {
@@ -484,9 +482,24 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         stamp_apiserver_headers(audit_id.as_ref(), r.headers_mut());
         r
     };
-    if let Err(e) = request_info::validate_path(&path) {
-        state.metrics.reject("bad_path");
-        return refuse(Status::bad_request(format!("invalid request path: {e}")));
+    // Routed and authorized by the decoded path, as the apiserver does; the raw one is what
+    // passes through.
+    let decoded = match request_info::validate_path(&path) {
+        Ok(d) => d.into_owned(),
+        Err(e) => {
+            state.metrics.reject("bad_path");
+            return refuse(Status::bad_request(format!("invalid request path: {e}")));
+        }
+    };
+    // The HTTP CONNECT method (a tunnel, not the `connect` verb of exec/attach/proxy, which
+    // are GET/POST upgrades): kube-apiserver has no handler for it.
+    if method == Method::CONNECT {
+        state.metrics.reject("method");
+        return refuse(Status::failure(
+            StatusCode::METHOD_NOT_ALLOWED,
+            Reason::MethodNotAllowed,
+            "the CONNECT method is not supported".to_string(),
+        ));
     }
     if header_bytes(&req) > state.config.server.max_header_bytes {
         state.metrics.reject("headers_too_large");
@@ -526,7 +539,7 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         }
     }
 
-    let info = RequestInfo::parse(&method, &path, query.as_deref());
+    let info = RequestInfo::parse(&method, &decoded, query.as_deref());
     let upgrade = crate::auth::identity::upgrade_protocol(req.headers()).is_some();
     let long_running = info.is_long_running(query.as_deref(), upgrade);
     let verb = info.metrics_verb(&method, content_type.as_deref(), upgrade);

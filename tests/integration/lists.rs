@@ -502,3 +502,46 @@ async fn cache_served_responses_carry_the_apiservers_headers() {
         );
     }
 }
+
+/// The request is read as the apiserver reads it: the path percent-decoded before routing
+/// and authorization (`%61` is namespace `a`), the first of repeated query parameters, and
+/// a resourceVersion Go's `ParseUint` refuses (`+5`) left to the apiserver's 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn paths_and_queries_are_read_as_the_apiserver_reads_them() {
+    let (fake, proxy) = setup(|_| {}).await;
+    let (code, plain) = get(&proxy, "/api/v1/namespaces/a/configmaps", "alice").await;
+    assert_eq!(code, 200);
+    let (code, encoded) = get(&proxy, "/api/v1/namespaces/%61/configmaps", "alice").await;
+    assert_eq!(code, 200, "{encoded}");
+    assert_eq!(names(&encoded), names(&plain));
+    assert_eq!(names(&encoded).len(), 7);
+
+    let (code, first) = get(
+        &proxy,
+        "/api/v1/namespaces/a/configmaps?limit=2&limit=5",
+        "alice",
+    )
+    .await;
+    assert_eq!(code, 200);
+    assert_eq!(names(&first), ["cm-0", "cm-1"]);
+    let (_, sel) = get(
+        &proxy,
+        "/api/v1/namespaces/a/configmaps?labelSelector=app%3Dx&labelSelector=app%3Dy",
+        "alice",
+    )
+    .await;
+    assert_eq!(names(&sel), ["cm-0", "cm-2", "cm-4", "cm-6"]);
+    // All of it from memory.
+    assert_eq!(list_requests(&fake, "/api/v1/namespaces/a/configmaps"), 0);
+
+    for rv in ["%2B5", "-5", "0x5"] {
+        fake.clear_requests();
+        let path = format!("/api/v1/namespaces/a/configmaps?resourceVersion={rv}");
+        let _ = get(&proxy, &path, "alice").await;
+        assert_eq!(
+            list_requests(&fake, "/api/v1/namespaces/a/configmaps"),
+            1,
+            "{rv}: the apiserver answers it"
+        );
+    }
+}

@@ -804,16 +804,38 @@ async fn hostile_paths_get_a_bad_request_status_and_never_reach_upstream() {
     proxy.shutdown().await;
 }
 
+/// The apiserver's limits, not stricter ones: a head up to 1 MiB (one 300 KiB header, or
+/// 300 headers) passes; beyond it a 431 Status. A body beyond 3 MiB is a 413 Status over
+/// HTTP/1.1 and HTTP/2, announced (content-length) or streamed.
 #[tokio::test]
-async fn oversized_headers_get_431_and_oversized_bodies_413() {
-    let (_fake, proxy) = setup().await;
+async fn header_and_body_limits_are_the_apiservers() {
+    let (fake, proxy) = setup().await;
+    let path = "/api/v1/namespaces/ns1/configmaps";
     let big = "a".repeat(300 * 1024);
+    let many: String = (0..300).map(|i| format!("X-H{i}: v\r\n")).collect();
+    for (what, head) in [
+        ("one 300 KiB header", format!("X-Big: {big}\r\n")),
+        ("300 headers", many),
+    ] {
+        fake.clear_requests();
+        let text = raw_exchange(
+            proxy.insecure_addr,
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\n{head}Connection: close\r\n\r\n").as_bytes(),
+        )
+        .await;
+        assert!(
+            text.starts_with("HTTP/1.1 200"),
+            "{what}: {}",
+            &text[..text.len().min(300)]
+        );
+        let reached = fake.requests().iter().filter(|r| r.path == path).count();
+        assert_eq!(reached, 1, "{what} reached the apiserver");
+    }
+    let over = "a".repeat(1024 * 1024 + 10);
     let text = raw_exchange(
         proxy.insecure_addr,
-        format!(
-            "GET /api/v1/pods HTTP/1.1\r\nHost: x\r\nX-Big: {big}\r\nConnection: close\r\n\r\n"
-        )
-        .as_bytes(),
+        format!("GET {path} HTTP/1.1\r\nHost: x\r\nX-Big: {over}\r\nConnection: close\r\n\r\n")
+            .as_bytes(),
     )
     .await;
     assert!(
@@ -823,7 +845,7 @@ async fn oversized_headers_get_431_and_oversized_bodies_413() {
     );
     assert!(text.contains("\"kind\":\"Status\""), "{text}");
     // Far beyond the parser's buffer: hyper refuses it itself; the process survives.
-    let huge = "a".repeat(2 * 1024 * 1024);
+    let huge = "a".repeat(3 * 1024 * 1024);
     let text = raw_exchange(
         proxy.insecure_addr,
         format!("GET / HTTP/1.1\r\nX-Huge: {huge}\r\n\r\n").as_bytes(),
@@ -835,20 +857,82 @@ async fn oversized_headers_get_431_and_oversized_bodies_413() {
         &text[..text.len().min(200)]
     );
 
-    let c = proxy.client(None, false);
-    let body = vec![b'x'; 4 * 1024 * 1024];
-    let r = c
-        .send(
-            Request::post(proxy.https("/api/v1/namespaces/ns1/configmaps"))
+    let body = Bytes::from(vec![b'x'; 4 * 1024 * 1024]);
+    for h2 in [false, true] {
+        let c = proxy.client(None, h2);
+        let r = c
+            .send(
+                Request::post(proxy.https(path))
+                    .header("authorization", "Bearer t")
+                    .header("content-type", "application/json")
+                    .body(Full::new(body.clone()))
+                    .unwrap(),
+            )
+            .await;
+        assert_eq!(r.status(), 413, "h2={h2}");
+        assert_eq!(body_json(r).await["reason"], "RequestEntityTooLarge");
+    }
+    // Streamed over HTTP/2 (no content-length): the limit is found while forwarding.
+    let chunks = (0..64).map(|_| {
+        Ok::<_, std::convert::Infallible>(hyper::body::Frame::data(Bytes::from(vec![
+            b'x';
+            64 * 1024
+        ])))
+    });
+    let streamed = http_body_util::StreamBody::new(futures_util::stream::iter(chunks));
+    let h2 = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .http2_only(true)
+        .build_http();
+    let r = h2
+        .request(
+            Request::post(proxy.http(path))
                 .header("authorization", "Bearer t")
                 .header("content-type", "application/json")
-                .body(Full::new(Bytes::from(body)))
+                .body(streamed)
                 .unwrap(),
         )
-        .await;
+        .await
+        .expect("a response, not a reset stream");
     assert_eq!(r.status(), 413);
-    assert_eq!(body_json(r).await["reason"], "RequestEntityTooLarge");
+    let j: serde_json::Value = serde_json::from_slice(
+        &http_body_util::BodyExt::collect(r.into_body())
+            .await
+            .unwrap()
+            .to_bytes(),
+    )
+    .unwrap();
+    assert_eq!(j["reason"], "RequestEntityTooLarge", "{j}");
+    let c = proxy.client(None, false);
     assert_eq!(c.get(&proxy.https("/livez"), None).await.status(), 200);
+    proxy.shutdown().await;
+}
+
+/// Request targets the apiserver reads its own way: the HTTP CONNECT method is a 405
+/// Status; a `#fragment` is not part of the path.
+#[tokio::test]
+async fn connect_is_405_and_a_fragment_is_not_part_of_the_path() {
+    let (fake, proxy) = setup().await;
+    let text = raw_exchange(
+        proxy.insecure_addr,
+        b"CONNECT /api/v1/namespaces HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(text.starts_with("HTTP/1.1 405"), "{text}");
+    assert!(text.contains("\"reason\":\"MethodNotAllowed\""), "{text}");
+    fake.clear_requests();
+    let text = raw_exchange(
+        proxy.insecure_addr,
+        b"GET /api/v1/namespaces/ns1#frag HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(text.starts_with("HTTP/1.1 200"), "{text}");
+    let paths: Vec<String> = fake
+        .requests()
+        .iter()
+        .map(|r| r.path.clone())
+        .filter(|p| p != "/readyz")
+        .collect();
+    assert_eq!(paths, ["/api/v1/namespaces/ns1"]);
     proxy.shutdown().await;
 }
 

@@ -20,7 +20,13 @@ pub(super) async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         tokio::spawn(async move {
             let service_shared = shared.clone();
             let service = service_fn(move |req| handle(service_shared.clone(), req));
-            let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            let mut builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            // Like Go's server (kube-apiserver): heads up to 1 MiB, any number of headers.
+            builder
+                .http1()
+                .max_headers(4096)
+                .max_buf_size(2 * 1024 * 1024);
+            builder.http2().max_header_list_size(2 * 1024 * 1024);
             let conn = builder.serve_connection_with_upgrades(TokioIo::new(stream), service);
             tokio::select! {
                 _ = shared.shutdown.cancelled() => {}

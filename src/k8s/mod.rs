@@ -12,9 +12,11 @@
 //!   cache-or-apiserver check, and the fields' values extracted at ingest.
 //! - [`scan`]: the JSON scanner that reads objects without decoding them.
 //! - [`go_format`]: Go's printing of quoted strings and floats, byte for byte.
+//! - [`protobuf`]: the apiserver's protobuf envelope, read for an object's resourceVersion.
 
 pub mod fields;
 pub mod go_format;
+pub mod protobuf;
 pub mod request_info;
 pub mod resource;
 pub mod scan;

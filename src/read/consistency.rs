@@ -143,6 +143,12 @@ pub struct Consistency {
     rounds: dashmap::DashMap<String, Arc<Rounds>>,
     /// Highest resourceVersion returned by a write passed through, per resource.
     writes: dashmap::DashMap<String, u64>,
+    /// Resources with a write passed through whose resourceVersion could not be read (a
+    /// Status body, an encoding the proxy does not parse, a large or compressed response),
+    /// by the generation of the latest such write: reads confirm the cache with a probe
+    /// first, as in strict mode, until one probe that started after the write succeeds.
+    unknown_writes: dashmap::DashMap<String, u64>,
+    unknown_generation: std::sync::atomic::AtomicU64,
     pub stats: Stats,
 }
 
@@ -159,6 +165,8 @@ impl Consistency {
             timeout,
             rounds: Default::default(),
             writes: Default::default(),
+            unknown_writes: Default::default(),
+            unknown_generation: Default::default(),
             stats: Stats::default(),
         })
     }
@@ -169,6 +177,16 @@ impl Consistency {
         if rv > *e {
             *e = rv;
         }
+    }
+
+    /// Records a write passed through whose resourceVersion is unknown (read-your-writes):
+    /// the next reads of `resource` confirm the cache with an upstream probe first.
+    pub fn record_unknown_write(&self, resource: &str) {
+        let g = self
+            .unknown_generation
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1;
+        self.unknown_writes.insert(resource.to_string(), g);
     }
 
     /// The state an unset-resourceVersion read may be served from, or the apiserver answers.
@@ -184,12 +202,25 @@ impl Consistency {
                 if cache.unhealthy().is_some() {
                     false
                 } else {
-                    let written = self
-                        .writes
-                        .get(&cache.resource.label())
-                        .map(|v| *v)
-                        .unwrap_or(0);
-                    written <= cache.rv() || cache.wait_for_rv(written, self.timeout).await
+                    let label = cache.resource.label();
+                    let written = self.writes.get(&label).map(|v| *v).unwrap_or(0);
+                    let caught_up =
+                        written <= cache.rv() || cache.wait_for_rv(written, self.timeout).await;
+                    let unknown = self.unknown_writes.get(&label).map(|g| *g);
+                    match unknown {
+                        Some(g) if caught_up => {
+                            // The probe round joined starts after this read arrived, so after
+                            // the write's response was relayed.
+                            let ok = tokio::time::timeout(self.timeout, self.confirm(cache))
+                                .await
+                                .unwrap_or(false);
+                            if ok {
+                                self.unknown_writes.remove_if(&label, |_, have| *have == g);
+                            }
+                            ok
+                        }
+                        _ => caught_up,
+                    }
                 }
             }
             Mode::Strict => {
@@ -403,7 +434,23 @@ fn event_rv(line: &[u8]) -> Option<(String, u64)> {
     Some((e.ty, rv))
 }
 
-/// The resourceVersion in a write's response body (read-your-writes), if it has one.
+/// The resourceVersion of the object in a write's response (read-your-writes), in the
+/// encodings the apiserver writes objects in: JSON, and protobuf (`k8s\0` envelope).
+pub fn response_rv(content_type: Option<&str>, body: &[u8]) -> Option<u64> {
+    let media = content_type
+        .and_then(|c| c.split(';').next())
+        .map(str::trim)
+        .unwrap_or("");
+    match media {
+        "application/vnd.kubernetes.protobuf" => {
+            crate::k8s::protobuf::object_resource_version(body)
+        }
+        "application/json" | "" => body_rv(body),
+        _ => None,
+    }
+}
+
+/// The resourceVersion in a JSON write response body (read-your-writes), if it has one.
 pub fn body_rv(body: &[u8]) -> Option<u64> {
     #[derive(Deserialize)]
     struct O {

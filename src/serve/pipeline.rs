@@ -329,16 +329,27 @@ async fn forward_within_quota(
 
 /// A successful write to a cached resource: remembers the resourceVersion it produced, so
 /// later unset-resourceVersion reads through this proxy wait until the cache reflects it
-/// (read-your-writes in the bounded consistency mode). The response of a write is one small
-/// object; it is buffered (up to 1 MiB) to read that number and sent on unchanged.
+/// (read-your-writes in the bounded consistency mode). The response of a write is one object;
+/// up to [`RYW_BUFFER`] of it is buffered to read that number in any encoding the apiserver
+/// writes objects in (JSON, protobuf), then sent on unchanged. A write whose number cannot be
+/// read (a Status, another encoding, a compressed or larger body, a delete of a collection)
+/// makes the next reads of the resource confirm the cache with an upstream probe instead
+/// ([`crate::read::consistency::Consistency::record_unknown_write`]): never a stale read after
+/// the caller's own write.
 async fn read_your_writes(
     state: &State,
     info: &RequestInfo,
     resp: Response<Body>,
 ) -> Response<Body> {
-    if !matches!(info.verb.as_str(), "create" | "update" | "patch" | "delete")
-        || !resp.status().is_success()
-        || !info.subresource.is_empty() && info.subresource != "status"
+    if !matches!(
+        info.verb.as_str(),
+        "create" | "update" | "patch" | "delete" | "deletecollection"
+    ) || !resp.status().is_success()
+        // Streams to and from a pod, node or service: not a write of the object.
+        || matches!(
+            info.subresource.as_str(),
+            "proxy" | "exec" | "attach" | "portforward"
+        )
     {
         return resp;
     }
@@ -348,33 +359,66 @@ async fn read_your_writes(
     else {
         return resp;
     };
-    let small = resp
+    let resource = cache.resource.label();
+    let unknown = || state.consistency.record_unknown_write(&resource);
+    let length = resp
         .headers()
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok())
-        .is_some_and(|n| n <= 1 << 20);
-    let plain = resp.headers().get(header::CONTENT_ENCODING).is_none();
-    if !small || !plain {
+        .and_then(|v| v.parse::<usize>().ok());
+    if info.verb == "deletecollection"
+        || resp.headers().contains_key(header::CONTENT_ENCODING)
+        || length.is_some_and(|n| n > RYW_BUFFER)
+    {
+        unknown();
         return resp;
     }
-    let (parts, body) = resp.into_parts();
-    match http_body_util::BodyExt::collect(body).await {
-        Ok(b) => {
-            let b = b.to_bytes();
-            if let Some(rv) = crate::read::consistency::body_rv(&b) {
-                state.consistency.record_write(&cache.resource.label(), rv);
+    let content_type = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let (parts, mut body) = resp.into_parts();
+    let mut buf = bytes::BytesMut::new();
+    loop {
+        match http_body_util::BodyExt::frame(&mut body).await {
+            None => break,
+            Some(Ok(frame)) => {
+                if let Some(data) = frame.data_ref() {
+                    buf.extend_from_slice(data);
+                }
+                if buf.len() > RYW_BUFFER {
+                    // Larger than any object: relay what was read and the rest as it comes.
+                    unknown();
+                    let head = futures_util::stream::once(std::future::ready(Ok(
+                        hyper::body::Frame::data(buf.freeze()),
+                    )));
+                    let rest = http_body_util::BodyStream::new(body);
+                    let chained =
+                        http_body_util::StreamBody::new(futures_util::StreamExt::chain(head, rest));
+                    return Response::from_parts(parts, body::boxed(chained));
+                }
             }
-            Response::from_parts(parts, body::full(b))
+            Some(Err(e)) => {
+                return Status::failure(
+                    StatusCode::BAD_GATEWAY,
+                    Reason::InternalError,
+                    format!("the apiserver's response to the write broke off: {e}"),
+                )
+                .into_response();
+            }
         }
-        Err(e) => Status::failure(
-            StatusCode::BAD_GATEWAY,
-            Reason::InternalError,
-            format!("the apiserver's response to the write broke off: {e}"),
-        )
-        .into_response(),
     }
+    let b = buf.freeze();
+    match crate::read::consistency::response_rv(content_type.as_deref(), &b) {
+        Some(rv) => state.consistency.record_write(&resource, rv),
+        None => unknown(),
+    }
+    Response::from_parts(parts, body::full(b))
 }
+
+/// The most of a write's response read for its resourceVersion (see [`read_your_writes`]).
+const RYW_BUFFER: usize = 1 << 20;
 
 /// The consistency mode configured for a resource.
 fn consistency_mode(

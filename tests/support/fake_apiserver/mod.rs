@@ -315,6 +315,16 @@ impl Faults {
     /// Ends every open watch stream now, abruptly: the body ends with an error, as on a
     /// connection loss (HTTP/1.1 closes the connection without the last chunk, HTTP/2 resets the
     /// stream).
+    /// Holds every watch event from now on (watchers lag behind the store) until
+    /// [`Faults::release_watch_events`] delivers them in order.
+    pub fn hold_watch_events(&self) {
+        self.shared.store().hold_events(true);
+    }
+
+    pub fn release_watch_events(&self) {
+        self.shared.store().hold_events(false);
+    }
+
     pub fn drop_watches(&self) {
         self.shared.store().end_watchers(WatchMsg::Abort);
     }

@@ -83,10 +83,93 @@ pub(super) async fn handle(
         headers: parts.headers,
         body,
     };
-    Ok(match route(&shared, req, on_upgrade).await {
+    let write = matches!(
+        req.method,
+        Method::POST | Method::PUT | Method::PATCH | Method::DELETE
+    );
+    let accept = req
+        .headers
+        .get(http::header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string();
+    let resp = match route(&shared, req, on_upgrade).await {
         Ok(resp) => resp,
         Err(status) => status.into_response(),
-    })
+    };
+    if write && resp.status().is_success() {
+        return encode_write_response(&accept, resp).await;
+    }
+    Ok(resp)
+}
+
+/// A write's response object in the encoding the client asked for first, as the apiserver
+/// negotiates it: protobuf (the `k8s\0` envelope around `runtime.Unknown`, holding the
+/// object's TypeMeta and ObjectMeta name, namespace and resourceVersion: enough for a client
+/// that reads those) or YAML; JSON otherwise.
+async fn encode_write_response(
+    accept: &str,
+    resp: Response<Body>,
+) -> Result<Response<Body>, BoxError> {
+    let first = accept.split(',').next().unwrap_or("").trim();
+    let media = first.split(';').next().unwrap_or("").trim();
+    if !matches!(
+        media,
+        "application/vnd.kubernetes.protobuf" | "application/yaml"
+    ) {
+        return Ok(resp);
+    }
+    let (mut parts, body) = resp.into_parts();
+    let json: Value = serde_json::from_slice(&body.collect().await?.to_bytes())?;
+    let bytes = if media == "application/yaml" {
+        Bytes::from(serde_saphyr::to_string(&json)?)
+    } else {
+        Bytes::from(protobuf_envelope(&json))
+    };
+    parts.headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static(if media == "application/yaml" {
+            "application/yaml"
+        } else {
+            "application/vnd.kubernetes.protobuf"
+        }),
+    );
+    parts.headers.insert(
+        http::header::CONTENT_LENGTH,
+        http::HeaderValue::from(bytes.len()),
+    );
+    Ok(Response::from_parts(parts, full_body(bytes)))
+}
+
+fn protobuf_envelope(obj: &Value) -> Vec<u8> {
+    fn field(out: &mut Vec<u8>, n: u64, bytes: &[u8]) {
+        let mut put = |mut v: u64| loop {
+            let b = (v & 0x7f) as u8;
+            v >>= 7;
+            if v == 0 {
+                out.push(b);
+                break;
+            }
+            out.push(b | 0x80);
+        };
+        put((n << 3) | 2);
+        put(bytes.len() as u64);
+        out.extend_from_slice(bytes);
+    }
+    let s = |v: &Value| v.as_str().unwrap_or("").as_bytes().to_vec();
+    let mut type_meta = Vec::new();
+    field(&mut type_meta, 1, &s(&obj["apiVersion"]));
+    field(&mut type_meta, 2, &s(&obj["kind"]));
+    let mut meta = Vec::new();
+    field(&mut meta, 1, &s(&obj["metadata"]["name"]));
+    field(&mut meta, 3, &s(&obj["metadata"]["namespace"]));
+    field(&mut meta, 6, &s(&obj["metadata"]["resourceVersion"]));
+    let mut raw = Vec::new();
+    field(&mut raw, 1, &meta);
+    let mut out = b"k8s\0".to_vec();
+    field(&mut out, 1, &type_meta);
+    field(&mut out, 2, &raw);
+    out
 }
 
 /// A request with its body read.

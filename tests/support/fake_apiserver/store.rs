@@ -35,6 +35,7 @@ pub struct Write {
 
 /// One write. `obj` is the object after the write (for DELETED: the last state, stamped with
 /// the deletion's resourceVersion, as etcd watch delivers it); `prev` the stored state before.
+#[derive(Clone)]
 pub(super) struct HistEvent {
     pub(super) rv: u64,
     pub(super) kind: Kind,
@@ -67,6 +68,8 @@ pub(super) struct Store {
     /// Every write ever, for [`FakeApiServer::writes`]; never compacted.
     pub(super) journal: Vec<Write>,
     pub(super) watchers: Vec<Watcher>,
+    /// While `Some`, events are kept here instead of reaching watchers (a watch that lags).
+    pub(super) held: Option<Vec<HistEvent>>,
     pub(super) next_watcher_id: u64,
     pub(super) next_uid: u64,
 }
@@ -80,6 +83,7 @@ impl Store {
             history: VecDeque::new(),
             journal: Vec::new(),
             watchers: Vec::new(),
+            held: None,
             next_watcher_id: 0,
             next_uid: 0,
         }
@@ -146,10 +150,10 @@ impl Store {
             obj: obj.clone(),
             prev,
         };
-        self.watchers.retain(|w| match w.filter.convert(&event) {
-            Some(line) => w.tx.send(WatchMsg::Line(line)).is_ok(),
-            None => !w.tx.is_closed(),
-        });
+        match &mut self.held {
+            Some(held) => held.push(event.clone()),
+            None => self.notify(&event),
+        }
         self.journal.push(Write {
             rv,
             resource: kind.resource(),
@@ -178,6 +182,33 @@ impl Store {
             };
         }
         map
+    }
+
+    fn notify(&mut self, event: &HistEvent) {
+        self.watchers.retain(|w| match w.filter.convert(event) {
+            Some(line) => w.tx.send(WatchMsg::Line(line)).is_ok(),
+            None => !w.tx.is_closed(),
+        });
+    }
+
+    /// The newest resourceVersion whose events watchers have been sent: bookmarks never
+    /// claim more (an apiserver's watch cache does not bookmark past what it delivered).
+    pub(super) fn delivered_rv(&self) -> u64 {
+        match self.held.as_deref() {
+            Some([first, ..]) => first.rv - 1,
+            _ => self.rv,
+        }
+    }
+
+    /// Holds (`true`) or releases, in order, the events watchers are sent.
+    pub(super) fn hold_events(&mut self, on: bool) {
+        if on {
+            self.held.get_or_insert_with(Vec::new);
+        } else if let Some(held) = self.held.take() {
+            for e in &held {
+                self.notify(e);
+            }
+        }
     }
 
     pub(super) fn end_watchers(&mut self, msg: WatchMsg) {

@@ -112,7 +112,11 @@ pub(super) async fn watch(
             // kube-apiserver 1.36 ends initial events with this bookmark whenever bookmarks
             // are allowed, also for RV unset / "0" watches without sendInitialEvents.
             if p.allow_bookmarks {
-                let _ = tx.send(WatchMsg::Line(bookmark_line(kind, store.rv, true)));
+                let _ = tx.send(WatchMsg::Line(bookmark_line(
+                    kind,
+                    store.delivered_rv(),
+                    true,
+                )));
             }
         } else if let Some(n) = p.rv.filter(|n| *n > 0) {
             if n < store.floor {
@@ -124,7 +128,13 @@ pub(super) async fn watch(
                 registered = false;
             } else {
                 filter.after_rv = n;
-                for e in store.history.iter().filter(|e| e.rv > n) {
+                // Held events reach this watcher when they are released.
+                let delivered = store.delivered_rv();
+                for e in store
+                    .history
+                    .iter()
+                    .filter(|e| e.rv > n && e.rv <= delivered)
+                {
                     if let Some(line) = filter.convert(e) {
                         let _ = tx.send(WatchMsg::Line(line));
                     }
@@ -234,7 +244,7 @@ impl WatchStream {
                     // Queued while holding the lock: every event up to store.rv is already
                     // in the queue ahead of it.
                     // Never below where the watch started (a watch from a future resourceVersion).
-                    let rv = store.rv.max(self.start_rv);
+                    let rv = store.delivered_rv().max(self.start_rv);
                     let _ = self.tx.send(WatchMsg::Line(bookmark_line(self.kind, rv, false)));
                 }
             }

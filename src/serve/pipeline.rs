@@ -345,10 +345,11 @@ async fn read_your_writes(
         info.verb.as_str(),
         "create" | "update" | "patch" | "delete" | "deletecollection"
     ) || !resp.status().is_success()
-        // Streams to and from a pod, node or service: not a write of the object.
+        // Streams to and from a pod, node or service, and ServiceAccount tokens: not writes
+        // of the object.
         || matches!(
             info.subresource.as_str(),
-            "proxy" | "exec" | "attach" | "portforward"
+            "proxy" | "exec" | "attach" | "portforward" | "token"
         )
     {
         return resp;

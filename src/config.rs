@@ -432,6 +432,17 @@ pub struct ListsConfig {
     pub snapshot_retention: Duration,
     /// Snapshots retained per resource at most (least recently used dropped first).
     pub snapshot_max: usize,
+    /// A retained snapshot is dropped this long after it was taken, however often it is
+    /// used: a client polling with one continue token does not pin old objects forever.
+    #[serde(with = "duration")]
+    pub snapshot_max_age: Duration,
+    /// Continue tokens at least this old are checked against the apiserver's compaction
+    /// before a page is served from the proxy's snapshot: a token whose resourceVersion etcd
+    /// compacted gets the apiserver's 410 Expired. kube-apiserver compacts to the revision it
+    /// saw one `--etcd-compaction-interval` earlier (5 min by default), so no younger
+    /// revision can be gone; keep this below half of that interval.
+    #[serde(with = "duration")]
+    pub compaction_check_after: Duration,
     /// How long a list waits for the cache to reach a requested resourceVersion before the
     /// apiserver answers it instead.
     #[serde(with = "duration")]
@@ -451,6 +462,8 @@ impl Default for ListsConfig {
             consistency_timeout: Duration::from_secs(3),
             snapshot_retention: Duration::from_secs(75),
             snapshot_max: 256,
+            snapshot_max_age: Duration::from_secs(600),
+            compaction_check_after: Duration::from_secs(15),
             wait_for_resource_version: Duration::from_secs(3),
             gzip_min_bytes: 128 * 1024,
             gzip_level: 1,
@@ -907,6 +920,9 @@ impl Config {
         }
         if self.lists.snapshot_max == 0 {
             err("lists.snapshotMax", "must be at least 1".into());
+        }
+        if self.lists.snapshot_max_age.is_zero() {
+            err("lists.snapshotMaxAge", "must be more than 0".into());
         }
         if self.tokens.ttl.is_zero() {
             err("tokens.ttl", "must be greater than 0".into());

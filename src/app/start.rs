@@ -54,6 +54,7 @@ pub fn build_state(
         dispatch_budget: c.dispatch_budget,
         snapshot_retention: config.lists.snapshot_retention,
         snapshot_max: config.lists.snapshot_max,
+        snapshot_max_age: config.lists.snapshot_max_age,
     };
     let paging = crate::paging::Paging::new(config.paging.clone(), c.upstream_page_size);
     let reflector = crate::cache::reflector::ReflectorConfig {
@@ -85,6 +86,7 @@ pub fn build_state(
         wait_for_rv: l.wait_for_resource_version,
         gzip_min_bytes: l.gzip_min_bytes,
         gzip_level: l.gzip_level,
+        compaction_check_after: l.compaction_check_after,
         ..Default::default()
     };
     let keys = crate::read::token::Keys::load(config.tokens.key_file.as_deref(), config.tokens.ttl)

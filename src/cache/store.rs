@@ -34,6 +34,8 @@ pub struct StoreConfig {
     pub snapshot_retention: Duration,
     /// Snapshots retained at most; the least recently used go first.
     pub snapshot_max: usize,
+    /// A retained snapshot goes this long after it was taken, however often it is used.
+    pub snapshot_max_age: Duration,
 }
 
 impl Default for StoreConfig {
@@ -48,6 +50,7 @@ impl Default for StoreConfig {
             dispatch_budget: Duration::from_millis(100),
             snapshot_retention: Duration::from_secs(75),
             snapshot_max: 256,
+            snapshot_max_age: Duration::from_secs(600),
         }
     }
 }
@@ -126,7 +129,15 @@ impl std::fmt::Debug for Snapshot {
 
 struct Retained {
     snap: Snapshot,
+    taken: Instant,
     last_used: Instant,
+}
+
+impl Retained {
+    fn alive(&self, now: Instant, cfg: &StoreConfig) -> bool {
+        now.duration_since(self.last_used) < cfg.snapshot_retention
+            && now.duration_since(self.taken) < cfg.snapshot_max_age
+    }
 }
 
 /// Readiness of a resource's cache (k8s.io/apiserver `cacher/ready.go`).
@@ -320,13 +331,14 @@ impl ResourceCache {
     pub fn retain(&self, snap: &Snapshot) {
         let now = Instant::now();
         let mut r = self.retained.lock();
-        r.retain(|x| now.duration_since(x.last_used) < self.cfg.snapshot_retention);
+        r.retain(|x| x.alive(now, &self.cfg));
         match r.binary_search_by_key(&snap.rv, |x| x.snap.rv) {
             Ok(i) => r[i].last_used = now,
             Err(i) => r.insert(
                 i,
                 Retained {
                     snap: snap.clone(),
+                    taken: now,
                     last_used: now,
                 },
             ),
@@ -369,7 +381,7 @@ impl ResourceCache {
             let now = Instant::now();
             let mut r = self.retained.lock();
             if let Ok(i) = r.binary_search_by_key(&rv, |x| x.snap.rv)
-                && now.duration_since(r[i].last_used) < self.cfg.snapshot_retention
+                && r[i].alive(now, &self.cfg)
             {
                 r[i].last_used = now;
                 return Some(r[i].snap.clone());

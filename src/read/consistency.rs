@@ -149,6 +149,12 @@ pub struct Consistency {
     /// first, as in strict mode, until one probe that started after the write succeeds.
     unknown_writes: dashmap::DashMap<String, u64>,
     unknown_generation: std::sync::atomic::AtomicU64,
+    /// The newest resourceVersion the apiserver refused as compacted (etcd revisions are
+    /// global, so every older one is compacted too).
+    compacted_floor: std::sync::atomic::AtomicU64,
+    /// Recent answers to "can the apiserver still list at this resourceVersion?", per
+    /// resourceVersion, shared by concurrent askers ([`Consistency::compacted`]).
+    listable: moka::future::Cache<u64, bool>,
     pub stats: Stats,
 }
 
@@ -167,6 +173,11 @@ impl Consistency {
             writes: Default::default(),
             unknown_writes: Default::default(),
             unknown_generation: Default::default(),
+            compacted_floor: Default::default(),
+            listable: moka::future::Cache::builder()
+                .max_capacity(4096)
+                .time_to_live(COMPACTION_RECHECK)
+                .build(),
             stats: Stats::default(),
         })
     }
@@ -177,6 +188,42 @@ impl Consistency {
         if rv > *e {
             *e = rv;
         }
+    }
+
+    /// Whether etcd has compacted `rv` away, so the apiserver would answer a continue token
+    /// at `rv` with 410 (etcd3 storage's `handleCompactedErrorForPaging`). Learnt with a
+    /// one-item `resourceVersionMatch=Exact` list at `rv` (410: compacted), shared per
+    /// resourceVersion for [`COMPACTION_RECHECK`]; a compacted answer is remembered for good
+    /// (revisions are global and compaction only moves forward). A failed probe says "not
+    /// compacted": the walk goes on from the proxy's snapshot, which is consistent.
+    pub async fn compacted(&self, cache: &ResourceCache, rv: u64) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        if rv <= self.compacted_floor.load(Relaxed) {
+            return true;
+        }
+        let collection = cache.resource.collection_path(None);
+        let listable = self
+            .listable
+            .get_with(rv, async {
+                let path =
+                    format!("{collection}?limit=1&resourceVersion={rv}&resourceVersionMatch=Exact");
+                let mut req = Request::new(body::empty());
+                *req.uri_mut() = self.upstream.uri(&path);
+                req.headers_mut()
+                    .insert(header::ACCEPT, HeaderValue::from_static("application/json"));
+                match self.upstream.send(req, As::Proxy, false).await {
+                    Ok(r) => r.status() != http::StatusCode::GONE,
+                    Err(e) => {
+                        tracing::debug!(error = %e, rv, "compaction probe failed");
+                        true
+                    }
+                }
+            })
+            .await;
+        if !listable {
+            self.compacted_floor.fetch_max(rv, Relaxed);
+        }
+        !listable
     }
 
     /// Records a write passed through whose resourceVersion is unknown (read-your-writes):
@@ -433,6 +480,9 @@ fn event_rv(line: &[u8]) -> Option<(String, u64)> {
         .unwrap_or(0);
     Some((e.ty, rv))
 }
+
+/// How long an answer of [`Consistency::compacted`] is reused.
+pub const COMPACTION_RECHECK: Duration = Duration::from_secs(10);
 
 /// The resourceVersion of the object in a write's response (read-your-writes), in the
 /// encodings the apiserver writes objects in: JSON, and protobuf (`k8s\0` envelope).

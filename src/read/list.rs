@@ -54,6 +54,8 @@ pub struct ListConfig {
     pub gzip_min_bytes: usize,
     /// flate2 level, 1 (fast) to 9.
     pub gzip_level: u32,
+    /// Continue tokens at least this old are checked for compaction upstream.
+    pub compaction_check_after: Duration,
     /// Chunk size of streamed, unpaginated lists.
     pub chunk_bytes: usize,
 }
@@ -64,6 +66,7 @@ impl Default for ListConfig {
             wait_for_rv: Duration::from_secs(3),
             gzip_min_bytes: 128 * 1024,
             gzip_level: 1,
+            compaction_check_after: Duration::from_secs(15),
             chunk_bytes: 256 * 1024,
         }
     }
@@ -305,6 +308,9 @@ pub struct ListContext<'a> {
     pub accepts_gzip: bool,
     /// Largest page the proxy writes (adaptive paging); `None`: the client's limit.
     pub page_cap: Option<u64>,
+    /// Asked whether a continue token's resourceVersion is compacted upstream (the token
+    /// then gets the apiserver's 410 whatever the proxy still holds); `None`: never.
+    pub compaction: Option<&'a crate::read::consistency::Consistency>,
 }
 
 fn expired_continue(cx: &ListContext<'_>, after: ObjectKey) -> Status {
@@ -413,6 +419,15 @@ async fn list_inner(
                 if t.rv > cache.rv() {
                     // Issued by a replica whose cache is ahead.
                     cache.wait_for_rv(t.rv, cx.cfg.wait_for_rv).await;
+                }
+                // Expired when the apiserver would expire it: once etcd compacted its revision.
+                let age = cx.keys.age(&t);
+                if let Some(c) = cx.compaction
+                    && age >= cx.cfg.compaction_check_after
+                    && c.compacted(cache, t.rv).await
+                {
+                    cache.list_stats.snapshot_gone.fetch_add(1, Relaxed);
+                    return Err(expired_continue(cx, t.after).into());
                 }
                 let Some(snap) = cache.snapshot_at(t.rv) else {
                     cache.list_stats.snapshot_gone.fetch_add(1, Relaxed);
@@ -766,6 +781,7 @@ mod tests {
             binding: Binding::new(&[b"t", b"me"]),
             accepts_gzip: true,
             page_cap: None,
+            compaction: None,
         };
         let mut w = Walk {
             items: vec![],
@@ -925,6 +941,7 @@ mod tests {
                 binding: Binding::new(&[b"t", b"me"]),
                 accepts_gzip: gz,
                 page_cap: None,
+                compaction: None,
             };
             let mut cont = None;
             let mut seen = Vec::new();
@@ -1054,6 +1071,7 @@ mod tests {
                     binding: Binding::new(&[binding]),
                     accepts_gzip: false,
                     page_cap: None,
+                    compaction: None,
                 };
                 let p = ListParams {
                     rv: Rv::Unset,

@@ -403,6 +403,12 @@ impl Keys {
         encode(&self.current(), binding, &t)
     }
 
+    /// How long ago a token was issued (by this configuration's lifetime).
+    pub fn age(&self, t: &Token) -> Duration {
+        let issued = t.expires.saturating_sub(self.ttl.as_secs());
+        Duration::from_secs(now_unix().saturating_sub(issued))
+    }
+
     pub fn verify(&self, binding: &Binding, s: &str) -> Result<Token, TokenError> {
         decode(&self.current(), binding, s)
     }

@@ -178,6 +178,7 @@ async fn serve_from_cache(
                 binding: list_binding(&id, info, &params, filter.namespaces.as_deref()),
                 accepts_gzip: accepts_gzip(req.headers()),
                 page_cap: state.paging.downstream_cap().map(|c| c as u64),
+                compaction: Some(&state.consistency),
             };
             crate::read::list::list(&cache, &filter, enc, &params, &cx, latest).await
         }

@@ -610,3 +610,68 @@ async fn a_read_after_a_write_sees_it_whatever_the_responses_encoding() {
         .await;
     }
 }
+
+/// A continue token expires when the apiserver would expire it: once etcd compacted its
+/// resourceVersion, whatever the proxy still holds, with the apiserver's 410 and a token that
+/// continues the walk at the latest state. Until then the walk goes on from memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_continue_token_expires_when_its_revision_is_compacted_upstream() {
+    let (fake, proxy) = setup(|c| {
+        // Every token is checked (the default spares those younger than 15 s).
+        c.lists.compaction_check_after = Duration::ZERO;
+    })
+    .await;
+    let base = "/api/v1/namespaces/a/configmaps";
+    let first_page = async || {
+        let (code, first) = get(&proxy, &format!("{base}?limit=2"), "alice").await;
+        assert_eq!(code, 200);
+        let token = first["metadata"]["continue"].as_str().unwrap().to_string();
+        format!("{base}?limit=2&continue={token}")
+    };
+    let later = async |name: &str| {
+        fake.create(
+            "/api/v1/namespaces/b/configmaps",
+            json!({"metadata": {"name": name}}),
+        )
+        .await;
+    };
+    // Walk A's first page; then a write anywhere.
+    let page = first_page().await;
+    later("later-1").await;
+    // Walk B, at a newer revision, not compacted: its pages come from memory.
+    let b = first_page().await;
+    let (code, second) = get(&proxy, &b, "alice").await;
+    assert_eq!(code, 200, "{second}");
+    assert_eq!(names(&second), ["cm-2", "cm-3"]);
+
+    // Another write, then etcd compacts up to it: walk A's revision is gone.
+    later("later-2").await;
+    fake.compact(fake.current_rv());
+    let (code, gone) = get(&proxy, &page, "alice").await;
+    assert_eq!(code, 410, "{gone}");
+    assert_eq!(gone["reason"], "Expired");
+    let cont = gone["metadata"]["continue"]
+        .as_str()
+        .expect("an inconsistent-continue token");
+    let (code, rest) = get(&proxy, &format!("{base}?limit=10&continue={cont}"), "alice").await;
+    assert_eq!(code, 200, "{rest}");
+    assert_eq!(names(&rest), ["cm-2", "cm-3", "cm-4", "cm-5", "cm-6"]);
+    // Served from memory, checked with one-item exact lists.
+    assert_eq!(list_requests(&fake, base), 0);
+    let probes = fake
+        .requests()
+        .iter()
+        .filter(|r| r.path == "/api/v1/configmaps")
+        .filter_map(|r| r.query.clone())
+        .filter(|q| q.contains("resourceVersionMatch=Exact"))
+        .collect::<Vec<_>>();
+    assert_eq!(
+        probes.len(),
+        2,
+        "walk B's revision, then walk A's: {probes:?}"
+    );
+    assert!(
+        probes.iter().all(|q| q.starts_with("limit=1&")),
+        "{probes:?}"
+    );
+}

@@ -106,7 +106,7 @@ fn parse_accept(header: &str) -> Option<Vec<Clause<'_>>> {
     fn trim(s: &str) -> &str {
         s.trim_matches(' ')
     }
-    fn split<'s>(s: &'s str, sep: char) -> (&'s str, &'s str) {
+    fn split(s: &str, sep: char) -> (&str, &str) {
         s.split_once(sep).unwrap_or((s, ""))
     }
     let mut clauses = Vec::new();

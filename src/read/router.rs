@@ -90,7 +90,7 @@ impl<'a> Clause<'a> {
     }
 
     /// goautoneg's ordering: higher q first, then concrete types before `*`, then concrete
-    /// subtypes before `*` (not a strict order; `sort_like_go` applies it as Go does).
+    /// subtypes before `*` (not a strict order: `parse_accept` sorts with it as Go does).
     fn less(&self, other: &Clause<'_>) -> bool {
         self.q > other.q
             || (self.ty != "*" && other.ty == "*")

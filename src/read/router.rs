@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use http::Method;
+use http::{HeaderMap, Method, header};
 
 use crate::cache::ResourceCache;
 use crate::cache::event::Encoding;
@@ -176,7 +176,7 @@ enum Verdict {
     Wins(Result<Encoding, &'static str>),
 }
 
-fn verdict(c: &Clause<'_>, media: &str, read: ReadKind, custom: bool) -> Verdict {
+fn verdict(c: &Clause<'_>, media: &str, read: ReadKind, custom: bool, pretty: bool) -> Verdict {
     let json = media == "json";
     if let Some(stream) = c.param("stream").filter(|s| !s.is_empty())
         && (stream != "watch" || media == "yaml")
@@ -205,7 +205,7 @@ fn verdict(c: &Clause<'_>, media: &str, read: ReadKind, custom: bool) -> Verdict
         if !json {
             return Verdict::Wins(Err("encoding: not JSON"));
         }
-        return Verdict::Wins(pretty_ok(c, read).map(|()| Encoding::Json));
+        return Verdict::Wins(pretty_ok(Some(c), read, pretty).map(|()| Encoding::Json));
     };
     if group != "meta.k8s.io" || !matches!(version, "v1" | "v1beta1") {
         return Verdict::Skip;
@@ -226,19 +226,34 @@ fn verdict(c: &Clause<'_>, media: &str, read: ReadKind, custom: bool) -> Verdict
             if !fits {
                 return Verdict::Wins(Err("encoding: metadata form of another read"));
             }
-            Verdict::Wins(pretty_ok(c, read).map(|()| Encoding::Metadata))
+            Verdict::Wins(pretty_ok(Some(c), read, pretty).map(|()| Encoding::Metadata))
         }
         _ => Verdict::Skip,
     }
 }
 
-/// `pretty=1` indents a GET's or LIST's JSON (not a watch's events); the cache writes it
-/// compact.
-fn pretty_ok(c: &Clause<'_>, read: ReadKind) -> Result<(), &'static str> {
-    if read != ReadKind::Watch && c.param("pretty") == Some("1") {
+/// `pretty=1`, or a `pretty_agent`, indents a GET's or LIST's JSON (not a watch's events);
+/// the cache writes it compact.
+fn pretty_ok(
+    c: Option<&Clause<'_>>,
+    read: ReadKind,
+    pretty_agent: bool,
+) -> Result<(), &'static str> {
+    if read != ReadKind::Watch && (pretty_agent || c.and_then(|c| c.param("pretty")) == Some("1")) {
         return Err("encoding: pretty");
     }
     Ok(())
+}
+
+/// Browsers and command-line HTTP tools get indented JSON from the apiserver
+/// (k8s.io/apiserver `isPrettyPrint`, by User-Agent; its `pretty` query parameter is
+/// `read::plan`'s to refuse).
+pub fn pretty_agent(user_agent: Option<&[u8]>) -> bool {
+    user_agent.is_some_and(|ua| {
+        [&b"curl"[..], b"Wget", b"Mozilla/5.0"]
+            .iter()
+            .any(|p| ua.starts_with(p))
+    })
 }
 
 /// The representation a read gets, decided as kube-apiserver decides it
@@ -246,16 +261,18 @@ fn pretty_ok(c: &Clause<'_>, read: ReadKind) -> Result<(), &'static str> {
 /// goautoneg's order (q-value, then specificity), and the first clause one of the endpoint's
 /// media types can serve wins. `Ok` when the cache writes exactly that (JSON, or JSON
 /// PartialObjectMetadata / PartialObjectMetadataList of meta.k8s.io/v1); `Err(why)` when the
-/// apiserver must answer: protobuf, YAML, Table, other versions, or nothing acceptable (its
-/// 406). `custom`: the resource is a custom resource (no protobuf without a transform).
+/// apiserver must answer: protobuf, YAML, Table, other versions, indented JSON, or nothing
+/// acceptable (its 406). `custom`: the resource is a custom resource (no protobuf without a
+/// transform); `pretty`: the client is a [`pretty_agent`].
 pub fn negotiate(
     accept: Option<&str>,
     read: ReadKind,
     custom: bool,
+    pretty: bool,
 ) -> Result<Encoding, &'static str> {
     let accept = accept.unwrap_or("").trim_matches([' ', '\t']);
     if accept.is_empty() {
-        return Ok(Encoding::Json);
+        return pretty_ok(None, read, pretty).map(|()| Encoding::Json);
     }
     let clauses = parse_accept(accept).ok_or("encoding: Accept not reproducible")?;
     for c in &clauses {
@@ -265,7 +282,7 @@ pub fn negotiate(
             if !matches {
                 continue;
             }
-            if let Verdict::Wins(r) = verdict(c, sub, read, custom) {
+            if let Verdict::Wins(r) = verdict(c, sub, read, custom, pretty) {
                 return r;
             }
         }
@@ -301,7 +318,7 @@ pub fn route(
     method: &Method,
     info: &RequestInfo,
     query: Option<&str>,
-    accept: Option<&str>,
+    headers: &HeaderMap,
     lookup: impl Fn(&str, &str, &str) -> Option<Arc<ResourceCache>>,
 ) -> Served<Route> {
     if *method != Method::GET {
@@ -321,6 +338,12 @@ pub fn route(
     if !cache.resource.namespaced && !info.namespace.is_empty() && info.resource != "namespaces" {
         return delegate("namespace on a cluster-scoped resource");
     }
+    // Go reads a header's bytes as they are; bytes that are not UTF-8 match nothing either way.
+    let accept = headers
+        .get(header::ACCEPT)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()));
+    let pretty = pretty_agent(headers.get(header::USER_AGENT).map(|v| v.as_bytes()));
+    let negotiate = |read| negotiate(accept.as_deref(), read, cache.resource.custom, pretty);
     let ns = if info.resource == "namespaces" {
         ""
     } else {
@@ -328,8 +351,7 @@ pub fn route(
     };
     match info.verb.as_str() {
         "watch" if info.name.is_empty() => {
-            let enc =
-                negotiate(accept, ReadKind::Watch, cache.resource.custom).or_else(delegate)?;
+            let enc = negotiate(ReadKind::Watch).or_else(delegate)?;
             let Some(params) = WatchParams::parse(query) else {
                 return delegate("watch parameters");
             };
@@ -354,7 +376,7 @@ pub fn route(
             })
         }
         "get" if !info.name.is_empty() => {
-            let enc = negotiate(accept, ReadKind::Get, cache.resource.custom).or_else(delegate)?;
+            let enc = negotiate(ReadKind::Get).or_else(delegate)?;
             // resourceVersion=0 ("any") or unset (most recent, when the consistency policy
             // confirms the cache); anything else is the apiserver's.
             let Some(at) = plan::get(query) else {
@@ -363,7 +385,7 @@ pub fn route(
             Ok(Route::Get { cache, enc, at })
         }
         "list" => {
-            let enc = negotiate(accept, ReadKind::List, cache.resource.custom).or_else(delegate)?;
+            let enc = negotiate(ReadKind::List).or_else(delegate)?;
             let params = match ListParams::parse(query) {
                 Ok(p) => p,
                 Err(why) => return delegate(why),
@@ -411,7 +433,7 @@ mod tests {
 
     /// What the cache answers: `Some(encoding)`, or `None` for the apiserver.
     fn n(accept: &str, read: ReadKind) -> Option<Encoding> {
-        negotiate(Some(accept), read, false).ok()
+        negotiate(Some(accept), read, false, false).ok()
     }
 
     #[test]
@@ -541,9 +563,12 @@ mod tests {
     #[test]
     fn no_accept_is_json() {
         for read in [Get, List, Watch] {
-            assert_eq!(negotiate(None, read, false), Ok(Encoding::Json));
-            assert_eq!(negotiate(Some(""), read, false), Ok(Encoding::Json));
-            assert_eq!(negotiate(Some("  "), read, false), Ok(Encoding::Json));
+            assert_eq!(negotiate(None, read, false, false), Ok(Encoding::Json));
+            assert_eq!(negotiate(Some(""), read, false, false), Ok(Encoding::Json));
+            assert_eq!(
+                negotiate(Some("  "), read, false, false),
+                Ok(Encoding::Json)
+            );
         }
     }
 
@@ -551,11 +576,11 @@ mod tests {
     fn custom_resources_skip_protobuf_unless_transformed() {
         for read in [Get, List, Watch] {
             assert_eq!(
-                negotiate(Some(CLIENT_GO_PROTOBUF), read, true),
+                negotiate(Some(CLIENT_GO_PROTOBUF), read, true, false),
                 Ok(Encoding::Json)
             );
-            assert!(negotiate(Some(METADATA_LIST), read, true).is_err());
-            assert!(negotiate(Some(KUBECTL_GET), read, true).is_err());
+            assert!(negotiate(Some(METADATA_LIST), read, true, false).is_err());
+            assert!(negotiate(Some(KUBECTL_GET), read, true, false).is_err());
         }
     }
 
@@ -588,8 +613,35 @@ mod tests {
             "'w==': the key w with an empty value, as Go's map holds it"
         );
         // Unreproducible in Rust: the apiserver decides.
-        assert!(negotiate(Some("application/json;q=0x1p-1"), List, false).is_err());
+        assert!(negotiate(Some("application/json;q=0x1p-1"), List, false, false).is_err());
         let many = vec!["application/json"; 13].join(",");
-        assert!(negotiate(Some(&many), List, false).is_err());
+        assert!(negotiate(Some(&many), List, false, false).is_err());
+    }
+
+    #[test]
+    fn browsers_and_http_tools_get_the_apiservers_indented_json() {
+        for ua in ["curl/8.5.0", "Wget/1.21", "Mozilla/5.0 (X11)"] {
+            let pretty = pretty_agent(Some(ua.as_bytes()));
+            assert!(pretty, "{ua}");
+            for accept in [None, Some("application/json"), Some("*/*")] {
+                assert!(
+                    negotiate(accept, Get, false, pretty).is_err(),
+                    "{ua} {accept:?}"
+                );
+                assert!(
+                    negotiate(accept, List, false, pretty).is_err(),
+                    "{ua} {accept:?}"
+                );
+                assert_eq!(
+                    negotiate(accept, Watch, false, pretty),
+                    Ok(Encoding::Json),
+                    "watch events are never indented"
+                );
+            }
+        }
+        for ua in ["kubectl/v1.36.3", "Curl", "mozilla/5.0", ""] {
+            assert!(!pretty_agent(Some(ua.as_bytes())), "{ua}");
+        }
+        assert!(!pretty_agent(None));
     }
 }

@@ -28,7 +28,10 @@ pub enum Delivery {
 pub enum Encoding {
     /// The full object as JSON.
     Json,
-    /// `as=PartialObjectMetadata;g=meta.k8s.io;v=v1` (metadata-only informers).
+    /// Metadata only (metadata informers): objects and watch events as
+    /// `PartialObjectMetadata` of meta.k8s.io/v1, lists as `PartialObjectMetadataList` whose
+    /// items carry that type meta, as the apiserver writes them. Which reads get it is
+    /// `read::router::negotiate`'s decision.
     Metadata,
 }
 

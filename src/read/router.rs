@@ -7,7 +7,7 @@
 
 use std::sync::Arc;
 
-use http::Method;
+use http::{HeaderMap, Method, header};
 
 use crate::cache::ResourceCache;
 use crate::cache::event::Encoding;
@@ -51,45 +51,243 @@ impl Route {
     }
 }
 
-/// What a response may be encoded as, from `Accept` (in the client's order of preference).
-/// `None` when nothing the cache writes is acceptable (protobuf only, `as=Table`).
-pub fn negotiate(accept: Option<&str>, list: bool) -> Option<Encoding> {
-    let Some(accept) = accept.filter(|a| !a.trim().is_empty()) else {
-        return Some(Encoding::Json);
-    };
-    for mt in accept.split(',') {
-        let mut parts = mt.split(';').map(str::trim);
-        let ty = parts.next().unwrap_or("");
-        let mut as_ = None;
-        let mut g = None;
-        let mut v = None;
-        for p in parts {
-            match p.split_once('=') {
-                Some(("as", x)) => as_ = Some(x),
-                Some(("g", x)) => g = Some(x),
-                Some(("v", x)) => v = Some(x),
-                _ => {}
+/// A read, as content negotiation sees it: what the apiserver transforms an object or a list
+/// into depends on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadKind {
+    Get,
+    List,
+    Watch,
+}
+
+/// The media types a resource endpoint of kube-apiserver serves, in its order (the codec
+/// factory's: JSON, YAML, protobuf, then CBOR where its feature gate is on). `*/*` and
+/// `application/*` take the first one a clause's parameters allow.
+const SERVED: [(&str, &str); 4] = [
+    ("application", "json"),
+    ("application", "yaml"),
+    ("application", "vnd.kubernetes.protobuf"),
+    ("application", "cbor"),
+];
+
+/// One clause of an Accept header, as goautoneg parses it.
+#[derive(Debug)]
+struct Clause<'a> {
+    ty: &'a str,
+    sub: &'a str,
+    q: f32,
+    /// In header order; a repeated key's last value counts (Go map semantics).
+    params: Vec<(&'a str, &'a str)>,
+}
+
+impl<'a> Clause<'a> {
+    fn param(&self, key: &str) -> Option<&'a str> {
+        self.params
+            .iter()
+            .rev()
+            .find(|(k, _)| *k == key)
+            .map(|p| p.1)
+    }
+
+    /// goautoneg's ordering: higher q first, then concrete types before `*`, then concrete
+    /// subtypes before `*` (not a strict order: `parse_accept` sorts with it as Go does).
+    fn less(&self, other: &Clause<'_>) -> bool {
+        self.q > other.q
+            || (self.ty != "*" && other.ty == "*")
+            || (self.sub != "*" && other.sub == "*")
+    }
+}
+
+/// Parses an Accept header exactly as github.com/munnerz/goautoneg `ParseAccept` (what
+/// kube-apiserver negotiates with), then orders it as Go's `sort.Sort` does for up to 12
+/// clauses (an insertion sort). `None` when the order cannot be reproduced here: more than
+/// 12 clauses (Go then sorts unstably) or a q-value Rust and Go may parse differently.
+fn parse_accept(header: &str) -> Option<Vec<Clause<'_>>> {
+    fn trim(s: &str) -> &str {
+        s.trim_matches(' ')
+    }
+    fn split(s: &str, sep: char) -> (&str, &str) {
+        s.split_once(sep).unwrap_or((s, ""))
+    }
+    let mut clauses = Vec::new();
+    let mut remaining = header;
+    while !remaining.is_empty() {
+        let (part, rest) = split(remaining, ',');
+        remaining = rest;
+        let (media, mut params) = split(trim(part), ';');
+        let (ty, sub) = split(media, '/');
+        let ty = trim(ty);
+        let sub = if sub.is_empty() {
+            if ty != "*" {
+                continue;
+            }
+            "*"
+        } else {
+            let (sub, extra) = split(sub, '/');
+            if !extra.is_empty() {
+                continue;
+            }
+            trim(sub)
+        };
+        let mut clause = Clause {
+            ty,
+            sub,
+            q: 1.0,
+            params: Vec::new(),
+        };
+        while !params.is_empty() {
+            let (p, rest) = split(params, ';');
+            params = rest;
+            let (key, value) = split(p, '=');
+            if value.is_empty() {
+                continue;
+            }
+            let (value, extra) = split(value, '=');
+            if !extra.is_empty() {
+                continue;
+            }
+            if trim(key) == "q" {
+                clause.q = value.parse().ok()?;
+            } else {
+                clause.params.push((trim(key), trim(value)));
             }
         }
-        if !matches!(ty, "application/json" | "*/*" | "application/*") {
-            continue;
-        }
-        match (as_, g, v) {
-            (None, _, _) => return Some(Encoding::Json),
-            (Some("PartialObjectMetadataList"), Some("meta.k8s.io"), Some("v1")) if list => {
-                return Some(Encoding::Metadata);
-            }
-            (Some("PartialObjectMetadata"), Some("meta.k8s.io"), Some("v1")) if !list => {
-                return Some(Encoding::Metadata);
-            }
-            // Watches of metadata informers ask for the list form of the type as well.
-            (Some("PartialObjectMetadataList"), Some("meta.k8s.io"), Some("v1")) => {
-                return Some(Encoding::Metadata);
-            }
-            _ => continue,
+        clauses.push(clause);
+    }
+    if clauses.len() > 12 {
+        return None;
+    }
+    for i in 1..clauses.len() {
+        let mut j = i;
+        while j > 0 && clauses[j].less(&clauses[j - 1]) {
+            clauses.swap(j, j - 1);
+            j -= 1;
         }
     }
-    None
+    Some(clauses)
+}
+
+/// What the apiserver makes of a clause for one of its media types
+/// (k8s.io/apiserver `acceptMediaTypeOptions` with a resource endpoint's restrictions).
+enum Verdict {
+    /// The endpoint cannot serve it: the apiserver tries the next one.
+    Skip,
+    /// The apiserver's answer; `Ok` when the cache writes the same.
+    Wins(Result<Encoding, &'static str>),
+}
+
+fn verdict(c: &Clause<'_>, media: &str, read: ReadKind, custom: bool, pretty: bool) -> Verdict {
+    let json = media == "json";
+    if let Some(stream) = c.param("stream").filter(|s| !s.is_empty())
+        && (stream != "watch" || media == "yaml")
+    {
+        return Verdict::Skip;
+    }
+    // `sv` must name the endpoint's meta group version; leave it to the apiserver.
+    if c.param("sv").is_some_and(|v| !v.is_empty()) {
+        return Verdict::Wins(Err("encoding: sv"));
+    }
+    let convert = ["as", "g", "v"]
+        .iter()
+        .any(|k| c.param(k).is_some())
+        .then(|| {
+            (
+                c.param("as").unwrap_or(""),
+                c.param("g").unwrap_or(""),
+                c.param("v").unwrap_or(""),
+            )
+        });
+    let Some((kind, group, version)) = convert else {
+        // Custom resources are not served as protobuf (their endpoint's standard serializers).
+        if custom && media == "vnd.kubernetes.protobuf" {
+            return Verdict::Skip;
+        }
+        if !json {
+            return Verdict::Wins(Err("encoding: not JSON"));
+        }
+        return Verdict::Wins(pretty_ok(Some(c), read, pretty).map(|()| Encoding::Json));
+    };
+    if group != "meta.k8s.io" || !matches!(version, "v1" | "v1beta1") {
+        return Verdict::Skip;
+    }
+    match kind {
+        "Table" if json || media == "yaml" => Verdict::Wins(Err("encoding: Table")),
+        "PartialObjectMetadata" | "PartialObjectMetadataList" => {
+            if !json || version != "v1" {
+                return Verdict::Wins(Err("encoding: metadata not as JSON meta.k8s.io/v1"));
+            }
+            // The apiserver refuses the list form for one object and the object form for a
+            // list (406); a watch asking for the list form gets whatever its transform
+            // falls back to: the apiserver's to write, all three.
+            let fits = match read {
+                ReadKind::Get | ReadKind::Watch => kind == "PartialObjectMetadata",
+                ReadKind::List => kind == "PartialObjectMetadataList",
+            };
+            if !fits {
+                return Verdict::Wins(Err("encoding: metadata form of another read"));
+            }
+            Verdict::Wins(pretty_ok(Some(c), read, pretty).map(|()| Encoding::Metadata))
+        }
+        _ => Verdict::Skip,
+    }
+}
+
+/// `pretty=1`, or a `pretty_agent`, indents a GET's or LIST's JSON (not a watch's events);
+/// the cache writes it compact.
+fn pretty_ok(
+    c: Option<&Clause<'_>>,
+    read: ReadKind,
+    pretty_agent: bool,
+) -> Result<(), &'static str> {
+    if read != ReadKind::Watch && (pretty_agent || c.and_then(|c| c.param("pretty")) == Some("1")) {
+        return Err("encoding: pretty");
+    }
+    Ok(())
+}
+
+/// Browsers and command-line HTTP tools get indented JSON from the apiserver
+/// (k8s.io/apiserver `isPrettyPrint`, by User-Agent; its `pretty` query parameter is
+/// `read::plan`'s to refuse).
+pub fn pretty_agent(user_agent: Option<&[u8]>) -> bool {
+    user_agent.is_some_and(|ua| {
+        [&b"curl"[..], b"Wget", b"Mozilla/5.0"]
+            .iter()
+            .any(|p| ua.starts_with(p))
+    })
+}
+
+/// The representation a read gets, decided as kube-apiserver decides it
+/// (k8s.io/apiserver `negotiation.NegotiateMediaTypeOptions` over goautoneg): the clauses in
+/// goautoneg's order (q-value, then specificity), and the first clause one of the endpoint's
+/// media types can serve wins. `Ok` when the cache writes exactly that (JSON, or JSON
+/// PartialObjectMetadata / PartialObjectMetadataList of meta.k8s.io/v1); `Err(why)` when the
+/// apiserver must answer: protobuf, YAML, Table, other versions, indented JSON, or nothing
+/// acceptable (its 406). `custom`: the resource is a custom resource (no protobuf without a
+/// transform); `pretty`: the client is a [`pretty_agent`].
+pub fn negotiate(
+    accept: Option<&str>,
+    read: ReadKind,
+    custom: bool,
+    pretty: bool,
+) -> Result<Encoding, &'static str> {
+    let accept = accept.unwrap_or("").trim_matches([' ', '\t']);
+    if accept.is_empty() {
+        return pretty_ok(None, read, pretty).map(|()| Encoding::Json);
+    }
+    let clauses = parse_accept(accept).ok_or("encoding: Accept not reproducible")?;
+    for c in &clauses {
+        for (ty, sub) in SERVED {
+            let matches =
+                (c.ty == ty && (c.sub == sub || c.sub == "*")) || (c.ty == "*" && c.sub == "*");
+            if !matches {
+                continue;
+            }
+            if let Verdict::Wins(r) = verdict(c, sub, read, custom, pretty) {
+                return r;
+            }
+        }
+    }
+    Err("encoding: not acceptable")
 }
 
 /// The filter for a request's scope and selectors; `None` when the apiserver must answer
@@ -120,7 +318,7 @@ pub fn route(
     method: &Method,
     info: &RequestInfo,
     query: Option<&str>,
-    accept: Option<&str>,
+    headers: &HeaderMap,
     lookup: impl Fn(&str, &str, &str) -> Option<Arc<ResourceCache>>,
 ) -> Served<Route> {
     if *method != Method::GET {
@@ -140,6 +338,12 @@ pub fn route(
     if !cache.resource.namespaced && !info.namespace.is_empty() && info.resource != "namespaces" {
         return delegate("namespace on a cluster-scoped resource");
     }
+    // Go reads a header's bytes as they are; bytes that are not UTF-8 match nothing either way.
+    let accept = headers
+        .get(header::ACCEPT)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()));
+    let pretty = pretty_agent(headers.get(header::USER_AGENT).map(|v| v.as_bytes()));
+    let negotiate = |read| negotiate(accept.as_deref(), read, cache.resource.custom, pretty);
     let ns = if info.resource == "namespaces" {
         ""
     } else {
@@ -147,9 +351,7 @@ pub fn route(
     };
     match info.verb.as_str() {
         "watch" if info.name.is_empty() => {
-            let Some(enc) = negotiate(accept, true) else {
-                return delegate("encoding");
-            };
+            let enc = negotiate(ReadKind::Watch).or_else(delegate)?;
             let Some(params) = WatchParams::parse(query) else {
                 return delegate("watch parameters");
             };
@@ -174,9 +376,7 @@ pub fn route(
             })
         }
         "get" if !info.name.is_empty() => {
-            let Some(enc) = negotiate(accept, false) else {
-                return delegate("encoding");
-            };
+            let enc = negotiate(ReadKind::Get).or_else(delegate)?;
             // resourceVersion=0 ("any") or unset (most recent, when the consistency policy
             // confirms the cache); anything else is the apiserver's.
             let Some(at) = plan::get(query) else {
@@ -185,9 +385,7 @@ pub fn route(
             Ok(Route::Get { cache, enc, at })
         }
         "list" => {
-            let Some(enc) = negotiate(accept, true) else {
-                return delegate("encoding");
-            };
+            let enc = negotiate(ReadKind::List).or_else(delegate)?;
             let params = match ListParams::parse(query) {
                 Ok(p) => p,
                 Err(why) => return delegate(why),
@@ -221,47 +419,229 @@ pub fn route(
 mod tests {
     use super::*;
 
+    const KUBECTL_GET: &str = "application/json;as=Table;v=v1;g=meta.k8s.io,application/json;as=Table;v=v1beta1;g=meta.k8s.io,application/json";
+    const CLIENT_GO_PROTOBUF: &str = "application/vnd.kubernetes.protobuf,application/json";
+    const CLIENT_GO_PROTOBUF_ANY: &str = "application/vnd.kubernetes.protobuf, */*";
+    const METADATA_LIST: &str = "application/vnd.kubernetes.protobuf;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json";
+    const METADATA_OBJECT: &str = "application/vnd.kubernetes.protobuf;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json";
+    const METADATA_LIST_JSON: &str =
+        "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json";
+    const METADATA_OBJECT_JSON: &str =
+        "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1,application/json";
+
+    use ReadKind::{Get, List, Watch};
+
+    /// What the cache answers: `Some(encoding)`, or `None` for the apiserver.
+    fn n(accept: &str, read: ReadKind) -> Option<Encoding> {
+        negotiate(Some(accept), read, false, false).ok()
+    }
+
     #[test]
-    fn negotiation_prefers_the_clients_order() {
-        assert_eq!(negotiate(None, true), Some(Encoding::Json));
-        assert_eq!(
-            negotiate(Some("application/json"), true),
-            Some(Encoding::Json)
-        );
-        assert_eq!(
-            negotiate(Some("application/vnd.kubernetes.protobuf, */*"), true),
-            Some(Encoding::Json)
-        );
-        assert_eq!(
-            negotiate(Some("application/vnd.kubernetes.protobuf"), true),
-            None
-        );
-        assert_eq!(
-            negotiate(
-                Some(
-                    "application/vnd.kubernetes.protobuf;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json"
-                ),
-                true
+    fn real_clients_accept_headers_are_negotiated_as_the_apiserver_does() {
+        let json = Some(Encoding::Json);
+        let meta = Some(Encoding::Metadata);
+        // (Accept, GET, LIST, WATCH)
+        let table: &[(&str, [Option<Encoding>; 3])] = &[
+            // kubectl get, get -w, get -o wide: Table first, the apiserver's.
+            (KUBECTL_GET, [None, None, None]),
+            // client-go's default for built-in types: protobuf first.
+            (CLIENT_GO_PROTOBUF, [None, None, None]),
+            (CLIENT_GO_PROTOBUF_ANY, [None, None, None]),
+            // The metadata client: protobuf first (its list form for LIST, object form for
+            // GET and WATCH).
+            (METADATA_LIST, [None, None, None]),
+            (METADATA_OBJECT, [None, None, None]),
+            // ... and its JSON clauses alone: metadata where the form fits the read; the
+            // other form is the apiserver's (a GET of the list form is its 406).
+            (METADATA_LIST_JSON, [None, meta, None]),
+            (METADATA_OBJECT_JSON, [meta, None, meta]),
+            // The dynamic client, kube-rs, curl.
+            ("application/json", [json, json, json]),
+            ("application/json, */*", [json, json, json]),
+            ("*/*", [json, json, json]),
+            ("application/*", [json, json, json]),
+            ("*", [json, json, json]),
+            ("application/json;charset=utf-8", [json, json, json]),
+            ("application/json;stream=watch", [json, json, json]),
+            // Only what the cache cannot write.
+            ("application/yaml", [None, None, None]),
+            ("application/vnd.kubernetes.protobuf", [None, None, None]),
+            ("application/cbor", [None, None, None]),
+            (
+                "application/json;as=Table;v=v1;g=meta.k8s.io",
+                [None, None, None],
             ),
-            Some(Encoding::Metadata)
-        );
-        assert_eq!(
-            negotiate(
-                Some("application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"),
-                false
+            // Nothing acceptable: the apiserver's 406.
+            ("text/html", [None, None, None]),
+            ("application/xml, text/plain", [None, None, None]),
+            (
+                "application/json;as=Unknown;g=meta.k8s.io;v=v1",
+                [None, None, None],
             ),
-            Some(Encoding::Metadata)
-        );
-        assert_eq!(
-            negotiate(Some("application/json;as=Table;v=v1;g=meta.k8s.io"), true),
-            None
-        );
-        assert_eq!(
-            negotiate(
-                Some("application/json;as=Table;v=v1;g=meta.k8s.io,application/json"),
-                true
+            // Clauses the apiserver skips; the next one counts.
+            ("text/html, application/json", [json, json, json]),
+            (
+                "application/json;as=Unknown;g=meta.k8s.io;v=v1, application/json",
+                [json, json, json],
             ),
-            Some(Encoding::Json)
+            (
+                "application/json;as=Table;g=example.com;v=v1, application/json",
+                [json, json, json],
+            ),
+            (
+                "application/json;as=Table, application/json",
+                [json, json, json],
+            ),
+            (
+                "application/json;v=v1, application/json",
+                [json, json, json],
+            ),
+            (
+                "application/vnd.kubernetes.protobuf;as=Table;g=meta.k8s.io;v=v1, application/json",
+                [json, json, json],
+            ),
+            (
+                "application/yaml;stream=watch, application/json",
+                [json, json, json],
+            ),
+            (
+                "application/json;stream=other, application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1",
+                [meta, None, meta],
+            ),
+            // q-values and specificity order the clauses; q=0 still counts (last).
+            (
+                "application/vnd.kubernetes.protobuf;q=0.5, application/json",
+                [json, json, json],
+            ),
+            (
+                "application/json;q=0.5, application/vnd.kubernetes.protobuf",
+                [None, None, None],
+            ),
+            (
+                "application/json;q=0.9, application/yaml;q=0.8",
+                [json, json, json],
+            ),
+            ("application/json;q=0", [json, json, json]),
+            (
+                "application/yaml;q=0, application/json;q=0.1",
+                [json, json, json],
+            ),
+            ("*/*, application/yaml", [None, None, None]),
+            ("application/*, application/yaml", [None, None, None]),
+            (
+                "*/*;q=0.8, application/vnd.kubernetes.protobuf;q=0.9",
+                [None, None, None],
+            ),
+            ("application/json;q=0.5, */*", [json, json, json]),
+            // Other versions and encodings of the metadata forms are the apiserver's.
+            (
+                "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1beta1",
+                [None, None, None],
+            ),
+            (
+                "application/yaml;as=PartialObjectMetadata;g=meta.k8s.io;v=v1",
+                [None, None, None],
+            ),
+            (
+                "*/*;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1",
+                [None, meta, None],
+            ),
+            // pretty indents GET and LIST bodies, not watch events.
+            ("application/json;pretty=1", [None, None, json]),
+            ("application/json;pretty=0", [json, json, json]),
+            // Case and spacing as goautoneg reads them.
+            ("Application/JSON, application/yaml", [None, None, None]),
+            ("  application/json ; charset=utf-8 ", [json, json, json]),
+        ];
+        for (accept, want) in table {
+            for (read, want) in [Get, List, Watch].into_iter().zip(want) {
+                assert_eq!(n(accept, read), *want, "{accept:?} for {read:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn no_accept_is_json() {
+        for read in [Get, List, Watch] {
+            assert_eq!(negotiate(None, read, false, false), Ok(Encoding::Json));
+            assert_eq!(negotiate(Some(""), read, false, false), Ok(Encoding::Json));
+            assert_eq!(
+                negotiate(Some("  "), read, false, false),
+                Ok(Encoding::Json)
+            );
+        }
+    }
+
+    #[test]
+    fn custom_resources_skip_protobuf_unless_transformed() {
+        for read in [Get, List, Watch] {
+            assert_eq!(
+                negotiate(Some(CLIENT_GO_PROTOBUF), read, true, false),
+                Ok(Encoding::Json)
+            );
+            assert!(negotiate(Some(METADATA_LIST), read, true, false).is_err());
+            assert!(negotiate(Some(KUBECTL_GET), read, true, false).is_err());
+        }
+    }
+
+    #[test]
+    fn goautoneg_parsing_and_order_are_reproduced() {
+        let c =
+            parse_accept("a/b;x=1;x=2;q=0.5;bad;y=;z=1=2;w==, */*, */x, c/*, *, d/e/f, g, h/i/")
+                .unwrap();
+        let got: Vec<_> = c.iter().map(|c| (c.ty, c.sub, c.q)).collect();
+        assert_eq!(
+            got,
+            // As Go 1.26 orders it (checked against goautoneg itself): `less` is no strict
+            // order, so a concrete type does not always precede `c/*`.
+            [
+                ("h", "i", 1.0),
+                ("c", "*", 1.0),
+                ("*", "x", 1.0),
+                ("*", "*", 1.0),
+                ("*", "*", 1.0),
+                ("a", "b", 0.5)
+            ],
         );
+        let ab = c.iter().find(|c| c.ty == "a").unwrap();
+        assert_eq!(ab.param("x"), Some("2"));
+        assert_eq!(ab.param("y"), None);
+        assert_eq!(ab.param("z"), None);
+        assert_eq!(
+            ab.param("w"),
+            Some(""),
+            "'w==': the key w with an empty value, as Go's map holds it"
+        );
+        // Unreproducible in Rust: the apiserver decides.
+        assert!(negotiate(Some("application/json;q=0x1p-1"), List, false, false).is_err());
+        let many = vec!["application/json"; 13].join(",");
+        assert!(negotiate(Some(&many), List, false, false).is_err());
+    }
+
+    #[test]
+    fn browsers_and_http_tools_get_the_apiservers_indented_json() {
+        for ua in ["curl/8.5.0", "Wget/1.21", "Mozilla/5.0 (X11)"] {
+            let pretty = pretty_agent(Some(ua.as_bytes()));
+            assert!(pretty, "{ua}");
+            for accept in [None, Some("application/json"), Some("*/*")] {
+                assert!(
+                    negotiate(accept, Get, false, pretty).is_err(),
+                    "{ua} {accept:?}"
+                );
+                assert!(
+                    negotiate(accept, List, false, pretty).is_err(),
+                    "{ua} {accept:?}"
+                );
+                assert_eq!(
+                    negotiate(accept, Watch, false, pretty),
+                    Ok(Encoding::Json),
+                    "watch events are never indented"
+                );
+            }
+        }
+        for ua in ["kubectl/v1.36.3", "Curl", "mozilla/5.0", ""] {
+            assert!(!pretty_agent(Some(ua.as_bytes())), "{ua}");
+        }
+        assert!(!pretty_agent(None));
     }
 }

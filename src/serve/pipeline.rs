@@ -68,11 +68,7 @@ async fn serve_from_cache(
     info: &RequestInfo,
     query: Option<&str>,
 ) -> Served {
-    let accept = req
-        .headers()
-        .get(header::ACCEPT)
-        .and_then(|v| v.to_str().ok());
-    let route = router::route(req.method(), info, query, accept, |g, v, r| {
+    let route = router::route(req.method(), info, query, req.headers(), |g, v, r| {
         state.caches.get(g, v, r)
     })?;
     let namespaced = route.cache().resource.namespaced;

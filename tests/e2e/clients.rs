@@ -150,34 +150,33 @@ fn rv(cm: &ConfigMap) -> u64 {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn client_go_informers_converge_to_the_apiservers_state() {
-    let ns = "e2e-clientgo";
-    let env = env(ns).await;
-    env.churn(ns, "pre", 6).await;
-    let bin = tokio::task::spawn_blocking(kube_cache_proxy::app::dev::ensure_client_binaries)
-        .await
-        .unwrap()
-        .unwrap();
-    for mode in ["legacy", "watchlist", "metadata"] {
+/// A running `informer-check` (tests/e2e/go/cmd/informer-check): one client-go informer of
+/// ConfigMaps in a namespace.
+struct InformerCheck {
+    what: String,
+    child: std::process::Child,
+    stdin: Option<std::process::ChildStdin>,
+    lines: std::sync::mpsc::Receiver<String>,
+    stderr: Option<std::thread::JoinHandle<Vec<String>>>,
+}
+
+impl InformerCheck {
+    fn spawn(bin: &std::path::Path, kubeconfig: &std::path::Path, ns: &str, args: &[&str]) -> Self {
         let mut child = Command::new(bin.join("informer-check"))
             .args([
                 "--kubeconfig",
-                env.proxy_kubeconfig.to_str().unwrap(),
+                kubeconfig.to_str().unwrap(),
                 "--namespace",
                 ns,
-                "--mode",
-                mode,
-                "--resource",
-                "configmaps",
             ])
+            .args(["--resource", "configmaps"])
+            .args(args)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let mut stdin = child.stdin.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        let (tx, lines) = std::sync::mpsc::channel::<String>();
         let stdout = child.stdout.take().unwrap();
         std::thread::spawn(move || {
             for l in BufReader::new(stdout).lines().map_while(Result::ok) {
@@ -185,35 +184,40 @@ async fn client_go_informers_converge_to_the_apiservers_state() {
             }
         });
         let stderr = child.stderr.take().unwrap();
-        let err_lines = std::thread::spawn(move || {
+        let stderr = std::thread::spawn(move || {
             BufReader::new(stderr)
                 .lines()
                 .map_while(Result::ok)
                 .collect::<Vec<_>>()
         });
-        let next = |prefix: &str| loop {
-            let l = rx
+        InformerCheck {
+            what: format!("informer-check {args:?} ({})", kubeconfig.display()),
+            stdin: child.stdin.take(),
+            child,
+            lines,
+            stderr: Some(stderr),
+        }
+    }
+
+    /// The next stdout line starting with `prefix` (others are skipped).
+    fn next(&self, prefix: &str) -> String {
+        loop {
+            let l = self
+                .lines
                 .recv_timeout(BOUND)
-                .unwrap_or_else(|_| panic!("{mode}: no {prefix} line"));
+                .unwrap_or_else(|_| panic!("{}: no {prefix} line", self.what));
             if l.starts_with(prefix) {
                 return l;
             }
-        };
-        let m = next("MODE");
-        assert!(
-            m.contains(if mode == "watchlist" {
-                "WatchListClient=true"
-            } else {
-                "WatchListClient=false"
-            }),
-            "{m}"
-        );
-        next("SYNCED");
-        let last = env.churn(ns, mode, 9).await;
-        writeln!(stdin, "WAIT {last}").unwrap();
-        let cache = next("CACHE ");
+        }
+    }
+
+    /// Waits until the informer has seen the write at `rv`; its cache: name -> (uid, RV).
+    fn wait(&mut self, rv: u64) -> BTreeMap<String, (String, String)> {
+        writeln!(self.stdin.as_mut().unwrap(), "WAIT {rv}").unwrap();
+        let cache = self.next("CACHE ");
         let cache: Vec<serde_json::Value> = serde_json::from_str(&cache["CACHE ".len()..]).unwrap();
-        let seen: BTreeMap<String, (String, String)> = cache
+        cache
             .iter()
             .map(|e| {
                 (
@@ -224,16 +228,48 @@ async fn client_go_informers_converge_to_the_apiservers_state() {
                     ),
                 )
             })
-            .collect();
+            .collect()
+    }
+
+    /// Ends the program (it must exit 0); its stderr lines.
+    fn finish(mut self) -> Vec<String> {
+        drop(self.stdin.take());
+        let status = self.child.wait().unwrap();
+        let errs = self.stderr.take().unwrap().join().unwrap();
+        assert!(status.success(), "{}: {errs:?}", self.what);
+        errs
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_go_informers_converge_to_the_apiservers_state() {
+    let ns = "e2e-clientgo";
+    let env = env(ns).await;
+    env.churn(ns, "pre", 6).await;
+    let bin = tokio::task::spawn_blocking(kube_cache_proxy::app::dev::ensure_client_binaries)
+        .await
+        .unwrap()
+        .unwrap();
+    for mode in ["legacy", "watchlist", "metadata"] {
+        let mut ic = InformerCheck::spawn(&bin, &env.proxy_kubeconfig, ns, &["--mode", mode]);
+        let m = ic.next("MODE");
+        assert!(
+            m.contains(if mode == "watchlist" {
+                "WatchListClient=true"
+            } else {
+                "WatchListClient=false"
+            }),
+            "{m}"
+        );
+        ic.next("SYNCED");
+        let last = env.churn(ns, mode, 9).await;
+        let seen = ic.wait(last);
         let (truth, _) = env.truth(ns).await;
         assert_eq!(
             seen, truth,
             "{mode}: the informer's cache differs from the apiserver"
         );
-        drop(stdin);
-        let status = child.wait().unwrap();
-        let errs = err_lines.join().unwrap();
-        assert!(status.success(), "{mode}: {errs:?}");
+        let errs = ic.finish();
         let requests: Vec<_> = errs.iter().filter(|l| l.starts_with("REQUEST ")).collect();
         if mode == "watchlist" {
             assert!(
@@ -615,6 +651,283 @@ async fn a_hundred_watchers_cost_the_apiserver_one_watch() {
     for t in tasks {
         t.abort();
     }
+    env.proxy.shutdown().await;
+    env.cp.stop().await;
+}
+
+/// Counts of a finished informer-check's requests: (LISTs, WATCHes) of configmaps, and its
+/// watch and decode errors.
+fn informer_traffic(errs: &[String]) -> (usize, usize, Vec<&String>) {
+    let requests = errs
+        .iter()
+        .filter(|l| l.starts_with("REQUEST ") && l.contains("/configmaps"));
+    let watches = requests
+        .clone()
+        .filter(|l| l.contains("watch=true"))
+        .count();
+    let lists = requests.count() - watches;
+    let errors = errs
+        .iter()
+        .filter(|l| l.contains("watch error") || l.contains("decode"))
+        .collect();
+    (lists, watches, errors)
+}
+
+/// Requests for configmaps the proxy served from its cache, from its metrics.
+async fn configmaps_served_from_cache(env: &Env) -> f64 {
+    let c = env.proxy.client(None, false);
+    let m = support::proxy::body_string(c.get(&env.proxy.https("/metrics"), None).await).await;
+    support::watch_validator::sum_metric(
+        &m,
+        "kube_cache_proxy_requests_total",
+        &["resource=\"configmaps\"", "served_by=\"cache\""],
+    )
+}
+
+/// A client-go metadata informer (`metadatainformer`) decodes every watch event through the
+/// proxy as it does direct, so a bounded number of writes costs it no relist: one LIST, one
+/// WATCH, no watch or decode error. With the client's own Accept (protobuf first) the
+/// apiserver answers; with its JSON clauses only (`--accept=json`) the cache answers, with
+/// PartialObjectMetadataList and PartialObjectMetadata events.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metadata_informers_do_not_relist_under_writes() {
+    let ns = "e2e-metadata";
+    let env = env(ns).await;
+    env.churn(ns, "pre", 3).await;
+    let bin = tokio::task::spawn_blocking(kube_cache_proxy::app::dev::ensure_client_binaries)
+        .await
+        .unwrap()
+        .unwrap();
+    let api = Api::<ConfigMap>::namespaced(env.admin.clone(), ns);
+    let runs = [
+        ("direct", &env.direct_kubeconfig, "client"),
+        ("direct", &env.direct_kubeconfig, "json"),
+        ("proxy", &env.proxy_kubeconfig, "client"),
+        ("proxy", &env.proxy_kubeconfig, "json"),
+    ];
+    for (run, (via, kubeconfig, accept)) in runs.into_iter().enumerate() {
+        let what = format!("{via}, accept={accept}");
+        let cached_before = configmaps_served_from_cache(&env).await;
+        let mut ic = InformerCheck::spawn(
+            &bin,
+            kubeconfig,
+            ns,
+            &["--mode", "metadata", "--accept", accept],
+        );
+        ic.next("SYNCED");
+        // Twenty writes, each one event the informer's watch must decode.
+        let mut last = 0;
+        for i in 0..10 {
+            let cm: ConfigMap = serde_json::from_value(
+                json!({"metadata": {"name": format!("m{run}-{i}"), "labels": {"i": i.to_string()}}}),
+            )
+            .unwrap();
+            api.create(&PostParams::default(), &cm).await.unwrap();
+            let p = json!({"metadata": {"labels": {"touched": "yes"}}});
+            last = rv(&api
+                .patch(
+                    &format!("m{run}-{i}"),
+                    &PatchParams::default(),
+                    &Patch::Merge(&p),
+                )
+                .await
+                .unwrap());
+        }
+        let seen = ic.wait(last);
+        let (truth, _) = env.truth(ns).await;
+        assert_eq!(seen, truth, "{what}: the informer's cache");
+        let errs = ic.finish();
+        let (lists, watches, errors) = informer_traffic(&errs);
+        assert!(errors.is_empty(), "{what}: {errors:?}");
+        assert_eq!(
+            (lists, watches),
+            (1, 1),
+            "{what}: relisted or rewatched: {errs:?}"
+        );
+        let from_cache = configmaps_served_from_cache(&env).await - cached_before;
+        match (via, accept) {
+            // The LIST and the WATCH.
+            ("proxy", "json") => assert_eq!(from_cache, 2.0, "{what}"),
+            // Protobuf is the apiserver's to write.
+            _ => assert_eq!(from_cache, 0.0, "{what}"),
+        }
+    }
+    env.proxy.shutdown().await;
+    env.cp.stop().await;
+}
+
+/// kubectl's table output as cells, the time columns (AGE, DURATION) blanked. Each table's
+/// header gives its columns' start offsets (kubectl's tabwriter starts every cell of a column
+/// there); a blank line ends a table (`get all` prints several).
+fn table_cells(out: &str) -> Vec<Vec<String>> {
+    let mut rows = Vec::new();
+    let mut header: Vec<(usize, String)> = Vec::new();
+    for line in out.lines() {
+        if line.trim().is_empty() {
+            header.clear();
+            rows.push(Vec::new());
+            continue;
+        }
+        if header.is_empty() {
+            let b = line.as_bytes();
+            let starts: Vec<usize> = (0..b.len())
+                .filter(|&i| {
+                    b[i] != b' ' && (i == 0 || (i >= 2 && b[i - 1] == b' ' && b[i - 2] == b' '))
+                })
+                .collect();
+            header = starts
+                .iter()
+                .enumerate()
+                .map(|(k, &s)| {
+                    let end = starts.get(k + 1).copied().unwrap_or(line.len());
+                    (s, line[s..end].trim().to_string())
+                })
+                .collect();
+        }
+        let cells = header
+            .iter()
+            .enumerate()
+            .map(|(k, (s, name))| {
+                let end = header
+                    .get(k + 1)
+                    .map_or(line.len(), |h| h.0)
+                    .min(line.len());
+                let cell = line.get((*s).min(end)..end).unwrap_or("").trim();
+                if matches!(name.as_str(), "AGE" | "DURATION") && cell != name {
+                    "<age>".to_string()
+                } else {
+                    cell.to_string()
+                }
+            })
+            .collect();
+        rows.push(cells);
+    }
+    rows
+}
+
+/// `kubectl get` prints the same tables through the proxy as direct (READY, STATUS, RESTARTS,
+/// the wide columns: the apiserver's Table, not a client-side fallback), and `get -w` the
+/// same lines for the same writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubectl_get_prints_the_same_tables_through_the_proxy() {
+    let ns = "e2e-kget";
+    let env = env(ns).await;
+    let pods = Api::<k8s_openapi::api::core::v1::Pod>::namespaced(env.admin.clone(), ns);
+    let pod = |name: &str, containers: usize| -> k8s_openapi::api::core::v1::Pod {
+        let cs: Vec<_> = (0..containers)
+            .map(|i| json!({"name": format!("c{i}"), "image": "busybox"}))
+            .collect();
+        serde_json::from_value(json!({"metadata": {"name": name, "labels": {"app": name}}, "spec": {"containers": cs}})).unwrap()
+    };
+    for (name, n) in [("one", 1), ("two", 2)] {
+        pods.create(&PostParams::default(), &pod(name, n))
+            .await
+            .unwrap();
+    }
+    let svc = serde_json::from_value(json!({"metadata": {"name": "svc"}, "spec": {"selector": {"app": "one"}, "ports": [{"port": 80}]}})).unwrap();
+    Api::<k8s_openapi::api::core::v1::Service>::namespaced(env.admin.clone(), ns)
+        .create(&PostParams::default(), &svc)
+        .await
+        .unwrap();
+    let deploy = serde_json::from_value(json!({"metadata": {"name": "d"}, "spec": {"selector": {"matchLabels": {"app": "d"}}, "template": {"metadata": {"labels": {"app": "d"}}, "spec": {"containers": [{"name": "c", "image": "busybox"}]}}}})).unwrap();
+    Api::<k8s_openapi::api::apps::v1::Deployment>::namespaced(env.admin.clone(), ns)
+        .create(&PostParams::default(), &deploy)
+        .await
+        .unwrap();
+    let (pk, dk) = (&env.proxy_kubeconfig, &env.direct_kubeconfig);
+    for args in [
+        &["get", "pods", "-A"][..],
+        &["get", "pods", "-A", "-o", "wide"][..],
+        &["get", "ns"][..],
+        &["get", "all", "-A"][..],
+    ] {
+        let what = format!("kubectl {args:?} through the proxy prints what it prints direct");
+        eventually(&what, BOUND, async || {
+            let direct = kubectl(&env, dk, args);
+            let via = kubectl(&env, pk, args);
+            assert!(direct.0 && via.0, "{direct:?} {via:?}");
+            let same = table_cells(&direct.1) == table_cells(&via.1);
+            ok_if(
+                same,
+                format!("direct:\n{}\nvia the proxy:\n{}", direct.1, via.1),
+            )
+        })
+        .await;
+    }
+    // get -w: the initial rows, then a few writes, up to a last create both must print.
+    let watch = |kubeconfig: &PathBuf| {
+        let mut w = Command::new(env.cp.kubectl())
+            .arg("--kubeconfig")
+            .arg(kubeconfig)
+            .args(["get", "pods", "-n", ns, "-w"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        let out = w.stdout.take().unwrap();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        (w, rx)
+    };
+    let watches = [watch(dk), watch(pk)];
+    // The header and the two pods, on both, before the writes.
+    let mut lines: Vec<Vec<String>> = watches
+        .iter()
+        .map(|(_, rx)| {
+            (0..3)
+                .map(|_| rx.recv_timeout(BOUND).expect("initial rows"))
+                .collect()
+        })
+        .collect();
+    pods.create(&PostParams::default(), &pod("three", 3))
+        .await
+        .unwrap();
+    let p = json!({"metadata": {"labels": {"touched": "yes"}}});
+    pods.patch("one", &PatchParams::default(), &Patch::Merge(&p))
+        .await
+        .unwrap();
+    pods.delete("two", &DeleteParams::default()).await.unwrap();
+    pods.create(&PostParams::default(), &pod("zz-end", 1))
+        .await
+        .unwrap();
+    for ((_, rx), lines) in watches.iter().zip(&mut lines) {
+        loop {
+            let l = rx.recv_timeout(BOUND).expect("watch rows up to zz-end");
+            let end = l.starts_with("zz-end ");
+            lines.push(l);
+            if end {
+                break;
+            }
+        }
+    }
+    for (mut w, _) in watches {
+        let _ = w.kill();
+        let _ = w.wait();
+    }
+    // Rows are flushed one by one, so split on whitespace; AGE by the header's position.
+    let normalise = |lines: &[String]| -> Vec<Vec<String>> {
+        let age = lines[0].split_whitespace().position(|h| h == "AGE");
+        lines
+            .iter()
+            .enumerate()
+            .map(|(i, l)| {
+                l.split_whitespace()
+                    .enumerate()
+                    .map(|(k, c)| if i > 0 && Some(k) == age { "<age>" } else { c })
+                    .map(String::from)
+                    .collect()
+            })
+            .collect()
+    };
+    assert_eq!(
+        normalise(&lines[1]),
+        normalise(&lines[0]),
+        "kubectl get -w through the proxy (left) and direct (right)"
+    );
     env.proxy.shutdown().await;
     env.cp.stop().await;
 }

@@ -9,6 +9,10 @@
 //	           sendInitialEvents=true, ended by the "k8s.io/initial-events-end" bookmark
 //	metadata   metadatainformer (PartialObjectMetadata); WatchListClient OFF unless --watch-list=true
 //
+// --accept=json (metadata mode) drops the protobuf clauses from every Accept header the
+// informer sends, so its LIST and WATCH ask for JSON PartialObjectMetadata(List) only (the
+// metadata client always puts protobuf first, which the proxy hands to the apiserver).
+//
 // client-go reads its feature gates from KUBE_FEATURE_<name> environment variables on first use;
 // this program sets KUBE_FEATURE_WatchListClient itself before any informer exists (overriding
 // the caller's environment) and reports the effective state, read back from client-go.
@@ -87,7 +91,11 @@ func run() error {
 	mode := flag.String("mode", "legacy", "legacy | watchlist | metadata")
 	resource := flag.String("resource", "configmaps", "configmaps | pods")
 	watchList := flag.String("watch-list", "auto", "WatchListClient gate: auto (by mode) | true | false")
+	accept := flag.String("accept", "client", "client (the client's own Accept) | json (protobuf clauses dropped)")
 	flag.Parse()
+	if *accept != "client" && *accept != "json" {
+		usage("--accept must be client or json")
+	}
 	if *kubeconfig == "" {
 		usage("--kubeconfig is required")
 	}
@@ -127,7 +135,7 @@ func run() error {
 	}
 	// The informer's own traffic is what is under test; no client-side throttling.
 	cfg.QPS, cfg.Burst = 1000, 1000
-	cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper { return logRequests{rt} })
+	cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper { return logRequests{rt, *accept == "json"} })
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -279,10 +287,24 @@ func dump(store cache.Store) ([]byte, error) {
 	return json.Marshal(entries)
 }
 
-// logRequests logs each request's method, URL and Accept header to stderr.
-type logRequests struct{ next http.RoundTripper }
+// logRequests logs each request's method, URL and Accept header to stderr; with jsonOnly it
+// first drops the Accept header's protobuf clauses.
+type logRequests struct {
+	next     http.RoundTripper
+	jsonOnly bool
+}
 
 func (l logRequests) RoundTrip(r *http.Request) (*http.Response, error) {
+	if accept := r.Header.Get("Accept"); l.jsonOnly && accept != "" {
+		var kept []string
+		for _, clause := range strings.Split(accept, ",") {
+			if !strings.HasPrefix(strings.TrimSpace(clause), "application/vnd.kubernetes.protobuf") {
+				kept = append(kept, clause)
+			}
+		}
+		r = r.Clone(r.Context())
+		r.Header.Set("Accept", strings.Join(kept, ","))
+	}
 	fmt.Fprintf(os.Stderr, "REQUEST %s %s accept=%s\n", r.Method, r.URL.String(), r.Header.Get("Accept"))
 	return l.next.RoundTrip(r)
 }

@@ -288,6 +288,32 @@ pub struct ServerConfig {
     /// Time allowed to receive a request head on HTTP/1.1 (slowloris protection).
     #[serde(with = "duration")]
     pub header_read_timeout: Duration,
+    /// The admin listener: the proxy's own `/livez`, `/readyz`, `/healthz` (open, for
+    /// probes), `/metrics` and `/debug/*` (authenticated and authorized, see `adminAuth`).
+    /// The API port (`listen`) is the apiserver's whole surface: these paths there are the
+    /// apiserver's. TLS with the serving certificate (`tls.certFile`); without one (local
+    /// use with `insecureListen` only) plain HTTP, loopback only unless
+    /// `allowInsecureNonLoopback`. Unset: `0.0.0.0:8444` with TLS, `127.0.0.1:8444` without
+    /// ([`Config::admin_addr`]); 8444 is the port next to the API port's 8443.
+    pub admin_listen: Option<SocketAddr>,
+    /// Who may read `/metrics` and `/debug/*` on the admin listener: `kubernetes` (default,
+    /// as kube-rbac-proxy: the caller is authenticated as reads are, then a
+    /// SubjectAccessReview for the non-resource URL, e.g. `get` on `/metrics`; 401/403
+    /// otherwise) or `none` (anyone who reaches the port: for local use only).
+    pub admin_auth: AdminAuth,
+}
+
+/// Who may read the admin listener's `/metrics` and `/debug/*` (`server.adminAuth`).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum AdminAuth {
+    /// Authentication as for reads, then a SubjectAccessReview on the non-resource URL.
+    #[default]
+    Kubernetes,
+    /// No authentication or authorization: anyone who reaches the port (local use only).
+    None,
 }
 
 impl Default for ServerConfig {
@@ -302,6 +328,8 @@ impl Default for ServerConfig {
             max_request_body_bytes: 3 * 1024 * 1024,
             max_connections: 10_000,
             header_read_timeout: Duration::from_secs(30),
+            admin_listen: None,
+            admin_auth: AdminAuth::Kubernetes,
         }
     }
 }
@@ -738,6 +766,19 @@ pub enum ConfigError {
 }
 
 impl Config {
+    /// The admin listener's address: `server.adminListen`, else `0.0.0.0:8444` with the TLS
+    /// listener and `127.0.0.1:8444` without (plain HTTP stays on loopback).
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.server.admin_listen.unwrap_or_else(|| {
+            let ip = if self.tls.cert_file.is_some() {
+                [0, 0, 0, 0]
+            } else {
+                [127, 0, 0, 1]
+            };
+            SocketAddr::from((ip, 8444))
+        })
+    }
+
     /// Parses YAML text into a config, reporting syntax and type errors with field paths.
     pub fn from_yaml(text: &str) -> Result<Config, ConfigError> {
         if text.trim().is_empty() {
@@ -822,6 +863,30 @@ impl Config {
                     "{addr} is not a loopback address; plain HTTP would expose callers' tokens \
                      (set allowInsecureNonLoopback to override)"
                 ),
+            );
+        }
+        if self.tls.cert_file.is_none()
+            && let Some(addr) = self.server.admin_listen
+            && !addr.ip().is_loopback()
+            && !self.allow_insecure_non_loopback
+        {
+            err(
+                "server.adminListen",
+                format!(
+                    "{addr} is not a loopback address and there is no serving certificate \
+                     (tls.certFile): plain HTTP would expose callers' tokens (set \
+                     allowInsecureNonLoopback to override)"
+                ),
+            );
+        }
+        let admin = self.admin_addr();
+        if admin.port() != 0
+            && (self.tls.cert_file.is_some() && admin.port() == self.listen.port()
+                || self.insecure_listen.is_some_and(|i| i.port() == admin.port()))
+        {
+            err(
+                "server.adminListen",
+                "must be another port than listen and insecureListen".into(),
             );
         }
         if self.server.http2_max_concurrent_streams == 0 {

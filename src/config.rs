@@ -1026,6 +1026,43 @@ mod tests {
     }
 
     #[test]
+    fn the_admin_listener_defaults_by_transport_and_refuses_clear_text_off_loopback() {
+        let mut cfg = Config {
+            insecure_listen: Some("127.0.0.1:8080".parse().unwrap()),
+            ..Config::default()
+        };
+        // Without a serving certificate: plain HTTP, so loopback by default.
+        assert_eq!(cfg.admin_addr(), "127.0.0.1:8444".parse().unwrap());
+        cfg.validate().unwrap();
+        cfg.server.admin_listen = Some("0.0.0.0:9000".parse().unwrap());
+        let ConfigError::Invalid(errs) = cfg.validate().unwrap_err() else {
+            panic!()
+        };
+        assert_eq!(errs[0].path, "server.adminListen");
+        cfg.allow_insecure_non_loopback = true;
+        cfg.validate().unwrap();
+        // The same port as another listener.
+        cfg.server.admin_listen = Some("127.0.0.1:8080".parse().unwrap());
+        assert!(cfg.validate().is_err());
+        // With TLS: all interfaces by default, another port than the API's.
+        let mut tls = Config::default();
+        tls.tls.cert_file = Some("/c".into());
+        tls.tls.key_file = Some("/k".into());
+        assert_eq!(tls.admin_addr(), "0.0.0.0:8444".parse().unwrap());
+        tls.validate().unwrap();
+        tls.server.admin_listen = Some("0.0.0.0:8443".parse().unwrap());
+        assert!(tls.validate().is_err());
+        // Port 0 (tests) never conflicts.
+        tls.server.admin_listen = Some("127.0.0.1:0".parse().unwrap());
+        tls.validate().unwrap();
+        let y = Config::from_yaml("server:\n  adminListen: 127.0.0.1:9444\n  adminAuth: none\n")
+            .unwrap();
+        assert_eq!(y.server.admin_auth, AdminAuth::None);
+        assert_eq!(y.admin_addr(), "127.0.0.1:9444".parse().unwrap());
+        assert!(Config::from_yaml("server:\n  adminAuth: off\n").is_err());
+    }
+
+    #[test]
     fn type_errors_name_the_field() {
         let e = Config::from_yaml("server:\n  http2MaxConcurrentStreams: lots\n").unwrap_err();
         let ConfigError::Invalid(errs) = e else {

@@ -304,9 +304,7 @@ pub struct ServerConfig {
 }
 
 /// Who may read the admin listener's `/metrics` and `/debug/*` (`server.adminAuth`).
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum AdminAuth {
     /// Authentication as for reads, then a SubjectAccessReview on the non-resource URL.
@@ -882,7 +880,9 @@ impl Config {
         let admin = self.admin_addr();
         if admin.port() != 0
             && (self.tls.cert_file.is_some() && admin.port() == self.listen.port()
-                || self.insecure_listen.is_some_and(|i| i.port() == admin.port()))
+                || self
+                    .insecure_listen
+                    .is_some_and(|i| i.port() == admin.port()))
         {
             err(
                 "server.adminListen",

@@ -514,8 +514,7 @@ mod tests {
         );
         assert!(body["spec"].get("resourceAttributes").is_none(), "{body}");
         let v: serde_json::Value =
-            serde_json::from_slice(&forbidden(&id("system:anonymous"), &a, "").to_bytes())
-                .unwrap();
+            serde_json::from_slice(&forbidden(&id("system:anonymous"), &a, "").to_bytes()).unwrap();
         assert_eq!(
             v["message"],
             "forbidden: User \"system:anonymous\" cannot get path \"/metrics\""

@@ -81,7 +81,9 @@ pub async fn handle<B>(state: &State, conn: &ConnInfo, req: Request<B>) -> Respo
         return Status::failure(
             StatusCode::METHOD_NOT_ALLOWED,
             Reason::MethodNotAllowed,
-            format!("the server does not allow this method on the requested resource ({method} {path})"),
+            format!(
+                "the server does not allow this method on the requested resource ({method} {path})"
+            ),
         )
         .into_response();
     }
@@ -94,7 +96,11 @@ pub async fn handle<B>(state: &State, conn: &ConnInfo, req: Request<B>) -> Respo
             .unwrap_or_else(not_found);
     }
     if state.config.server.admin_auth == AdminAuth::Kubernetes {
-        let verb = if method == Method::HEAD { "head" } else { "get" };
+        let verb = if method == Method::HEAD {
+            "head"
+        } else {
+            "get"
+        };
         if let Err(refused) = authorize(state, conn, req.headers(), path, verb).await {
             return refused.into_response();
         }

@@ -59,7 +59,10 @@ async fn send(
         b = b.header("content-type", "application/json");
     }
     let r = c
-        .request(b.body(Full::new(body.map(Bytes::from).unwrap_or_default())).unwrap())
+        .request(
+            b.body(Full::new(body.map(Bytes::from).unwrap_or_default()))
+                .unwrap(),
+        )
         .await
         .unwrap();
     let code = r.status().as_u16();
@@ -104,8 +107,16 @@ async fn the_api_port_is_the_apiservers_and_the_admin_port_is_guarded_by_rbac() 
         let r = pc.get(&proxy.https(path), token).await;
         (r.status().as_u16(), body_string(r).await)
     };
-    let at_apiserver =
-        async |path: &str, token: Option<&str>| send(&direct, Method::GET, &format!("{}{path}", cp.url), token, None).await;
+    let at_apiserver = async |path: &str, token: Option<&str>| {
+        send(
+            &direct,
+            Method::GET,
+            &format!("{}{path}", cp.url),
+            token,
+            None,
+        )
+        .await
+    };
 
     // Anonymous: exactly the apiserver's answer (its 401 or 403 Status, or its "ok").
     for path in ["/metrics", "/debug/pprof/", "/version", "/livez"] {
@@ -125,7 +136,10 @@ async fn the_api_port_is_the_apiservers_and_the_admin_port_is_guarded_by_rbac() 
     // The apiserver's health checks, with its own check names, sub-paths and exclusions.
     let (code, r) = via_proxy("/readyz?verbose", Some(&admin)).await;
     assert_eq!(code, 200, "{r}");
-    assert!(r.contains("[+]etcd ok") && r.ends_with("readyz check passed\n"), "{r}");
+    assert!(
+        r.contains("[+]etcd ok") && r.ends_with("readyz check passed\n"),
+        "{r}"
+    );
     assert!(!r.contains("[+]upstream ok"), "{r}");
     let (code, r) = via_proxy("/livez?verbose&exclude=etcd", Some(&admin)).await;
     assert_eq!(code, 200, "{r}");
@@ -157,7 +171,10 @@ async fn the_api_port_is_the_apiservers_and_the_admin_port_is_guarded_by_rbac() 
     // grant (the same Status as alice gets from the apiserver's /metrics directly).
     let (code, body) = proxy.admin_get("/metrics").await;
     assert_eq!(code, 401, "{body}");
-    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()["reason"], "Unauthorized");
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["reason"],
+        "Unauthorized"
+    );
     let alice = cp.user("alice").token.clone();
     let bob = cp.user("bob").token.clone();
     let admin_listener = async |path: &str, token: &str| {
@@ -197,7 +214,10 @@ async fn the_api_port_is_the_apiservers_and_the_admin_port_is_guarded_by_rbac() 
     let (code, body) = send(
         &direct,
         Method::POST,
-        &format!("{}/apis/rbac.authorization.k8s.io/v1/clusterrolebindings", cp.url),
+        &format!(
+            "{}/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+            cp.url
+        ),
         Some(&admin),
         Some(binding.to_string()),
     )

@@ -195,7 +195,10 @@ async fn the_admin_listener_protects_metrics_and_debug_as_kube_rbac_proxy_does()
     );
     assert!(prometheus[0].get("resourceAttributes").is_none());
     // Decisions are cached as resource reviews are.
-    assert_eq!(admin_get(&proxy, "/metrics", Some("prometheus")).await.0, 200);
+    assert_eq!(
+        admin_get(&proxy, "/metrics", Some("prometheus")).await.0,
+        200
+    );
     let n = fake
         .requests()
         .iter()

@@ -198,7 +198,9 @@ pub(super) async fn route(
                 StatusCode::OK,
                 match ep {
                     "livez" => "[+]ping ok\n[+]etcd ok\n[+]fake-apiserver ok\nlivez check passed\n",
-                    "readyz" => "[+]ping ok\n[+]etcd ok\n[+]fake-apiserver ok\nreadyz check passed\n",
+                    "readyz" => {
+                        "[+]ping ok\n[+]etcd ok\n[+]fake-apiserver ok\nreadyz check passed\n"
+                    }
                     _ => "[+]ping ok\n[+]etcd ok\n[+]fake-apiserver ok\nhealthz check passed\n",
                 },
             ));
@@ -206,7 +208,10 @@ pub(super) async fn route(
         return Ok(text_response(StatusCode::OK, "ok"));
     }
     if path.starts_with("/debug/") {
-        return Ok(text_response(StatusCode::OK, "fake apiserver debug endpoint\n"));
+        return Ok(text_response(
+            StatusCode::OK,
+            "fake apiserver debug endpoint\n",
+        ));
     }
     match path {
         "/openapi/v2" => {

@@ -289,6 +289,30 @@ pub struct ServerConfig {
     /// Time allowed to receive a request head on HTTP/1.1 (slowloris protection).
     #[serde(with = "duration")]
     pub header_read_timeout: Duration,
+    /// The admin listener: the proxy's own `/livez`, `/readyz`, `/healthz` (open, for
+    /// probes), `/metrics` and `/debug/*` (authenticated and authorized, see `adminAuth`).
+    /// The API port (`listen`) is the apiserver's whole surface: these paths there are the
+    /// apiserver's. TLS with the serving certificate (`tls.certFile`); without one (local
+    /// use with `insecureListen` only) plain HTTP, loopback only unless
+    /// `allowInsecureNonLoopback`. Unset: `0.0.0.0:8444` with TLS, `127.0.0.1:8444` without
+    /// ([`Config::admin_addr`]); 8444 is the port next to the API port's 8443.
+    pub admin_listen: Option<SocketAddr>,
+    /// Who may read `/metrics` and `/debug/*` on the admin listener: `kubernetes` (default,
+    /// as kube-rbac-proxy: the caller is authenticated as reads are, then a
+    /// SubjectAccessReview for the non-resource URL, e.g. `get` on `/metrics`; 401/403
+    /// otherwise) or `none` (anyone who reaches the port: for local use only).
+    pub admin_auth: AdminAuth,
+}
+
+/// Who may read the admin listener's `/metrics` and `/debug/*` (`server.adminAuth`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum AdminAuth {
+    /// Authentication as for reads, then a SubjectAccessReview on the non-resource URL.
+    #[default]
+    Kubernetes,
+    /// No authentication or authorization: anyone who reaches the port (local use only).
+    None,
 }
 
 impl Default for ServerConfig {
@@ -303,6 +327,8 @@ impl Default for ServerConfig {
             max_request_body_bytes: 3 * 1024 * 1024,
             max_connections: 10_000,
             header_read_timeout: Duration::from_secs(30),
+            admin_listen: None,
+            admin_auth: AdminAuth::Kubernetes,
         }
     }
 }
@@ -754,6 +780,19 @@ pub enum ConfigError {
 }
 
 impl Config {
+    /// The admin listener's address: `server.adminListen`, else `0.0.0.0:8444` with the TLS
+    /// listener and `127.0.0.1:8444` without (plain HTTP stays on loopback).
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.server.admin_listen.unwrap_or_else(|| {
+            let ip = if self.tls.cert_file.is_some() {
+                [0, 0, 0, 0]
+            } else {
+                [127, 0, 0, 1]
+            };
+            SocketAddr::from((ip, 8444))
+        })
+    }
+
     /// Parses YAML text into a config, reporting syntax and type errors with field paths.
     pub fn from_yaml(text: &str) -> Result<Config, ConfigError> {
         if text.trim().is_empty() {
@@ -838,6 +877,32 @@ impl Config {
                     "{addr} is not a loopback address; plain HTTP would expose callers' tokens \
                      (set allowInsecureNonLoopback to override)"
                 ),
+            );
+        }
+        if self.tls.cert_file.is_none()
+            && let Some(addr) = self.server.admin_listen
+            && !addr.ip().is_loopback()
+            && !self.allow_insecure_non_loopback
+        {
+            err(
+                "server.adminListen",
+                format!(
+                    "{addr} is not a loopback address and there is no serving certificate \
+                     (tls.certFile): plain HTTP would expose callers' tokens (set \
+                     allowInsecureNonLoopback to override)"
+                ),
+            );
+        }
+        let admin = self.admin_addr();
+        if admin.port() != 0
+            && (self.tls.cert_file.is_some() && admin.port() == self.listen.port()
+                || self
+                    .insecure_listen
+                    .is_some_and(|i| i.port() == admin.port()))
+        {
+            err(
+                "server.adminListen",
+                "must be another port than listen and insecureListen".into(),
             );
         }
         if self.server.http2_max_concurrent_streams == 0 {
@@ -977,6 +1042,43 @@ mod tests {
     fn the_example_file_documents_exactly_the_defaults() {
         let text = include_str!("../config/kube-cache-proxy.yaml");
         assert_eq!(Config::from_yaml(text).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn the_admin_listener_defaults_by_transport_and_refuses_clear_text_off_loopback() {
+        let mut cfg = Config {
+            insecure_listen: Some("127.0.0.1:8080".parse().unwrap()),
+            ..Config::default()
+        };
+        // Without a serving certificate: plain HTTP, so loopback by default.
+        assert_eq!(cfg.admin_addr(), "127.0.0.1:8444".parse().unwrap());
+        cfg.validate().unwrap();
+        cfg.server.admin_listen = Some("0.0.0.0:9000".parse().unwrap());
+        let ConfigError::Invalid(errs) = cfg.validate().unwrap_err() else {
+            panic!()
+        };
+        assert_eq!(errs[0].path, "server.adminListen");
+        cfg.allow_insecure_non_loopback = true;
+        cfg.validate().unwrap();
+        // The same port as another listener.
+        cfg.server.admin_listen = Some("127.0.0.1:8080".parse().unwrap());
+        assert!(cfg.validate().is_err());
+        // With TLS: all interfaces by default, another port than the API's.
+        let mut tls = Config::default();
+        tls.tls.cert_file = Some("/c".into());
+        tls.tls.key_file = Some("/k".into());
+        assert_eq!(tls.admin_addr(), "0.0.0.0:8444".parse().unwrap());
+        tls.validate().unwrap();
+        tls.server.admin_listen = Some("0.0.0.0:8443".parse().unwrap());
+        assert!(tls.validate().is_err());
+        // Port 0 (tests) never conflicts.
+        tls.server.admin_listen = Some("127.0.0.1:0".parse().unwrap());
+        tls.validate().unwrap();
+        let y = Config::from_yaml("server:\n  adminListen: 127.0.0.1:9444\n  adminAuth: none\n")
+            .unwrap();
+        assert_eq!(y.server.admin_auth, AdminAuth::None);
+        assert_eq!(y.admin_addr(), "127.0.0.1:9444".parse().unwrap());
+        assert!(Config::from_yaml("server:\n  adminAuth: off\n").is_err());
     }
 
     #[test]

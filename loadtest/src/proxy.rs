@@ -80,16 +80,22 @@ pub struct ProxyChild {
 }
 
 impl ProxyChild {
-    /// Starts the proxy and waits until its `/readyz` passes (every cache synced).
+    /// Starts the proxy and waits until its own `/readyz` (on the admin listener) passes
+    /// (every cache synced).
     pub async fn start(
         files: &ProxyFiles,
         proxy_bin: Option<&Path>,
         token: &str,
     ) -> anyhow::Result<ProxyChild> {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")?
-            .local_addr()?
-            .port();
-        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
+        let free_port = || -> anyhow::Result<u16> {
+            Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+                .local_addr()?
+                .port())
+        };
+        let addr: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
+        // The proxy's own readiness is on its admin listener (on the API port, /readyz is the
+        // apiserver's).
+        let admin_addr: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
         let args: Vec<String> = vec![
             "--config".into(),
             files.config.display().to_string(),
@@ -97,6 +103,8 @@ impl ProxyChild {
             files.kubeconfig.display().to_string(),
             "--listen".into(),
             addr.to_string(),
+            "--admin-listen".into(),
+            admin_addr.to_string(),
             "--tls-cert-file".into(),
             files.cert.display().to_string(),
             "--tls-key-file".into(),
@@ -131,6 +139,7 @@ impl ProxyChild {
             .context("starting the proxy")?;
         let pid = child.id().context("proxy pid")?;
         let target = Target::new("proxy", addr, &files.ca_pem, token);
+        let admin = Target::new("proxy", admin_addr, &files.ca_pem, token);
         let mut p = ProxyChild { child, pid, target };
         let deadline = Instant::now() + Duration::from_secs(180);
         loop {
@@ -138,8 +147,8 @@ impl ProxyChild {
                 bail!("the proxy exited ({status}); see {}", files.log.display());
             }
             let ready = async {
-                let c = p.target.connect().await?;
-                fetch(&c, p.target.request(Method::GET, "/readyz", None)).await
+                let c = admin.connect().await?;
+                fetch(&c, admin.request(Method::GET, "/readyz", None)).await
             };
             if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(5), ready).await {
                 return Ok(p);

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 
-use crate::config::{Config, ConfigError, LogFormat};
+use crate::config::{AdminAuth, Config, ConfigError, LogFormat};
 
 #[derive(Debug, Parser)]
 #[command(
@@ -65,6 +65,14 @@ pub struct ServeArgs {
     pub insecure_listen: Option<SocketAddr>,
     #[arg(long, env = "KCP_ALLOW_INSECURE_NON_LOOPBACK")]
     pub allow_insecure_non_loopback: bool,
+    /// Admin listener (the proxy's own health, /metrics, /debug/*; default 0.0.0.0:8444 with
+    /// TLS, 127.0.0.1:8444 without).
+    #[arg(long, env = "KCP_ADMIN_LISTEN")]
+    pub admin_listen: Option<SocketAddr>,
+    /// Who may read the admin listener's /metrics and /debug/*: `kubernetes` (TokenReview +
+    /// SubjectAccessReview on the path, as kube-rbac-proxy) or `none` (local use only).
+    #[arg(long, env = "KCP_ADMIN_AUTH")]
+    pub admin_auth: Option<AdminAuth>,
     /// Delay between failing /readyz and closing listeners on SIGTERM (e.g. 10s).
     #[arg(long, env = "KCP_SHUTDOWN_DELAY", value_parser = humantime::parse_duration)]
     pub shutdown_delay: Option<Duration>,
@@ -82,6 +90,9 @@ pub struct DevArgs {
     /// bearer tokens only over TLS, so dev mode is TLS too.
     #[arg(long, env = "KCP_DEV_LISTEN", default_value = "127.0.0.1:8443")]
     pub listen: SocketAddr,
+    /// The proxy's admin listener (its own health, /metrics, /debug/*; TLS, loopback).
+    #[arg(long, env = "KCP_DEV_ADMIN_LISTEN", default_value = "127.0.0.1:8444")]
+    pub admin_listen: SocketAddr,
     /// Directory for the kubeconfigs written (default: the current directory).
     #[arg(long, env = "KCP_DEV_OUT", default_value = ".")]
     pub out: PathBuf,
@@ -121,6 +132,12 @@ impl ServeArgs {
         }
         if self.allow_insecure_non_loopback {
             cfg.allow_insecure_non_loopback = true;
+        }
+        if let Some(v) = self.admin_listen {
+            cfg.server.admin_listen = Some(v);
+        }
+        if let Some(v) = self.admin_auth {
+            cfg.server.admin_auth = v;
         }
         if let Some(v) = self.shutdown_delay {
             cfg.shutdown.delay = v;
@@ -222,10 +239,12 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
     std::fs::write(tls_dir.join("tls.crt"), cert_pem)?;
     std::fs::write(tls_dir.join("tls.key"), key_pem)?;
     std::fs::write(tls_dir.join("client-ca.crt"), cp.client_ca().0)?;
+    std::fs::write(tls_dir.join("ca.crt"), &ca_pem)?;
     let mut cfg = Config {
         listen: args.listen,
         ..Config::default()
     };
+    cfg.server.admin_listen = Some(args.admin_listen);
     cfg.tls.cert_file = Some(tls_dir.join("tls.crt"));
     cfg.tls.key_file = Some(tls_dir.join("tls.key"));
     // Client certificates minted by the dev control plane's client CA work here too.
@@ -235,6 +254,9 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
     let kube = crate::upstream::load_kube_config(&cfg.upstream).await?;
     let running = crate::app::start::start(cfg, &kube).await?;
     let addr = running.tls_addr.context("the proxy has no listener")?;
+    let admin = running
+        .admin_addr
+        .context("the proxy has no admin listener")?;
     let proxy_kc = out.join("kube-cache-proxy.kubeconfig");
     std::fs::write(
         &proxy_kc,
@@ -257,8 +279,14 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
          Through the proxy:   kubectl --kubeconfig {pk} get pods -A -w\n\
          Directly upstream:   kubectl --kubeconfig {uk} get ns\n\
          kubectl built here:  {kubectl} (export PATH=\"{bindir}:$PATH\")\n\
-         Users (static tokens): {users}\n\n\
+         Users (static tokens): {users}\n\
+         Proxy's own health:  https://{admin}/readyz?verbose (the admin listener; on the API\n\
+         \x20                    port, /readyz, /metrics, ... are the apiserver's)\n\
+         Proxy's /metrics:    curl --cacert {ca} -H \"Authorization: Bearer $(kubectl \
+         --kubeconfig {pk} config view --raw -o jsonpath='{{.users[0].user.token}}')\" \
+         https://{admin}/metrics\n\n\
          Ctrl-C stops the proxy, kube-apiserver and etcd.",
+        ca = tls_dir.join("ca.crt").display(),
         upstream = cp.url,
         pk = proxy_kc.display(),
         uk = upstream_kc.display(),

@@ -154,6 +154,10 @@ pub struct Running {
     pub state: Arc<State>,
     pub tls_addr: Option<SocketAddr>,
     pub insecure_addr: Option<SocketAddr>,
+    /// The admin listener (the proxy's own health, `/metrics`, `/debug/*`).
+    pub admin_addr: Option<SocketAddr>,
+    /// Whether the admin listener serves TLS (with the serving certificate).
+    pub admin_tls: bool,
     stop: CancellationToken,
     task: tokio::task::JoinHandle<()>,
 }
@@ -181,29 +185,44 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
     validate(&config)?;
     crate::http::tls::install_crypto_provider();
     let upstream = Upstream::new(kube, &config.upstream)?;
-    let tls = match (&config.tls.cert_file, &config.tls.key_file) {
+    let bind = async |addr: SocketAddr| {
+        TcpListener::bind(addr)
+            .await
+            .map_err(|source| StartError::Bind { addr, source })
+    };
+    // The serving certificate (one reloader) serves the API port and the admin listener.
+    let acceptor = match (&config.tls.cert_file, &config.tls.key_file) {
         (Some(cert), Some(key)) => {
             let rc = crate::http::tls::ReloadingCert::load(cert, key)?;
             rc.spawn_reloader(config.tls.reload_interval);
             let sc = crate::http::tls::server_config(rc, config.tls.client_ca_file.as_deref())?;
-            let l = TcpListener::bind(config.listen)
-                .await
-                .map_err(|source| StartError::Bind {
-                    addr: config.listen,
-                    source,
-                })?;
-            Some((l, TlsAcceptor::from(Arc::new(sc))))
+            Some(TlsAcceptor::from(Arc::new(sc)))
         }
         _ => None,
     };
-    let insecure = match config.insecure_listen {
-        Some(addr) => Some(
-            TcpListener::bind(addr)
-                .await
-                .map_err(|source| StartError::Bind { addr, source })?,
-        ),
+    let tls = match &acceptor {
+        Some(a) => Some((bind(config.listen).await?, a.clone())),
         None => None,
     };
+    let insecure = match config.insecure_listen {
+        Some(addr) => Some(bind(addr).await?),
+        None => None,
+    };
+    // TLS when there is a serving certificate; plain HTTP (loopback, `Config::validate`)
+    // otherwise.
+    let admin_listener = bind(config.admin_addr()).await?;
+    let admin_addr = admin_listener.local_addr().ok();
+    let admin_listeners = match &acceptor {
+        Some(a) => Listeners {
+            tls: Some((admin_listener, a.clone())),
+            insecure: None,
+        },
+        None => Listeners {
+            tls: None,
+            insecure: Some(admin_listener),
+        },
+    };
+    let admin_tls = acceptor.is_some();
     let tls_addr = tls.as_ref().and_then(|(l, _)| l.local_addr().ok());
     let insecure_addr = insecure.as_ref().and_then(|l| l.local_addr().ok());
     let authn = crate::auth::authn::Authenticator::new(
@@ -223,13 +242,20 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
         let stop = stop.clone();
         tokio::spawn(async move {
             let config = state.config.clone();
-            run(
-                state,
-                &config,
-                Listeners { tls, insecure },
-                stop.cancelled_owned(),
-            )
-            .await
+            // Both listeners drain together: readiness fails on the admin listener while the
+            // API port still accepts for `shutdown.delay`.
+            let admin = Arc::new(crate::serve::admin::Admin {
+                state: state.clone(),
+            });
+            tokio::join!(
+                run(
+                    state,
+                    &config,
+                    Listeners { tls, insecure },
+                    stop.clone().cancelled_owned(),
+                ),
+                run(admin, &config, admin_listeners, stop.cancelled_owned()),
+            );
         })
     };
     if let Some(a) = tls_addr {
@@ -238,10 +264,20 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
     if let Some(a) = insecure_addr {
         tracing::info!(addr = %a, "serving plain HTTP (HTTP/1.1 and h2c) for local use");
     }
+    if let Some(a) = admin_addr {
+        let scheme = if admin_tls { "https" } else { "http" };
+        tracing::info!(
+            url = %format!("{scheme}://{a}"),
+            auth = ?state.config.server.admin_auth,
+            "serving the admin endpoints (/livez /readyz /healthz /metrics /debug/)"
+        );
+    }
     Ok(Running {
         state,
         tls_addr,
         insecure_addr,
+        admin_addr,
+        admin_tls,
         stop,
         task,
     })

@@ -39,10 +39,13 @@ use crate::http::body;
 use crate::k8s::status::{Reason, Status};
 use crate::upstream::{As, Upstream};
 
-/// What is being asked.
+/// What is being asked: a resource request, or, with `path` set, a non-resource URL
+/// (`nonResourceAttributes`: `path` and `verb` only, e.g. `get` on `/metrics`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub struct Attributes {
     pub verb: String,
+    /// A non-resource URL's path; empty for a resource request.
+    pub path: String,
     pub group: String,
     pub version: String,
     pub resource: String,
@@ -103,6 +106,20 @@ struct ReviewStatus {
 /// The apiserver's 403 for `id` asking `a` (k8s.io/apiserver `responsewriters.Forbidden` and
 /// apimachinery `NewForbidden`).
 pub fn forbidden(id: &Identity, a: &Attributes, reason: &str) -> Status {
+    if !a.path.is_empty() {
+        // A non-resource URL: no group/resource, so `NewForbidden` writes `forbidden: ...`
+        // and empty details.
+        let mut msg = format!("User {:?} cannot {} path {:?}", id.user, a.verb, a.path);
+        if !reason.is_empty() {
+            msg = format!("{msg}: {reason}");
+        }
+        return Status::failure(
+            StatusCode::FORBIDDEN,
+            Reason::Forbidden,
+            format!("forbidden: {msg}"),
+        )
+        .with_details("", "", "");
+    }
     let mut resource = a.resource.clone();
     if !a.subresource.is_empty() {
         resource = format!("{resource}/{}", a.subresource);
@@ -136,6 +153,27 @@ pub fn forbidden(id: &Identity, a: &Attributes, reason: &str) -> Status {
         &a.group,
         &a.resource,
     )
+}
+
+/// The `SubjectAccessReview` asking whether `id` may do `a`.
+fn review_body(id: &Identity, a: &Attributes) -> serde_json::Value {
+    let mut spec = serde_json::json!({
+        "user": id.user, "uid": id.uid, "groups": id.groups, "extra": id.extra,
+    });
+    if a.path.is_empty() {
+        spec["resourceAttributes"] = serde_json::json!({
+            "verb": a.verb, "group": a.group, "version": a.version,
+            "resource": a.resource, "subresource": a.subresource,
+            "namespace": a.namespace, "name": a.name,
+        });
+    } else {
+        spec["nonResourceAttributes"] = serde_json::json!({"path": a.path, "verb": a.verb});
+    }
+    serde_json::json!({
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SubjectAccessReview",
+        "spec": spec,
+    })
 }
 
 /// How long a cached decision lives: allowed and denied have their own TTLs.
@@ -181,6 +219,7 @@ impl Authorizer {
         h.update(id.identity_hash());
         for part in [
             &a.verb,
+            &a.path,
             &a.group,
             &a.version,
             &a.resource,
@@ -236,18 +275,7 @@ impl Authorizer {
     }
 
     async fn review(&self, id: &Identity, a: &Attributes) -> Decision {
-        let body = serde_json::json!({
-            "apiVersion": "authorization.k8s.io/v1",
-            "kind": "SubjectAccessReview",
-            "spec": {
-                "resourceAttributes": {
-                    "verb": a.verb, "group": a.group, "version": a.version,
-                    "resource": a.resource, "subresource": a.subresource,
-                    "namespace": a.namespace, "name": a.name,
-                },
-                "user": id.user, "uid": id.uid, "groups": id.groups, "extra": id.extra,
-            },
-        });
+        let body = review_body(id, a);
         let mut req = Request::new(body::full(body.to_string()));
         *req.method_mut() = Method::POST;
         *req.uri_mut() = self
@@ -470,6 +498,37 @@ mod tests {
             v["details"],
             serde_json::json!({"name": "web", "group": "apps", "kind": "deployments"})
         );
+    }
+
+    #[test]
+    fn non_resource_reviews_and_denials_are_the_apiservers() {
+        let a = Attributes {
+            verb: "get".into(),
+            path: "/metrics".into(),
+            ..Default::default()
+        };
+        let body = review_body(&id("bob"), &a);
+        assert_eq!(
+            body["spec"]["nonResourceAttributes"],
+            serde_json::json!({"path": "/metrics", "verb": "get"})
+        );
+        assert!(body["spec"].get("resourceAttributes").is_none(), "{body}");
+        let v: serde_json::Value =
+            serde_json::from_slice(&forbidden(&id("system:anonymous"), &a, "").to_bytes()).unwrap();
+        assert_eq!(
+            v["message"],
+            "forbidden: User \"system:anonymous\" cannot get path \"/metrics\""
+        );
+        assert_eq!(v["reason"], "Forbidden");
+        assert_eq!(v["code"], 403);
+        assert_eq!(v["details"], serde_json::json!({}));
+        let r = Attributes {
+            verb: "get".into(),
+            resource: "pods".into(),
+            ..Default::default()
+        };
+        assert!(review_body(&id("bob"), &r)["spec"]["resourceAttributes"].is_object());
+        assert_ne!(Authorizer::key(&id("u"), &a), Authorizer::key(&id("u"), &r));
     }
 
     #[test]

@@ -36,8 +36,8 @@
 //! # Outputs
 //! [`Paging::upstream_page_size`] (read by the reflector for every page it requests),
 //! [`Paging::downstream_cap`] (for the list code), the `kube_cache_proxy_page_size` and
-//! `kube_cache_proxy_paging_*` gauges ([`PagingCollector`]), and `GET /debug/paging`
-//! ([`Paging::debug_json`]).
+//! `kube_cache_proxy_paging_*` gauges ([`PagingCollector`]), and `GET /debug/paging` on the
+//! admin listener ([`Paging::debug_json`]).
 //!
 //! # Files
 //! [`controller`] (the policy, pure), [`promtext`] (the Prometheus text format), [`scrape`]

@@ -1,6 +1,6 @@
 //! The request pipeline: every request's path from the listener to a response.
 //!
-//! Hygiene checks, the proxy's local endpoints, then either a read served from the cache
+//! Hygiene checks, then either a read served from the cache
 //! (routed, authenticated, authorized, within the tenant's quotas) or the request handed to
 //! the apiserver with the caller's identity; and the request's metrics and log line.
 
@@ -10,7 +10,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Instant;
 
-use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use http::{Method, Request, Response, StatusCode, header};
 use hyper::body::Incoming;
 use rustls_pki_types::CertificateDer;
 
@@ -232,6 +232,7 @@ async fn authenticate_and_authorize(
 fn authz_attributes(info: &RequestInfo) -> crate::auth::authz::Attributes {
     crate::auth::authz::Attributes {
         verb: info.verb.clone(),
+        path: String::new(),
         group: info.api_group.clone(),
         version: info.api_version.clone(),
         resource: info.resource.clone(),
@@ -505,8 +506,8 @@ fn header_bytes(req: &Request<Incoming>) -> usize {
         + req.uri().to_string().len()
 }
 
-/// The entry point of every request: hygiene checks, local endpoints, passthrough, and the
-/// request's metrics and log line.
+/// The entry point of every request on the API port: hygiene checks, cache or passthrough,
+/// and the request's metrics and log line.
 pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> Response<Body> {
     let start = Instant::now();
     let method = req.method().clone();
@@ -555,31 +556,9 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         ));
     }
 
-    // Local endpoints. The proxy answers health for itself (its readiness includes the
-    // upstream's); `/metrics` is the proxy's own.
-    if method == Method::GET || method == Method::HEAD {
-        if let Some(r) = state
-            .health
-            .respond_with(&path, query.as_deref(), state.cache_checks())
-        {
-            return r;
-        }
-        if path == "/metrics" {
-            let mut r = Response::new(body::full(state.metrics.encode()));
-            r.headers_mut().insert(
-                header::CONTENT_TYPE,
-                HeaderValue::from_static(
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                ),
-            );
-            return r;
-        }
-        // Served like /metrics (unauthenticated for now; both get the authentication
-        // issue's treatment together).
-        if path == "/debug/paging" {
-            return state.paging.debug_response();
-        }
-    }
+    // No local endpoints: the API port is the apiserver's whole surface (`/metrics`, health,
+    // `/version`, `/openapi`, `/debug` included). The proxy's own are on the admin listener
+    // (`serve::admin`).
 
     let info = RequestInfo::parse(&method, &decoded, query.as_deref());
     let upgrade = crate::auth::identity::upgrade_protocol(req.headers()).is_some();

@@ -634,7 +634,7 @@ async fn a_hundred_watchers_cost_the_apiserver_one_watch() {
     assert_eq!(after.1, 1, "the proxy's one cluster-wide configmaps watch");
     // And the proxy says it served them.
     let c = env.proxy.client(None, false);
-    let m = support::proxy::body_string(c.get(&env.proxy.https("/metrics"), None).await).await;
+    let m = support::proxy::body_string(c.get(&env.proxy.admin("/metrics"), None).await).await;
     let served: f64 = m
         .lines()
         .filter(|l| {

@@ -218,7 +218,7 @@ async fn a_crd_created_while_running_is_cached_and_its_deletion_hands_requests_b
     assert_eq!(code, 400, "{body}");
     assert!(body.contains("field label not supported"), "{body}");
     // `/readyz?verbose` lists the custom resources.
-    let (_, readyz) = get(px, tk, "/readyz?verbose").await;
+    let (_, readyz) = px.admin_get("/readyz?verbose").await;
     for r in ["widgets", "gizmos"] {
         assert!(
             readyz
@@ -272,7 +272,7 @@ async fn a_crd_created_while_running_is_cached_and_its_deletion_hands_requests_b
         2,
         "only the judge's own list and the unsupported field selector reached the apiserver"
     );
-    let m = body_string(c.get(&proxy.https("/metrics"), None).await).await;
+    let m = body_string(c.get(&proxy.admin("/metrics"), None).await).await;
     assert!(
         m.lines()
             .any(|l| l == "kube_cache_proxy_upstream_watches{resource=\"widgets.example.com\"} 1"),
@@ -325,7 +325,7 @@ async fn a_crd_created_while_running_is_cached_and_its_deletion_hands_requests_b
         support::e2e::apiserver_watches(admin, "widgets").await == (0, 0)
     })
     .await;
-    let m = body_string(c.get(&proxy.https("/metrics"), None).await).await;
+    let m = body_string(c.get(&proxy.admin("/metrics"), None).await).await;
     assert!(!m.contains("resource=\"widgets.example.com\""), "{m}");
     // The other custom resource is untouched.
     assert!(
@@ -422,7 +422,7 @@ async fn all_syncs_every_listable_and_watchable_resource_of_the_apiserver() {
     .await;
     let c = proxy.client(None, true);
     let readyz = eventually("readiness with every cache synced", BOUND, async || {
-        let r = c.get(&proxy.https("/readyz?verbose"), None).await;
+        let r = c.get(&proxy.admin("/readyz?verbose"), None).await;
         let ok = r.status() == 200;
         let body = body_string(r).await;
         // Custom resources do not gate readiness: also wait for them to be synced.
@@ -442,7 +442,7 @@ async fn all_syncs_every_listable_and_watchable_resource_of_the_apiserver() {
     assert_eq!(cached, expected, "{readyz}");
     assert!(cached.len() > 30, "{cached:?}");
     // One upstream watch each.
-    let m = body_string(c.get(&proxy.https("/metrics"), None).await).await;
+    let m = body_string(c.get(&proxy.admin("/metrics"), None).await).await;
     let watches: Vec<&str> = m
         .lines()
         .filter(|l| l.starts_with("kube_cache_proxy_upstream_watches{"))
@@ -470,7 +470,7 @@ async fn all_syncs_every_listable_and_watchable_resource_of_the_apiserver() {
     })
     .await;
     let (px, c) = (&proxy, &c);
-    let readyz = body_string(c.get(&px.https("/readyz?verbose"), None).await).await;
+    let readyz = body_string(c.get(&px.admin("/readyz?verbose"), None).await).await;
     assert!(
         readyz
             .lines()
@@ -485,8 +485,8 @@ async fn all_syncs_every_listable_and_watchable_resource_of_the_apiserver() {
     )
     .await;
     until("things gone", || async move {
-        let readyz = body_string(c.get(&px.https("/readyz?verbose"), None).await).await;
-        let m = body_string(c.get(&px.https("/metrics"), None).await).await;
+        let readyz = body_string(c.get(&px.admin("/readyz?verbose"), None).await).await;
+        let m = body_string(c.get(&px.admin("/metrics"), None).await).await;
         !readyz.contains("cache:things.example.com")
             && !m.contains("resource=\"things.example.com\"")
     })
@@ -753,7 +753,7 @@ async fn crd_selectable_fields_are_served_from_the_cache_as_the_apiserver_serves
         (2, 1),
         "the apiserver serves the proxy's one cluster-wide WATCH and the judge's"
     );
-    let m = body_string(c.get(&proxy.https("/metrics"), None).await).await;
+    let m = body_string(c.get(&proxy.admin("/metrics"), None).await).await;
     for verb in ["LIST", "WATCH"] {
         assert!(
             m.lines().any(|l| l.starts_with(&format!("kube_cache_proxy_requests_total{{verb=\"{verb}\",group=\"example.com\",version=\"v1\",resource=\"paints\"")) && l.contains("served_by=\"cache\"")),

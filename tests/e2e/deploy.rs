@@ -352,7 +352,22 @@ fn check_render(what: &str, docs: &[Value]) -> Config {
     let dep = one(docs, "Deployment");
     let pod = &dep["spec"]["template"]["spec"];
     assert_eq!(pod["serviceAccountName"], sa_subject.0);
-    let role = one(docs, "ClusterRole");
+    // The proxy's own role; the other one is for whoever reads its /metrics.
+    let roles = of_kind(docs, "ClusterRole");
+    let (readers, own): (Vec<&Value>, Vec<&Value>) = roles.iter().partition(|r| {
+        r["metadata"]["name"]
+            .as_str()
+            .unwrap()
+            .ends_with("-metrics-reader")
+    });
+    assert_eq!(own.len(), 1, "{what}: one ClusterRole for the proxy");
+    let role = own[0];
+    assert_eq!(readers.len(), 1, "{what}: a metrics-reader ClusterRole");
+    assert_eq!(
+        readers[0]["rules"],
+        json!([{"nonResourceURLs": ["/metrics"], "verbs": ["get"]}]),
+        "{what}"
+    );
     assert!(
         of_kind(docs, "Role").is_empty(),
         "{what}: only the ClusterRole"
@@ -435,8 +450,23 @@ fn check_render(what: &str, docs: &[Value]) -> Config {
         let get = &c[probe]["httpGet"];
         assert_eq!(get["path"], path, "{what}: {probe}");
         assert_eq!(get["scheme"], "HTTPS", "{what}: {probe}");
-        assert_eq!(get["port"], "https", "{what}: {probe}");
+        // The proxy's own health is on the admin listener (on the API port it is the
+        // apiserver's).
+        assert_eq!(get["port"], "admin", "{what}: {probe}");
     }
+    let admin_port = c["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "admin")
+        .expect("an admin port");
+    assert_eq!(admin_port["containerPort"], cfg.admin_addr().port());
+    assert_ne!(cfg.admin_addr().port(), cfg.listen.port());
+    assert_eq!(
+        cfg.server.admin_auth,
+        kube_cache_proxy::config::AdminAuth::Kubernetes,
+        "{what}: /metrics protected"
+    );
     for k in ["cpu", "memory"] {
         assert!(
             c["resources"]["requests"][k].is_string(),
@@ -517,6 +547,13 @@ fn check_render(what: &str, docs: &[Value]) -> Config {
     let sp = &svc["spec"]["ports"][0];
     assert_eq!(sp["port"], 443);
     assert!(sp["targetPort"] == "https" || sp["targetPort"] == cfg.listen.port());
+    let metrics_port = svc["spec"]["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "metrics")
+        .unwrap_or_else(|| panic!("{what}: a metrics Service port"));
+    assert_eq!(metrics_port["targetPort"], "admin");
     for pdb in of_kind(docs, "PodDisruptionBudget") {
         labels_match(&pdb["spec"]["selector"]["matchLabels"], pod_labels);
     }
@@ -525,6 +562,25 @@ fn check_render(what: &str, docs: &[Value]) -> Config {
         assert_eq!(
             np["spec"]["ingress"][0]["ports"][0]["port"],
             cfg.listen.port()
+        );
+        // The admin port only from the monitoring namespace, not from everywhere.
+        let admin_rules: Vec<&Value> = np["spec"]["ingress"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|r| {
+                r["ports"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .any(|p| p["port"] == cfg.admin_addr().port())
+            })
+            .collect();
+        assert_eq!(admin_rules.len(), 1, "{what}: {np}");
+        assert_eq!(
+            admin_rules[0]["from"],
+            json!([{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]),
+            "{what}"
         );
     }
     cfg
@@ -635,8 +691,48 @@ fn the_chart_renders_cert_manager_and_service_monitor_objects_when_enabled() {
         .unwrap();
     assert_eq!(tls["secret"]["secretName"], cert["spec"]["secretName"]);
     let sm = one(&docs, "ServiceMonitor");
-    assert_eq!(sm["spec"]["endpoints"][0]["path"], "/metrics");
-    assert_eq!(sm["spec"]["endpoints"][0]["port"], "https");
+    let ep = &sm["spec"]["endpoints"][0];
+    assert_eq!(ep["path"], "/metrics");
+    // The admin listener's Service port, with a bearer token and the CA cert-manager writes.
+    assert_eq!(ep["port"], "metrics");
+    assert_eq!(ep["scheme"], "https");
+    assert_eq!(
+        ep["bearerTokenFile"],
+        "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    );
+    assert_eq!(
+        ep["tlsConfig"]["ca"]["secret"],
+        json!({"name": cert["spec"]["secretName"], "key": "ca.crt"})
+    );
+    assert_eq!(ep["tlsConfig"]["serverName"], format!("{name}.{NS}.svc"));
+    // With a serving Secret of `kubectl create secret tls` (no ca.crt) the user names the CA
+    // and the token; without a CA the chart refuses to render.
+    let docs = self::docs(&helm_template(&[
+        "serviceMonitor.enabled=true",
+        "serviceMonitor.caConfigMap.name=kcp-ca",
+        "serviceMonitor.bearerTokenSecret.name=prometheus-token",
+    ]));
+    let ep = &one(&docs, "ServiceMonitor")["spec"]["endpoints"][0];
+    assert_eq!(
+        ep["tlsConfig"]["ca"]["configMap"],
+        json!({"name": "kcp-ca", "key": "ca.crt"})
+    );
+    assert_eq!(
+        ep["authorization"],
+        json!({"type": "Bearer", "credentials": {"name": "prometheus-token", "key": "token"}})
+    );
+    let home = tempfile::tempdir().unwrap();
+    let mut c = helm(home.path());
+    c.args(["template", RELEASE])
+        .arg(repo().join("deploy/helm/kube-cache-proxy"))
+        .args(["--namespace", NS, "--set", "serviceMonitor.enabled=true"]);
+    let out = run(&mut c, None);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("serviceMonitor.caConfigMap"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// An admin kubeconfig file for `cp` in `dir`.
@@ -856,7 +952,7 @@ async fn wait_ready(c: &support::proxy::TestClient, url: &str, cached: &[String]
 /// `kube_cache_proxy_requests_total` served from the cache for `resource` and `verb`.
 async fn served_from_cache(proxy: &TestProxy, resource: &str, verb: &str) -> f64 {
     let c = proxy.client(None, false);
-    let m = body_string(c.get(&proxy.https("/metrics"), None).await).await;
+    let m = body_string(c.get(&proxy.admin("/metrics"), None).await).await;
     m.lines()
         .filter(|l| {
             l.starts_with("kube_cache_proxy_requests_total{")
@@ -918,7 +1014,7 @@ async fn the_proxy_runs_with_exactly_the_rbac_from_deploy() {
     let anon = proxy.client(None, true);
     let readyz = wait_ready(
         &anon,
-        &proxy.https("/readyz?verbose"),
+        &proxy.admin("/readyz?verbose"),
         &deploy_cfg.cache.resources,
     )
     .await;
@@ -1135,6 +1231,9 @@ struct Replica {
     child: tokio::process::Child,
     /// The admin's token through this replica, trusting its serving CA.
     client: kube::Client,
+    /// The same on the replica's admin listener (its own health and /metrics, behind the
+    /// deploy configuration's authentication and authorization).
+    admin: kube::Client,
     log: PathBuf,
 }
 
@@ -1155,13 +1254,17 @@ impl Replica {
                 .unwrap();
         std::fs::write(dir.join("tls.crt"), cert).unwrap();
         std::fs::write(dir.join("tls.key"), key).unwrap();
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let free_port = || {
+            std::net::TcpListener::bind("127.0.0.1:0")
+                .unwrap()
+                .local_addr()
+                .unwrap()
+                .port()
+        };
+        let (port, admin_port) = (free_port(), free_port());
         let mut cfg: Value = serde_saphyr::from_str(deploy_config).unwrap();
         cfg["listen"] = json!(format!("127.0.0.1:{port}"));
+        cfg["server"]["adminListen"] = json!(format!("127.0.0.1:{admin_port}"));
         cfg["tls"]["certFile"] = json!(dir.join("tls.crt"));
         cfg["tls"]["keyFile"] = json!(dir.join("tls.key"));
         cfg["tokens"]["keyFile"] = json!(key_file);
@@ -1189,7 +1292,7 @@ impl Replica {
             .kill_on_drop(true)
             .spawn()
             .unwrap();
-        let client =
+        let client_at = async |port: u16| {
             kube_cache_proxy::app::dev::client_from_kubeconfig(&ControlPlane::kubeconfig_yaml(
                 &format!("https://127.0.0.1:{port}"),
                 Some(&ca_pem),
@@ -1197,8 +1300,16 @@ impl Replica {
                 None,
             ))
             .await
-            .unwrap();
-        Replica { child, client, log }
+            .unwrap()
+        };
+        let client = client_at(port).await;
+        let admin = client_at(admin_port).await;
+        Replica {
+            child,
+            client,
+            admin,
+            log,
+        }
     }
 
     /// Waits for `/readyz` and checks every cache is listed ok.
@@ -1208,7 +1319,7 @@ impl Replica {
             if let Ok(Some(status)) = self.child.try_wait() {
                 panic!("the proxy exited ({status}):\n{}", log(self));
             }
-            let (code, body) = self.get_text("/readyz?verbose").await;
+            let (code, body) = self.get_admin_text("/readyz?verbose").await;
             if code == 200 {
                 return Ok(body);
             }
@@ -1224,9 +1335,10 @@ impl Replica {
         }
     }
 
-    async fn get_text(&self, path: &str) -> (u16, String) {
+    /// A GET on the replica's admin listener.
+    async fn get_admin_text(&self, path: &str) -> (u16, String) {
         let req = http::Request::get(path).body(Vec::new()).unwrap();
-        match self.client.send(req.map(Into::into)).await {
+        match self.admin.send(req.map(Into::into)).await {
             Ok(r) => {
                 let code = r.status().as_u16();
                 let b = http_body_util::BodyExt::collect(r.into_body())
@@ -1251,7 +1363,8 @@ impl Replica {
     }
 
     async fn served_from_cache(&self, resource: &str, verb: &str) -> f64 {
-        let m = poll(&self.client, "/metrics", |code, _| code == 200).await;
+        // The deploy configuration protects /metrics: the admin (system:masters) may read it.
+        let m = poll(&self.admin, "/metrics", |code, _| code == 200).await;
         m.lines()
             .filter(|l| {
                 l.starts_with("kube_cache_proxy_requests_total{")
@@ -1348,7 +1461,7 @@ async fn replicas_run_on_the_in_cluster_config_and_share_continue_tokens() {
             .as_u64()
             .unwrap();
     let Replica {
-        mut child, client, ..
+        mut child, admin, ..
     } = a;
     let pid = child.id().unwrap();
     let term = std::time::Instant::now();
@@ -1356,7 +1469,7 @@ async fn replicas_run_on_the_in_cluster_config_and_share_continue_tokens() {
         "kill -TERM",
         run(Command::new("kill").args(["-TERM", &pid.to_string()]), None),
     );
-    let readyz = poll(&client, "/readyz?verbose", |code, _| code == 500).await;
+    let readyz = poll(&admin, "/readyz?verbose", |code, _| code == 500).await;
     assert!(readyz.contains("[-]shutdown failed"), "{readyz}");
     let status = tokio::time::timeout(Duration::from_secs(grace), child.wait())
         .await

@@ -8,6 +8,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod admin;
 mod authz;
 mod clients;
 mod controlplane;

@@ -81,12 +81,8 @@ async fn real_apiserver_and_etcd_metrics_feed_a_sane_page_size() {
             assert!(resp.status().is_success(), "{path}: {}", resp.status());
             resp.into_body().collect().await.unwrap();
         }
-        let resp = client
-            .get(proxy.http("/debug/paging").parse().unwrap())
-            .await
-            .unwrap();
-        let b = resp.into_body().collect().await.unwrap().to_bytes();
-        let j: Value = serde_json::from_slice(&b).unwrap();
+        let (_, b) = proxy.admin_get("/debug/paging").await;
+        let j: Value = serde_json::from_str(&b).unwrap();
         let cur = &j["current"];
         // Several samples, so the moving average is seen moving.
         let ready = j["history"].as_array().is_some_and(|h| h.len() >= 8)

@@ -423,7 +423,7 @@ async fn watchers_through_the_proxy_see_exactly_the_apiservers_history() {
     }
 
     let c = proxy.client(None, false);
-    let m = c.get(&proxy.https("/metrics"), None).await;
+    let m = c.get(&proxy.admin("/metrics"), None).await;
     let m =
         String::from_utf8_lossy(&m.into_body().collect().await.unwrap().to_bytes()).into_owned();
     let cache_watches = sum_metric(

@@ -68,16 +68,7 @@ async fn watch(proxy: &TestProxy, query: &str) -> EventReader {
 }
 
 async fn metrics(proxy: &TestProxy) -> String {
-    let c = plain_client(false);
-    let r = c
-        .request(
-            http::Request::get(proxy.http("/metrics"))
-                .body(http_body_util::Full::default())
-                .unwrap(),
-        )
-        .await
-        .unwrap();
-    body_string(r).await
+    proxy.admin_get("/metrics").await.1
 }
 
 /// Requests the fake saw for the widgets collection: (lists, watches).
@@ -295,18 +286,8 @@ async fn all_lists_every_cached_resource_in_readiness() {
         c.cache.exclude = vec!["pods".into()];
     })
     .await;
-    let c = plain_client(false);
     let body = eventually("readiness with every cache synced", GUARD, async || {
-        let r = c
-            .request(
-                http::Request::get(proxy.http("/readyz?verbose"))
-                    .body(http_body_util::Full::default())
-                    .unwrap(),
-            )
-            .await
-            .unwrap();
-        let code = r.status();
-        let body = body_string(r).await;
+        let (code, body) = proxy.admin_get("/readyz?verbose").await;
         // Custom resources do not gate readiness: also wait for them to be synced.
         ok_if(code == 200 && !body.contains(" ok: "), body)
     })
@@ -329,7 +310,7 @@ async fn all_lists_every_cached_resource_in_readiness() {
         .filter(|r| r.path == CRDS && r.query.as_deref().unwrap_or("").contains("watch="))
         .count();
     assert_eq!(crd_watches, 1);
-    let r = c
+    let r = plain_client(false)
         .request(
             http::Request::get(proxy.http(CRDS))
                 .header("authorization", "Bearer alice")
@@ -352,7 +333,7 @@ async fn a_custom_resource_without_its_crd_does_not_keep_the_proxy_unready() {
     })
     .await;
     let body = eventually("readiness", GUARD, async || {
-        let (code, body) = get(&proxy, "/readyz?verbose").await;
+        let (code, body) = proxy.admin_get("/readyz?verbose").await;
         ok_if(code == 200, body)
     })
     .await;
@@ -367,10 +348,10 @@ async fn a_custom_resource_without_its_crd_does_not_keep_the_proxy_unready() {
     );
     assert!(body.contains("[+]cache:configmaps ok\n"), "{body}");
     // Built-in resources still gate: the single check of a synced one is ok.
-    assert_eq!(get(&proxy, "/readyz/cache:configmaps").await.0, 200);
+    assert_eq!(proxy.admin_get("/readyz/cache:configmaps").await.0, 200);
     fake.create(CRDS, crd()).await;
     eventually("the widgets cache to sync", GUARD, async || {
-        let (code, body) = get(&proxy, "/readyz?verbose").await;
+        let (code, body) = proxy.admin_get("/readyz?verbose").await;
         ok_if(
             code == 200 && body.contains("[+]cache:widgets.example.com ok\n"),
             body,

@@ -5,6 +5,7 @@
 #[path = "../support/mod.rs"]
 mod support;
 
+mod admin;
 mod authn;
 mod crd;
 mod fake_apiserver;

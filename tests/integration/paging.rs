@@ -47,14 +47,11 @@ fn etcd_metrics(slow: Arc<AtomicBool>) -> impl Fn(u64) -> String + Send + Sync +
     }
 }
 
+/// A JSON document from the admin listener (`/debug/paging`).
 async fn get_json(proxy: &TestProxy, path: &str) -> Value {
-    let resp = plain_client(false)
-        .get(proxy.http(path).parse().unwrap())
-        .await
-        .unwrap();
-    assert!(resp.status().is_success(), "{path}: {}", resp.status());
-    let b = resp.into_body().collect().await.unwrap().to_bytes();
-    serde_json::from_slice(&b).unwrap()
+    let (code, b) = proxy.admin_get(path).await;
+    assert!((200..300).contains(&code), "{path}: {code}");
+    serde_json::from_str(&b).unwrap()
 }
 
 /// Polls `/debug/paging` until `f` accepts it (bounded by [`WAIT`]).
@@ -191,19 +188,7 @@ async fn rising_etcd_latency_shrinks_the_next_relists_pages_and_the_downstream_c
     );
 
     // The gauges say the same.
-    let metrics = String::from_utf8(
-        plain_client(false)
-            .get(proxy.http("/metrics").parse().unwrap())
-            .await
-            .unwrap()
-            .into_body()
-            .collect()
-            .await
-            .unwrap()
-            .to_bytes()
-            .to_vec(),
-    )
-    .unwrap();
+    let metrics = proxy.admin_get("/metrics").await.1;
     assert!(
         metrics.lines().any(
             |l| l.starts_with("kube_cache_proxy_page_size{target=\"upstream\"} ")

@@ -652,7 +652,7 @@ async fn graceful_shutdown_fails_readiness_then_ends_watches_cleanly() {
     running.begin_shutdown();
     // During the delay, readiness fails and liveness holds.
     eventually("readiness to fail", BOUND, async || {
-        let r = c.get(&proxy.https("/readyz"), None).await;
+        let r = c.get(&proxy.admin("/readyz"), None).await;
         if r.status() == 500 {
             assert!(body_string(r).await.contains("[-]shutdown failed"));
             return Ok(());
@@ -660,7 +660,7 @@ async fn graceful_shutdown_fails_readiness_then_ends_watches_cleanly() {
         Err(r.status())
     })
     .await;
-    assert_eq!(c.get(&proxy.https("/livez"), None).await.status(), 200);
+    assert_eq!(c.get(&proxy.admin("/livez"), None).await.status(), 200);
     // Then both watches end with a clean end of stream, not an error or a torn event.
     assert_eq!(
         tokio::time::timeout(BOUND, w1.try_next()).await.unwrap(),
@@ -687,7 +687,7 @@ async fn a_configured_resource_not_yet_discovered_keeps_the_proxy_unready() {
     .await;
     let c = proxy.client(None, false);
     let body = eventually("a successful upstream probe", BOUND, async || {
-        let r = c.get(&proxy.https("/readyz?verbose"), None).await;
+        let r = c.get(&proxy.admin("/readyz?verbose"), None).await;
         let code = r.status();
         let body = body_string(r).await;
         if body.contains("[+]upstream ok") {
@@ -704,7 +704,7 @@ async fn a_configured_resource_not_yet_discovered_keeps_the_proxy_unready() {
     );
     let r = c
         .get(
-            &proxy.https("/readyz/cache:leases.coordination.k8s.io"),
+            &proxy.admin("/readyz/cache:leases.coordination.k8s.io"),
             None,
         )
         .await;
@@ -717,7 +717,7 @@ async fn health_and_metrics_endpoints_answer_in_the_apiservers_format() {
     let (_fake, proxy) = setup().await;
     let c = proxy.client(None, false);
     eventually("the upstream probe to succeed", BOUND, async || {
-        let r = c.get(&proxy.https("/readyz?verbose"), None).await;
+        let r = c.get(&proxy.admin("/readyz?verbose"), None).await;
         if r.status() == 200 {
             assert_eq!(
                 body_string(r).await,
@@ -729,16 +729,16 @@ async fn health_and_metrics_endpoints_answer_in_the_apiservers_format() {
     })
     .await;
     assert_eq!(
-        body_string(c.get(&proxy.https("/healthz"), None).await).await,
+        body_string(c.get(&proxy.admin("/healthz"), None).await).await,
         "ok"
     );
     assert_eq!(
-        body_string(c.get(&proxy.https("/livez/ping"), None).await).await,
+        body_string(c.get(&proxy.admin("/livez/ping"), None).await).await,
         "ok"
     );
     c.get(&proxy.https("/api/v1/namespaces/ns1/configmaps"), Some("t"))
         .await;
-    let m = body_string(c.get(&proxy.https("/metrics"), None).await).await;
+    let m = body_string(c.get(&proxy.admin("/metrics"), None).await).await;
     assert!(
         m.contains(r#"kube_cache_proxy_requests_total{verb="LIST",group="",version="v1",resource="configmaps",subresource="",scope="namespace",code="200",served_by="upstream"} 1"#),
         "{m}"
@@ -948,7 +948,7 @@ async fn malformed_http2_and_tls_garbage_close_the_connection_without_harm() {
     assert!(!out.contains("200"), "{out}");
     let c = proxy.client(None, true);
     assert_eq!(c.get(&proxy.https("/livez"), None).await.status(), 200);
-    let m = body_string(c.get(&proxy.https("/metrics"), None).await).await;
+    let m = body_string(c.get(&proxy.admin("/metrics"), None).await).await;
     assert!(
         m.contains(r#"kube_cache_proxy_rejected_total{reason="tls_handshake"} 1"#),
         "{m}"

@@ -15,12 +15,11 @@ use std::time::{Duration, Instant};
 use crate::support;
 use crate::support::eventually::{eventually, ok_if, poll_within};
 use crate::support::fake_apiserver::{FakeApiServer, LoggedRequest};
-use crate::support::proxy::{TestProxy, body_string, client_cert, plain_client};
+use crate::support::proxy::{TestProxy, body_string, client_cert};
 use crate::support::watch_validator::{
     Control, Req, Rng, Rules, SELECTORS, Scope, Start, Truth, WatchLog, WatcherSpec, random_labels,
     run_watcher, sum_metric,
 };
-use http_body_util::BodyExt as _;
 use serde_json::{Value, json};
 
 const NAMESPACES: [&str; 3] = ["wv-a", "wv-b", "wv-c"];
@@ -119,11 +118,7 @@ async fn wait_synced(proxy: &TestProxy) {
 }
 
 async fn metrics(proxy: &TestProxy) -> String {
-    let r = plain_client(false)
-        .get(proxy.http("/metrics").parse().unwrap())
-        .await
-        .unwrap();
-    String::from_utf8_lossy(&r.into_body().collect().await.unwrap().to_bytes()).into_owned()
+    proxy.admin_get("/metrics").await.1
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

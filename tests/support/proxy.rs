@@ -20,6 +20,9 @@ pub struct TestProxy {
     pub running: Option<Running>,
     pub tls_addr: SocketAddr,
     pub insecure_addr: SocketAddr,
+    /// The admin listener (TLS, the same serving certificate): the proxy's own health,
+    /// `/metrics` and `/debug/*`.
+    pub admin_addr: SocketAddr,
     /// CA that signed the proxy's serving certificate.
     pub ca_pem: String,
     pub dir: tempfile::TempDir,
@@ -114,11 +117,16 @@ impl TestProxy {
         cfg.tls.reload_interval = std::time::Duration::from_millis(100);
         cfg.upstream.health_check_interval = std::time::Duration::from_millis(200);
         cfg.shutdown.drain_timeout = std::time::Duration::from_secs(10);
+        cfg.server.admin_listen = Some("127.0.0.1:0".parse().unwrap());
+        // Tests that are not about the admin listener's access control read it without
+        // credentials; those that are set `kubernetes`.
+        cfg.server.admin_auth = kube_cache_proxy::config::AdminAuth::None;
         tweak(&mut cfg);
         let running = server::start(cfg, &kube).await.expect("proxy starts");
         TestProxy {
             tls_addr: running.tls_addr.unwrap(),
             insecure_addr: running.insecure_addr.unwrap(),
+            admin_addr: running.admin_addr.unwrap(),
             running: Some(running),
             ca_pem,
             dir,
@@ -128,6 +136,17 @@ impl TestProxy {
 
     pub fn https(&self, path: &str) -> String {
         format!("https://localhost:{}{path}", self.tls_addr.port())
+    }
+
+    /// A URL on the admin listener (HTTPS, trusted by [`Self::client`]).
+    pub fn admin(&self, path: &str) -> String {
+        format!("https://localhost:{}{path}", self.admin_addr.port())
+    }
+
+    /// A GET on the admin listener without credentials: (status, body).
+    pub async fn admin_get(&self, path: &str) -> (u16, String) {
+        let r = self.client(None, false).get(&self.admin(path), None).await;
+        (r.status().as_u16(), body_string(r).await)
     }
 
     pub fn http(&self, path: &str) -> String {

@@ -275,8 +275,40 @@ pub(super) async fn route(
     on_upgrade: Option<hyper::upgrade::OnUpgrade>,
 ) -> Result<Response<Body>, Status> {
     let path = req.path.as_str();
+    // Health in the apiserver's format, with checks only this fake has (`fake-apiserver`):
+    // a test tells its answers from the proxy's own.
+    if let Some(ep) = ["livez", "readyz", "healthz"].into_iter().find(|ep| {
+        path.strip_prefix('/')
+            .and_then(|p| p.strip_prefix(ep))
+            .is_some_and(|rest| rest.is_empty() || rest == "/etcd" || rest == "/fake-apiserver")
+    }) {
+        if path.len() == ep.len() + 1 && req.query.get("verbose").is_some() {
+            return Ok(text_response(
+                StatusCode::OK,
+                match ep {
+                    "livez" => "[+]ping ok\n[+]etcd ok\n[+]fake-apiserver ok\nlivez check passed\n",
+                    "readyz" => {
+                        "[+]ping ok\n[+]etcd ok\n[+]fake-apiserver ok\nreadyz check passed\n"
+                    }
+                    _ => "[+]ping ok\n[+]etcd ok\n[+]fake-apiserver ok\nhealthz check passed\n",
+                },
+            ));
+        }
+        return Ok(text_response(StatusCode::OK, "ok"));
+    }
+    if path.starts_with("/debug/") {
+        return Ok(text_response(
+            StatusCode::OK,
+            "fake apiserver debug endpoint\n",
+        ));
+    }
     match path {
-        "/livez" | "/readyz" | "/healthz" => return Ok(text_response(StatusCode::OK, "ok")),
+        "/openapi/v2" => {
+            return Ok(json_response(
+                StatusCode::OK,
+                r#"{"swagger":"2.0","info":{"title":"Kubernetes (fake apiserver)","version":"v1.36.3"},"paths":{}}"#.to_string(),
+            ));
+        }
         "/version" => return Ok(json_response(StatusCode::OK, version_json())),
         "/metrics" => {
             let (text, n) = {

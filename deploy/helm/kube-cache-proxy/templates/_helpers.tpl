@@ -65,6 +65,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $cfg := dict
   "listen" "0.0.0.0:8443"
   "tls" $tls
+  "server" (dict "adminListen" (printf "0.0.0.0:%d" (int .Values.admin.port)) "adminAuth" .Values.admin.auth)
   "upstream" (dict "kubeconfig" nil)
   "shutdown" (dict "delay" (printf "%ds" (int .Values.shutdown.delaySeconds)) "drainTimeout" (printf "%ds" (int .Values.shutdown.drainTimeoutSeconds)))
   "cache" (dict "resources" .Values.cache.resources)

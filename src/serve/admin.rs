@@ -1,0 +1,166 @@
+//! The admin listener: the proxy's own `/livez`, `/readyz`, `/healthz` (open, for probes),
+//! `/metrics` and `/debug/*` (authenticated and authorized as kube-rbac-proxy does).
+//!
+//! The API port is the apiserver's whole surface, so the proxy's own endpoints live on a
+//! second listener (`server.adminListen`), served by the same transport
+//! ([`crate::http::listener`]) through [`Admin`]. `/metrics` and `/debug/*` need a caller the
+//! authentication chain verifies (client certificate, token file, ServiceAccount JWT,
+//! TokenReview: as for reads, [`crate::serve::caller`]) and a `SubjectAccessReview` allowing
+//! the non-resource URL (`get` on `/metrics`; cached as resource reviews are,
+//! [`crate::auth::authz`]); 401 and 403 are the apiserver's `Status`. `server.adminAuth: none`
+//! turns that off for local use.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
+use hyper::body::Incoming;
+use rustls_pki_types::CertificateDer;
+
+use crate::auth::authn::Outcome;
+use crate::auth::authz::{Attributes, Decision};
+use crate::config::AdminAuth;
+use crate::http::body::{self, Body};
+use crate::k8s::request_info;
+use crate::k8s::status::{Reason, Status};
+use crate::metrics::Metrics;
+use crate::serve::caller::Caller;
+use crate::serve::state::{ConnInfo, State};
+
+/// The admin listener's service: the proxy's own endpoints over the shared [`State`].
+#[derive(Debug, Clone)]
+pub struct Admin {
+    pub state: Arc<State>,
+}
+
+impl crate::http::listener::Service for Admin {
+    type Conn = ConnInfo;
+
+    fn accept(&self, peer: SocketAddr, cert: Option<&CertificateDer<'_>>) -> ConnInfo {
+        <State as crate::http::listener::Service>::accept(&self.state, peer, cert)
+    }
+
+    fn call(
+        self: Arc<Self>,
+        conn: Arc<ConnInfo>,
+        req: Request<Incoming>,
+    ) -> Pin<Box<dyn Future<Output = Response<Body>> + Send>> {
+        Box::pin(async move { handle(&self.state, &conn, req).await })
+    }
+
+    fn metrics(&self) -> &Metrics {
+        &self.state.metrics
+    }
+
+    fn begin_shutdown(&self) {
+        self.state.health.begin_shutdown();
+    }
+
+    fn begin_drain(&self) {
+        self.state.drain.cancel();
+    }
+}
+
+/// Answers one admin request.
+pub async fn handle<B>(state: &State, conn: &ConnInfo, req: Request<B>) -> Response<Body> {
+    let path = req.uri().path();
+    let query = req.uri().query();
+    if let Err(e) = request_info::validate_path(path) {
+        state.metrics.reject("bad_path");
+        return Status::bad_request(format!("invalid request path: {e}")).into_response();
+    }
+    let method = req.method();
+    let protected = path == "/metrics" || path == "/debug" || path.starts_with("/debug/");
+    let health = crate::serve::health::Endpoint::from_path(path).is_some();
+    if !protected && !health {
+        return not_found();
+    }
+    if method != Method::GET && method != Method::HEAD {
+        return Status::failure(
+            StatusCode::METHOD_NOT_ALLOWED,
+            Reason::MethodNotAllowed,
+            format!(
+                "the server does not allow this method on the requested resource ({method} {path})"
+            ),
+        )
+        .into_response();
+    }
+    if health {
+        // Open for probes: the checks' names and pass/fail only (reasons are withheld from
+        // the listing, as the apiserver does).
+        return state
+            .health
+            .respond_with(path, query, state.cache_checks())
+            .unwrap_or_else(not_found);
+    }
+    if state.config.server.admin_auth == AdminAuth::Kubernetes {
+        let verb = if method == Method::HEAD {
+            "head"
+        } else {
+            "get"
+        };
+        if let Err(refused) = authorize(state, conn, req.headers(), path, verb).await {
+            return refused.into_response();
+        }
+    }
+    match path {
+        "/metrics" => {
+            let mut r = Response::new(body::full(state.metrics.encode()));
+            r.headers_mut().insert(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                ),
+            );
+            r
+        }
+        "/debug/paging" => state.paging.debug_response(),
+        _ => not_found(),
+    }
+}
+
+/// kube-rbac-proxy's check: the caller authenticated as for reads, then a
+/// `SubjectAccessReview` for the non-resource URL `path` with `verb`.
+async fn authorize(
+    state: &State,
+    conn: &ConnInfo,
+    headers: &http::HeaderMap,
+    path: &str,
+    verb: &str,
+) -> Result<(), Status> {
+    let mut caller = Caller::default();
+    let id = match caller.authenticate(state, conn, headers).await {
+        Outcome::Authenticated(id, _) => id.clone(),
+        Outcome::Unauthorized => return Err(Status::unauthorized()),
+        Outcome::Unavailable(e) => {
+            return Err(Status::service_unavailable(
+                format!("authentication is unavailable: {e}"),
+                1,
+            ));
+        }
+    };
+    let attrs = Attributes {
+        verb: verb.into(),
+        path: path.into(),
+        ..Default::default()
+    };
+    match state.authz.authorize(&id, &attrs).await {
+        Decision::Allow => Ok(()),
+        Decision::Deny(reason) => Err(crate::auth::authz::forbidden(&id, &attrs, &reason)),
+        Decision::Error(e) => Err(Status::service_unavailable(
+            format!("authorization is unavailable: {e}"),
+            1,
+        )),
+    }
+}
+
+fn not_found() -> Response<Body> {
+    Status::failure(
+        StatusCode::NOT_FOUND,
+        Reason::NotFound,
+        "the server could not find the requested resource",
+    )
+    .into_response()
+}

@@ -1,0 +1,240 @@
+//! The API port is the apiserver's whole surface, against a real kube-apiserver: `/metrics`,
+//! health, `/version`, `/openapi` and `/debug` through the proxy are the apiserver's answers
+//! (an anonymous caller gets exactly the apiserver's refusal, an admin its metrics). The
+//! proxy's own endpoints are on the admin listener, protected with real RBAC: 401 without
+//! credentials, the apiserver's own 403 for a user without the `/metrics` grant, 200 once the
+//! shipped metrics-reader ClusterRole is bound.
+
+use std::time::Duration;
+
+use crate::support::eventually::{eventually, ok_if};
+use crate::support::proxy::{TestProxy, body_string};
+use bytes::Bytes;
+use http::{Method, Request};
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions, token_auth_file};
+use kube_cache_proxy::config::AdminAuth;
+use rustls_pki_types::CertificateDer;
+use rustls_pki_types::pem::PemObject;
+use serde_json::Value;
+
+const BOUND: Duration = Duration::from_secs(90);
+
+type Https = Client<
+    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
+    Full<Bytes>,
+>;
+
+fn direct_client(ca_pem: &str) -> Https {
+    kube_cache_proxy::http::tls::install_crypto_provider();
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let tls = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let conn = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1()
+        .build();
+    Client::builder(TokioExecutor::new()).build(conn)
+}
+
+async fn send(
+    c: &Https,
+    method: Method,
+    url: &str,
+    token: Option<&str>,
+    body: Option<String>,
+) -> (u16, String) {
+    let mut b = Request::builder().method(method).uri(url);
+    if let Some(t) = token {
+        b = b.header("authorization", format!("Bearer {t}"));
+    }
+    if body.is_some() {
+        b = b.header("content-type", "application/json");
+    }
+    let r = c
+        .request(
+            b.body(Full::new(body.map(Bytes::from).unwrap_or_default()))
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    let code = r.status().as_u16();
+    let b = r.into_body().collect().await.unwrap().to_bytes();
+    (code, String::from_utf8_lossy(&b).into_owned())
+}
+
+/// The metrics-reader ClusterRole as shipped in the Kustomize base.
+fn shipped_metrics_reader() -> Value {
+    let rbac = include_str!("../../deploy/kustomize/base/rbac.yaml");
+    rbac.split("\n---\n")
+        .map(|d| serde_saphyr::from_str::<Value>(d).unwrap())
+        .find(|d| d["metadata"]["name"] == "kube-cache-proxy-metrics-reader")
+        .expect("the metrics-reader ClusterRole in deploy/kustomize/base/rbac.yaml")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_port_is_the_apiservers_and_the_admin_port_is_guarded_by_rbac() {
+    let cp = ControlPlane::start(ControlPlaneOptions::default())
+        .await
+        .expect("control plane starts");
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("tokens.csv");
+    std::fs::write(&token_file, token_auth_file(&cp.users)).unwrap();
+    let mut kube = kube::Config::new(cp.url.parse().unwrap());
+    kube.root_cert = Some(
+        CertificateDer::pem_slice_iter(cp.ca_pem.as_bytes())
+            .map(|c| c.unwrap().to_vec())
+            .collect(),
+    );
+    kube.auth_info.token = Some(cp.admin_token().to_string().into());
+    let proxy = TestProxy::start_with_kube(kube, |c| {
+        c.cache.resources = vec!["configmaps".into()];
+        c.authentication.token_auth_file = Some(token_file.clone());
+        c.server.admin_auth = AdminAuth::Kubernetes;
+    })
+    .await;
+    let direct = direct_client(&cp.ca_pem);
+    let pc = proxy.client(None, false);
+    let admin = cp.admin_token().to_string();
+    let via_proxy = async |path: &str, token: Option<&str>| {
+        let r = pc.get(&proxy.https(path), token).await;
+        (r.status().as_u16(), body_string(r).await)
+    };
+    let at_apiserver = async |path: &str, token: Option<&str>| {
+        send(
+            &direct,
+            Method::GET,
+            &format!("{}{path}", cp.url),
+            token,
+            None,
+        )
+        .await
+    };
+
+    // Anonymous: exactly the apiserver's answer (its 401 or 403 Status, or its "ok").
+    for path in ["/metrics", "/debug/pprof/", "/version", "/livez"] {
+        let d = at_apiserver(path, None).await;
+        let p = via_proxy(path, None).await;
+        assert_eq!(p, d, "anonymous {path}");
+    }
+    let (code, body) = via_proxy("/metrics", None).await;
+    assert!(code == 401 || code == 403, "{code} {body}");
+
+    // The admin gets the apiserver's metrics (APF included), not the proxy's.
+    let (code, m) = via_proxy("/metrics", Some(&admin)).await;
+    assert_eq!(code, 200);
+    assert!(m.contains("\napiserver_request_total{"), "{m}");
+    assert!(m.contains("apiserver_flowcontrol_"), "{m}");
+    assert!(!m.contains("kube_cache_proxy_"), "{m}");
+    // The apiserver's health checks, with its own check names, sub-paths and exclusions.
+    let (code, r) = via_proxy("/readyz?verbose", Some(&admin)).await;
+    assert_eq!(code, 200, "{r}");
+    assert!(
+        r.contains("[+]etcd ok") && r.ends_with("readyz check passed\n"),
+        "{r}"
+    );
+    assert!(!r.contains("[+]upstream ok"), "{r}");
+    let (code, r) = via_proxy("/livez?verbose&exclude=etcd", Some(&admin)).await;
+    assert_eq!(code, 200, "{r}");
+    assert!(r.contains("[+]etcd excluded: ok"), "{r}");
+    assert_eq!(
+        via_proxy("/healthz/etcd", Some(&admin)).await,
+        at_apiserver("/healthz/etcd", Some(&admin)).await
+    );
+    let (code, v) = via_proxy("/version", Some(&admin)).await;
+    assert_eq!(code, 200);
+    let (_, dv) = at_apiserver("/version", Some(&admin)).await;
+    assert_eq!(
+        serde_json::from_str::<Value>(&v).unwrap(),
+        serde_json::from_str::<Value>(&dv).unwrap()
+    );
+    let (code, o) = via_proxy("/openapi/v3", Some(&admin)).await;
+    assert_eq!(code, 200);
+    assert!(serde_json::from_str::<Value>(&o).unwrap()["paths"].is_object());
+
+    // The admin listener: the proxy's own health, open.
+    let ready = eventually("the proxy's own readiness", BOUND, async || {
+        let (code, body) = proxy.admin_get("/readyz?verbose").await;
+        ok_if(code == 200, body)
+    })
+    .await;
+    assert!(ready.contains("[+]upstream ok\n"), "{ready}");
+    assert!(ready.contains("[+]cache:configmaps ok\n"), "{ready}");
+    // /metrics: 401 without credentials; the apiserver's own 403 for a user without the
+    // grant (the same Status as alice gets from the apiserver's /metrics directly).
+    let (code, body) = proxy.admin_get("/metrics").await;
+    assert_eq!(code, 401, "{body}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&body).unwrap()["reason"],
+        "Unauthorized"
+    );
+    let alice = cp.user("alice").token.clone();
+    let bob = cp.user("bob").token.clone();
+    let admin_listener = async |path: &str, token: &str| {
+        let r = pc.get(&proxy.admin(path), Some(token)).await;
+        (r.status().as_u16(), body_string(r).await)
+    };
+    let (code, denied) = admin_listener("/metrics", &alice).await;
+    assert_eq!(code, 403, "{denied}");
+    let denied: Value = serde_json::from_str(&denied).unwrap();
+    let (dcode, direct_denied) = at_apiserver("/metrics", Some(&alice)).await;
+    assert_eq!(dcode, 403, "{direct_denied}");
+    let direct_denied: Value = serde_json::from_str(&direct_denied).unwrap();
+    assert_eq!(denied["message"], direct_denied["message"]);
+    assert_eq!(denied["reason"], "Forbidden");
+    assert_eq!(
+        denied["message"],
+        "forbidden: User \"alice\" cannot get path \"/metrics\""
+    );
+    // The shipped role, bound to bob: 200 with the proxy's own metrics.
+    let role = shipped_metrics_reader();
+    let (code, body) = send(
+        &direct,
+        Method::POST,
+        &format!("{}/apis/rbac.authorization.k8s.io/v1/clusterroles", cp.url),
+        Some(&admin),
+        Some(role.to_string()),
+    )
+    .await;
+    assert_eq!(code, 201, "{body}");
+    let binding = serde_json::json!({
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+        "metadata": {"name": "e2e-metrics-reader"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": "kube-cache-proxy-metrics-reader"},
+        "subjects": [{"kind": "User", "name": "bob", "apiGroup": "rbac.authorization.k8s.io"}],
+    });
+    let (code, body) = send(
+        &direct,
+        Method::POST,
+        &format!(
+            "{}/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+            cp.url
+        ),
+        Some(&admin),
+        Some(binding.to_string()),
+    )
+    .await;
+    assert_eq!(code, 201, "{body}");
+    // RBAC's informers take the binding in shortly; bob was never asked before, so no cached
+    // denial stands in the way.
+    let m = eventually("bob's grant to reach the authorizer", BOUND, async || {
+        let (code, body) = admin_listener("/metrics", &bob).await;
+        ok_if(code == 200, format!("{code} {body}"))
+    })
+    .await;
+    assert!(m.contains("kube_cache_proxy_requests_total"), "{m}");
+    assert!(!m.contains("apiserver_request_total"), "{m}");
+    // The role grants /metrics only: /debug/paging stays forbidden.
+    assert_eq!(admin_listener("/debug/paging", &bob).await.0, 403);
+    assert_eq!(admin_listener("/debug/paging", &admin).await.0, 200);
+    proxy.shutdown().await;
+    cp.stop().await;
+}

@@ -484,17 +484,17 @@ const AUDIT_ID: header::HeaderName = header::HeaderName::from_static("audit-id")
 
 /// The headers kube-apiserver's filters add to every response: `Audit-Id` (the caller's own,
 /// echoed, else a fresh UUID) and `Cache-Control: no-cache, private` unless set.
-fn stamp_apiserver_headers(audit_id: Option<&HeaderValue>, h: &mut http::HeaderMap) {
+fn stamp_apiserver_headers(audit_id: Option<&http::HeaderValue>, h: &mut http::HeaderMap) {
     if !h.contains_key(AUDIT_ID) {
         let id = match audit_id.filter(|v| !v.is_empty()) {
             Some(v) => v.clone(),
-            None => HeaderValue::try_from(uuid::Uuid::new_v4().to_string())
-                .unwrap_or(HeaderValue::from_static("")),
+            None => http::HeaderValue::try_from(uuid::Uuid::new_v4().to_string())
+                .unwrap_or(http::HeaderValue::from_static("")),
         };
         h.insert(AUDIT_ID, id);
     }
     h.entry(header::CACHE_CONTROL)
-        .or_insert(HeaderValue::from_static("no-cache, private"));
+        .or_insert(http::HeaderValue::from_static("no-cache, private"));
 }
 
 /// Sum of header name and value lengths, as Go's `MaxHeaderBytes` roughly counts them.

@@ -676,7 +676,7 @@ fn informer_traffic(errs: &[String]) -> (usize, usize, Vec<&String>) {
 /// Requests for configmaps the proxy served from its cache, from its metrics.
 async fn configmaps_served_from_cache(env: &Env) -> f64 {
     let c = env.proxy.client(None, false);
-    let m = support::proxy::body_string(c.get(&env.proxy.https("/metrics"), None).await).await;
+    let m = support::proxy::body_string(c.get(&env.proxy.admin("/metrics"), None).await).await;
     support::watch_validator::sum_metric(
         &m,
         "kube_cache_proxy_requests_total",

@@ -800,7 +800,7 @@ async fn hostile_paths_get_a_bad_request_status_and_never_reach_upstream() {
     );
     // Still serving.
     let c = proxy.client(None, false);
-    assert_eq!(c.get(&proxy.https("/livez"), None).await.status(), 200);
+    assert_eq!(c.get(&proxy.admin("/livez"), None).await.status(), 200);
     proxy.shutdown().await;
 }
 
@@ -903,7 +903,7 @@ async fn header_and_body_limits_are_the_apiservers() {
     .unwrap();
     assert_eq!(j["reason"], "RequestEntityTooLarge", "{j}");
     let c = proxy.client(None, false);
-    assert_eq!(c.get(&proxy.https("/livez"), None).await.status(), 200);
+    assert_eq!(c.get(&proxy.admin("/livez"), None).await.status(), 200);
     proxy.shutdown().await;
 }
 
@@ -947,7 +947,7 @@ async fn malformed_http2_and_tls_garbage_close_the_connection_without_harm() {
     let out = raw_exchange(proxy.tls_addr, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
     assert!(!out.contains("200"), "{out}");
     let c = proxy.client(None, true);
-    assert_eq!(c.get(&proxy.https("/livez"), None).await.status(), 200);
+    assert_eq!(c.get(&proxy.admin("/livez"), None).await.status(), 200);
     let m = body_string(c.get(&proxy.admin("/metrics"), None).await).await;
     assert!(
         m.contains(r#"kube_cache_proxy_rejected_total{reason="tls_handshake"} 1"#),

@@ -10,6 +10,7 @@ mod support;
 
 mod authz;
 mod clients;
+mod conformance;
 mod controlplane;
 mod crd;
 mod deploy;

@@ -94,7 +94,7 @@ fn whole_selection() -> Selection {
 }
 
 /// What one spec did in one run.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 struct Outcome {
     /// ginkgo's state: passed, failed, skipped, panicked, timedout, interrupted, aborted.
     state: String,

@@ -324,7 +324,9 @@ fn table(
         times.0.as_secs_f64(),
         times.1.as_secs_f64()
     );
-    md.push_str("| test | direct | proxy | proxy-only failure / note |\n| --- | --- | --- | --- |\n");
+    md.push_str(
+        "| test | direct | proxy | proxy-only failure / note |\n| --- | --- | --- | --- |\n",
+    );
     md.push_str(&rows);
     Table {
         markdown: md,

@@ -23,6 +23,8 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use crate::support::proxy::TestProxy;
+use k8s_openapi::api::core::v1::Node;
+use kube::api::{Api, PostParams};
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions, ensure_conformance_binaries};
 
 /// The API-only tests of `test/e2e/common/node`: the rest of that package starts pods, which
@@ -354,6 +356,17 @@ async fn run(sel: Selection) {
     })
     .await
     .expect("control plane starts");
+    // A Node object (there is no kubelet behind it; it goes NotReady): tests that list nodes
+    // expect a cluster to have one.
+    let admin = cp.admin_client().await.unwrap();
+    let node: Node = serde_json::from_value(serde_json::json!({
+        "metadata": {"name": "conformance-node", "labels": {"kubernetes.io/hostname": "conformance-node"}},
+    }))
+    .unwrap();
+    Api::<Node>::all(admin)
+        .create(&PostParams::default(), &node)
+        .await
+        .expect("creating a Node object");
     let upstream = kube_config(&cp.admin_kubeconfig_yaml()).await;
     let proxy = TestProxy::start_with_kube(upstream, |c| {
         c.cache.resources = vec!["all".into()];

@@ -52,12 +52,8 @@ pub const SKIPS: &[(&str, &str)] = &[
         "deploys sample-apiserver as a pod from a container image: needs nodes and images",
     ),
     (
-        r"Namespaces \[Serial\] should ensure that all pods are removed",
+        r"Namespaces \[Serial\] should ensure that all pods are removed|OrderedNamespaceDeletion namespace deletion should delete pod first|Generated clientset should create pods, set the deletionTimestamp",
         "waits for a pod to be running: needs a kubelet",
-    ),
-    (
-        r"ResourceQuota should verify ResourceQuota with terminating scopes|ResourceQuota should verify ResourceQuota with best effort scope|ResourceQuota should create a ResourceQuota and capture the life of a pod",
-        "waits for pods to run or terminate: needs a kubelet",
     ),
 ];
 

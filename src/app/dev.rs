@@ -16,9 +16,11 @@
 //!   a generated P-256 key (issuer `https://kubernetes.default.svc.cluster.local`);
 //! - `--authorization-mode=Node,RBAC`, so authorization decisions are the real ones.
 //!
-//! There is no controller-manager, scheduler or kubelet: namespaces get no `default`
+//! By default there is no controller-manager, scheduler or kubelet: namespaces get no `default`
 //! ServiceAccount by themselves (use [`ControlPlane::create_default_service_account`]), and pods
-//! stay Pending. Children's output goes to files in [`ControlPlane::log_dir`], never to the test
+//! stay Pending. [`ControlPlaneOptions::controller_manager`] adds kube-controller-manager (built
+//! with the `conformance` set): ServiceAccounts, namespace deletion, garbage collection and the
+//! other controllers then run as in a cluster (the conformance tier needs them). Children's output goes to files in [`ControlPlane::log_dir`], never to the test
 //! output; a failed start includes the tail of the failing child's log in the error.
 //!
 //! Children are killed when the [`ControlPlane`] is dropped (also while a test panics);
@@ -45,6 +47,9 @@ use tokio::process::{Child, Command};
 /// The ServiceAccount token issuer, the one kubeadm clusters use.
 pub const SERVICE_ACCOUNT_ISSUER: &str = "https://kubernetes.default.svc.cluster.local";
 
+/// Bound on waiting for kube-controller-manager's first `default` ServiceAccount: its
+/// controllers start after it read discovery, a few seconds; more on a loaded 2-core machine.
+const CONTROLLER_MANAGER_READY_TIMEOUT: Duration = Duration::from_secs(120);
 /// Bound on waiting for etcd's `/health`; etcd starts in well under a second on loopback.
 const ETCD_READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// Bound on waiting for kube-apiserver's `/readyz`: usually 5-15 s, more on a loaded 2-core CI
@@ -122,6 +127,13 @@ pub struct ControlPlaneOptions {
     pub dir: Option<PathBuf>,
     /// Where `etcd.log` and `kube-apiserver.log` go. `None`: `<dir>/logs`.
     pub log_dir: Option<PathBuf>,
+    /// Extra kube-apiserver flags, after the defaults (a repeated flag's last value wins), e.g.
+    /// `--etcd-compaction-interval=1m`.
+    pub apiserver_args: Vec<String>,
+    /// Also run kube-controller-manager (`--controllers=*`, no leader election, no cloud
+    /// provider, admin credentials) and wait until it created the `default` ServiceAccount of
+    /// namespace `default`.
+    pub controller_manager: bool,
 }
 
 /// A user of the apiserver's static token file (`--token-auth-file`).
@@ -280,6 +292,10 @@ impl ControlPlane {
             "--profiling=false".into(),
             "--v=1".into(),
         ];
+        let api_args: Vec<String> = api_args
+            .into_iter()
+            .chain(opts.apiserver_args.iter().cloned())
+            .collect();
         cp.spawn("kube-apiserver", &api_args).await?;
         let client = cp.client_for_token(cp.admin_token()).await?;
         cp.wait_ready("kube-apiserver", APISERVER_READY_TIMEOUT, || {
@@ -296,6 +312,9 @@ impl ControlPlane {
             }
         })
         .await?;
+        if opts.controller_manager {
+            cp.start_controller_manager(&pki_dir, &client).await?;
+        }
         tracing::info!(
             url = %cp.url,
             etcd = %cp.etcd_url,
@@ -307,7 +326,52 @@ impl ControlPlane {
         Ok(cp)
     }
 
+    /// Starts kube-controller-manager with the admin's credentials and waits for the
+    /// ServiceAccount controller's first `default` ServiceAccount.
+    async fn start_controller_manager(
+        &mut self,
+        pki_dir: &Path,
+        client: &kube::Client,
+    ) -> Result<(), DevClusterError> {
+        let bin_dir = tokio::task::spawn_blocking(ensure_conformance_binaries)
+            .await
+            .map_err(|e| DevClusterError::Build {
+                script: PathBuf::from(BUILD_SCRIPT),
+                message: e.to_string(),
+            })??;
+        let kubeconfig = pki_dir.join("controller-manager.kubeconfig");
+        write_private(&kubeconfig, &self.admin_kubeconfig_yaml())?;
+        let p = |name: &str| pki_dir.join(name).display().to_string();
+        let args: Vec<String> = vec![
+            format!("--kubeconfig={}", kubeconfig.display()),
+            format!("--authentication-kubeconfig={}", kubeconfig.display()),
+            format!("--authorization-kubeconfig={}", kubeconfig.display()),
+            // No serving endpoint: nothing scrapes it, and it needs no port.
+            "--secure-port=0".into(),
+            "--leader-elect=false".into(),
+            "--controllers=*".into(),
+            format!("--service-account-private-key-file={}", p("sa.key")),
+            format!("--root-ca-file={}", p("serving-ca.crt")),
+            "--service-cluster-ip-range=10.96.0.0/24".into(),
+            "--profiling=false".into(),
+            "--v=1".into(),
+        ];
+        self.spawn_from(&bin_dir, "kube-controller-manager", &args)
+            .await?;
+        cp_wait_default_sa(self, client).await
+    }
+
     async fn spawn(&mut self, name: &'static str, args: &[String]) -> Result<(), DevClusterError> {
+        let bin_dir = self.bin_dir.clone();
+        self.spawn_from(&bin_dir, name, args).await
+    }
+
+    async fn spawn_from(
+        &mut self,
+        bin_dir: &Path,
+        name: &'static str,
+        args: &[String],
+    ) -> Result<(), DevClusterError> {
         let log = self.log_path(name);
         let out = std::fs::OpenOptions::new()
             .create(true)
@@ -317,7 +381,7 @@ impl ControlPlane {
         let err = out
             .try_clone()
             .map_err(io_err(format!("opening {}", log.display())))?;
-        let child = Command::new(self.bin_dir.join(name))
+        let child = Command::new(bin_dir.join(name))
             .args(args)
             .stdin(Stdio::null())
             .stdout(out)
@@ -515,7 +579,7 @@ impl ControlPlane {
         Ok(())
     }
 
-    /// Stops the control plane: SIGTERM to kube-apiserver then etcd, up to 15 s each, then
+    /// Stops the control plane: SIGTERM to each child, last started first, up to 15 s each, then
     /// SIGKILL; removes the state directory if it was a temporary one.
     pub async fn stop(mut self) {
         let children = std::mem::take(&mut self.children);
@@ -567,6 +631,15 @@ pub fn ensure_binaries() -> Result<PathBuf, DevClusterError> {
     run_build_script(None)
 }
 
+/// Builds (or finds cached) kube-controller-manager and the upstream e2e test binary
+/// `e2e.test` (the `conformance` set); returns their directory.
+///
+/// # Errors
+/// If the sources cannot be written, or the script cannot be run or fails.
+pub fn ensure_conformance_binaries() -> Result<PathBuf, DevClusterError> {
+    run_build_script(Some("conformance"))
+}
+
 /// Builds (or finds cached) the client programs (`informer-check`); returns their directory.
 ///
 /// # Errors
@@ -597,6 +670,10 @@ const BUILD_SOURCES: &[(&str, &str)] = &[
     (
         "go/cmd/informer-check/main.go",
         include_str!("../../tests/e2e/go/cmd/informer-check/main.go"),
+    ),
+    (
+        "go/conformance/e2e_test.go",
+        include_str!("../../tests/e2e/go/conformance/e2e_test.go"),
     ),
 ];
 
@@ -869,6 +946,28 @@ async fn create_namespace_and_sa(client: &kube::Client, ns: &str) -> Result<(), 
     ignore_exists(sas.create(&PostParams::default(), &sa).await)
         .map_err(kube_err(format!("creating serviceaccount {ns}/default")))?;
     Ok(())
+}
+
+/// Waits until kube-controller-manager's ServiceAccount controller created `default/default`.
+async fn cp_wait_default_sa(
+    cp: &mut ControlPlane,
+    client: &kube::Client,
+) -> Result<(), DevClusterError> {
+    let sas: Api<ServiceAccount> = Api::namespaced(client.clone(), "default");
+    cp.wait_ready(
+        "kube-controller-manager",
+        CONTROLLER_MANAGER_READY_TIMEOUT,
+        || {
+            let sas = sas.clone();
+            async move {
+                sas.get("default")
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| format!("ServiceAccount default/default: {e}"))
+            }
+        },
+    )
+    .await
 }
 
 fn ignore_exists<T>(r: Result<T, kube::Error>) -> Result<(), kube::Error> {

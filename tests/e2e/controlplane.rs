@@ -17,6 +17,17 @@ async fn get_text(client: &kube::Client, path: &str) -> Result<String, kube::Err
         .await
 }
 
+/// The k8s.io/kubernetes version pinned in tests/e2e/go/go.mod, e.g. `v1.36.3`.
+fn pinned_kubernetes_version() -> String {
+    let go_mod = include_str!("go/go.mod");
+    go_mod
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("k8s.io/kubernetes "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .expect("go.mod requires k8s.io/kubernetes")
+        .to_string()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_plane_is_a_real_secured_apiserver_and_stops_cleanly() {
     let started = std::time::Instant::now();
@@ -53,6 +64,30 @@ async fn control_plane_is_a_real_secured_apiserver_and_stops_cleanly() {
     assert!(stdout.lines().any(|l| l == "namespace/default"), "{stdout}");
     assert!(
         stdout.lines().any(|l| l == "namespace/kube-system"),
+        "{stdout}"
+    );
+
+    // Every binary is stamped with the version pinned in go.mod: `kubectl version` prints it
+    // for the client and the server (an unstamped build fails to parse its own version).
+    let pinned = pinned_kubernetes_version();
+    let out = std::process::Command::new(cp.kubectl())
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .arg("version")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "kubectl version failed: {stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains(&format!("Client Version: {pinned}\n")),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains(&format!("Server Version: {pinned}\n")),
         "{stdout}"
     );
 

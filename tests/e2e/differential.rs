@@ -80,6 +80,7 @@ async fn proxy_and_fake_answer_the_corpus_like_the_real_apiserver() {
     let opts = ControlPlaneOptions {
         dir: Some(state.path().to_path_buf()),
         log_dir: None,
+        ..ControlPlaneOptions::default()
     };
     let cp = ControlPlane::start(opts.clone())
         .await

@@ -11,6 +11,7 @@ mod support;
 mod admin;
 mod authz;
 mod clients;
+mod conformance;
 mod controlplane;
 mod crd;
 mod deploy;

@@ -1,9 +1,10 @@
 //go:build tools
 
-// Package tools pins the control-plane commands built by tests/e2e/build-control-plane.sh.
+// Package tools pins the control-plane and conformance commands built by tests/e2e/build-control-plane.sh.
 package tools
 
 import (
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
+	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kubectl"
 )

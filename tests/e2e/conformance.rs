@@ -12,7 +12,7 @@
 //!
 //! - `ci_subset` is meant for `cargo test`: lists and chunking (with the compaction test),
 //!   watches, WatchList, Table and metadata, server-side apply, leases, health, server version.
-//!   It is `#[ignore]`d until the proxy passes it (see its attribute).
+//!   It runs with the other e2e tests (about 7 minutes: both runs, with the compaction test).
 //! - `whole_selection` (ignored; `cargo test --test e2e conformance::whole_selection --
 //!   --ignored --nocapture`) runs everything linked in, minus [`SKIPS`] (each with its reason,
 //!   also tabled in docs/architecture.md).
@@ -431,9 +431,6 @@ async fn run(sel: Selection) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "fails until the proxy's conformance fixes land (limit capping, continue-token expiry, \
-            metadata lists, the apiserver's health checks on the API port: issue 17 part 2); \
-            remove this line with them: `cargo test --test e2e conformance::ci_subset -- --ignored`"]
 async fn ci_subset_passes_through_the_proxy_as_directly() {
     run(ci_subset()).await;
 }

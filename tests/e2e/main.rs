@@ -2,7 +2,8 @@
 //! built by `tests/e2e/build-control-plane.sh` and cached), with real clients (kubectl,
 //! client-go, kube-rs, the Python client) and the deploy manifests. One test binary; each module
 //! is one concern (run one with `cargo test --test e2e -- authz::`). The folder also holds what
-//! these tests run: `go/` (the control-plane build and the client-go checker), `python/`,
+//! these tests run: `go/` (the control-plane build, the client-go checker and the upstream
+//! e2e test binary of the conformance tier), `python/`,
 //! `differential/` (corpus and allowlist) and the build scripts.
 
 #[path = "../support/mod.rs"]

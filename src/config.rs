@@ -462,6 +462,10 @@ pub struct ListsConfig {
     /// used: a client polling with one continue token does not pin old objects forever.
     #[serde(with = "duration")]
     pub snapshot_max_age: Duration,
+    /// Object bytes retained snapshots may keep alive per resource (an estimate: the states
+    /// replaced after the oldest one); beyond it the oldest snapshots go first, and their walks
+    /// continue from the event history or get 410 Expired.
+    pub snapshot_max_bytes: usize,
     /// Continue tokens at least this old are checked against the apiserver's compaction
     /// before a page is served from the proxy's snapshot: a token whose resourceVersion etcd
     /// compacted gets the apiserver's 410 Expired. kube-apiserver compacts to the revision it
@@ -489,6 +493,7 @@ impl Default for ListsConfig {
             snapshot_retention: Duration::from_secs(75),
             snapshot_max: 256,
             snapshot_max_age: Duration::from_secs(600),
+            snapshot_max_bytes: 512 << 20,
             compaction_check_after: Duration::from_secs(15),
             wait_for_resource_version: Duration::from_secs(3),
             gzip_min_bytes: 128 * 1024,

@@ -55,6 +55,7 @@ pub fn build_state(
         snapshot_retention: config.lists.snapshot_retention,
         snapshot_max: config.lists.snapshot_max,
         snapshot_max_age: config.lists.snapshot_max_age,
+        snapshot_max_bytes: config.lists.snapshot_max_bytes,
     };
     let paging = crate::paging::Paging::new(config.paging.clone(), c.upstream_page_size);
     let reflector = crate::cache::reflector::ReflectorConfig {

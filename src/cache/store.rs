@@ -36,6 +36,9 @@ pub struct StoreConfig {
     pub snapshot_max: usize,
     /// A retained snapshot goes this long after it was taken, however often it is used.
     pub snapshot_max_age: Duration,
+    /// Object bytes retained snapshots may keep alive (the [`ResourceCache::retained_bytes`]
+    /// estimate); beyond it the oldest snapshots go first.
+    pub snapshot_max_bytes: usize,
 }
 
 impl Default for StoreConfig {
@@ -51,6 +54,7 @@ impl Default for StoreConfig {
             snapshot_retention: Duration::from_secs(75),
             snapshot_max: 256,
             snapshot_max_age: Duration::from_secs(600),
+            snapshot_max_bytes: 512 << 20,
         }
     }
 }
@@ -334,14 +338,25 @@ impl ResourceCache {
         r.retain(|x| x.alive(now, &self.cfg));
         match r.binary_search_by_key(&snap.rv, |x| x.snap.rv) {
             Ok(i) => r[i].last_used = now,
-            Err(i) => r.insert(
-                i,
-                Retained {
-                    snap: snap.clone(),
-                    taken: now,
-                    last_used: now,
-                },
-            ),
+            Err(i) => {
+                r.insert(
+                    i,
+                    Retained {
+                        snap: snap.clone(),
+                        taken: now,
+                        last_used: now,
+                    },
+                );
+                // Checked when a walk starts, not on every page: the oldest snapshots go while
+                // the bytes they alone keep alive are over the bound (the newest stays).
+                while r.len() > 1
+                    && r.front().is_some_and(|x| {
+                        self.bytes_replaced_after(x.snap.rv) > self.cfg.snapshot_max_bytes
+                    })
+                {
+                    r.pop_front();
+                }
+            }
         }
         while r.len() > self.cfg.snapshot_max {
             // The least recently used goes.
@@ -364,8 +379,13 @@ impl ResourceCache {
         let Some(oldest) = self.retained_snapshots().1 else {
             return 0;
         };
+        self.bytes_replaced_after(oldest)
+    }
+
+    /// Bytes of the object states the history replaced or deleted after `rv`.
+    fn bytes_replaced_after(&self, rv: u64) -> usize {
         let s = self.read();
-        let from = s.history.partition_point(|e| e.rv <= oldest);
+        let from = s.history.partition_point(|e| e.rv <= rv);
         s.history
             .range(from..)
             .filter_map(|e| e.prev.as_ref().map(|p| p.body.len()))
@@ -592,6 +612,31 @@ mod tests {
             ix.update(k, None, Some(o));
         }
         ix.keys
+    }
+
+    /// Retained snapshots are bounded by the bytes they alone keep alive: once the states
+    /// replaced after the oldest exceed the bound, the oldest goes when a new walk starts.
+    #[tokio::test]
+    async fn retained_snapshots_are_bounded_by_the_bytes_they_keep_alive() {
+        let cfg = StoreConfig {
+            snapshot_max_bytes: 1000,
+            ..StoreConfig::default()
+        };
+        let cache = ResourceCache::new(Resource::core("pods", "Pod", true), cfg);
+        cache.replace(vec![pod("a", "p", None, 10)], 10);
+        cache.retain(&cache.current());
+        let body = pod("a", "p", None, 11).body.len();
+        // Replacing the object many times: every earlier state is kept alive by the snapshot.
+        let mut rv = 10;
+        while (rv - 10) as usize * body <= 1000 {
+            rv += 1;
+            cache.apply(EventKind::Modified, pod("a", "p", None, rv));
+        }
+        assert_eq!(cache.retained_snapshots(), (1, Some(10)), "no new walk yet");
+        assert!(cache.retained_bytes() > 1000);
+        cache.retain(&cache.current());
+        assert_eq!(cache.retained_snapshots(), (1, Some(rv)), "the oldest went");
+        assert_eq!(cache.retained_bytes(), 0);
     }
 
     proptest! {

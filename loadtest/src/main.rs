@@ -359,7 +359,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     std::fs::create_dir_all(&work)?;
     let cp = ControlPlane::start(ControlPlaneOptions {
         dir: Some(work.join("cp")),
-        log_dir: None,
+        ..ControlPlaneOptions::default()
     })
     .await
     .context("starting the control plane")?;

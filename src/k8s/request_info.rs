@@ -79,6 +79,9 @@ pub struct RequestInfo {
     pub resource: String,
     pub subresource: String,
     pub name: String,
+    /// The resource was addressed under `/namespaces/{namespace}/` (not the Namespace object's
+    /// own `/namespaces/{name}` path). A cluster-scoped resource there is the apiserver's 404.
+    pub under_namespace: bool,
 }
 
 /// Subresources of a Namespace object itself (`/api/v1/namespaces/x/status`), not namespaced
@@ -144,6 +147,7 @@ impl RequestInfo {
         if parts[0] == "namespaces" && parts.len() > 1 {
             info.namespace = parts[1].to_string();
             if parts.len() > 2 && !NAMESPACE_SUBRESOURCES.contains(&parts[2]) {
+                info.under_namespace = true;
                 parts.drain(..2);
             }
         }
@@ -495,6 +499,27 @@ mod tests {
             "/openapi/v3",
         ] {
             assert!(!parse(Method::GET, p, None).is_resource_request, "{p}");
+        }
+    }
+
+    #[test]
+    fn a_resource_under_a_namespace_is_told_from_the_namespace_object() {
+        for (p, under) in [
+            ("/api/v1/namespaces/a", false),
+            ("/api/v1/namespaces/a/status", false),
+            ("/api/v1/namespaces/a/finalize", false),
+            ("/api/v1/namespaces", false),
+            ("/api/v1/nodes", false),
+            ("/api/v1/namespaces/a/namespaces", true),
+            ("/api/v1/namespaces/a/namespaces/a", true),
+            ("/api/v1/watch/namespaces/a/namespaces", true),
+            ("/api/v1/namespaces/a/nodes", true),
+            ("/api/v1/namespaces/a/pods/p", true),
+        ] {
+            let info = parse(Method::GET, p, None);
+            assert_eq!(info.under_namespace, under, "{p}");
+            let ns = if p.contains("namespaces/a") { "a" } else { "" };
+            assert_eq!(info.namespace, ns, "{p}");
         }
     }
 

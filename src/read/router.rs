@@ -333,9 +333,10 @@ pub fn route(
     if !cache.is_ready() {
         return delegate("cache not synced");
     }
-    // A namespaced path for a cluster-scoped resource (or the reverse) is the apiserver's
-    // 404 to write.
-    if !cache.resource.namespaced && !info.namespace.is_empty() && info.resource != "namespaces" {
+    // A cluster-scoped resource under a namespaced path (`/api/v1/namespaces/x/namespaces`,
+    // `/api/v1/watch/namespaces/x/nodes`) is the apiserver's 404 to write: serving it would
+    // hand the whole cluster-scoped list to anyone who may read that resource in namespace x.
+    if !cache.resource.namespaced && info.under_namespace {
         return delegate("namespace on a cluster-scoped resource");
     }
     // Go reads a header's bytes as they are; bytes that are not UTF-8 match nothing either way.

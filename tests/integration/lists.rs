@@ -675,3 +675,47 @@ async fn a_continue_token_expires_when_its_revision_is_compacted_upstream() {
         "{probes:?}"
     );
 }
+
+/// A cluster-scoped resource under a namespaced path is the apiserver's 404, never the
+/// cache's list of every namespace (anyone who may read `namespaces` in namespace `a`, as the
+/// view, edit and admin roles allow, would otherwise read them all, labels included).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_scoped_resource_under_a_namespace_path_goes_to_the_apiserver() {
+    let (fake, proxy) = setup(|c| {
+        c.cache.resources = vec!["configmaps".into(), "pods".into(), "namespaces".into()];
+    })
+    .await;
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    eventually("the namespaces cache to sync", GUARD, async || {
+        let ready = state
+            .caches
+            .get("", "v1", "namespaces")
+            .is_some_and(|c| c.is_ready());
+        ok_if(ready, "not synced")
+    })
+    .await;
+    // The Namespace object's own path is served from memory.
+    fake.clear_requests();
+    let (code, ns) = get(&proxy, "/api/v1/namespaces/a", "alice").await;
+    assert_eq!((code, ns["metadata"]["name"].as_str()), (200, Some("a")));
+    assert!(
+        fake.requests()
+            .iter()
+            .all(|r| r.path != "/api/v1/namespaces/a")
+    );
+    for path in [
+        "/api/v1/namespaces/a/namespaces",
+        "/api/v1/namespaces/a/namespaces/b",
+        "/api/v1/namespaces/a/namespaces/a",
+        "/api/v1/namespaces/a/namespaces?watch=1&timeoutSeconds=1",
+        "/api/v1/watch/namespaces/a/namespaces?timeoutSeconds=1",
+    ] {
+        fake.clear_requests();
+        let _ = get(&proxy, path, "alice").await;
+        let bare = path.split('?').next().unwrap();
+        assert!(
+            fake.requests().iter().any(|r| r.path == bare),
+            "{path}: answered by the proxy, not the apiserver"
+        );
+    }
+}

@@ -52,6 +52,10 @@ pub struct Attributes {
     pub subresource: String,
     pub namespace: String,
     pub name: String,
+    /// A list or watch's raw field and label selectors: authorizers decide on them (the Node
+    /// authorizer lets a kubelet read its own pods by `spec.nodeName`).
+    pub field_selector: String,
+    pub label_selector: String,
 }
 
 /// The apiserver's answer.
@@ -166,6 +170,14 @@ fn review_body(id: &Identity, a: &Attributes) -> serde_json::Value {
             "resource": a.resource, "subresource": a.subresource,
             "namespace": a.namespace, "name": a.name,
         });
+        if !a.field_selector.is_empty() {
+            spec["resourceAttributes"]["fieldSelector"] =
+                serde_json::json!({"rawSelector": a.field_selector});
+        }
+        if !a.label_selector.is_empty() {
+            spec["resourceAttributes"]["labelSelector"] =
+                serde_json::json!({"rawSelector": a.label_selector});
+        }
     } else {
         spec["nonResourceAttributes"] = serde_json::json!({"path": a.path, "verb": a.verb});
     }
@@ -226,6 +238,8 @@ impl Authorizer {
             &a.subresource,
             &a.namespace,
             &a.name,
+            &a.field_selector,
+            &a.label_selector,
         ] {
             h.update((part.len() as u64).to_be_bytes());
             h.update(part.as_bytes());

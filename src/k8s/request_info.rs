@@ -82,6 +82,9 @@ pub struct RequestInfo {
     /// The resource was addressed under `/namespaces/{namespace}/` (not the Namespace object's
     /// own `/namespaces/{name}` path). A cluster-scoped resource there is the apiserver's 404.
     pub under_namespace: bool,
+    /// `name` came from a list or watch's `fieldSelector=metadata.name=X`, as the apiserver's
+    /// RequestInfo takes it (authorization then sees the name: RBAC `resourceNames` rules).
+    pub name_from_selector: bool,
 }
 
 /// Subresources of a Namespace object itself (`/api/v1/namespaces/x/status`), not namespaced
@@ -166,6 +169,18 @@ impl RequestInfo {
             } else {
                 "list".into()
             };
+            // requestinfo.go: `opts.FieldSelector.RequiresExactMatch("metadata.name")`, kept
+            // when it is a valid path segment name.
+            let selected = query_param(query, "fieldSelector")
+                .and_then(|f| crate::k8s::selector::FieldSelector::parse(&f).ok())
+                .and_then(|f| f.exact_value("metadata.name").map(str::to_string))
+                .filter(|n| {
+                    !matches!(n.as_str(), "." | "..") && !n.contains('/') && !n.contains('%')
+                });
+            if let Some(n) = selected {
+                info.name = n;
+                info.name_from_selector = true;
+            }
         }
         if info.verb == "delete" && info.name.is_empty() {
             info.verb = "deletecollection".into();

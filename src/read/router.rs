@@ -351,7 +351,7 @@ pub fn route(
         info.namespace.as_str()
     };
     match info.verb.as_str() {
-        "watch" if info.name.is_empty() => {
+        "watch" if info.name.is_empty() || info.name_from_selector => {
             let enc = negotiate(ReadKind::Watch).or_else(delegate)?;
             let Some(params) = WatchParams::parse(query) else {
                 return delegate("watch parameters");

@@ -121,7 +121,7 @@ async fn serve_from_cache(
                     authz: state.authz.clone(),
                     caches: state.caches.clone(),
                     id: id.clone(),
-                    attrs: authz_attributes(info),
+                    attrs: authz_attributes(info, query),
                     view,
                 }
                 .guard(b);
@@ -207,7 +207,7 @@ async fn authenticate_and_authorize(
             return Err(Status::service_unavailable(msg, 1).into());
         }
     };
-    let attrs = authz_attributes(info);
+    let attrs = authz_attributes(info, req.uri().query());
     match state.authz.authorize(&id, &attrs).await {
         Decision::Allow => Ok((id, None)),
         Decision::Deny(reason) => {
@@ -229,8 +229,17 @@ async fn authenticate_and_authorize(
 }
 
 /// The attributes a cache-served request is authorized with.
-fn authz_attributes(info: &RequestInfo) -> crate::auth::authz::Attributes {
+fn authz_attributes(info: &RequestInfo, query: Option<&str>) -> crate::auth::authz::Attributes {
+    // The apiserver hands a list or watch's selectors to its authorizers.
+    let selector = |key| {
+        matches!(info.verb.as_str(), "list" | "watch" | "deletecollection")
+            .then(|| request_info::query_param(query, key))
+            .flatten()
+            .unwrap_or_default()
+    };
     crate::auth::authz::Attributes {
+        field_selector: selector("fieldSelector"),
+        label_selector: selector("labelSelector"),
         verb: info.verb.clone(),
         path: String::new(),
         group: info.api_group.clone(),

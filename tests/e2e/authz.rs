@@ -446,6 +446,28 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
         .await;
     }
     setup_rbac(&env).await;
+    // A pod bound to node-1 (the Node authorizer lets that kubelet read it by selector), and
+    // bob may list and watch one ConfigMap of ns-a by name (RBAC `resourceNames`).
+    env.admin(Method::POST, "/api/v1/namespaces/ns-a/pods",
+        Some(json!({"metadata": {"name": "on-node-1"},
+                    "spec": {"nodeName": "node-1",
+                             "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}}))).await;
+    env.admin(
+        Method::POST,
+        "/apis/rbac.authorization.k8s.io/v1/namespaces/ns-a/roles",
+        Some(json!({"metadata": {"name": "one-cm"}, "rules": [
+            {"apiGroups": [""], "resources": ["configmaps"], "resourceNames": ["cm-1"],
+             "verbs": ["list", "watch"]}]})),
+    )
+    .await;
+    env.admin(
+        Method::POST,
+        "/apis/rbac.authorization.k8s.io/v1/namespaces/ns-a/rolebindings",
+        Some(json!({"metadata": {"name": "one-cm"},
+                    "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "one-cm"},
+                    "subjects": [{"kind": "User", "name": "bob", "apiGroup": "rbac.authorization.k8s.io"}]})),
+    )
+    .await;
 
     let state = env.proxy.running.as_ref().unwrap().state.clone();
     eventually("every cache to sync", Duration::from_secs(60), async || {
@@ -459,6 +481,11 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
     .await;
 
     let (cert, key) = support::proxy::client_cert(&env.proxy.client_ca, "carol", &["ops"]);
+    let (node_cert, node_key) = support::proxy::client_cert(
+        &env.proxy.client_ca,
+        "system:node:node-1",
+        &["system:nodes"],
+    );
     let subjects = [
         Subject {
             name: "alice",
@@ -486,6 +513,14 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
                 user: "carol".into(),
                 groups: vec!["ops".into()],
                 pem: (cert.clone(), key.clone()),
+            },
+        },
+        Subject {
+            name: "kubelet-node-1",
+            cred: Cred::Cert {
+                user: "system:node:node-1".into(),
+                groups: vec!["system:nodes".into()],
+                pem: (node_cert, node_key),
             },
         },
     ];
@@ -534,6 +569,24 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
                 si,
                 "watch",
                 format!("{prefix}/{resource}?watch=1&resourceVersion=0&timeoutSeconds=2"),
+                true,
+            ));
+        }
+    }
+    // Authorizers decide on selectors and on the name a `metadata.name` selector names: a
+    // kubelet's pods by `spec.nodeName`, a `resourceNames` rule by list and watch.
+    for (si, _) in subjects.iter().enumerate() {
+        for path in [
+            "/api/v1/pods?fieldSelector=spec.nodeName%3Dnode-1",
+            "/api/v1/namespaces/ns-a/pods?fieldSelector=spec.nodeName%3Dnode-1",
+            "/api/v1/namespaces/ns-a/configmaps?fieldSelector=metadata.name%3Dcm-1",
+            "/api/v1/namespaces/ns-a/configmaps?fieldSelector=metadata.name%3Dcm-2",
+        ] {
+            cells.push((si, "list", path.to_string(), false));
+            cells.push((
+                si,
+                "watch",
+                format!("{path}&watch=1&resourceVersion=0&timeoutSeconds=2"),
                 true,
             ));
         }

@@ -6,14 +6,15 @@ use http::{HeaderMap, header};
 pub(super) enum Bearer<'a> {
     /// No bearer token: another scheme, or no header (anonymous, when enabled).
     None,
-    /// `Bearer` with an empty or unparseable token: refused.
+    /// A header that is not text: refused.
     Invalid,
     Token(&'a str),
 }
 
 /// The bearer token of `Authorization`, parsed as kube-apiserver's bearer-token
-/// authenticator does: another scheme is "no token" (anonymous), `Bearer` with an empty or
-/// unparseable token is a failed authentication.
+/// authenticator (`bearertoken.Authenticator.AuthenticateRequest`) does: the header trimmed,
+/// split in at most three on single spaces; another scheme, `Bearer` alone and an empty token
+/// (`Bearer  tok`) are "no token" (anonymous, when enabled); `Bearer tok extra` is `tok`.
 pub(super) fn bearer(headers: &HeaderMap) -> Bearer<'_> {
     let Some(v) = headers.get(header::AUTHORIZATION) else {
         return Bearer::None;
@@ -27,9 +28,9 @@ pub(super) fn bearer(headers: &HeaderMap) -> Bearer<'_> {
     if !scheme.eq_ignore_ascii_case("bearer") {
         return Bearer::None;
     }
-    match (parts.next(), parts.next()) {
-        (Some(t), None) if !t.is_empty() => Bearer::Token(t),
-        _ => Bearer::Invalid,
+    match parts.next() {
+        Some(t) if !t.is_empty() => Bearer::Token(t),
+        _ => Bearer::None,
     }
 }
 
@@ -47,8 +48,11 @@ mod tests {
         };
         assert!(matches!(bearer(&h("Bearer abc")), Bearer::Token("abc")));
         assert!(matches!(bearer(&h("bearer abc")), Bearer::Token("abc")));
-        assert!(matches!(bearer(&h("Bearer ")), Bearer::Invalid));
-        assert!(matches!(bearer(&h("Bearer a b")), Bearer::Invalid));
+        assert!(matches!(bearer(&h("Bearer ")), Bearer::None));
+        assert!(matches!(bearer(&h("Bearer")), Bearer::None));
+        assert!(matches!(bearer(&h("Bearer  abc")), Bearer::None));
+        assert!(matches!(bearer(&h("  Bearer abc  ")), Bearer::Token("abc")));
+        assert!(matches!(bearer(&h("Bearer a b")), Bearer::Token("a")));
         assert!(matches!(bearer(&h("Basic abc")), Bearer::None));
         assert!(matches!(bearer(&HeaderMap::new()), Bearer::None));
     }

@@ -90,6 +90,14 @@ pub struct AuthenticationConfig {
     /// (a deleted ServiceAccount, or the pod/secret/node a bound token names): `None`,
     /// `BoundObjects` (tokens that name a pod, secret or node) or `Always`.
     pub revocation_check: RevocationCheck,
+    /// Check on every request that the ServiceAccount a token authenticates exists with the
+    /// token's uid (and the pod or node it is bound to, when those are cached), as
+    /// kube-apiserver's `--service-account-lookup`: the proxy watches ServiceAccounts for this
+    /// (one upstream watch; needs list and watch on them). When its copy disagrees (a deleted
+    /// or re-created account, a bound pod gone), TokenReview decides. Off: a deleted
+    /// account's token keeps reading the cache until it expires (or, with `revocationCheck`,
+    /// until its cached verdict does).
+    pub service_account_lookup: bool,
     /// Ask the apiserver (TokenReview) about tokens the proxy cannot verify itself (other
     /// issuers, legacy Secret tokens, OIDC). Off: such tokens get 401 on cache-served requests.
     pub token_review: bool,
@@ -114,6 +122,7 @@ impl Default for AuthenticationConfig {
             jwks_refresh_interval: Duration::from_secs(300),
             jwks_min_refresh_interval: Duration::from_secs(10),
             revocation_check: RevocationCheck::BoundObjects,
+            service_account_lookup: true,
             token_review: true,
             cache_ttl: Duration::from_secs(10),
             failure_cache_ttl: Duration::from_secs(2),
@@ -392,6 +401,12 @@ pub struct CacheConfig {
     /// A cached "not allowed" lasts this long (the webhook authorizer's default: 30 s).
     #[serde(with = "duration")]
     pub authorization_deny_ttl: Duration,
+    /// Watch Roles, RoleBindings, ClusterRoles and ClusterRoleBindings (one upstream watch
+    /// each) and forget cached decisions when they change: a revoked or granted RBAC
+    /// permission takes effect at the proxy as at the apiserver, not after the TTLs above
+    /// (which still bound decisions of other authorizers, e.g. a webhook). Needs list and
+    /// watch on those four resources.
+    pub authorization_follow_rbac: bool,
 }
 
 impl Default for CacheConfig {
@@ -423,6 +438,7 @@ impl Default for CacheConfig {
             upstream_page_size: 500,
             authorization_allow_ttl: Duration::from_secs(300),
             authorization_deny_ttl: Duration::from_secs(30),
+            authorization_follow_rbac: true,
         }
     }
 }

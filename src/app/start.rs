@@ -63,9 +63,17 @@ pub fn build_state(
         adaptive_page_size: paging.upstream_source(),
         ..Default::default()
     };
+    let mut pinned = Vec::new();
+    if config.authentication.service_account_lookup {
+        pinned.push(crate::auth::authn::liveness::service_accounts());
+    }
+    if c.authorization_follow_rbac {
+        pinned.extend(crate::auth::authz::rbac_resources());
+    }
     let caches = crate::cache::registry::Caches::start(
         c.resources.clone(),
         c.exclude.clone(),
+        pinned,
         upstream.clone(),
         store,
         reflector,
@@ -76,7 +84,10 @@ pub fn build_state(
         c.authorization_allow_ttl,
         c.authorization_deny_ttl,
     ));
-    let authn = Arc::new(authn);
+    if c.authorization_follow_rbac {
+        authz.follow_rbac(&caches, drain.clone());
+    }
+    let authn = Arc::new(authn.with_caches(caches.clone()));
     let tenancy = Arc::new(crate::tenancy::Tenancy::new(&config.tenants));
     let watch = crate::read::watch::WatchConfig {
         bookmark_interval: c.bookmark_interval,

@@ -35,7 +35,10 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 use crate::auth::authn::Identity;
+use crate::cache::registry::Caches;
+use crate::cache::{ResourceCache, WatchError};
 use crate::http::body;
+use crate::k8s::Resource;
 use crate::k8s::status::{Reason, Status};
 use crate::upstream::{As, Upstream};
 
@@ -76,12 +79,58 @@ pub struct AuthzStats {
     pub errors: AtomicU64,
     pub cache_hits: AtomicU64,
     pub cache_misses: AtomicU64,
+    /// Times cached decisions were forgotten because RBAC objects changed (per scope: the
+    /// cluster, or one namespace).
+    pub rbac_invalidations: AtomicU64,
+}
+
+/// The RBAC resources whose changes void cached decisions (`authorizationFollowRbac`).
+pub fn rbac_resources() -> Vec<Resource> {
+    let rbac = |resource: &str, kind: &str, namespaced| Resource {
+        group: "rbac.authorization.k8s.io".into(),
+        version: "v1".into(),
+        resource: resource.into(),
+        kind: kind.into(),
+        namespaced,
+        custom: false,
+        selectable: Default::default(),
+    };
+    vec![
+        rbac("roles", "Role", true),
+        rbac("rolebindings", "RoleBinding", true),
+        rbac("clusterroles", "ClusterRole", false),
+        rbac("clusterrolebindings", "ClusterRoleBinding", false),
+    ]
+}
+
+/// After an RBAC change is seen, the decisions it scopes are forgotten again this much later:
+/// a review asked in between may have reached an apiserver whose authorizer had not seen the
+/// change yet (its informer and the proxy's watch are two clients of one watch cache).
+const RBAC_SETTLE: Duration = Duration::from_secs(1);
+
+/// Generations of cached decisions, part of every decision's key: bumping one forgets every
+/// decision of its scope at once (the entries age out by their TTL).
+#[derive(Debug, Default)]
+struct Generations {
+    /// ClusterRoles and ClusterRoleBindings: every decision.
+    cluster: AtomicU64,
+    /// Roles and RoleBindings: the decisions in their namespace (a request at the cluster
+    /// scope is decided by cluster bindings only).
+    namespaces: dashmap::DashMap<String, u64>,
+}
+
+/// What an RBAC change voids.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+enum Scope {
+    Cluster,
+    Namespace(String),
 }
 
 pub struct Authorizer {
     upstream: Upstream,
     /// Allow and Deny decisions, each kept for its own TTL ([`DecisionTtl`]); never errors.
     decisions: moka::future::Cache<[u8; 32], Decision>,
+    generations: Generations,
     timeout: Duration,
     pub stats: AuthzStats,
 }
@@ -188,6 +237,82 @@ fn review_body(id: &Identity, a: &Attributes) -> serde_json::Value {
     })
 }
 
+/// One RBAC cache followed for [`Authorizer::follow_rbac`].
+async fn follow(authz: std::sync::Weak<Authorizer>, cache: Arc<ResourceCache>) {
+    /// How often an unsynced cache is looked at again (no I/O: its reflector retries).
+    const UNSYNCED_POLL: Duration = Duration::from_millis(250);
+    /// Unsynced this long: warn that revocations wait for the TTLs.
+    const WARN_AFTER: Duration = Duration::from_secs(60);
+    let label = cache.resource.label();
+    let settle = |authz: &Arc<Authorizer>, scopes: Vec<Scope>| {
+        for s in &scopes {
+            authz.invalidate(s);
+        }
+        let later = Arc::downgrade(authz);
+        tokio::spawn(async move {
+            tokio::time::sleep(RBAC_SETTLE).await;
+            if let Some(a) = later.upgrade() {
+                for s in &scopes {
+                    a.invalidate(s);
+                }
+            }
+        });
+    };
+    let mut unsynced_since = tokio::time::Instant::now();
+    let mut warned = false;
+    // `None`: not following (not synced yet, or lost the thread): all decisions go when it
+    // is picked up again, since changes may have been missed.
+    let mut seen: Option<u64> = None;
+    loop {
+        let Some(a) = authz.upgrade() else { return };
+        if !cache.is_ready() {
+            seen = None;
+            if !warned && unsynced_since.elapsed() > WARN_AFTER {
+                warned = true;
+                tracing::warn!(resource = %label, "RBAC objects are not synced: revoked permissions may still read the cache until cache.authorizationAllowTtl; does the proxy may list and watch them?");
+            }
+            drop(a);
+            tokio::time::sleep(UNSYNCED_POLL).await;
+            continue;
+        }
+        let Some(at) = seen else {
+            // (Re)synced: what changed meanwhile is unknown.
+            seen = Some(cache.rv());
+            if warned {
+                tracing::info!(resource = %label, "RBAC objects synced; decisions follow their changes");
+            }
+            (warned, unsynced_since) = (false, tokio::time::Instant::now());
+            settle(&a, vec![Scope::Cluster]);
+            continue;
+        };
+        match cache.changes_since(at) {
+            Ok((events, rv)) => {
+                let mut scopes: Vec<Scope> = Vec::new();
+                for e in &events {
+                    let s = match &*e.object.meta.namespace {
+                        "" => Scope::Cluster,
+                        ns => Scope::Namespace(ns.to_string()),
+                    };
+                    if !scopes.contains(&s) {
+                        scopes.push(s);
+                    }
+                }
+                if scopes.contains(&Scope::Cluster) {
+                    scopes = vec![Scope::Cluster];
+                }
+                if !scopes.is_empty() {
+                    tracing::debug!(resource = %label, ?scopes, "RBAC changed; cached decisions forgotten");
+                    settle(&a, scopes);
+                }
+                seen = Some(rv);
+                drop(a);
+                cache.wait_for_rv(rv + 1, UNSYNCED_POLL * 4).await;
+            }
+            Err(WatchError::Expired { .. } | WatchError::NotReady) => seen = None,
+        }
+    }
+}
+
 /// How long a cached decision lives: allowed and denied have their own TTLs.
 struct DecisionTtl {
     allow: Duration,
@@ -221,13 +346,20 @@ impl Authorizer {
                     deny: deny_ttl.max(Duration::from_millis(1)),
                 })
                 .build(),
+            generations: Generations::default(),
             timeout: Duration::from_secs(5),
             stats: AuthzStats::default(),
         }
     }
 
-    fn key(id: &Identity, a: &Attributes) -> [u8; 32] {
+    fn key(&self, id: &Identity, a: &Attributes) -> [u8; 32] {
         let mut h = Sha256::new();
+        h.update(self.generations.cluster.load(Relaxed).to_be_bytes());
+        let ns = match a.namespace.as_str() {
+            "" => 0,
+            ns => self.generations.namespaces.get(ns).map_or(0, |g| *g),
+        };
+        h.update(ns.to_be_bytes());
         h.update(id.identity_hash());
         for part in [
             &a.verb,
@@ -250,7 +382,7 @@ impl Authorizer {
     /// The apiserver's decision on `id` doing `a`, from the cache when known; concurrent
     /// identical questions wait for the one review in flight.
     pub async fn authorize(&self, id: &Identity, a: &Attributes) -> Decision {
-        let key = Self::key(id, a);
+        let key = self.key(id, a);
         // Set only by the call whose review runs (the flight's leader).
         let led = std::sync::atomic::AtomicBool::new(false);
         let r = self
@@ -285,6 +417,45 @@ impl Authorizer {
                 }
                 Decision::Error(e.to_string())
             }
+        }
+    }
+
+    /// Forgets the cached decisions of `scope`.
+    fn invalidate(&self, scope: &Scope) {
+        match scope {
+            Scope::Cluster => {
+                self.generations.cluster.fetch_add(1, Relaxed);
+            }
+            Scope::Namespace(ns) => {
+                *self.generations.namespaces.entry(ns.clone()).or_default() += 1;
+            }
+        }
+        self.stats.rbac_invalidations.fetch_add(1, Relaxed);
+    }
+
+    /// Follows the RBAC caches pinned in `caches` until `stop`: every change forgets the
+    /// cached decisions it may alter, at once and again [`RBAC_SETTLE`] later, so a revoked
+    /// (or granted) permission takes effect at the proxy as at the apiserver. Decisions of
+    /// other authorizers (webhooks) still live for their TTLs. While a cache is not synced
+    /// (e.g. the proxy may not list RBAC objects), its changes cannot be seen and the TTLs
+    /// alone bound decisions; a warning says so.
+    pub fn follow_rbac(
+        self: &Arc<Self>,
+        caches: &Caches,
+        stop: tokio_util::sync::CancellationToken,
+    ) {
+        for r in rbac_resources() {
+            let Some(cache) = caches.pinned(&r.group, &r.version, &r.resource) else {
+                continue;
+            };
+            let this = Arc::downgrade(self);
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = stop.cancelled() => {}
+                    _ = follow(this, cache) => {}
+                }
+            });
         }
     }
 
@@ -514,8 +685,8 @@ mod tests {
         );
     }
 
-    #[test]
-    fn non_resource_reviews_and_denials_are_the_apiservers() {
+    #[tokio::test]
+    async fn non_resource_reviews_and_denials_are_the_apiservers() {
         let a = Attributes {
             verb: "get".into(),
             path: "/metrics".into(),
@@ -542,22 +713,94 @@ mod tests {
             ..Default::default()
         };
         assert!(review_body(&id("bob"), &r)["spec"]["resourceAttributes"].is_object());
-        assert_ne!(Authorizer::key(&id("u"), &a), Authorizer::key(&id("u"), &r));
+        let z = authorizer();
+        assert_ne!(z.key(&id("u"), &a), z.key(&id("u"), &r));
     }
 
-    #[test]
-    fn decision_cache_keys_separate_identities_and_attributes() {
+    #[tokio::test]
+    async fn decision_cache_keys_separate_identities_and_attributes() {
         let a = Attributes {
             verb: "list".into(),
             resource: "pods".into(),
             ..Default::default()
         };
+        let z = authorizer();
         let mut b = a.clone();
         b.namespace = "x".into();
-        assert_ne!(Authorizer::key(&id("u"), &a), Authorizer::key(&id("u"), &b));
-        assert_ne!(Authorizer::key(&id("u"), &a), Authorizer::key(&id("v"), &a));
+        assert_ne!(z.key(&id("u"), &a), z.key(&id("u"), &b));
+        assert_ne!(z.key(&id("u"), &a), z.key(&id("v"), &a));
         let mut g = id("u");
         g.groups.push("system:masters".into());
-        assert_ne!(Authorizer::key(&id("u"), &a), Authorizer::key(&g, &a));
+        assert_ne!(z.key(&id("u"), &a), z.key(&g, &a));
+    }
+
+    fn authorizer() -> Authorizer {
+        crate::http::tls::install_crypto_provider();
+        // Never contacted.
+        let kube = kube::Config::new("http://127.0.0.1:9".parse().unwrap());
+        let up = Upstream::new(&kube, &crate::config::UpstreamConfig::default()).unwrap();
+        Authorizer::new(up, Duration::from_secs(300), Duration::from_secs(30))
+    }
+
+    /// Yields (paused time: instantly) until `done`, a bounded number of times.
+    async fn until(what: &str, done: impl Fn() -> bool) {
+        for _ in 0..1000 {
+            if done() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("never: {what}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn rbac_changes_forget_the_decisions_of_their_scope_now_and_once_settled() {
+        use crate::cache::EventKind;
+        use crate::cache::{CachedObject, ReflectorSink, StoreConfig};
+        let z = Arc::new(authorizer());
+        let [roles, _, cluster_roles, _]: [Arc<ResourceCache>; 4] = rbac_resources()
+            .into_iter()
+            .map(|r| ResourceCache::new(r, StoreConfig::default()))
+            .collect::<Vec<_>>()
+            .try_into()
+            .unwrap();
+        roles.replace(vec![], 10);
+        cluster_roles.replace(vec![], 10);
+        tokio::spawn(follow(Arc::downgrade(&z), roles.clone()));
+        tokio::spawn(follow(Arc::downgrade(&z), cluster_roles.clone()));
+        let count = || z.stats.rbac_invalidations.load(Relaxed);
+        // Synced: everything once at once and once settled, per cache.
+        until("the initial invalidations", || count() == 4).await;
+        let at = |ns: &str| Attributes {
+            verb: "get".into(),
+            resource: "pods".into(),
+            namespace: ns.into(),
+            ..Default::default()
+        };
+        let keys = |z: &Authorizer| ["x", "y", ""].map(|ns| z.key(&id("u"), &at(ns)));
+        let before = keys(&z);
+        let role = |ns: &str, rv: u64| {
+            let raw = serde_json::json!({"metadata": {"name": "r", "namespace": ns,
+                "uid": "u", "resourceVersion": rv.to_string()}});
+            CachedObject::parse(raw.to_string().into(), &rbac_resources()[0]).unwrap()
+        };
+        // A Role in x: decisions in x go, the others stay.
+        roles.apply(EventKind::Added, role("x", 11));
+        until("a role's invalidations", || count() == 6).await;
+        let after = keys(&z);
+        assert_ne!(before[0], after[0]);
+        assert_eq!(before[1..], after[1..]);
+        // A ClusterRole: every decision goes.
+        let raw =
+            serde_json::json!({"metadata": {"name": "c", "uid": "c", "resourceVersion": "12"}});
+        cluster_roles.apply(
+            EventKind::Deleted,
+            CachedObject::parse(raw.to_string().into(), &rbac_resources()[2]).unwrap(),
+        );
+        until("a cluster role's invalidations", || count() == 8).await;
+        let last = keys(&z);
+        for i in 0..3 {
+            assert_ne!(after[i], last[i]);
+        }
     }
 }

@@ -114,7 +114,10 @@ const HOP_BY_HOP: &[&str] = &[
     "upgrade",
 ];
 
-/// Drops hop-by-hop headers and those named in `Connection` (both directions).
+/// Drops hop-by-hop headers and those named in `Connection` (both directions), except the
+/// headers the apiserver authenticates and authorizes by (`Authorization`, `Impersonate-*`):
+/// the apiserver is an endpoint and reads them whatever `Connection` says, so a caller
+/// naming them there must not get a different identity through the proxy.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
@@ -122,6 +125,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
         .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .filter(|n| *n != header::AUTHORIZATION && !n.as_str().starts_with("impersonate-"))
         .collect();
     for name in named {
         headers.remove(&name);
@@ -307,6 +311,25 @@ mod tests {
         assert_eq!(out["impersonate-user"], "jane");
         let groups: Vec<_> = out.get_all("impersonate-group").iter().collect();
         assert_eq!(groups, ["dev", "ops"]);
+    }
+
+    #[test]
+    fn connection_header_cannot_strip_a_bearer_callers_impersonation_request() {
+        // The apiserver reads Impersonate-* whatever Connection says, and refuses a caller
+        // who may not impersonate: stripping them would serve the request as the caller.
+        let inbound = hm(&[
+            ("authorization", "Bearer t0k"),
+            ("impersonate-user", "system:admin"),
+            ("impersonate-group", "system:masters"),
+            ("connection", "Impersonate-User, impersonate-group, x-other"),
+            ("x-other", "1"),
+        ]);
+        let caller = Caller::identify(None, &inbound);
+        let out = upstream_headers(&inbound, &caller, None, None);
+        assert_eq!(out["impersonate-user"], "system:admin");
+        assert_eq!(out["impersonate-group"], "system:masters");
+        assert!(!out.contains_key("x-other"));
+        assert!(!out.contains_key("connection"));
     }
 
     #[test]

@@ -74,6 +74,10 @@ pub struct Caches {
     pub missing: DashMap<String, String>,
     /// Named resources that will not be cached (not listable and watchable), with the reason.
     pub refused: DashMap<String, String>,
+    /// Resources the proxy follows for itself (ServiceAccounts for token liveness, RBAC for
+    /// decision invalidation), cached whether or not `cache.resources` selects them; when it
+    /// does, the served cache is this one (one upstream watch per resource).
+    pinned: Vec<Arc<CacheEntry>>,
 }
 
 impl std::fmt::Debug for Caches {
@@ -88,6 +92,17 @@ impl Caches {
     pub fn get(&self, group: &str, version: &str, resource: &str) -> Option<Arc<ResourceCache>> {
         self.map
             .get(&(group.to_string(), version.to_string(), resource.to_string()))
+            .map(|e| e.cache.clone())
+    }
+
+    /// A resource the proxy follows for itself (see [`Caches::start`]), served or not.
+    pub fn pinned(&self, group: &str, version: &str, resource: &str) -> Option<Arc<ResourceCache>> {
+        self.pinned
+            .iter()
+            .find(|e| {
+                let r = &e.cache.resource;
+                r.group == group && r.version == version && r.resource == resource
+            })
             .map(|e| e.cache.clone())
     }
 
@@ -112,16 +127,27 @@ impl Caches {
 
     /// Resolves `resources` (names, or `all`) minus `exclude` against the apiserver and
     /// keeps a cache and a reflector for each selected resource, in the background until
-    /// `shutdown` fires (see the module docs).
+    /// `shutdown` fires (see the module docs). `pinned` are followed from the start and for
+    /// good, for the proxy's own use ([`Caches::pinned`]); they are served (and count for
+    /// readiness) only while the plan selects them.
     pub fn start(
         resources: Vec<String>,
         exclude: Vec<String>,
+        pinned: Vec<Resource>,
         upstream: Upstream,
         store: StoreConfig,
         reflector: ReflectorConfig,
         shutdown: CancellationToken,
     ) -> Arc<Caches> {
-        let caches = Arc::new(Caches::default());
+        let caches = Arc::new(Caches {
+            pinned: pinned
+                .into_iter()
+                .map(|r| {
+                    Caches::spawn_entry(r, String::new(), &upstream, &store, &reflector, &shutdown)
+                })
+                .collect(),
+            ..Caches::default()
+        });
         let sel = Selection::new(&resources, &exclude);
         let initial = discovery::plan(&sel, None, None, &HashSet::new());
         for (name, why) in initial.missing {
@@ -170,13 +196,13 @@ impl Caches {
         })
     }
 
-    /// Makes the caches match `plan`. `keep` is an entry never stopped here (the CRD
-    /// watch's own cache, which is served only while the plan includes it).
+    /// Makes the caches match `plan`. `keep` are entries never stopped here (the CRD
+    /// watch's own cache and the pinned ones, served only while the plan includes them).
     fn apply(
         &self,
         plan: Plan,
         mut start: impl FnMut(&Resource, &str) -> Arc<CacheEntry>,
-        keep: Option<&Arc<CacheEntry>>,
+        keep: &[Arc<CacheEntry>],
     ) {
         let stale: Vec<_> = self
             .map
@@ -190,7 +216,7 @@ impl Caches {
             .collect();
         for key in stale {
             if let Some((_, e)) = self.map.remove(&key) {
-                if keep.is_some_and(|k| Arc::ptr_eq(k, &e)) {
+                if keep.iter().any(|k| Arc::ptr_eq(k, &e)) {
                     continue;
                 }
                 tracing::info!(resource = %e.cache.resource.label(), version = %e.cache.resource.version, "no longer cached; its requests pass through");
@@ -308,16 +334,21 @@ impl Manager {
             if !self.sel.all && plan.missing.values().any(|m| m.contains("not served")) {
                 next_discovery = next_discovery.min(tokio::time::Instant::now() + RETRY_MAX);
             }
-            let crd_entry = self.crds.clone();
+            let keep: Vec<Arc<CacheEntry>> = self
+                .crds
+                .iter()
+                .chain(self.caches.pinned.iter())
+                .cloned()
+                .collect();
             let (up, store, refl, sd) =
                 (&self.upstream, &self.store, &self.reflector, &self.shutdown);
             self.caches.apply(
                 plan,
-                |r, uid| match &crd_entry {
-                    Some(e) if e.cache.resource == *r => e.clone(),
-                    _ => Caches::spawn_entry(r.clone(), uid.to_string(), up, store, refl, sd),
+                |r, uid| match keep.iter().find(|e| e.cache.resource == *r) {
+                    Some(e) => e.clone(),
+                    None => Caches::spawn_entry(r.clone(), uid.to_string(), up, store, refl, sd),
                 },
-                crd_entry.as_ref(),
+                &keep,
             );
             // Wait for the next discovery, a change of the CRDs, or shutdown.
             let until = next_discovery.saturating_duration_since(tokio::time::Instant::now());

@@ -442,6 +442,20 @@ impl ResourceCache {
         )
     }
 
+    /// The events after `rv` and the resourceVersion they bring the reader to; `Expired`
+    /// when the history no longer reaches back to `rv` (a relist cleared it).
+    pub fn changes_since(&self, rv: u64) -> Result<(Vec<Arc<Event>>, u64), WatchError> {
+        let s = self.read();
+        if rv < s.oldest_rv {
+            return Err(WatchError::Expired {
+                requested: rv,
+                oldest: s.oldest_rv + 1,
+            });
+        }
+        let from = s.history.partition_point(|e| e.rv <= rv);
+        Ok((s.history.range(from..).cloned().collect(), s.rv))
+    }
+
     /// Registers a watcher (see the module docs for the ordering argument).
     pub fn watch(&self, start: Start, filter: Arc<Filter>) -> Result<Registration, WatchError> {
         let s = self.read();

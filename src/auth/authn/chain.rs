@@ -15,13 +15,26 @@ use super::bearer::{Bearer, bearer};
 use super::identity::{Identity, TenantOf};
 use super::jwks::{Jwks, Why};
 use super::jwt::{JwtError, unverified_issuer, verify_jwt};
+use super::liveness::{self, Live};
 use super::review::{ReviewError, token_review};
 use super::stats::{AuthnMethod, AuthnStats, METHODS, method_slot};
 use super::token_file::{TokenFileError, TokenFileRow, parse_token_file};
-use super::verdict::{Cached, Verdicts, verdicts};
+use super::verdict::{Cached, REVIEW_VOUCHES, Verdicts, verdicts};
 use crate::auth::identity::CertIdentity;
+use crate::cache::registry::Caches;
 use crate::config::{AuthenticationConfig, RevocationCheck};
 use crate::upstream::Upstream;
+
+/// One token through the chain.
+struct Verification {
+    outcome: Outcome,
+    /// The token's `exp`, bounding its cache entry.
+    until: Option<u64>,
+    /// For a refusal, the method that refused it (the last one that could judge the token).
+    refused_by: Option<AuthnMethod>,
+    /// A TokenReview decided (or confirmed) it.
+    reviewed: bool,
+}
 
 /// The result of authenticating one request.
 #[derive(Debug, Clone)]
@@ -53,6 +66,8 @@ pub struct Authenticator {
     offline: Verdicts,
     /// Bounds each TokenReview (and each JWKS fetch).
     timeout: Duration,
+    /// The caches the ServiceAccount lookup reads (`serviceAccountLookup`; see `liveness`).
+    caches: Option<Arc<Caches>>,
     pub stats: AuthnStats,
 }
 
@@ -118,8 +133,29 @@ impl Authenticator {
             tenants: Box::new(tenants),
             static_tokens,
             timeout,
+            caches: None,
             stats: AuthnStats::default(),
         })
+    }
+
+    /// Looks ServiceAccount identities up in `caches` on every request (see `liveness`),
+    /// when `serviceAccountLookup` is on.
+    pub fn with_caches(mut self, caches: Arc<Caches>) -> Authenticator {
+        if self.cfg.service_account_lookup {
+            self.caches = Some(caches);
+        }
+        self
+    }
+
+    /// What the caches say of an identity established by `m`; only tokens are looked up
+    /// (the token file and certificates name no ServiceAccount object).
+    fn live(&self, id: &Identity, m: AuthnMethod) -> Live {
+        match (&self.caches, m) {
+            (Some(c), AuthnMethod::ServiceAccountJwt | AuthnMethod::TokenReview) => {
+                liveness::check(c, id)
+            }
+            _ => Live::Alive,
+        }
     }
 
     fn count(&self, o: &Outcome, refused_by: Option<AuthnMethod>) {
@@ -188,28 +224,24 @@ impl Authenticator {
             Bearer::Token(t) => t,
         };
         let key = sha256(token.as_bytes());
-        // Set only by the call whose verification runs (the flight's leader).
-        let led = std::sync::atomic::AtomicBool::new(false);
-        let r = self
-            .verdicts
-            .try_get_with(key, async {
-                led.store(true, Relaxed);
-                let (outcome, until, refused_by) = self.authenticate_token(token).await;
-                match outcome {
-                    Outcome::Authenticated(id, m) => Ok(Cached {
-                        outcome: Ok((id, m)),
-                        until,
-                    }),
-                    Outcome::Unauthorized => Ok(Cached {
-                        outcome: Err(refused_by),
-                        until: None,
-                    }),
-                    Outcome::Unavailable(e) => Err(e),
-                }
-            })
-            .await;
-        if !led.load(Relaxed) {
+        let (mut r, led) = self.verdict(key, token).await;
+        if !led {
             self.stats.cache_hits.fetch_add(1, Relaxed);
+            // A remembered verdict stands only while what it stands on exists: an account
+            // deleted or re-created since (or a bound pod gone) sends the token through the
+            // chain again, where TokenReview decides.
+            if let Ok(Cached {
+                outcome: Ok((id, m)),
+                reviewed,
+                ..
+            }) = &r
+                && let Live::Doubt(what) = self.live(id, *m)
+                && reviewed.is_none_or(|t| t.elapsed() > REVIEW_VOUCHES)
+            {
+                tracing::debug!(user = %id.user, missing = what, "cached verdict in doubt; verifying again");
+                self.verdicts.invalidate(&key).await;
+                r = self.verdict(key, token).await.0;
+            }
         }
         match r {
             // Never served past the token's `exp`: the entry's TTL ends there ([`VerdictTtl`]).
@@ -262,15 +294,45 @@ impl Authenticator {
                     Ok(v) => Cached {
                         outcome: Ok(self.finish(v.identity, AuthnMethod::ServiceAccountJwt)),
                         until: v.exp,
+                        reviewed: None,
                     },
                     Err(_) => Cached {
                         outcome: Err(Some(AuthnMethod::ServiceAccountJwt)),
                         until: None,
+                        reviewed: None,
                     },
                 }
             })
             .await;
         c.outcome.ok().map(|(id, _)| id)
+    }
+
+    /// The verdict on `token` (hash `key`), from the cache or by running the chain; `true`
+    /// when this call ran it (the flight's leader).
+    async fn verdict(&self, key: [u8; 32], token: &str) -> (Result<Cached, Arc<String>>, bool) {
+        let led = std::sync::atomic::AtomicBool::new(false);
+        let r = self
+            .verdicts
+            .try_get_with(key, async {
+                led.store(true, Relaxed);
+                let v = self.authenticate_token(token).await;
+                let reviewed = v.reviewed.then(std::time::Instant::now);
+                match v.outcome {
+                    Outcome::Authenticated(id, m) => Ok(Cached {
+                        outcome: Ok((id, m)),
+                        until: v.until,
+                        reviewed,
+                    }),
+                    Outcome::Unauthorized => Ok(Cached {
+                        outcome: Err(v.refused_by),
+                        until: None,
+                        reviewed,
+                    }),
+                    Outcome::Unavailable(e) => Err(e),
+                }
+            })
+            .await;
+        (r, led.load(Relaxed))
     }
 
     fn static_identity(&self, u: &TokenFileRow) -> (Arc<Identity>, AuthnMethod) {
@@ -286,12 +348,17 @@ impl Authenticator {
         )
     }
 
-    /// One token through the chain: the outcome, the `exp` bounding its cache entry, and
-    /// for a refusal the method that refused it (the last one that could judge the token).
-    async fn authenticate_token(&self, token: &str) -> (Outcome, Option<u64>, Option<AuthnMethod>) {
+    /// One token through the chain (see [`Verification`]).
+    async fn authenticate_token(&self, token: &str) -> Verification {
+        let done = |outcome, until, refused_by, reviewed| Verification {
+            outcome,
+            until,
+            refused_by,
+            reviewed,
+        };
         if let Some(u) = self.static_tokens.get(&sha256(token.as_bytes())) {
             let (id, m) = self.static_identity(u);
-            return (Outcome::Authenticated(id, m), None, None);
+            return done(Outcome::Authenticated(id, m), None, None, false);
         }
         let mut refused_by = (!self.static_tokens.is_empty()).then_some(AuthnMethod::StaticToken);
         if self.cfg.service_account_jwt
@@ -314,40 +381,56 @@ impl Authenticator {
                         RevocationCheck::None => false,
                         RevocationCheck::BoundObjects => v.bound,
                         RevocationCheck::Always => true,
-                    };
+                    } || matches!(
+                        self.live(&v.identity, AuthnMethod::ServiceAccountJwt),
+                        Live::Doubt(_)
+                    );
                     if review {
                         match self.token_review(token).await {
                             Ok(Some(_)) => {}
                             Ok(None) => {
-                                return (
+                                return done(
                                     Outcome::Unauthorized,
                                     None,
                                     Some(AuthnMethod::TokenReview),
+                                    true,
                                 );
                             }
-                            Err(e) => return (Outcome::Unavailable(e.to_string()), None, None),
+                            Err(e) => {
+                                return done(
+                                    Outcome::Unavailable(e.to_string()),
+                                    None,
+                                    None,
+                                    false,
+                                );
+                            }
                         }
                     }
                     let (id, m) = self.finish(v.identity, AuthnMethod::ServiceAccountJwt);
-                    return (Outcome::Authenticated(id, m), v.exp, None);
+                    return done(Outcome::Authenticated(id, m), v.exp, None, review);
                 }
                 Err(JwtError::Invalid(why)) => {
                     tracing::debug!(reason = %why, "serviceaccount token rejected");
-                    return (Outcome::Unauthorized, None, refused_by);
+                    return done(Outcome::Unauthorized, None, refused_by, false);
                 }
                 Err(JwtError::NotOurs) => {}
             }
         }
         if !self.cfg.token_review {
-            return (Outcome::Unauthorized, None, refused_by);
+            return done(Outcome::Unauthorized, None, refused_by, false);
         }
         match self.token_review(token).await {
             Ok(Some(id)) => {
                 let (id, m) = self.finish(id, AuthnMethod::TokenReview);
-                (Outcome::Authenticated(id, m), None, None)
+                done(Outcome::Authenticated(id, m), None, None, true)
             }
-            Ok(None) => (Outcome::Unauthorized, None, Some(AuthnMethod::TokenReview)),
-            Err(e) => (Outcome::Unavailable(e.to_string()), None, None),
+            Ok(None) => done(
+                Outcome::Unauthorized,
+                None,
+                Some(AuthnMethod::TokenReview),
+                true,
+            ),
+            Err(e) => done(Outcome::Unavailable(e.to_string()), None, None, false),
         }
     }
 
@@ -451,6 +534,7 @@ mod tests {
                 Cached {
                     outcome: Ok((id, m)),
                     until: None,
+                    reviewed: None,
                 },
             )
             .await;

@@ -124,6 +124,8 @@ struct SaClaims {
     jti: Option<String>,
     #[serde(default)]
     exp: Option<u64>,
+    #[serde(default)]
+    iat: Option<u64>,
     #[serde(rename = "kubernetes.io")]
     kubernetes: KubeClaims,
 }
@@ -213,6 +215,15 @@ pub fn verify_jwt(
     let data = jsonwebtoken::decode::<SaClaims>(token, &key.key, &v)
         .map_err(|e| JwtError::Invalid(e.to_string()))?;
     let c = data.claims;
+    // go-jose's claim validation, which kube-apiserver uses, refuses a token issued in the
+    // future beyond the leeway (jsonwebtoken does not look at `iat`).
+    if c.iat
+        .is_some_and(|iat| iat > super::verdict::now_unix() + leeway.as_secs())
+    {
+        return Err(JwtError::Invalid(
+            "service account token is issued in the future".into(),
+        ));
+    }
     let k = &c.kubernetes;
     let user = format!(
         "system:serviceaccount:{}:{}",
@@ -350,6 +361,20 @@ mod tests {
             verify(&sign(&s, "k1", &c), &keys(&s)),
             Err(JwtError::Invalid(_))
         ));
+    }
+
+    #[test]
+    fn a_token_issued_in_the_future_is_rejected_beyond_the_leeway() {
+        let s = signer("k1");
+        let mut c = claims(7200);
+        c["iat"] = json!(now_unix() + 3600);
+        assert_eq!(
+            verify(&sign(&s, "k1", &c), &keys(&s)).unwrap_err(),
+            JwtError::Invalid("service account token is issued in the future".into())
+        );
+        // Within the leeway (60 s here): clock skew, accepted as by the apiserver.
+        c["iat"] = json!(now_unix() + 5);
+        assert!(verify(&sign(&s, "k1", &c), &keys(&s)).is_ok());
     }
 
     #[test]

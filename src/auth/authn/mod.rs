@@ -45,6 +45,7 @@ mod chain;
 mod identity;
 mod jwks;
 mod jwt;
+pub mod liveness;
 mod review;
 mod stats;
 #[cfg(test)]

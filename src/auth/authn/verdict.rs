@@ -13,7 +13,16 @@ pub(super) struct Cached {
     pub(super) outcome: Result<(Arc<Identity>, AuthnMethod), Option<AuthnMethod>>,
     /// Unix time after which the entry is void (the token's `exp`).
     pub(super) until: Option<u64>,
+    /// When a TokenReview (the apiserver's own ServiceAccount lookup) vouched for the
+    /// identity: a doubt of the proxy's caches (see `liveness`) is then left alone for
+    /// [`REVIEW_VOUCHES`], the time they take to catch up with the apiserver.
+    pub(super) reviewed: Option<Instant>,
 }
+
+/// How long a TokenReview outweighs a doubt of the proxy's own copy of the ServiceAccounts
+/// (an account created a moment ago is not in it yet): without this, every request of such
+/// a caller would cost a TokenReview until the copy caught up.
+pub(super) const REVIEW_VOUCHES: Duration = Duration::from_secs(1);
 
 /// Verdicts by token hash (the SHA-256 of the token, never the token itself).
 pub(super) type Verdicts = moka::future::Cache<[u8; 32], Cached>;

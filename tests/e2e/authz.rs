@@ -10,6 +10,10 @@
 //! against the apiserver's JWKS, and a client certificate (asked of the apiserver by
 //! impersonation). A last part checks revocation: a pod-bound token stops working at the proxy
 //! once its pod is deleted.
+//!
+//! A second test measures revocation against the apiserver: a deleted (and re-created)
+//! ServiceAccount's token, a deleted ClusterRoleBinding, a granted one, what an open watch does
+//! when its caller loses access, and `Connection: Impersonate-User` from a bearer caller.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -45,6 +49,12 @@ const RESOURCES: [(&str, &str, &str); 4] = [
 ];
 
 fn direct_client(ca_pem: &str) -> Https {
+    direct_client_with(ca_pem, true)
+}
+
+/// A client of the apiserver, HTTP/1.1 only when `h2` is false (an HTTP/2 client drops a
+/// `Connection` header before it reaches the server).
+fn direct_client_with(ca_pem: &str, h2: bool) -> Https {
     kube_cache_proxy::http::tls::install_crypto_provider();
     let mut roots = rustls::RootCertStore::empty();
     for c in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
@@ -56,9 +66,12 @@ fn direct_client(ca_pem: &str) -> Https {
     let conn = hyper_rustls::HttpsConnectorBuilder::new()
         .with_tls_config(tls)
         .https_or_http()
-        .enable_http1()
-        .enable_http2()
-        .build();
+        .enable_http1();
+    let conn = if h2 {
+        conn.enable_http2().build()
+    } else {
+        conn.build()
+    };
     Client::builder(TokioExecutor::new()).build(conn)
 }
 
@@ -804,18 +817,352 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
         },
     )
     .await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
-    let (status, body) = env.ask_proxy(&s, &clients, path).await;
-    assert_eq!(
-        status,
-        StatusCode::UNAUTHORIZED,
-        "{}",
-        String::from_utf8_lossy(&body)
-    );
+    // The proxy looks the bound pod up in its pod cache on every request.
+    let body = eventually(
+        "the proxy to refuse the token",
+        Duration::from_secs(30),
+        async || {
+            let (status, body) = env.ask_proxy(&s, &clients, path).await;
+            ok_if(status == StatusCode::UNAUTHORIZED, status).map(|_| body)
+        },
+    )
+    .await;
     assert!(
         !String::from_utf8_lossy(&body).contains("secret"),
         "no object in a refusal"
     );
+
+    env.proxy.shutdown().await;
+    env.cp.stop().await;
+}
+
+/// Reads a watch stream until a line contains `needle` (or the stream ends, or 30 s pass):
+/// whether it did.
+async fn watch_shows(resp: http::Response<hyper::body::Incoming>, needle: &str) -> bool {
+    let mut body = resp.into_body();
+    let mut seen = Vec::new();
+    let found = tokio::time::timeout(Duration::from_secs(30), async {
+        while let Some(frame) = body.frame().await {
+            let Ok(frame) = frame else { return false };
+            if let Some(d) = frame.data_ref() {
+                seen.extend_from_slice(d);
+                if seen.windows(needle.len()).any(|w| w == needle.as_bytes()) {
+                    return true;
+                }
+            }
+        }
+        false
+    })
+    .await;
+    found.unwrap_or(false)
+}
+
+/// Polls `ask` until it answers `want`; the time it took.
+async fn until_status<F: AsyncFnMut() -> StatusCode>(
+    what: &str,
+    want: StatusCode,
+    mut ask: F,
+) -> Duration {
+    let start = tokio::time::Instant::now();
+    eventually(what, Duration::from_secs(60), async || {
+        let s = ask().await;
+        ok_if(s == want, s)
+    })
+    .await;
+    start.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn revocation_takes_effect_at_the_proxy_as_at_the_apiserver() {
+    let cp = ControlPlane::start(ControlPlaneOptions::default())
+        .await
+        .expect("control plane starts");
+    let dir = tempfile::tempdir().unwrap();
+    let token_file = dir.path().join("tokens.csv");
+    std::fs::write(&token_file, token_auth_file(&cp.users)).unwrap();
+    let mut kube = kube::Config::new(cp.url.parse().unwrap());
+    kube.root_cert = Some(
+        CertificateDer::pem_slice_iter(cp.ca_pem.as_bytes())
+            .map(|c| c.unwrap().to_vec())
+            .collect(),
+    );
+    kube.auth_info.token = Some(cp.admin_token().to_string().into());
+    // Default caching of authentications (10 s) and decisions (allowed 5 min, denied 30 s):
+    // revocation must not wait for them.
+    let proxy = TestProxy::start_with_kube(kube, |c| {
+        c.cache.resources = vec!["configmaps".into()];
+        c.authentication.token_auth_file = Some(token_file.clone());
+    })
+    .await;
+    let env = Env {
+        direct: direct_client(&cp.ca_pem),
+        cp,
+        proxy,
+    };
+    let ns = "rev";
+    env.cp.create_default_service_account(ns).await.unwrap();
+    env.admin(
+        Method::POST,
+        &format!("/api/v1/namespaces/{ns}/configmaps"),
+        Some(json!({"metadata": {"name": "cm-1"}})),
+    )
+    .await;
+    let state = env.proxy.running.as_ref().unwrap().state.clone();
+    eventually("the caches to sync", Duration::from_secs(60), async || {
+        let c = state.caches.get("", "v1", "configmaps");
+        let a = state.caches.pinned("", "v1", "serviceaccounts");
+        let b = state
+            .caches
+            .pinned("rbac.authorization.k8s.io", "v1", "clusterrolebindings");
+        ok_if(
+            [c, a, b]
+                .iter()
+                .all(|c| c.as_ref().is_some_and(|c| c.is_ready())),
+            "not synced",
+        )
+    })
+    .await;
+    let clients = ProxyClients {
+        plain: env.proxy.client(None, true),
+        certs: Vec::new(),
+    };
+    let list = format!("/api/v1/namespaces/{ns}/configmaps?resourceVersion=0");
+
+    // (The built-in `view` role is aggregated by the controller manager, absent here.)
+    env.admin(
+        Method::POST,
+        "/apis/rbac.authorization.k8s.io/v1/clusterroles",
+        Some(json!({"metadata": {"name": "cm-reader"}, "rules": [
+            {"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get", "list", "watch"]}]})),
+    )
+    .await;
+
+    // 1. A ServiceAccount's token, the account deleted: refused at the proxy as soon as its
+    // copy of the accounts has seen the deletion (the apiserver: within its 10 s token cache).
+    env.admin(
+        Method::POST,
+        &format!("/api/v1/namespaces/{ns}/serviceaccounts"),
+        Some(json!({"metadata": {"name": "doomed"}})),
+    )
+    .await;
+    env.admin(
+        Method::POST,
+        &format!("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings"),
+        Some(json!({"metadata": {"name": "doomed-views"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cm-reader"},
+            "subjects": [{"kind": "ServiceAccount", "name": "doomed", "namespace": ns}]})),
+    )
+    .await;
+    let doomed = Subject {
+        name: "doomed",
+        cred: Cred::Token(service_account_token(&env, ns, "doomed", None).await),
+    };
+    until_status("the token to read the cache", StatusCode::OK, async || {
+        env.ask_proxy(&doomed, &clients, &list).await.0
+    })
+    .await;
+    let served_by_cache = state.authn.stats.ok[METHODS
+        .iter()
+        .position(|m| *m == AuthnMethod::ServiceAccountJwt)
+        .unwrap()]
+    .load(std::sync::atomic::Ordering::Relaxed);
+    assert!(served_by_cache > 0, "verified offline by the proxy");
+    env.admin(
+        Method::DELETE,
+        &format!("/api/v1/namespaces/{ns}/serviceaccounts/doomed"),
+        None,
+    )
+    .await;
+    let (at_proxy, at_apiserver) = tokio::join!(
+        until_status(
+            "the proxy to refuse the deleted account's token",
+            StatusCode::UNAUTHORIZED,
+            async || { env.ask_proxy(&doomed, &clients, &list).await.0 }
+        ),
+        until_status(
+            "the apiserver to refuse the deleted account's token",
+            StatusCode::UNAUTHORIZED,
+            async || { env.ask_apiserver(&doomed, &list).await.0 }
+        ),
+    );
+    eprintln!(
+        "deleted ServiceAccount: token refused after {at_proxy:?} at the proxy, {at_apiserver:?} at the apiserver"
+    );
+    // Re-created under the same name (a new uid): the old token stays refused, a new one reads.
+    env.admin(
+        Method::POST,
+        &format!("/api/v1/namespaces/{ns}/serviceaccounts"),
+        Some(json!({"metadata": {"name": "doomed"}})),
+    )
+    .await;
+    let reborn = Subject {
+        name: "reborn",
+        cred: Cred::Token(service_account_token(&env, ns, "doomed", None).await),
+    };
+    until_status(
+        "the re-created account's token to read",
+        StatusCode::OK,
+        async || env.ask_proxy(&reborn, &clients, &list).await.0,
+    )
+    .await;
+    for (who, (status, body)) in [
+        ("proxy", env.ask_proxy(&doomed, &clients, &list).await),
+        ("apiserver", env.ask_apiserver(&doomed, &list).await),
+    ] {
+        assert_eq!(
+            status,
+            StatusCode::UNAUTHORIZED,
+            "{who}: {}",
+            String::from_utf8_lossy(&body)
+        );
+    }
+
+    // 2. A ClusterRoleBinding deleted: the proxy had allowed alice (remembered 5 minutes);
+    // it refuses within about a second of the apiserver. An open watch is kept by both.
+    let alice = Subject {
+        name: "alice",
+        cred: Cred::Token(env.cp.user("alice").token.clone()),
+    };
+    let binding = json!({"metadata": {"name": "alice-reads-cms"},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cm-reader"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "User", "name": "alice"}]});
+    env.admin(
+        Method::POST,
+        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+        Some(binding.clone()),
+    )
+    .await;
+    until_status(
+        "alice to read through the proxy",
+        StatusCode::OK,
+        async || env.ask_proxy(&alice, &clients, &list).await.0,
+    )
+    .await;
+    let token = env.cp.user("alice").token.clone();
+    let watch_path = format!("/api/v1/namespaces/{ns}/configmaps?watch=1&resourceVersion=0");
+    let proxy_watch = clients
+        .plain
+        .get(&env.proxy.https(&watch_path), Some(&token))
+        .await;
+    let direct_watch = env
+        .direct
+        .request(
+            Request::get(format!("{}{watch_path}", env.cp.url))
+                .header("authorization", format!("Bearer {token}"))
+                .body(Full::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(proxy_watch.status(), StatusCode::OK);
+    assert_eq!(direct_watch.status(), StatusCode::OK);
+    let invalidations = state
+        .authz
+        .stats
+        .rbac_invalidations
+        .load(std::sync::atomic::Ordering::Relaxed);
+    env.admin(
+        Method::DELETE,
+        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings/alice-reads-cms",
+        None,
+    )
+    .await;
+    let (at_proxy, at_apiserver) = tokio::join!(
+        until_status(
+            "the proxy to refuse alice",
+            StatusCode::FORBIDDEN,
+            async || { env.ask_proxy(&alice, &clients, &list).await.0 }
+        ),
+        until_status(
+            "the apiserver to refuse alice",
+            StatusCode::FORBIDDEN,
+            async || { env.ask_apiserver(&alice, &list).await.0 }
+        ),
+    );
+    eprintln!(
+        "deleted ClusterRoleBinding: refused after {at_proxy:?} at the proxy, {at_apiserver:?} at the apiserver"
+    );
+    assert!(
+        state
+            .authz
+            .stats
+            .rbac_invalidations
+            .load(std::sync::atomic::Ordering::Relaxed)
+            > invalidations,
+        "the refusal came from following RBAC, not from a TTL"
+    );
+    let (p, d) = (
+        env.ask_proxy(&alice, &clients, &list).await,
+        env.ask_apiserver(&alice, &list).await,
+    );
+    assert_eq!(seen(p.0, &p.1, false), seen(d.0, &d.1, false));
+    // The watches opened before the revocation still deliver, at the proxy as at the
+    // apiserver (authorization is decided when a request starts).
+    env.admin(
+        Method::POST,
+        &format!("/api/v1/namespaces/{ns}/configmaps"),
+        Some(json!({"metadata": {"name": "after-revocation"}})),
+    )
+    .await;
+    let (via_proxy, direct) = tokio::join!(
+        watch_shows(proxy_watch, "after-revocation"),
+        watch_shows(direct_watch, "after-revocation")
+    );
+    eprintln!("open watch after the revocation: proxy delivers {via_proxy}, apiserver {direct}");
+    assert_eq!(
+        via_proxy, direct,
+        "an open watch: the proxy does as the apiserver"
+    );
+    // Granted again: the remembered denial (30 s) does not hold it back.
+    env.admin(
+        Method::POST,
+        "/apis/rbac.authorization.k8s.io/v1/clusterrolebindings",
+        Some(binding),
+    )
+    .await;
+    let (at_proxy, at_apiserver) = tokio::join!(
+        until_status(
+            "the proxy to allow alice again",
+            StatusCode::OK,
+            async || { env.ask_proxy(&alice, &clients, &list).await.0 }
+        ),
+        until_status(
+            "the apiserver to allow alice again",
+            StatusCode::OK,
+            async || { env.ask_apiserver(&alice, &list).await.0 }
+        ),
+    );
+    eprintln!(
+        "re-created ClusterRoleBinding: allowed after {at_proxy:?} at the proxy, {at_apiserver:?} at the apiserver"
+    );
+
+    // 3. `Connection: Impersonate-User` from a bearer caller over HTTP/1.1: the apiserver
+    // reads the header whatever Connection says and refuses the impersonation.
+    let h1 = env.proxy.client(None, false);
+    let ask = |url: String| {
+        Request::get(url)
+            .header("authorization", format!("Bearer {token}"))
+            .header("impersonate-user", "system:admin")
+            .header("connection", "Impersonate-User")
+            .body(Full::default())
+            .unwrap()
+    };
+    let (ps, pb) = read(h1.send(ask(env.proxy.https(&list))).await).await;
+    let direct_h1 = direct_client_with(&env.cp.ca_pem, false);
+    let (ds, db) = read(
+        direct_h1
+            .request(ask(format!("{}{list}", env.cp.url)))
+            .await
+            .unwrap(),
+    )
+    .await;
+    assert_eq!(
+        ds,
+        StatusCode::FORBIDDEN,
+        "{}",
+        String::from_utf8_lossy(&db)
+    );
+    assert_eq!(seen(ps, &pb, false), seen(ds, &db, false));
 
     env.proxy.shutdown().await;
     env.cp.stop().await;

@@ -269,7 +269,7 @@ async fn follow(authz: std::sync::Weak<Authorizer>, cache: Arc<ResourceCache>) {
             seen = None;
             if !warned && unsynced_since.elapsed() > WARN_AFTER {
                 warned = true;
-                tracing::warn!(resource = %label, "RBAC objects are not synced: revoked permissions may still read the cache until cache.authorizationAllowTtl; does the proxy may list and watch them?");
+                tracing::warn!(resource = %label, "RBAC objects are not synced: revoked permissions may still read the cache until cache.authorizationAllowTtl; may the proxy list and watch them?");
             }
             drop(a);
             tokio::time::sleep(UNSYNCED_POLL).await;

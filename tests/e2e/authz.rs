@@ -1,6 +1,8 @@
-//! Differential authorization matrix against a real kube-apiserver (RBAC): subjects with
-//! different Roles/ClusterRoles × verbs get/list/watch × cached resources × namespaces and
-//! cluster scope. Each cell is asked of the proxy (served from its cache, authenticated and
+//! Differential authorization matrix against a real kube-apiserver (RBAC and the Node
+//! authorizer): subjects with different Roles/ClusterRoles (namespaced, cluster, resourceNames,
+//! list without watch, watch without list, none) × verbs get/list/watch × cached resources ×
+//! namespaces and cluster scope, plus selectors, the metadata client's Accept, paged lists
+//! (every continue token followed) and namespaced paths to a cluster-scoped kind. Each cell is asked of the proxy (served from its cache, authenticated and
 //! authorized by the proxy) and of the apiserver directly as the same identity; status codes,
 //! 403 messages and the objects served (list items, get bodies, watch events) must be equal,
 //! so the proxy never serves an object the apiserver would refuse.
@@ -129,7 +131,19 @@ impl Env {
     }
 
     async fn ask_apiserver(&self, s: &Subject, path: &str) -> (StatusCode, Bytes) {
+        self.ask_apiserver_as(s, path, None).await
+    }
+
+    async fn ask_apiserver_as(
+        &self,
+        s: &Subject,
+        path: &str,
+        accept: Option<&str>,
+    ) -> (StatusCode, Bytes) {
         let mut b = Request::get(format!("{}{path}", self.cp.url));
+        if let Some(a) = accept {
+            b = b.header("accept", a);
+        }
         match &s.cred {
             Cred::Token(t) => b = b.header("authorization", format!("Bearer {t}")),
             Cred::Cert { user, groups, .. } => {
@@ -156,14 +170,105 @@ impl Env {
         clients: &ProxyClients,
         path: &str,
     ) -> (StatusCode, Bytes) {
-        let url = self.proxy.https(path);
-        let resp = match &s.cred {
-            Cred::Token(t) => clients.plain.get(&url, Some(t)).await,
-            Cred::Cert { .. } => clients.cert(s.name).get(&url, None).await,
+        self.ask_proxy_as(s, clients, path, None).await
+    }
+
+    async fn ask_proxy_as(
+        &self,
+        s: &Subject,
+        clients: &ProxyClients,
+        path: &str,
+        accept: Option<&str>,
+    ) -> (StatusCode, Bytes) {
+        let mut b = Request::get(self.proxy.https(path));
+        if let Some(a) = accept {
+            b = b.header("accept", a);
+        }
+        let client = match &s.cred {
+            Cred::Token(t) => {
+                b = b.header("authorization", format!("Bearer {t}"));
+                &clients.plain
+            }
+            Cred::Cert { .. } => clients.cert(s.name),
         };
-        read(resp).await
+        read(client.send(b.body(Full::default()).unwrap()).await).await
+    }
+
+    /// One cell asked of the proxy (`via_proxy`) or of the apiserver: what the subject was
+    /// shown, and how many requests it took (a paged list follows its continue tokens; each
+    /// page is a request, authorized on its own).
+    async fn ask_cell(
+        &self,
+        s: &Subject,
+        clients: &ProxyClients,
+        cell: &Cell,
+        via_proxy: bool,
+    ) -> (Seen, u64) {
+        let mut path = cell.path.clone();
+        let mut requests = 0;
+        let mut all = Seen {
+            status: 200,
+            message: None,
+            objects: BTreeSet::new(),
+        };
+        loop {
+            requests += 1;
+            let (status, body) = if via_proxy {
+                self.ask_proxy_as(s, clients, &path, cell.accept).await
+            } else {
+                self.ask_apiserver_as(s, &path, cell.accept).await
+            };
+            let page = seen(status, &body, cell.watch);
+            if page.status != 200 {
+                return (page, requests);
+            }
+            all.objects.extend(page.objects);
+            let next = serde_json::from_slice::<Value>(&body).ok().and_then(|v| {
+                v["metadata"]["continue"]
+                    .as_str()
+                    .filter(|c| !c.is_empty())
+                    .map(str::to_string)
+            });
+            match next {
+                Some(token) if cell.paged => {
+                    assert!(requests < 50, "{}: pages without end", cell.path);
+                    let base = cell.path.split('?').next().unwrap();
+                    path = format!("{base}?limit=1&continue={}", urlencode(&token));
+                }
+                _ => return (all, requests),
+            }
+        }
     }
 }
+
+/// One question of the matrix.
+struct Cell {
+    subject: usize,
+    verb: &'static str,
+    path: String,
+    watch: bool,
+    /// An `Accept` header (the metadata client's), else none.
+    accept: Option<&'static str>,
+    /// A list with `limit=1`, its continue tokens followed to the end.
+    paged: bool,
+}
+
+fn urlencode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+/// The metadata client's Accept in its JSON form, which the proxy serves from the cache
+/// (client-go's default puts protobuf first: that goes to the apiserver until the cache
+/// speaks protobuf, and is authorized there).
+const METADATA_ACCEPT: &str =
+    "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json";
 
 struct ProxyClients {
     plain: TestClient,
@@ -279,6 +384,10 @@ async fn setup_rbac(env: &Env) {
             vec![rule(&[""], &["secrets"], &["get"])],
         ),
         (
+            "authz-watch-only",
+            vec![rule(&[""], &["configmaps", "secrets"], &["watch"])],
+        ),
+        (
             "authz-cm-watcher",
             vec![rule(&[""], &["configmaps"], &["list", "watch"])],
         ),
@@ -312,7 +421,7 @@ async fn setup_rbac(env: &Env) {
         Method::POST,
         "/apis/rbac.authorization.k8s.io/v1/namespaces/ns-a/roles",
         Some(json!({"metadata": {"name": "cm-reader"},
-                    "rules": [rule(&[""], &["configmaps"], &["get", "list", "watch"])]})),
+                    "rules": [rule(&[""], &["configmaps", "namespaces"], &["get", "list", "watch"])]})),
     )
     .await;
     let crb = |name: &str, role: &str, subjects: Vec<Value>| json!({"metadata": {"name": name}, "roleRef": role_ref("ClusterRole", role), "subjects": subjects});
@@ -364,6 +473,14 @@ async fn setup_rbac(env: &Env) {
         "ClusterRole",
         "authz-cm-watcher",
         vec![subject("ServiceAccount", "reader", Some("ns-a"))],
+    ));
+    // Watch without list: bob in ns-b.
+    bindings.push(rb(
+        "ns-b",
+        "bob-watches",
+        "ClusterRole",
+        "authz-watch-only",
+        vec![subject("User", "bob", None)],
     ));
     bindings.push(rb(
         "ns-c",
@@ -553,6 +670,14 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
     // The cells: every subject × resource × (get, list, watch in each namespace; list and
     // watch at cluster scope).
     let mut cells = Vec::new();
+    let cell = |subject, verb, path: String, watch| Cell {
+        subject,
+        verb,
+        path,
+        watch,
+        accept: None,
+        paged: false,
+    };
     for (si, _) in subjects.iter().enumerate() {
         for (resource, prefix, _) in RESOURCES {
             let name = match resource {
@@ -563,27 +688,47 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
             };
             for ns in NAMESPACES {
                 let base = format!("{prefix}/namespaces/{ns}/{resource}");
-                cells.push((si, "get", format!("{base}/{name}?resourceVersion=0"), false));
-                cells.push((si, "list", format!("{base}?resourceVersion=0"), false));
-                cells.push((
+                cells.push(cell(
+                    si,
+                    "get",
+                    format!("{base}/{name}?resourceVersion=0"),
+                    false,
+                ));
+                cells.push(cell(si, "list", format!("{base}?resourceVersion=0"), false));
+                cells.push(cell(
                     si,
                     "watch",
                     format!("{base}?watch=1&resourceVersion=0&timeoutSeconds=2"),
                     true,
                 ));
             }
-            cells.push((
+            cells.push(cell(
                 si,
                 "list",
                 format!("{prefix}/{resource}?resourceVersion=0"),
                 false,
             ));
-            cells.push((
+            cells.push(cell(
                 si,
                 "watch",
                 format!("{prefix}/{resource}?watch=1&resourceVersion=0&timeoutSeconds=2"),
                 true,
             ));
+            // What real clients send too: the metadata client's Accept, and paged lists
+            // (limit=1, every continue token followed; one authorization per page).
+            for path in [
+                format!("{prefix}/namespaces/ns-a/{resource}"),
+                format!("{prefix}/{resource}"),
+            ] {
+                cells.push(Cell {
+                    accept: Some(METADATA_ACCEPT),
+                    ..cell(si, "list", format!("{path}?resourceVersion=0"), false)
+                });
+                cells.push(Cell {
+                    paged: true,
+                    ..cell(si, "list", format!("{path}?limit=1"), false)
+                });
+            }
         }
     }
     // Authorizers decide on selectors and on the name a `metadata.name` selector names: a
@@ -595,29 +740,46 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
             "/api/v1/namespaces/ns-a/configmaps?fieldSelector=metadata.name%3Dcm-1",
             "/api/v1/namespaces/ns-a/configmaps?fieldSelector=metadata.name%3Dcm-2",
         ] {
-            cells.push((si, "list", path.to_string(), false));
-            cells.push((
+            cells.push(cell(si, "list", path.to_string(), false));
+            cells.push(cell(
                 si,
                 "watch",
                 format!("{path}&watch=1&resourceVersion=0&timeoutSeconds=2"),
                 true,
             ));
         }
+        // A cluster-scoped kind under a namespaced path: the apiserver's 404, whoever asks
+        // (alice may read namespaces in ns-a).
+        for path in [
+            "/api/v1/namespaces/ns-a/namespaces?resourceVersion=0",
+            "/api/v1/namespaces/ns-a/namespaces/ns-a?resourceVersion=0",
+            "/api/v1/namespaces/ns-a/namespaces?watch=1&resourceVersion=0&timeoutSeconds=2",
+            "/api/v1/watch/namespaces/ns-a/namespaces?resourceVersion=0&timeoutSeconds=2",
+        ] {
+            cells.push(cell(si, "get", path.to_string(), path.contains("watch")));
+        }
+        cells.push(cell(
+            si,
+            "list",
+            "/api/v1/namespaces?resourceVersion=0".into(),
+            false,
+        ));
     }
     let results: Vec<_> = futures_util::stream::iter(cells.iter())
-        .map(|(si, verb, path, watch)| {
-            let s = &subjects[*si];
+        .map(|c| {
+            let s = &subjects[c.subject];
             let env = &env;
             let clients = &clients;
             async move {
-                let (ps, pb) = env.ask_proxy(s, clients, path).await;
-                let (ds, db) = env.ask_apiserver(s, path).await;
+                let (via_proxy, proxy_requests) = env.ask_cell(s, clients, c, true).await;
+                let (direct, _) = env.ask_cell(s, clients, c, false).await;
                 (
                     s.name,
-                    *verb,
-                    path.clone(),
-                    seen(ps, &pb, *watch),
-                    seen(ds, &db, *watch),
+                    c.verb,
+                    c.path.clone(),
+                    via_proxy,
+                    direct,
+                    proxy_requests,
                 )
             }
         })
@@ -626,11 +788,28 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
         .await;
 
     let mut diffs = Vec::new();
-    let (mut allowed, mut denied) = (0, 0);
-    for (who, verb, path, via_proxy, direct) in &results {
+    let (mut allowed, mut denied, mut not_found) = (0, 0, 0);
+    // Decisions the proxy made: one per request it served or refused (a page each).
+    let (mut decided_allowed, mut decided_denied) = (0u64, 0u64);
+    for (who, verb, path, via_proxy, direct, proxy_requests) in &results {
+        // Namespaced paths to namespaces go to the apiserver, which decides (403, or 404).
+        let passed_through = path.contains("/namespaces/ns-a/namespaces");
+        let (decided, requests) = if passed_through {
+            (0, 0)
+        } else {
+            (1, *proxy_requests)
+        };
         match direct.status {
-            200 => allowed += 1,
-            403 => denied += 1,
+            200 => {
+                allowed += 1;
+                decided_allowed += requests;
+            }
+            403 => {
+                denied += 1;
+                decided_allowed += requests.saturating_sub(1);
+                decided_denied += decided;
+            }
+            404 if passed_through => not_found += 1,
             other => diffs.push(format!(
                 "{who} {verb} {path}: the apiserver answered {other}"
             )),
@@ -642,7 +821,7 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
         }
     }
     eprintln!(
-        "authorization matrix: {} cells ({allowed} allowed, {denied} denied), {} differences",
+        "authorization matrix: {} cells ({allowed} allowed, {denied} denied, {not_found} not found), {} differences",
         results.len(),
         diffs.len()
     );
@@ -680,11 +859,12 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
         "every token here verifies offline or by file"
     );
     let z = &state.authz.stats;
-    // Every cell was decided by the proxy (none passed through): one decision each.
+    // Every cell was decided by the proxy (none passed through but the namespaced paths to
+    // namespaces, which are the apiserver's 404): one decision per request.
     let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(
         (load(&z.allowed), load(&z.denied), load(&z.errors)),
-        (allowed as u64, denied as u64, 0),
+        (decided_allowed, decided_denied, 0),
         "decisions by the proxy: {z:?}"
     );
 

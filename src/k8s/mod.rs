@@ -13,6 +13,7 @@
 //! - [`scan`]: the JSON scanner that reads objects without decoding them.
 //! - [`go_format`]: Go's printing of quoted strings and floats, byte for byte.
 //! - [`protobuf`]: the apiserver's protobuf envelope, read for an object's resourceVersion.
+//! - [`watch_fields`]: the opt-in field-level change filter of watches (an extension).
 
 pub mod fields;
 pub mod go_format;
@@ -23,5 +24,6 @@ pub mod scan;
 pub mod selectable;
 pub mod selector;
 pub mod status;
+pub mod watch_fields;
 
 pub use resource::Resource;

@@ -7,6 +7,7 @@ mod support;
 
 mod admin;
 mod authn;
+mod check_config;
 mod crd;
 mod fake_apiserver;
 mod lists;

@@ -324,10 +324,23 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
     use crate::app::dev::{ControlPlane, ControlPlaneOptions};
 
     init_logging(&args.log_level, LogFormat::Text);
+    // Both ports first: a busy port should fail in a second, not after building and starting
+    // a control plane. The listeners are released again for `start`, which binds its own.
+    for (flag, addr) in [
+        ("--listen", args.listen),
+        ("--admin-listen", args.admin_listen),
+    ] {
+        std::net::TcpListener::bind(addr)
+            .with_context(|| format!("{flag} {addr}: cannot listen on port {}", addr.port()))?;
+    }
     crate::http::tls::install_crypto_provider();
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let out = std::fs::canonicalize(&args.out)?;
+    let upstream_kc = out.join("upstream.kubeconfig");
+    let proxy_kc = out.join("kube-cache-proxy.kubeconfig");
+    // The kubeconfigs name this run's ports and tokens: removed when it ends, however it ends.
+    let _written = RemoveOnDrop(vec![upstream_kc.clone(), proxy_kc.clone()]);
     eprintln!(">> preparing kube-apiserver, etcd and kubectl (cached after the first build)");
     tokio::task::spawn_blocking(crate::app::dev::ensure_binaries)
         .await?
@@ -346,7 +359,6 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
     );
     cp.seed().await.context("seeding demo objects")?;
 
-    let upstream_kc = out.join("upstream.kubeconfig");
     std::fs::write(&upstream_kc, cp.admin_kubeconfig_yaml())?;
     let tls_dir = out.join(".dev").join("proxy-tls");
     std::fs::create_dir_all(&tls_dir)?;
@@ -373,7 +385,6 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
     let admin = running
         .admin_addr
         .context("the proxy has no admin listener")?;
-    let proxy_kc = out.join("kube-cache-proxy.kubeconfig");
     std::fs::write(
         &proxy_kc,
         ControlPlane::kubeconfig_yaml(
@@ -395,19 +406,20 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
          Through the proxy:   kubectl --kubeconfig {pk} get pods -A -w\n\
          Directly upstream:   kubectl --kubeconfig {uk} get ns\n\
          kubectl built here:  {kubectl} (export PATH=\"{bindir}:$PATH\")\n\
-         Users (static tokens): {users}\n\
+         Users (static tokens): {users} (tokens in {tokens})\n\
          Proxy's own health:  https://{admin}/readyz?verbose (the admin listener; on the API\n\
          \x20                    port, /readyz, /metrics, ... are the apiserver's)\n\
          Proxy's /metrics:    curl --cacert {ca} -H \"Authorization: Bearer $(kubectl \
          --kubeconfig {pk} config view --raw -o jsonpath='{{.users[0].user.token}}')\" \
          https://{admin}/metrics\n\n\
-         Ctrl-C stops the proxy, kube-apiserver and etcd.",
+         Ctrl-C stops the proxy, kube-apiserver and etcd, and removes the two kubeconfigs.",
         ca = tls_dir.join("ca.crt").display(),
         upstream = cp.url,
         pk = proxy_kc.display(),
         uk = upstream_kc.display(),
         kubectl = kubectl.display(),
         bindir = bin.display(),
+        tokens = cp.token_file().display(),
         users = cp
             .users
             .iter()
@@ -420,6 +432,19 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
     running.shutdown().await;
     cp.stop().await;
     Ok(())
+}
+
+/// Files removed when dropped (dev mode's kubeconfigs, which are stale once it stops).
+#[cfg(feature = "dev")]
+struct RemoveOnDrop(Vec<PathBuf>);
+
+#[cfg(feature = "dev")]
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -441,6 +466,19 @@ mod tests {
         assert_eq!(cfg.shutdown.delay, Duration::from_secs(7));
         assert_eq!(cfg.log.level, "debug");
         assert_eq!(cfg.insecure_listen, Some("127.0.0.1:9999".parse().unwrap()));
+    }
+
+    fn check(file: &Path, no_files: bool) -> Vec<String> {
+        let args = CheckConfigArgs {
+            file: file.to_owned(),
+            no_files,
+            ..Default::default()
+        };
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(check_config(&args))
     }
 
     #[test]

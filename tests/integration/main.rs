@@ -9,6 +9,7 @@ mod admin;
 mod authn;
 mod check_config;
 mod crd;
+mod dev;
 mod fake_apiserver;
 mod lists;
 mod paging;

@@ -1127,6 +1127,18 @@ async fn rendered_manifests_pass_a_server_side_dry_run() {
                 "tokens.keyFile=signing-keys",
             ]),
         ),
+        (
+            "helm with all, the dashboard, extra volumes",
+            helm_template(&[
+                "cache.resources={all}",
+                "grafanaDashboard.enabled=true",
+                "image.digest=sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+                "volumes[0].name=extra",
+                "volumes[0].emptyDir.medium=Memory",
+                "volumeMounts[0].name=extra",
+                "volumeMounts[0].mountPath=/extra",
+            ]),
+        ),
     ];
     for (what, yaml) in &renders {
         let n = docs(yaml).len();

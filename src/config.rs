@@ -2,7 +2,7 @@
 //!
 //! Every field has its default implemented once, here, with the reason for it. The commented
 //! example `config/kube-cache-proxy.yaml` lists the same fields; `check-config` validates a
-//! file and reports each problem with its field path.
+//! file and reports every problem at once, each with its field path ([`Config::parse_all`]).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -814,32 +814,122 @@ impl Config {
         })
     }
 
-    /// Parses YAML text into a config, reporting syntax and type errors with field paths.
+    /// Parses YAML text into a config, reporting syntax and type errors with field paths, all
+    /// of them (see [`Config::parse_all`]).
     pub fn from_yaml(text: &str) -> Result<Config, ConfigError> {
+        match Config::parse_all(text) {
+            (Some(cfg), errs) if errs.is_empty() => Ok(cfg),
+            (_, errs) => Err(ConfigError::Invalid(errs)),
+        }
+    }
+
+    /// Parses YAML text, collecting every type error and unknown field instead of stopping
+    /// at the first: the failing field is taken out (its default applies) and the document
+    /// parsed again. Returns the config so obtained and the errors, with paths as written in
+    /// the file (list indices count the removed elements). A YAML syntax error, or one that
+    /// cannot be pinned to a field, ends the collection without a config.
+    pub fn parse_all(text: &str) -> (Option<Config>, Vec<FieldError>) {
+        use serde_path_to_error::Segment;
         if text.trim().is_empty() {
-            return Ok(Config::default());
+            return (Some(Config::default()), Vec::new());
         }
         // Parse to a generic value first so serde_path_to_error can name the failing field.
-        let value: serde_json::Value = serde_saphyr::from_str(text).map_err(|e| {
-            ConfigError::Invalid(vec![FieldError {
-                path: "(document)".into(),
-                message: e.to_string(),
-            }])
-        })?;
+        let mut value: serde_json::Value = match serde_saphyr::from_str(text) {
+            Ok(v) => v,
+            Err(e) => {
+                let err = FieldError {
+                    path: "(document)".into(),
+                    message: e.to_string(),
+                };
+                return (None, vec![err]);
+            }
+        };
         if value.is_null() {
-            return Ok(Config::default());
+            return (Some(Config::default()), Vec::new());
         }
-        serde_path_to_error::deserialize(value).map_err(|e| {
-            let path = e.path().to_string();
-            ConfigError::Invalid(vec![FieldError {
-                path: if path == "." {
+        let mut errs = Vec::new();
+        // Original indices of the elements removed from each list, by the list's path.
+        let mut removed: std::collections::HashMap<String, Vec<usize>> = Default::default();
+        loop {
+            let e = match serde_path_to_error::deserialize::<_, Config>(value.clone()) {
+                Ok(cfg) => return (Some(cfg), errs),
+                Err(e) => e,
+            };
+            // The path as written in the file, and the node to take out.
+            let mut path = String::new();
+            let mut node: Option<&mut serde_json::Value> = Some(&mut value);
+            let mut last: Option<(String, Segment)> = None;
+            let mut repairable = true;
+            let segments: Vec<Segment> = e.path().iter().cloned().collect();
+            for (i, seg) in segments.iter().enumerate() {
+                let parent_path = path.clone();
+                let seg = match seg {
+                    Segment::Seq { index } => {
+                        let mut orig = *index;
+                        if let Some(gone) = removed.get(&parent_path) {
+                            for g in gone {
+                                if *g <= orig {
+                                    orig += 1;
+                                }
+                            }
+                        }
+                        path.push_str(&format!("[{orig}]"));
+                        Segment::Seq { index: *index }
+                    }
+                    Segment::Map { key } => {
+                        if !path.is_empty() {
+                            path.push('.');
+                        }
+                        path.push_str(key);
+                        Segment::Map { key: key.clone() }
+                    }
+                    Segment::Enum { .. } | Segment::Unknown => {
+                        repairable = false;
+                        break;
+                    }
+                };
+                if i + 1 == segments.len() {
+                    last = Some((parent_path, seg));
+                } else {
+                    node = node.and_then(|n| match &seg {
+                        Segment::Seq { index } => n.get_mut(*index),
+                        Segment::Map { key } => n.get_mut(key.as_str()),
+                        _ => None,
+                    });
+                }
+            }
+            errs.push(FieldError {
+                path: if path.is_empty() {
                     "(document)".into()
                 } else {
-                    path
+                    path.clone()
                 },
                 message: e.into_inner().to_string(),
-            }])
-        })
+            });
+            let taken = match (repairable, node, last) {
+                (true, Some(serde_json::Value::Object(m)), Some((_, Segment::Map { key }))) => {
+                    m.remove(&key).is_some()
+                }
+                (true, Some(serde_json::Value::Array(a)), Some((list, Segment::Seq { index })))
+                    if index < a.len() =>
+                {
+                    a.remove(index);
+                    let orig: usize = path
+                        .rsplit_once('[')
+                        .and_then(|(_, i)| i.trim_end_matches(']').parse().ok())
+                        .unwrap_or(index);
+                    let gone = removed.entry(list).or_default();
+                    gone.push(orig);
+                    gone.sort_unstable();
+                    true
+                }
+                _ => false,
+            };
+            if !taken || errs.len() >= 100 {
+                // Nothing left to take out (or a runaway): report what was found.
+                return (None, errs);
+            }
+        }
     }
 
     pub fn from_file(path: &Path) -> Result<Config, ConfigError> {
@@ -1062,7 +1152,12 @@ mod tests {
     #[test]
     fn the_example_file_documents_exactly_the_defaults() {
         let text = include_str!("../config/kube-cache-proxy.yaml");
-        assert_eq!(Config::from_yaml(text).unwrap(), Config::default());
+        // But for the loopback listener that lets it run as it is (its header says so).
+        let want = Config {
+            insecure_listen: Some("127.0.0.1:8001".parse().unwrap()),
+            ..Config::default()
+        };
+        assert_eq!(Config::from_yaml(text).unwrap(), want);
     }
 
     #[test]
@@ -1119,6 +1214,43 @@ mod tests {
         };
         assert_eq!(errs[0].path, "shutdown.dealy");
         assert!(errs[0].message.contains("dealy"), "{}", errs[0].message);
+    }
+
+    #[test]
+    fn every_type_error_and_unknown_field_is_reported_with_its_path_as_written() {
+        let text = "shutdown:\n  dealy: 5s\n  delay: soon\nserver:\n  maxConnections: many\n\
+                    cache:\n  resources: [pods, 7, {a: b}, configmaps]\n\
+                    tenants:\n- name: a\n  quotas: {maxWatches: -1}\n- nmae: b\n";
+        let (cfg, errs) = Config::parse_all(text);
+        let mut paths: Vec<_> = errs.iter().map(|e| e.path.as_str()).collect();
+        paths.sort();
+        assert_eq!(
+            paths,
+            [
+                "cache.resources[1]",
+                "cache.resources[2]",
+                "server.maxConnections",
+                "shutdown.dealy",
+                "shutdown.delay",
+                "tenants[0].quotas.maxWatches",
+                // The misspelt field, then the one missing because of it.
+                "tenants[1]",
+                "tenants[1].nmae",
+            ],
+            "{errs:?}"
+        );
+        // What parsed is kept; what failed has its default.
+        let cfg = cfg.unwrap();
+        assert_eq!(cfg.cache.resources, ["pods", "configmaps"]);
+        assert_eq!(cfg.shutdown.delay, ShutdownConfig::default().delay);
+        let ConfigError::Invalid(all) = Config::from_yaml(text).unwrap_err() else {
+            panic!()
+        };
+        assert_eq!(all.len(), errs.len());
+        // A YAML syntax error is one error without a config.
+        let (cfg, errs) = Config::parse_all("a: [\n");
+        assert!(cfg.is_none());
+        assert_eq!(errs[0].path, "(document)");
     }
 
     #[test]

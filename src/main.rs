@@ -7,14 +7,16 @@ use kube_cache_proxy::app::cli::{self, Cli, Command};
 async fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.command {
-        Command::CheckConfig { file } => {
-            let errs = cli::check_config(&file);
+        Command::CheckConfig(args) => {
+            let errs = cli::check_config(&args).await;
+            let file = args.file.display();
             if errs.is_empty() {
-                println!("{}: ok", file.display());
+                println!("{file}: ok");
                 Ok(())
             } else {
+                eprintln!("{file}: {} error(s)", errs.len());
                 for e in &errs {
-                    eprintln!("{}: {e}", file.display());
+                    eprintln!("{file}: {e}");
                 }
                 std::process::exit(1);
             }

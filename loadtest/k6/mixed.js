@@ -2,24 +2,27 @@
 // (as churn.js, against the same KUBE_API), paged list walkers (as list.js) and quorum GETs
 // (as get.js), each its own k6 scenario, with per-request-kind p99 thresholds.
 //
-//   k6 run -e KUBE_API=https://... -e KUBE_TOKEN=... loadtest/k6/mixed.js
+//   SSL_CERT_FILE=ca.crt k6 run -e KUBE_API=https://... -e KUBE_TOKEN=... \
+//     -e NAMESPACE=loadtest loadtest/k6/mixed.js
 //
-// Env: DURATION (60s), WATCHERS (250), CHURN_RATE (25), GET_RATE (100), LISTERS (2),
-// LIST_LIMIT (100), WATCH_NS (lt-a), LIST_NS (lt-b), GET_NS (lt-d), OBJECTS (50),
-// WATCH_SECONDS (10). Objects: create them with churn.js / get.js setups or the load driver's
-// naming (w-*, b-*, d-*).
+// Env: NAMESPACE (loadtest; must exist), DURATION (60s), WATCHERS (250), CHURN_RATE (25),
+// GET_RATE (100), LISTERS (2), LIST_LIMIT (100), OBJECTS (50: watched and read objects),
+// LIST_OBJECTS (300: listed objects), WATCH_SECONDS (10). WATCH_NS, LIST_NS, GET_NS override
+// NAMESPACE per part. setup() creates what it needs if missing, with the load driver's naming:
+// w-* (watched, patched), b-* (listed), d-* (read).
 import http from 'k6/http';
 import { check } from 'k6';
 import { Counter } from 'k6/metrics';
-import { baseOptions, collection, continueOf, envInt, nowNanos, params } from './lib/kube.js';
+import { NAMESPACE, baseOptions, collection, continueOf, envInt, nowNanos, params } from './lib/kube.js';
 
 const DURATION = __ENV.DURATION || '60s';
 const WATCH_SECONDS = envInt('WATCH_SECONDS', 10);
 const OBJECTS = envInt('OBJECTS', 50);
+const LIST_OBJECTS = envInt('LIST_OBJECTS', 300);
 const LIST_LIMIT = envInt('LIST_LIMIT', 100);
-const WATCH_NS = __ENV.WATCH_NS || 'lt-a';
-const LIST_NS = __ENV.LIST_NS || 'lt-b';
-const GET_NS = __ENV.GET_NS || 'lt-d';
+const WATCH_NS = __ENV.WATCH_NS || NAMESPACE;
+const LIST_NS = __ENV.LIST_NS || NAMESPACE;
+const GET_NS = __ENV.GET_NS || NAMESPACE;
 const events = new Counter('watch_events');
 const errors = new Counter('watch_error_events');
 
@@ -45,6 +48,26 @@ export const options = Object.assign(baseOptions(), {
     checks: ['rate==1'],
   },
 });
+
+/// Creates `prefix-0` .. `prefix-(n-1)` in `ns` unless they exist (201 or 409).
+function ensure(ns, prefix, n, data) {
+  const p = params('create');
+  p.headers['Content-Type'] = 'application/json';
+  for (let i = 0; i < n; i++) {
+    const body = JSON.stringify({ metadata: { name: `${prefix}-${i}`, labels: { loadtest: prefix } }, data });
+    const res = http.post(collection(ns), body, p);
+    if (res.status !== 201 && res.status !== 409) {
+      throw new Error(`creating ${ns}/${prefix}-${i}: ${res.status} ${res.body}`);
+    }
+  }
+}
+
+export function setup() {
+  const payload = 'x'.repeat(512);
+  ensure(WATCH_NS, 'w', OBJECTS, { payload, ts: '0' });
+  ensure(LIST_NS, 'b', LIST_OBJECTS, { payload });
+  ensure(GET_NS, 'd', OBJECTS, { payload });
+}
 
 let rv = '';
 

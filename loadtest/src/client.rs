@@ -2,6 +2,7 @@
 //! scenario decides how many streams share one connection, and a line reader for watch bodies.
 
 use std::net::SocketAddr;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -26,6 +27,8 @@ pub struct Target {
     /// `proxy` or `apiserver`: the side in reports.
     pub side: &'static str,
     pub addr: SocketAddr,
+    /// The server name: TLS SNI and certificate check, and the requests' authority.
+    host: Arc<str>,
     tls: TlsConnector,
     token: Arc<str>,
 }
@@ -34,9 +37,20 @@ impl Target {
     /// A target at `addr` whose serving certificate is signed by `ca_pem` and valid for
     /// `localhost` (both the apiserver's and the proxy's generated certificates are).
     pub fn new(side: &'static str, addr: SocketAddr, ca_pem: &str, token: &str) -> Target {
+        let certs = CertificateDer::pem_slice_iter(ca_pem.as_bytes()).flatten();
+        Target::with_roots(side, addr, "localhost", certs, token)
+    }
+
+    fn with_roots(
+        side: &'static str,
+        addr: SocketAddr,
+        host: &str,
+        certs: impl IntoIterator<Item = CertificateDer<'static>>,
+        token: &str,
+    ) -> Target {
         kube_cache_proxy::http::tls::install_crypto_provider();
         let mut roots = rustls::RootCertStore::empty();
-        for c in CertificateDer::pem_slice_iter(ca_pem.as_bytes()).flatten() {
+        for c in certs {
             let _ = roots.add(c);
         }
         let mut cfg = rustls::ClientConfig::builder()
@@ -46,9 +60,67 @@ impl Target {
         Target {
             side,
             addr,
+            host: host.into(),
             tls: TlsConnector::from(Arc::new(cfg)),
             token: token.into(),
         }
+    }
+
+    /// The server a kubeconfig names (its current context, or `context`), with its CA and
+    /// bearer token (`token` or `tokenFile`). Exec plugins and client certificates are not
+    /// supported: give the driver a token kubeconfig (e.g. from `kubectl create token`).
+    pub async fn from_kubeconfig(
+        side: &'static str,
+        path: &Path,
+        context: Option<&str>,
+    ) -> anyhow::Result<Target> {
+        use secrecy::ExposeSecret as _;
+        let up = kube_cache_proxy::config::UpstreamConfig {
+            kubeconfig: Some(path.to_owned()),
+            context: context.map(String::from),
+            ..Default::default()
+        };
+        let kc = kube_cache_proxy::upstream::load_kube_config(&up)
+            .await
+            .with_context(|| format!("{side}: reading {}", path.display()))?;
+        let url = &kc.cluster_url;
+        let host = url
+            .host()
+            .with_context(|| format!("{side}: {url} has no host"))?
+            .trim_matches(['[', ']'])
+            .to_string();
+        let port = url.port_u16().unwrap_or(443);
+        let addr = tokio::net::lookup_host((host.as_str(), port))
+            .await
+            .with_context(|| format!("{side}: resolving {host}"))?
+            .next()
+            .with_context(|| format!("{side}: {host} has no address"))?;
+        let roots = kc.root_cert.clone().with_context(|| {
+            format!(
+                "{side}: {} names no certificate-authority(-data) (the driver does not load the \
+                 system's roots)",
+                path.display()
+            )
+        })?;
+        let token = match (&kc.auth_info.token, &kc.auth_info.token_file) {
+            (Some(t), _) => t.expose_secret().to_string(),
+            (None, Some(f)) => std::fs::read_to_string(f)
+                .with_context(|| format!("{side}: reading token file {f}"))?
+                .trim()
+                .to_string(),
+            (None, None) => bail!(
+                "{side}: {} has no bearer token (token or tokenFile); exec plugins and client \
+                 certificates are not supported",
+                path.display()
+            ),
+        };
+        Ok(Target::with_roots(
+            side,
+            addr,
+            &host,
+            roots.into_iter().map(CertificateDer::from),
+            &token,
+        ))
     }
 
     /// Opens one TLS + HTTP/2 connection.
@@ -57,7 +129,7 @@ impl Target {
             .await
             .with_context(|| format!("connecting to {} at {}", self.side, self.addr))?;
         tcp.set_nodelay(true)?;
-        let name = ServerName::try_from("localhost")?.to_owned();
+        let name = ServerName::try_from(self.host.to_string())?;
         let tls = self.tls.connect(name, tcp).await?;
         let (send, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
             // client-go's window sizes are Go's defaults; adaptive windows keep large lists
@@ -76,7 +148,11 @@ impl Target {
     pub fn request(&self, method: Method, path: &str, body: Option<Bytes>) -> Request<Full<Bytes>> {
         let mut b = Request::builder()
             .method(method.clone())
-            .uri(format!("https://localhost:{}{path}", self.addr.port()))
+            .uri(if self.host.contains(':') {
+                format!("https://[{}]:{}{path}", self.host, self.addr.port())
+            } else {
+                format!("https://{}:{}{path}", self.host, self.addr.port())
+            })
             .header("authorization", format!("Bearer {}", self.token))
             .header("accept", "application/json");
         if body.is_some() {

@@ -10,12 +10,16 @@
 //! ```text
 //! cargo run --release -p loadtest -- --profile default   # < 10 min on 2 cores
 //! cargo run --release -p loadtest -- --profile smoke     # < 1 min (the test suite runs it)
+//! cargo run --release -p loadtest -- --kubeconfig direct.kubeconfig \
+//!     --proxy-kubeconfig proxy.kubeconfig                 # an existing cluster and proxy
 //! ```
 //!
-//! Results: `loadtest/results/<profile>-<UTC time>.{json,md,svg}`; the default profile also
-//! refreshes the headline block of `loadtest/README.md`. Exit status 1 when a correctness check
-//! fails (missed or duplicated watch events, wrong object counts, errors, or the proxy opening
-//! more than one upstream LIST+WATCH in the informer storm).
+//! Results: `<out>/<profile>-<UTC time>.{json,md,svg}`, `--out` defaulting to
+//! `$XDG_CACHE_HOME/kube-cache-proxy/loadtest` (`~/.cache/...`), outside the source tree.
+//! `--publish` writes them to `loadtest/results/` instead and refreshes the headline block of
+//! `loadtest/README.md` (the checked-in figures). Exit status 1 when a correctness check fails
+//! (missed or duplicated watch events, wrong object counts, errors, or the proxy opening more
+//! than one upstream LIST+WATCH in the informer storm).
 
 /// Progress on stderr, with seconds since the driver started.
 macro_rules! say {
@@ -59,12 +63,27 @@ struct Args {
     /// `smoke` (under a minute) or `default` (under ten minutes on 2 cores).
     #[arg(long, default_value = "default")]
     profile: String,
-    /// Where results go (default: loadtest/results).
-    #[arg(long)]
+    /// Where results go (default: $XDG_CACHE_HOME/kube-cache-proxy/loadtest, else
+    /// ~/.cache/kube-cache-proxy/loadtest).
+    #[arg(long, conflicts_with = "publish")]
     out: Option<PathBuf>,
-    /// Do not rewrite the headline block of loadtest/README.md.
+    /// Publish a `default` run: results into loadtest/results/ (checked in) and the headline
+    /// block of loadtest/README.md rewritten.
     #[arg(long)]
-    no_readme: bool,
+    publish: bool,
+    /// Measure an existing cluster instead of a local control plane: this kubeconfig reaches
+    /// kube-apiserver directly (a bearer token and a CA; the user creates and deletes
+    /// namespaces `lt-*` and ConfigMaps in them)...
+    #[arg(long, requires = "proxy_kubeconfig")]
+    kubeconfig: Option<PathBuf>,
+    /// ...and this one the kube-cache-proxy in front of it (already running; the driver does
+    /// not start or stop it, so scenario b, which counts a fresh proxy's upstream LISTs, is
+    /// left out).
+    #[arg(long, requires = "kubeconfig")]
+    proxy_kubeconfig: Option<PathBuf>,
+    /// Kubeconfig context of both (default: each file's current context).
+    #[arg(long, requires = "kubeconfig")]
+    context: Option<String>,
     /// Run this `kube-cache-proxy` binary (`serve`) instead of this driver's own copy.
     #[arg(long)]
     proxy_bin: Option<PathBuf>,
@@ -241,13 +260,27 @@ pub struct Run {
     pub checks: Vec<Check>,
 }
 
+/// What the scenarios run against.
+#[allow(
+    clippy::large_enum_variant,
+    reason = "one value per run; boxing the control plane would only add indirection"
+)]
+enum Cluster {
+    /// The driver's own control plane, and the proxy as its child process per scenario.
+    Local {
+        cp: ControlPlane,
+        files: ProxyFiles,
+        proxy_bin: Option<PathBuf>,
+        token: String,
+    },
+    /// An existing cluster and the proxy already running in front of it.
+    External { proxy: Target },
+}
+
 struct Env {
-    cp: ControlPlane,
+    cluster: Cluster,
     direct: Target,
     admin: Conn,
-    files: ProxyFiles,
-    proxy_bin: Option<PathBuf>,
-    token: String,
 }
 
 impl Env {
@@ -256,25 +289,40 @@ impl Env {
             &self.admin,
             self.direct.request(Method::GET, "/metrics", None),
         )
-        .await?;
-        Ok(ApiCounts::parse(&String::from_utf8_lossy(&b), "configmaps"))
+        .await;
+        match (b, &self.cluster) {
+            (Ok(b), _) => Ok(ApiCounts::parse(&String::from_utf8_lossy(&b), "configmaps")),
+            // A cluster user may not read the apiserver's /metrics (nonResourceURLs get
+            // /metrics): the request counts are then left at zero.
+            (Err(_), Cluster::External { .. }) => Ok(ApiCounts::default()),
+            (Err(e), Cluster::Local { .. }) => Err(e),
+        }
     }
 
     fn procs(&self, proxy: Option<&ProxyChild>) -> Vec<(String, u32)> {
-        let pids = self.cp.pids();
-        let mut v = vec![
-            ("etcd".to_string(), pids[0]),
-            ("kube-apiserver".to_string(), pids[1]),
-        ];
-        if let Some(p) = proxy {
-            v.push(("proxy".to_string(), p.pid));
+        let mut v = Vec::new();
+        if let Cluster::Local { cp, .. } = &self.cluster {
+            let pids = cp.pids();
+            v.push(("etcd".to_string(), pids[0]));
+            v.push(("kube-apiserver".to_string(), pids[1]));
+        }
+        if let Some(pid) = proxy.and_then(|p| p.pid) {
+            v.push(("proxy".to_string(), pid));
         }
         v.push(("driver".to_string(), std::process::id()));
         v
     }
 
     async fn start_proxy(&self) -> anyhow::Result<ProxyChild> {
-        ProxyChild::start(&self.files, self.proxy_bin.as_deref(), &self.token).await
+        match &self.cluster {
+            Cluster::Local {
+                files,
+                proxy_bin,
+                token,
+                ..
+            } => ProxyChild::start(files, proxy_bin.as_deref(), token).await,
+            Cluster::External { proxy } => Ok(ProxyChild::external(proxy.clone())),
+        }
     }
 
     /// Runs `f` as one measured phase.
@@ -345,44 +393,85 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     if let Some(v) = args.list_objects {
         p.c_objects = v;
     }
-    let want = |s: &str| args.only.is_empty() || args.only.iter().any(|o| o == s);
+    let external = args.kubeconfig.is_some();
+    if external && args.only.iter().any(|o| o == "b") {
+        anyhow::bail!("scenario b needs a proxy the driver starts: not with --kubeconfig");
+    }
+    let want = |s: &str| {
+        !(external && s == "b") && (args.only.is_empty() || args.only.iter().any(|o| o == s))
+    };
     let manifest = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let out = args.out.clone().unwrap_or_else(|| manifest.join("results"));
+    let out = out_dir(&args, &manifest, |k| std::env::var_os(k))?;
     std::fs::create_dir_all(&out)?;
     let machine = report::machine();
 
     say!("loopback TCP ...");
     let loopback_gbps = stats::loopback_gbps(p.loopback_bytes).await?;
-    say!("loopback {loopback_gbps:.2} GB/s; starting kube-apiserver + etcd ...");
 
     let work = std::env::temp_dir().join(format!("kcp-loadtest-{}", std::process::id()));
-    std::fs::create_dir_all(&work)?;
-    let cp = ControlPlane::start(ControlPlaneOptions {
-        dir: Some(work.join("cp")),
-        ..ControlPlaneOptions::default()
-    })
-    .await
-    .context("starting the control plane")?;
-    let api_addr = cp
-        .url
-        .trim_start_matches("https://")
-        .parse()
-        .context("apiserver address")?;
-    let token = cp.admin_token().to_string();
-    let direct = Target::new("apiserver", api_addr, &cp.ca_pem, &token);
-    let admin = direct.connect().await?;
-    let files = ProxyFiles::write(&work, &cp.admin_kubeconfig_yaml())?;
-    let env = Env {
-        cp,
-        direct,
-        admin,
-        files,
-        proxy_bin: args.proxy_bin.clone(),
-        token,
+    let env = match (&args.kubeconfig, &args.proxy_kubeconfig) {
+        (Some(direct), Some(proxy)) => {
+            say!(
+                "loopback {loopback_gbps:.2} GB/s; measuring the cluster of {}",
+                direct.display()
+            );
+            let ctx = args.context.as_deref();
+            let direct = Target::from_kubeconfig("apiserver", direct, ctx).await?;
+            let proxy = Target::from_kubeconfig("proxy", proxy, ctx).await?;
+            let admin = direct.connect().await?;
+            Env {
+                cluster: Cluster::External { proxy },
+                direct,
+                admin,
+            }
+        }
+        _ => {
+            say!("loopback {loopback_gbps:.2} GB/s; starting kube-apiserver + etcd ...");
+            std::fs::create_dir_all(&work)?;
+            let cp = ControlPlane::start(ControlPlaneOptions {
+                dir: Some(work.join("cp")),
+                ..ControlPlaneOptions::default()
+            })
+            .await
+            .context("starting the control plane")?;
+            let api_addr = cp
+                .url
+                .trim_start_matches("https://")
+                .parse()
+                .context("apiserver address")?;
+            let token = cp.admin_token().to_string();
+            let direct = Target::new("apiserver", api_addr, &cp.ca_pem, &token);
+            let admin = direct.connect().await?;
+            let files = ProxyFiles::write(&work, &cp.admin_kubeconfig_yaml())?;
+            Env {
+                cluster: Cluster::Local {
+                    cp,
+                    files,
+                    proxy_bin: args.proxy_bin.clone(),
+                    token,
+                },
+                direct,
+                admin,
+            }
+        }
     };
     let result = scenarios_all(&env, &p, &want).await;
-    env.cp.stop().await;
-    let _ = std::fs::remove_dir_all(&work);
+    match env.cluster {
+        Cluster::Local { cp, .. } => {
+            cp.stop().await;
+            let _ = std::fs::remove_dir_all(&work);
+        }
+        Cluster::External { .. } => {
+            // What the driver created, so a cluster is left as it was.
+            for ns in SEEDED {
+                let path = format!("/api/v1/namespaces/{ns}");
+                let req = env.direct.request(Method::DELETE, &path, None);
+                if let Err(e) = fetch(&env.admin, req).await {
+                    say!("deleting namespace {ns}: {e}");
+                }
+            }
+        }
+    }
     let (a, b, c, d, e, c_create_rate) = result?;
 
     let mut run = Run {
@@ -402,7 +491,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     };
     run.checks = report::checks(&run);
     let paths = report::write(&run, &out)?;
-    if run.profile.name == "default" && !args.no_readme && args.out.is_none() {
+    if args.publish && run.profile.name == "default" {
         report::update_readme(&run, &manifest.join("README.md"), &paths)?;
     }
     eprintln!(
@@ -416,6 +505,36 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         say!("CHECK FAILED: {}: {}", c.name, c.detail);
     }
     Ok(failed.is_empty())
+}
+
+/// The namespaces the driver seeds (and, on an existing cluster, deletes at the end).
+const SEEDED: [&str; 4] = ["lt-a", "lt-b", "lt-c", "lt-d"];
+
+/// Where the reports go: `--out`; with `--publish` the checked-in `loadtest/results/`; else
+/// `$XDG_CACHE_HOME/kube-cache-proxy/loadtest`, or `$HOME/.cache/kube-cache-proxy/loadtest`
+/// (the XDG default), never the source tree. `var` reads the environment.
+fn out_dir(
+    args: &Args,
+    manifest: &std::path::Path,
+    var: impl Fn(&str) -> Option<std::ffi::OsString>,
+) -> anyhow::Result<PathBuf> {
+    if let Some(out) = &args.out {
+        return Ok(out.clone());
+    }
+    if args.publish {
+        return Ok(manifest.join("results"));
+    }
+    let cache = var("XDG_CACHE_HOME")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .filter(|p| p.is_absolute())
+        .or_else(|| {
+            var("HOME")
+                .filter(|v| !v.is_empty())
+                .map(|h| PathBuf::from(h).join(".cache"))
+        })
+        .context("no --out, and neither XDG_CACHE_HOME nor HOME is set")?;
+    Ok(cache.join("kube-cache-proxy").join("loadtest"))
 }
 
 type AllResults = (
@@ -434,7 +553,7 @@ async fn scenarios_all(
 ) -> anyhow::Result<AllResults> {
     let d = &env.direct;
     say!("seeding ...");
-    for ns in ["lt-a", "lt-b", "lt-c", "lt-d"] {
+    for ns in SEEDED {
         create_namespace(d, &env.admin, ns).await?;
     }
     create_configmaps(d, "lt-a", "w", p.a.objects, 512, 64).await?;
@@ -640,4 +759,108 @@ async fn scenarios_all(
         }
     }
     Ok((a, b, c, dd, e, c_create_rate))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::OsString;
+    use std::path::Path;
+
+    use clap::Parser as _;
+
+    use super::*;
+
+    fn parse(argv: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("loadtest").chain(argv.iter().copied()))
+    }
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<OsString> + 'a {
+        move |k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| OsString::from(v))
+        }
+    }
+
+    #[test]
+    fn reports_go_outside_the_source_tree_by_default() {
+        let manifest = Path::new("/src/loadtest");
+        let args = parse(&[]).unwrap();
+        assert_eq!(
+            out_dir(
+                &args,
+                manifest,
+                env(&[("XDG_CACHE_HOME", "/x/cache"), ("HOME", "/h")])
+            )
+            .unwrap(),
+            Path::new("/x/cache/kube-cache-proxy/loadtest")
+        );
+        // XDG's rules: unset, empty or relative means $HOME/.cache.
+        for xdg in [
+            &[][..],
+            &[("XDG_CACHE_HOME", "")],
+            &[("XDG_CACHE_HOME", "rel")],
+        ] {
+            let mut vars = xdg.to_vec();
+            vars.push(("HOME", "/h"));
+            assert_eq!(
+                out_dir(&args, manifest, env(&vars)).unwrap(),
+                Path::new("/h/.cache/kube-cache-proxy/loadtest"),
+                "{xdg:?}"
+            );
+        }
+        assert!(out_dir(&args, manifest, env(&[])).is_err());
+        // --out wins; --publish is the checked-in results directory.
+        let args = parse(&["--out", "/tmp/r"]).unwrap();
+        assert_eq!(
+            out_dir(&args, manifest, env(&[("HOME", "/h")])).unwrap(),
+            Path::new("/tmp/r")
+        );
+        let args = parse(&["--publish"]).unwrap();
+        assert_eq!(
+            out_dir(&args, manifest, env(&[("HOME", "/h")])).unwrap(),
+            Path::new("/src/loadtest/results")
+        );
+        assert!(parse(&["--publish", "--out", "/tmp/r"]).is_err());
+    }
+
+    #[test]
+    fn an_existing_cluster_needs_both_kubeconfigs() {
+        let a = parse(&[
+            "--kubeconfig",
+            "direct.kubeconfig",
+            "--proxy-kubeconfig",
+            "proxy.kubeconfig",
+            "--context",
+            "prod",
+            "--only",
+            "a,d",
+        ])
+        .unwrap();
+        assert_eq!(
+            a.kubeconfig.as_deref(),
+            Some(Path::new("direct.kubeconfig"))
+        );
+        assert_eq!(
+            a.proxy_kubeconfig.as_deref(),
+            Some(Path::new("proxy.kubeconfig"))
+        );
+        assert_eq!(a.context.as_deref(), Some("prod"));
+        assert_eq!(a.only, ["a", "d"]);
+        for partial in [
+            &["--kubeconfig", "k"][..],
+            &["--proxy-kubeconfig", "k"],
+            &["--context", "prod"],
+        ] {
+            assert!(parse(partial).is_err(), "{partial:?}");
+        }
+        let local = parse(&["--profile", "smoke"]).unwrap();
+        assert!(local.kubeconfig.is_none() && !local.publish);
+    }
+
+    #[test]
+    fn the_cli_definition_is_consistent() {
+        use clap::CommandFactory as _;
+        Args::command().debug_assert();
+    }
 }

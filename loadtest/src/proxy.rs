@@ -73,9 +73,11 @@ impl ProxyFiles {
     }
 }
 
+/// The proxy under test: a child process of the driver, or one already running in a cluster
+/// (`--proxy-kubeconfig`), which the driver neither starts nor stops.
 pub struct ProxyChild {
-    child: tokio::process::Child,
-    pub pid: u32,
+    child: Option<tokio::process::Child>,
+    pub pid: Option<u32>,
     pub target: Target,
 }
 
@@ -140,10 +142,20 @@ impl ProxyChild {
         let pid = child.id().context("proxy pid")?;
         let target = Target::new("proxy", addr, &files.ca_pem, token);
         let admin = Target::new("proxy", admin_addr, &files.ca_pem, token);
-        let mut p = ProxyChild { child, pid, target };
+        let mut p = ProxyChild {
+            child: Some(child),
+            pid: Some(pid),
+            target,
+        };
         let deadline = Instant::now() + Duration::from_secs(180);
         loop {
-            if let Some(status) = p.child.try_wait()? {
+            if let Some(status) = p
+                .child
+                .as_mut()
+                .map(|c| c.try_wait())
+                .transpose()?
+                .flatten()
+            {
                 bail!("the proxy exited ({status}); see {}", files.log.display());
             }
             let ready = async {
@@ -163,18 +175,30 @@ impl ProxyChild {
         }
     }
 
-    /// SIGTERM (graceful drain), then SIGKILL after 15 s.
-    pub async fn stop(mut self) {
+    /// A proxy that is already running (not started or stopped by the driver).
+    pub fn external(target: Target) -> ProxyChild {
+        ProxyChild {
+            child: None,
+            pid: None,
+            target,
+        }
+    }
+
+    /// SIGTERM (graceful drain), then SIGKILL after 15 s; nothing for an external proxy.
+    pub async fn stop(self) {
+        let (Some(mut child), Some(pid)) = (self.child, self.pid) else {
+            return;
+        };
         let _ = tokio::process::Command::new("kill")
             .arg("-TERM")
-            .arg(self.pid.to_string())
+            .arg(pid.to_string())
             .status()
             .await;
-        if tokio::time::timeout(Duration::from_secs(15), self.child.wait())
+        if tokio::time::timeout(Duration::from_secs(15), child.wait())
             .await
             .is_err()
         {
-            let _ = self.child.kill().await;
+            let _ = child.kill().await;
         }
     }
 }

@@ -10,7 +10,7 @@ use serde_json::Value;
 fn smoke_profile_runs_every_scenario_on_both_sides_and_passes_its_checks() {
     let out = tempfile::tempdir().unwrap();
     let status = Command::new(env!("CARGO_BIN_EXE_loadtest"))
-        .args(["--profile", "smoke", "--no-readme", "--out"])
+        .args(["--profile", "smoke", "--out"])
         .arg(out.path())
         .status()
         .expect("running the driver");

@@ -2,7 +2,7 @@
 //! environment variable; flags and variables override the configuration file.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
@@ -28,15 +28,32 @@ pub struct Cli {
 pub enum Command {
     /// Serve as a proxy in front of the apiserver named by kubeconfig or in-cluster config.
     Serve(ServeArgs),
-    /// Validate a configuration file; prints each error with its field path, exits 1 on error.
-    CheckConfig {
-        /// The YAML file to check.
-        file: PathBuf,
-    },
+    /// Validate a configuration file: every error at once, one per line with its field path;
+    /// exits 1 on any error (usable as a CI or pre-deploy gate).
+    CheckConfig(CheckConfigArgs),
     /// Start a local kube-apiserver + etcd, the proxy in front of them, and write
-    /// ./kube-cache-proxy.kubeconfig and ./upstream.kubeconfig. Ctrl-C stops everything.
+    /// ./kube-cache-proxy.kubeconfig and ./upstream.kubeconfig. Ctrl-C stops everything (and
+    /// removes the kubeconfigs). A busy --listen or --admin-listen port fails at once.
     #[cfg(feature = "dev")]
     Dev(DevArgs),
+}
+
+#[derive(Debug, Args, Default, Clone)]
+pub struct CheckConfigArgs {
+    /// The YAML file to check.
+    pub file: PathBuf,
+    /// Skip the files the configuration names (serving certificate and key, client CA, token
+    /// auth file, continue-token keys, upstream kubeconfig): for a file written for the pod,
+    /// checked where its Secrets are not mounted. Without it each must exist and parse.
+    #[arg(long)]
+    pub no_files: bool,
+    /// Check `cache.resources` against this cluster's discovery: each named resource must be
+    /// served and support list and watch (`all` is always accepted).
+    #[arg(long)]
+    pub kubeconfig: Option<PathBuf>,
+    /// Kubeconfig context for `--kubeconfig` (default: its current context).
+    #[arg(long, requires = "kubeconfig")]
+    pub context: Option<String>,
 }
 
 #[derive(Debug, Args, Default)]
@@ -189,13 +206,111 @@ pub async fn termination_signal() {
     }
 }
 
-/// `check-config FILE`: the list of problems, empty when the file is valid.
-pub fn check_config(file: &std::path::Path) -> Vec<String> {
-    match Config::from_file(file).and_then(|c| crate::app::start::validate(&c).map(|_| c)) {
-        Ok(_) => Vec::new(),
-        Err(ConfigError::Invalid(errs)) => errs.iter().map(ToString::to_string).collect(),
-        Err(e) => vec![e.to_string()],
+/// `check-config`: every problem of the file, one line each (`field.path: message`); empty
+/// when the file is valid. Parse errors come first; relations between fields and the files
+/// they name are checked on what parsed (fields that failed to parse are not judged again).
+pub async fn check_config(args: &CheckConfigArgs) -> Vec<String> {
+    let text = match std::fs::read_to_string(&args.file) {
+        Ok(t) => t,
+        Err(e) => return vec![format!("reading {}: {e}", args.file.display())],
+    };
+    let (cfg, mut errs) = Config::parse_all(&text);
+    let Some(cfg) = cfg else {
+        return errs.iter().map(ToString::to_string).collect();
+    };
+    if let Err(ConfigError::Invalid(more)) =
+        crate::app::start::validate_with_files(&cfg, !args.no_files)
+    {
+        // A field that did not parse has its default here: say nothing more about it.
+        let failed: Vec<String> = errs.iter().map(|e| e.path.clone()).collect();
+        errs.extend(more.into_iter().filter(|e| {
+            !failed
+                .iter()
+                .any(|f| e.path == *f || e.path.starts_with(&format!("{f}.")))
+        }));
     }
+    let mut out: Vec<String> = errs.iter().map(ToString::to_string).collect();
+    if let Some(kc) = &args.kubeconfig {
+        out.extend(check_resources(&cfg, kc, args.context.as_deref()).await);
+    }
+    out
+}
+
+/// `cache.resources` against the discovery documents of the cluster `kubeconfig` names, read
+/// as the proxy reads them ([`crate::cache::registry::fetch`]).
+async fn check_resources(cfg: &Config, kubeconfig: &Path, context: Option<&str>) -> Vec<String> {
+    use crate::cache::discovery::{ALL, Selection, split_name};
+    crate::http::tls::install_crypto_provider();
+    let mut up = cfg.upstream.clone();
+    up.kubeconfig = Some(kubeconfig.to_owned());
+    up.context = context.map(String::from);
+    let upstream = match crate::upstream::load_kube_config(&up)
+        .await
+        .and_then(|kc| crate::upstream::Upstream::new(&kc, &up))
+    {
+        Ok(u) => u,
+        Err(e) => return vec![format!("--kubeconfig {}: {e}", kubeconfig.display())],
+    };
+    let names: Vec<String> = cfg
+        .cache
+        .resources
+        .iter()
+        .filter(|r| *r != ALL)
+        .cloned()
+        .collect();
+    if names.is_empty() {
+        return Vec::new();
+    }
+    let d = match crate::cache::registry::fetch(&upstream, &Selection::new(&names, &[])).await {
+        Ok(d) => d,
+        Err(e) => return vec![format!("discovery ({}): {e}", kubeconfig.display())],
+    };
+    let mut out = Vec::new();
+    for (i, name) in cfg.cache.resources.iter().enumerate() {
+        if name == ALL {
+            continue;
+        }
+        let (resource, group) = split_name(name);
+        let key = (group.to_string(), resource.to_string());
+        let shown = if group.is_empty() { "core" } else { group };
+        let problem = match d.served.get(&key) {
+            Some(s) if s.listable => continue,
+            Some(_) => "is served but does not support list and watch".to_string(),
+            None if d.absent_groups.contains(group) => {
+                format!("the apiserver serves no API group {shown:?}")
+            }
+            None if d.failed_groups.contains_key(group) => format!(
+                "discovery of API group {shown:?} failed: {}",
+                d.failed_groups[group]
+            ),
+            None => {
+                let near: Vec<String> = d
+                    .served
+                    .keys()
+                    .filter(|(g, r)| {
+                        g == group && (r.starts_with(resource) || resource.starts_with(r.as_str()))
+                    })
+                    .map(|(g, r)| {
+                        if g.is_empty() {
+                            r.clone()
+                        } else {
+                            format!("{r}.{g}")
+                        }
+                    })
+                    .collect();
+                let hint = if near.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (did you mean {}?)", near.join(", "))
+                };
+                format!(
+                    "the apiserver serves no resource {resource:?} in API group {shown:?}{hint}"
+                )
+            }
+        };
+        out.push(format!("cache.resources[{i}]: {name:?}: {problem}"));
+    }
+    out
 }
 
 /// `dev`: a real local control plane with the proxy in front of it, until Ctrl-C.
@@ -209,10 +324,23 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
     use crate::app::dev::{ControlPlane, ControlPlaneOptions};
 
     init_logging(&args.log_level, LogFormat::Text);
+    // Both ports first: a busy port should fail in a second, not after building and starting
+    // a control plane. The listeners are released again for `start`, which binds its own.
+    for (flag, addr) in [
+        ("--listen", args.listen),
+        ("--admin-listen", args.admin_listen),
+    ] {
+        std::net::TcpListener::bind(addr)
+            .with_context(|| format!("{flag} {addr}: cannot listen on port {}", addr.port()))?;
+    }
     crate::http::tls::install_crypto_provider();
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
     let out = std::fs::canonicalize(&args.out)?;
+    let upstream_kc = out.join("upstream.kubeconfig");
+    let proxy_kc = out.join("kube-cache-proxy.kubeconfig");
+    // The kubeconfigs name this run's ports and tokens: removed when it ends, however it ends.
+    let _written = RemoveOnDrop(vec![upstream_kc.clone(), proxy_kc.clone()]);
     eprintln!(">> preparing kube-apiserver, etcd and kubectl (cached after the first build)");
     tokio::task::spawn_blocking(crate::app::dev::ensure_binaries)
         .await?
@@ -231,7 +359,6 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
     );
     cp.seed().await.context("seeding demo objects")?;
 
-    let upstream_kc = out.join("upstream.kubeconfig");
     std::fs::write(&upstream_kc, cp.admin_kubeconfig_yaml())?;
     let tls_dir = out.join(".dev").join("proxy-tls");
     std::fs::create_dir_all(&tls_dir)?;
@@ -258,7 +385,6 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
     let admin = running
         .admin_addr
         .context("the proxy has no admin listener")?;
-    let proxy_kc = out.join("kube-cache-proxy.kubeconfig");
     std::fs::write(
         &proxy_kc,
         ControlPlane::kubeconfig_yaml(
@@ -280,19 +406,20 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
          Through the proxy:   kubectl --kubeconfig {pk} get pods -A -w\n\
          Directly upstream:   kubectl --kubeconfig {uk} get ns\n\
          kubectl built here:  {kubectl} (export PATH=\"{bindir}:$PATH\")\n\
-         Users (static tokens): {users}\n\
+         Users (static tokens): {users} (tokens in {tokens})\n\
          Proxy's own health:  https://{admin}/readyz?verbose (the admin listener; on the API\n\
          \x20                    port, /readyz, /metrics, ... are the apiserver's)\n\
          Proxy's /metrics:    curl --cacert {ca} -H \"Authorization: Bearer $(kubectl \
          --kubeconfig {pk} config view --raw -o jsonpath='{{.users[0].user.token}}')\" \
          https://{admin}/metrics\n\n\
-         Ctrl-C stops the proxy, kube-apiserver and etcd.",
+         Ctrl-C stops the proxy, kube-apiserver and etcd, and removes the two kubeconfigs.",
         ca = tls_dir.join("ca.crt").display(),
         upstream = cp.url,
         pk = proxy_kc.display(),
         uk = upstream_kc.display(),
         kubectl = kubectl.display(),
         bindir = bin.display(),
+        tokens = cp.token_file().display(),
         users = cp
             .users
             .iter()
@@ -305,6 +432,19 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
     running.shutdown().await;
     cp.stop().await;
     Ok(())
+}
+
+/// Files removed when dropped (dev mode's kubeconfigs, which are stale once it stops).
+#[cfg(feature = "dev")]
+struct RemoveOnDrop(Vec<PathBuf>);
+
+#[cfg(feature = "dev")]
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        for p in &self.0 {
+            let _ = std::fs::remove_file(p);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -328,6 +468,19 @@ mod tests {
         assert_eq!(cfg.insecure_listen, Some("127.0.0.1:9999".parse().unwrap()));
     }
 
+    fn check(file: &Path, no_files: bool) -> Vec<String> {
+        let args = CheckConfigArgs {
+            file: file.to_owned(),
+            no_files,
+            ..Default::default()
+        };
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(check_config(&args))
+    }
+
     #[test]
     fn check_config_reports_paths() {
         let dir = tempfile::tempdir().unwrap();
@@ -338,12 +491,93 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            check_config(&p),
+            check(&p, false),
             vec!["server.maxConnections: must be at least 1".to_string()]
         );
         std::fs::write(&p, "insecureListen: 127.0.0.1:1\n").unwrap();
-        assert!(check_config(&p).is_empty());
-        assert_eq!(check_config(&dir.path().join("missing.yaml")).len(), 1);
+        assert!(check(&p, false).is_empty());
+        assert_eq!(check(&dir.path().join("missing.yaml"), false).len(), 1);
+    }
+
+    #[test]
+    fn check_config_reports_parse_relation_and_file_errors_together() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("c.yaml");
+        let missing = dir.path().join("nope");
+        let m = missing.display();
+        std::fs::write(
+            &p,
+            format!(
+                "shutdown:\n  dealy: 5s\nserver:\n  maxConnections: 0\n  \
+                 http2MaxConcurrentStreams: lots\ntls:\n  certFile: {m}/tls.crt\n  \
+                 keyFile: {m}/tls.key\n  clientCaFile: {m}/ca.crt\n\
+                 authentication:\n  tokenAuthFile: {m}/tokens.csv\ntokens:\n  keyFile: {m}/keys\n"
+            ),
+        )
+        .unwrap();
+        let errs = check(&p, false);
+        let mut paths: Vec<&str> = errs.iter().map(|e| e.split(": ").next().unwrap()).collect();
+        paths.sort_unstable();
+        assert_eq!(
+            paths,
+            [
+                "authentication.tokenAuthFile",
+                "server.http2MaxConcurrentStreams",
+                "server.maxConnections",
+                "shutdown.dealy",
+                "tls.certFile",
+                "tls.clientCaFile",
+                "tokens.keyFile",
+            ],
+            "{errs:#?}"
+        );
+        // Without the files: the same file, only the problems in the file itself.
+        let errs = check(&p, true);
+        assert_eq!(errs.len(), 3, "{errs:#?}");
+        assert!(errs.iter().all(|e| !e.contains("nope")), "{errs:#?}");
+    }
+
+    #[test]
+    fn check_config_parses_the_files_it_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path();
+        let (_, cert, key) = crate::http::tls::generate_serving_pair(&["localhost"]).unwrap();
+        std::fs::write(d.join("tls.crt"), &cert).unwrap();
+        std::fs::write(d.join("tls.key"), &key).unwrap();
+        std::fs::write(d.join("ca.crt"), &cert).unwrap();
+        std::fs::write(d.join("tokens.csv"), "tok,alice,1\n").unwrap();
+        let secret = base64::Engine::encode(&base64::engine::general_purpose::STANDARD, [7u8; 32]);
+        std::fs::write(d.join("keys"), format!("k1 {secret}\n")).unwrap();
+        let p = d.join("c.yaml");
+        let write = |cert: &str, ca: &str, tokens: &str| {
+            let d = d.display();
+            std::fs::write(
+                &p,
+                format!(
+                    "tls:\n  certFile: {d}/{cert}\n  keyFile: {d}/tls.key\n  \
+                     clientCaFile: {d}/{ca}\nauthentication:\n  tokenAuthFile: {d}/{tokens}\n\
+                     tokens:\n  keyFile: {d}/keys\n"
+                ),
+            )
+            .unwrap();
+        };
+        write("tls.crt", "ca.crt", "tokens.csv");
+        assert_eq!(check(&p, false), Vec::<String>::new());
+        // Files that exist but are not what they should be: the key as certificate and CA,
+        // a token file with too few columns.
+        std::fs::write(d.join("bad.csv"), "tok\n").unwrap();
+        write("tls.key", "tls.key", "bad.csv");
+        let errs = check(&p, false);
+        let paths: Vec<&str> = errs.iter().map(|e| e.split(": ").next().unwrap()).collect();
+        assert_eq!(
+            paths,
+            [
+                "tls.certFile",
+                "tls.clientCaFile",
+                "authentication.tokenAuthFile"
+            ],
+            "{errs:#?}"
+        );
     }
 
     #[test]

@@ -452,6 +452,11 @@ impl ControlPlane {
             .unwrap_or_else(|| panic!("no static user {name:?}"))
     }
 
+    /// The apiserver's `--token-auth-file`: every static user's token, name, uid and groups.
+    pub fn token_file(&self) -> PathBuf {
+        self.dir.join("pki").join("tokens.csv")
+    }
+
     /// Bearer token of `admin` (group `system:masters`).
     pub fn admin_token(&self) -> &str {
         &self.user("admin").token

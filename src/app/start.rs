@@ -16,8 +16,15 @@ use crate::serve::state::State;
 use crate::upstream::Upstream;
 
 /// Validates a configuration completely: [`Config::validate`] plus what needs the crate's own
-/// parsers (tenants' namespace selectors, the continue-token key file). All errors at once.
+/// parsers (tenants' namespace selectors) and the files it names ([`check_files`]). All
+/// errors at once.
 pub fn validate(config: &Config) -> Result<(), crate::config::ConfigError> {
+    validate_with_files(config, true)
+}
+
+/// [`validate`], with or without [`check_files`] (`check-config --no-files`: a file written
+/// for the pod, checked where its Secrets are not mounted).
+pub fn validate_with_files(config: &Config, files: bool) -> Result<(), crate::config::ConfigError> {
     config.validate_with(|c, err| {
         for (i, t) in c.tenants.iter().enumerate() {
             if let Some(sel) = &t.namespace_selector
@@ -29,14 +36,59 @@ pub fn validate(config: &Config) -> Result<(), crate::config::ConfigError> {
                 );
             }
         }
-        if let Some(p) = &c.tokens.key_file
-            && let Err(e) = std::fs::read_to_string(p)
-                .map_err(|e| e.to_string())
-                .and_then(|t| crate::read::token::KeySet::parse(&t))
-        {
-            err("tokens.keyFile", format!("{}: {e}", p.display()));
+        if files {
+            check_files(c, err);
         }
     })
+}
+
+/// Every file the configuration names exists, is readable and parses as what the proxy will
+/// read from it, checked with the parsers that will read it: the serving certificate and key
+/// (a usable pair), the client CA bundle, the token auth file, the continue-token keys, the
+/// upstream kubeconfig (readable; kube parses it at start).
+pub fn check_files(c: &Config, err: &mut dyn FnMut(&str, String)) {
+    use crate::http::tls::{ReloadingCert, TlsError, client_ca_roots};
+    if let (Some(cert), Some(key)) = (&c.tls.cert_file, &c.tls.key_file)
+        && let Err(e) = ReloadingCert::load(cert, key)
+    {
+        let field = match &e {
+            TlsError::BadKey { .. } => "tls.keyFile",
+            TlsError::Read { path, .. } if path == key => "tls.keyFile",
+            _ => "tls.certFile",
+        };
+        err(field, e.to_string());
+    }
+    if let Some(p) = &c.tls.client_ca_file
+        && let Err(e) = client_ca_roots(p)
+    {
+        err("tls.clientCaFile", e.to_string());
+    }
+    if let Some(p) = &c.authentication.token_auth_file
+        && let Err(e) = std::fs::read_to_string(p)
+            .map_err(|e| e.to_string())
+            .and_then(|t| {
+                crate::auth::authn::parse_token_file(&t)
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            })
+    {
+        err(
+            "authentication.tokenAuthFile",
+            format!("{}: {e}", p.display()),
+        );
+    }
+    if let Some(p) = &c.tokens.key_file
+        && let Err(e) = std::fs::read_to_string(p)
+            .map_err(|e| e.to_string())
+            .and_then(|t| crate::read::token::KeySet::parse(&t))
+    {
+        err("tokens.keyFile", format!("{}: {e}", p.display()));
+    }
+    if let Some(p) = &c.upstream.kubeconfig
+        && let Err(e) = std::fs::read(p)
+    {
+        err("upstream.kubeconfig", format!("{}: {e}", p.display()));
+    }
 }
 
 /// Builds every component from the configuration and wires them into the shared [`State`].

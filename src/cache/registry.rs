@@ -404,9 +404,10 @@ impl Manager {
     }
 }
 
-/// Reads the discovery documents of `groups` (`None`: every group). Fails only when the core
+/// Reads the discovery documents of `groups` (`None`: every group) with the proxy's identity
+/// (also `check-config --kubeconfig`). Fails only when the core
 /// documents cannot be read; a group that fails is recorded in [`Discovery::failed_groups`].
-async fn fetch(upstream: &Upstream, sel: &Selection) -> Result<Discovery, String> {
+pub async fn fetch(upstream: &Upstream, sel: &Selection) -> Result<Discovery, String> {
     let groups = sel.groups();
     let groups = groups.as_ref();
     let mut d = Discovery::default();

@@ -137,6 +137,30 @@ impl ResolvesServerCert for ReloadingCert {
     }
 }
 
+/// Reads a client CA bundle: at least one PEM certificate, each usable as a trust anchor.
+/// The listener's check, also run by `check-config`.
+pub fn client_ca_roots(path: &Path) -> Result<rustls::RootCertStore, TlsError> {
+    let pem = read(path)?;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(&pem) {
+        let c = c.map_err(|e| TlsError::ClientCa {
+            path: path.to_owned(),
+            detail: e.to_string(),
+        })?;
+        roots.add(c).map_err(|e| TlsError::ClientCa {
+            path: path.to_owned(),
+            detail: e.to_string(),
+        })?;
+    }
+    if roots.is_empty() {
+        return Err(TlsError::ClientCa {
+            path: path.to_owned(),
+            detail: "no certificates".into(),
+        });
+    }
+    Ok(roots)
+}
+
 /// Builds the listener's rustls config: ALPN h2 then http/1.1, and, with a client CA,
 /// optional client-certificate verification (callers without one use bearer tokens).
 pub fn server_config(
@@ -161,24 +185,7 @@ pub fn server_config(
         .map_err(TlsError::Pair)?;
     let builder = match client_ca {
         Some(path) => {
-            let pem = read(path)?;
-            let mut roots = rustls::RootCertStore::empty();
-            for c in CertificateDer::pem_slice_iter(&pem) {
-                let c = c.map_err(|e| TlsError::ClientCa {
-                    path: path.to_owned(),
-                    detail: e.to_string(),
-                })?;
-                roots.add(c).map_err(|e| TlsError::ClientCa {
-                    path: path.to_owned(),
-                    detail: e.to_string(),
-                })?;
-            }
-            if roots.is_empty() {
-                return Err(TlsError::ClientCa {
-                    path: path.to_owned(),
-                    detail: "no certificates".into(),
-                });
-            }
+            let roots = client_ca_roots(path)?;
             let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider)
                 .allow_unauthenticated()
                 .build()

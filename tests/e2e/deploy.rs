@@ -127,16 +127,28 @@ fn helm(home: &Path) -> Command {
 
 /// `helm template` of the chart with `--set` pairs.
 fn helm_template(sets: &[&str]) -> String {
+    ok_stdout(
+        &format!("helm template {sets:?}"),
+        helm_template_output(&[], sets),
+    )
+}
+
+/// `helm template` with more arguments (`--api-versions ...`) and `--set` pairs, as run.
+fn helm_template_output(args: &[&str], sets: &[&str]) -> Output {
     let home = tempfile::tempdir().unwrap();
     let mut c = helm(home.path());
     c.args(["template", RELEASE])
         .arg(repo().join("deploy/helm/kube-cache-proxy"))
-        .args(["--namespace", NS]);
+        .args(["--namespace", NS])
+        .args(args);
     for s in sets {
         c.args(["--set", s]);
     }
-    ok_stdout(&format!("helm template {sets:?}"), run(&mut c, None))
+    run(&mut c, None)
 }
+
+/// `--api-versions` telling `helm template` the cluster has the Prometheus Operator's CRDs.
+const WITH_PROMETHEUS_OPERATOR: [&str; 2] = ["--api-versions", "monitoring.coreos.com/v1"];
 
 /// The objects of a multi-document YAML stream.
 fn docs(yaml: &str) -> Vec<Value> {
@@ -221,21 +233,17 @@ fn proxy_config(docs: &[Value]) -> (String, Config) {
     (text, cfg)
 }
 
-/// `kube-cache-proxy check-config` on `text`, as the container would run it. check-config
-/// reads the continue-token key file, which only exists in the pod (the Secret): a key file is
-/// provided at a temporary path instead (`check_render` checks the real path is mounted).
+/// `kube-cache-proxy check-config --no-files` on `text`, as the kustomize ConfigMap's header
+/// says to check it: the files it names (serving certificate, key, client CA, continue-token
+/// keys) exist only in the pod (`check_render` checks each is in a mounted volume).
 fn check_config(text: &str) {
     let dir = tempfile::tempdir().unwrap();
-    let mut cfg: Value = serde_saphyr::from_str(text).unwrap();
-    if cfg["tokens"]["keyFile"].is_string() {
-        let keys = dir.path().join("keys");
-        std::fs::write(&keys, key_line("k1")).unwrap();
-        cfg["tokens"]["keyFile"] = json!(keys);
-    }
     let file = dir.path().join("config.yaml");
-    std::fs::write(&file, cfg.to_string()).unwrap();
+    std::fs::write(&file, text).unwrap();
     let out = run(
-        Command::new(proxy_bin()).arg("check-config").arg(&file),
+        Command::new(proxy_bin())
+            .args(["check-config", "--no-files"])
+            .arg(&file),
         None,
     );
     let stdout = ok_stdout("check-config", out);
@@ -271,11 +279,25 @@ struct Grants {
     impersonate: BTreeSet<(String, String)>,
     /// Non-resource URLs with exactly get.
     urls: BTreeSet<String>,
+    /// get/list/watch on every resource of every group (`cache.resources: [all]`).
+    read_everything: bool,
+}
+
+/// The one wildcard rule a role may have: what `cache.resources: [all]` needs.
+fn is_read_everything(rule: &Value) -> bool {
+    rule["apiGroups"] == json!(["*"])
+        && rule["resources"] == json!(["*"])
+        && rule["verbs"] == json!(["get", "list", "watch"])
+        && rule.get("nonResourceURLs").is_none()
 }
 
 fn grants(what: &str, role: &Value) -> Grants {
     let mut g = Grants::default();
     for rule in role["rules"].as_array().expect("rules") {
+        if is_read_everything(rule) {
+            g.read_everything = true;
+            continue;
+        }
         for field in [
             "verbs",
             "apiGroups",
@@ -284,8 +306,10 @@ fn grants(what: &str, role: &Value) -> Grants {
             "nonResourceURLs",
         ] {
             for s in strings(&rule[field]) {
+                // `/apis/*`: every group's discovery documents, with read_everything only
+                // (checked by the caller).
                 assert!(
-                    !s.contains('*'),
+                    !s.contains('*') || s == "/apis/*",
                     "{what}: wildcard {s:?} in {field}: {rule}"
                 );
             }
@@ -392,27 +416,50 @@ fn check_render(what: &str, docs: &[Value]) -> Config {
     );
     assert_eq!(bindings.len(), 2, "{what}: two bindings, no more");
     let g = grants(what, role);
+    let all = cfg.cache.resources.iter().any(|r| r == "all");
     let cached: BTreeSet<_> = cfg
         .cache
         .resources
         .iter()
+        .filter(|r| *r != "all")
         .map(|r| group_resource(r))
         .collect();
     assert_eq!(
-        g.read, cached,
-        "{what}: get/list/watch on exactly cache.resources"
+        g.read_everything, all,
+        "{what}: get/list/watch on everything exactly when cache.resources has `all`"
     );
+    assert_eq!(
+        g.urls.contains("/apis/*"),
+        all,
+        "{what}: every group's discovery exactly with `all`"
+    );
+    if !all {
+        assert_eq!(
+            g.read, cached,
+            "{what}: get/list/watch on exactly cache.resources"
+        );
+    }
     // CRDs are read only when custom resources are cached (then they are in cache.resources).
     assert_eq!(g.get_only, set(&[]));
-    assert_eq!(
-        g.impersonate,
+    // Impersonation (acting as any user) only when client certificates are accepted.
+    let c = &pod["containers"][0];
+    let client_certs = cfg.tls.client_ca_file.is_some()
+        || c["env"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|e| e["name"] == "KCP_CLIENT_CA_FILE");
+    let want_impersonate = if client_certs {
         set(&[
             ("", "users"),
             ("", "groups"),
             ("", "serviceaccounts"),
-            ("authentication.k8s.io", "uids")
+            ("authentication.k8s.io", "uids"),
         ])
-    );
+    } else {
+        set(&[])
+    };
+    assert_eq!(g.impersonate, want_impersonate, "{what}: impersonation");
     let mut want_urls: BTreeSet<String> = ["/api", "/api/v1", "/apis", "/metrics", "/readyz"]
         .map(String::from)
         .into();
@@ -427,8 +474,42 @@ fn check_render(what: &str, docs: &[Value]) -> Config {
         "{what}: discovery URLs missing: {missing:?}"
     );
 
+    // API Priority and Fairness: the proxy's ServiceAccount gets its own priority level.
+    if let [fs] = of_kind(docs, "FlowSchema")[..] {
+        let plc = one(docs, "PriorityLevelConfiguration");
+        assert_eq!(
+            fs["spec"]["priorityLevelConfiguration"]["name"],
+            plc["metadata"]["name"]
+        );
+        assert_eq!(
+            fs["spec"]["rules"][0]["subjects"],
+            json!([{"kind": "ServiceAccount",
+                    "serviceAccount": {"name": sa_subject.0, "namespace": sa_subject.1}}]),
+            "{what}"
+        );
+        for o in [fs, plc] {
+            assert!(o["metadata"].get("namespace").is_none(), "{what}: {o}");
+        }
+    }
+
+    // The recommended labels on every object.
+    for d in docs {
+        for k in [
+            "app.kubernetes.io/name",
+            "app.kubernetes.io/instance",
+            "app.kubernetes.io/version",
+            "app.kubernetes.io/managed-by",
+        ] {
+            assert!(
+                d["metadata"]["labels"][k].is_string(),
+                "{what}: {} {} has no {k} label",
+                d["kind"],
+                d["metadata"]["name"]
+            );
+        }
+    }
+
     // The Deployment agrees with its configuration.
-    let c = &pod["containers"][0];
     assert!(dep["spec"]["replicas"].as_u64().unwrap() >= 2, "{what}: HA");
     let grace = pod["terminationGracePeriodSeconds"].as_u64().unwrap();
     assert!(
@@ -646,14 +727,30 @@ fn rendered_rbac_is_wildcard_free_and_matches_the_configuration() {
     assert!(opts_cfg.tls.client_ca_file.is_some());
     // The passthrough `config` block reaches the proxy's configuration.
     assert_eq!(opts_cfg.cache.history_max_age, Duration::from_secs(300));
-    // The optional objects can be turned off.
+    // `all`: read everything, every discovery document.
+    let all = check_render(
+        "helm with all",
+        &docs(&helm_template(&["cache.resources={all}"])),
+    );
+    assert_eq!(all.cache.resources, ["all"]);
+    // Flow control by default, in both; the optional objects can be turned off.
+    for (what, docs, _) in &renders[..4] {
+        assert_eq!(of_kind(docs, "FlowSchema").len(), 1, "{what}");
+    }
     let minimal = docs(&helm_template(&[
         "podDisruptionBudget.enabled=false",
         "networkPolicy.enabled=false",
+        "flowControl.enabled=false",
     ]));
     check_render("helm minimal", &minimal);
-    assert!(of_kind(&minimal, "PodDisruptionBudget").is_empty());
-    assert!(of_kind(&minimal, "NetworkPolicy").is_empty());
+    for kind in [
+        "PodDisruptionBudget",
+        "NetworkPolicy",
+        "FlowSchema",
+        "PriorityLevelConfiguration",
+    ] {
+        assert!(of_kind(&minimal, kind).is_empty(), "{kind}");
+    }
     // CRD-dependent objects only when enabled.
     for (what, docs, _) in &renders {
         for kind in ["ServiceMonitor", "Certificate"] {
@@ -667,11 +764,17 @@ fn rendered_rbac_is_wildcard_free_and_matches_the_configuration() {
 
 #[test]
 fn the_chart_renders_cert_manager_and_service_monitor_objects_when_enabled() {
-    let docs = docs(&helm_template(&[
+    let sets = [
         "serviceMonitor.enabled=true",
         "tls.certManager.enabled=true",
         "tls.certManager.issuerRef.name=cluster-ca",
-    ]));
+    ];
+    // The ServiceMonitor only where its CRD is served (.Capabilities.APIVersions).
+    assert!(of_kind(&docs(&helm_template(&sets)), "ServiceMonitor").is_empty());
+    let docs = docs(&ok_stdout(
+        "helm template",
+        helm_template_output(&WITH_PROMETHEUS_OPERATOR, &sets),
+    ));
     check_render("helm with cert-manager", &docs);
     let cert = one(&docs, "Certificate");
     let svc = one(&docs, "Service");
@@ -707,11 +810,17 @@ fn the_chart_renders_cert_manager_and_service_monitor_objects_when_enabled() {
     assert_eq!(ep["tlsConfig"]["serverName"], format!("{name}.{NS}.svc"));
     // With a serving Secret of `kubectl create secret tls` (no ca.crt) the user names the CA
     // and the token; without a CA the chart refuses to render.
-    let docs = self::docs(&helm_template(&[
-        "serviceMonitor.enabled=true",
-        "serviceMonitor.caConfigMap.name=kcp-ca",
-        "serviceMonitor.bearerTokenSecret.name=prometheus-token",
-    ]));
+    let docs = self::docs(&ok_stdout(
+        "helm template",
+        helm_template_output(
+            &WITH_PROMETHEUS_OPERATOR,
+            &[
+                "serviceMonitor.enabled=true",
+                "serviceMonitor.caConfigMap.name=kcp-ca",
+                "serviceMonitor.bearerTokenSecret.name=prometheus-token",
+            ],
+        ),
+    ));
     let ep = &one(&docs, "ServiceMonitor")["spec"]["endpoints"][0];
     assert_eq!(
         ep["tlsConfig"]["ca"]["configMap"],
@@ -721,18 +830,263 @@ fn the_chart_renders_cert_manager_and_service_monitor_objects_when_enabled() {
         ep["authorization"],
         json!({"type": "Bearer", "credentials": {"name": "prometheus-token", "key": "token"}})
     );
-    let home = tempfile::tempdir().unwrap();
-    let mut c = helm(home.path());
-    c.args(["template", RELEASE])
-        .arg(repo().join("deploy/helm/kube-cache-proxy"))
-        .args(["--namespace", NS, "--set", "serviceMonitor.enabled=true"]);
-    let out = run(&mut c, None);
+    let out = helm_template_output(&WITH_PROMETHEUS_OPERATOR, &["serviceMonitor.enabled=true"]);
     assert!(!out.status.success());
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("serviceMonitor.caConfigMap"),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+#[test]
+fn the_chart_checks_its_values_against_its_schema() {
+    // helm lint validates values.yaml against values.schema.json (and the templates).
+    let home = tempfile::tempdir().unwrap();
+    let mut c = helm(home.path());
+    c.arg("lint")
+        .arg(repo().join("deploy/helm/kube-cache-proxy"))
+        .arg("--strict");
+    ok_stdout("helm lint --strict", run(&mut c, None));
+    // Wrong types, unknown values and bad enums are refused before anything renders.
+    for (set, says) in [
+        ("replicaCount=two", "replicaCount"),
+        ("admin.auth=off", "admin/auth"),
+        ("image.digest=latest", "image/digest"),
+        ("cache.resources={Deployments}", "cache/resources/0"),
+        ("serviceMonitr.enabled=true", "serviceMonitr"),
+        ("log.format=xml", "log/format"),
+        // A number where the Pod API wants a string.
+        ("env[0].name=A,env[0].value=1", "env/0/value"),
+    ] {
+        let out = helm_template_output(&[], &[set]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{set}: rendered");
+        assert!(
+            stderr.contains("values don't meet the specifications of the schema")
+                && stderr.contains(says),
+            "{set}: {stderr}"
+        );
+    }
+}
+
+#[test]
+fn the_chart_renders_digest_env_args_volumes_and_the_grafana_dashboard() {
+    let digest = format!("sha256:{}", "ab".repeat(32));
+    let docs = docs(&helm_template(&[
+        "image.tag=9.9.9",
+        &format!("image.digest={digest}"),
+        "extraArgs={--log-level,debug}",
+        "env[0].name=RUST_BACKTRACE",
+        "env[0].value=full",
+        "volumes[0].name=extra",
+        "volumes[0].emptyDir.medium=Memory",
+        "volumeMounts[0].name=extra",
+        "volumeMounts[0].mountPath=/extra",
+        "grafanaDashboard.enabled=true",
+    ]));
+    check_render("helm with digest, env, args, volumes", &docs);
+    let pod = &one(&docs, "Deployment")["spec"]["template"]["spec"];
+    let c = &pod["containers"][0];
+    // The digest wins over the tag.
+    assert_eq!(c["image"], format!("kube-cache-proxy@{digest}"));
+    assert_eq!(
+        strings(&c["args"])[3..],
+        ["--log-level".to_string(), "debug".to_string()]
+    );
+    assert_eq!(
+        c["env"],
+        json!([{"name": "RUST_BACKTRACE", "value": "full"}])
+    );
+    assert!(
+        c["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .contains(&json!({"name": "extra", "mountPath": "/extra"}))
+    );
+    assert!(
+        pod["volumes"]
+            .as_array()
+            .unwrap()
+            .contains(&json!({"name": "extra", "emptyDir": {"medium": "Memory"}}))
+    );
+    // The dashboard ConfigMap, for Grafana's sidecar, holds exactly the checked-in JSON.
+    let cm = of_kind(&docs, "ConfigMap")
+        .into_iter()
+        .find(|c| c["metadata"]["labels"]["grafana_dashboard"] == "1")
+        .expect("a ConfigMap labelled grafana_dashboard: \"1\"");
+    let shipped: Value = serde_json::from_str(&dashboard_json()).unwrap();
+    let rendered: Value =
+        serde_json::from_str(cm["data"]["kube-cache-proxy.json"].as_str().unwrap()).unwrap();
+    assert_eq!(rendered, shipped);
+    // Off by default; the tag without a digest.
+    let plain = self::docs(&helm_template(&["image.tag=9.9.9"]));
+    let c = &one(&plain, "Deployment")["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(c["image"], "kube-cache-proxy:9.9.9");
+    assert!(c.get("env").is_none());
+    assert_eq!(strings(&c["args"]).len(), 3);
+    assert!(
+        of_kind(&plain, "ConfigMap")
+            .iter()
+            .all(|c| c["metadata"]["labels"].get("grafana_dashboard").is_none())
+    );
+}
+
+/// The Grafana dashboard shipped in deploy/ (and in the chart).
+fn dashboard_json() -> String {
+    std::fs::read_to_string(repo().join(DASHBOARD)).unwrap()
+}
+
+const DASHBOARD: &str = "deploy/helm/kube-cache-proxy/dashboards/kube-cache-proxy.json";
+
+/// The metric names a PromQL expression selects: identifiers followed by a label matcher or
+/// a range (`name{...}`, `name[5m]`), which is how every query of the dashboard names them.
+fn promql_metrics(expr: &str) -> BTreeSet<String> {
+    let b = expr.as_bytes();
+    let mut out = BTreeSet::new();
+    let mut i = 0;
+    while i < b.len() {
+        let c = b[i];
+        if c.is_ascii_alphabetic() || c == b'_' || c == b':' {
+            let start = i;
+            while i < b.len() && (b[i].is_ascii_alphanumeric() || b[i] == b'_' || b[i] == b':') {
+                i += 1;
+            }
+            // Inside a label matcher's quoted value, or after a `$` variable: not a name.
+            let quoted = expr[..start].matches('"').count() % 2 == 1;
+            let variable = start > 0 && b[start - 1] == b'$';
+            let mut j = i;
+            while j < b.len() && b[j] == b' ' {
+                j += 1;
+            }
+            if !quoted && !variable && j < b.len() && (b[j] == b'{' || b[j] == b'[') {
+                out.insert(expr[start..i].to_string());
+            }
+        } else {
+            i += 1;
+        }
+    }
+    out
+}
+
+/// What a Prometheus text exposition offers: sample names, and each family's type.
+#[derive(Debug, Default)]
+struct Scrape {
+    samples: BTreeSet<String>,
+    types: BTreeMap<String, String>,
+}
+
+impl Scrape {
+    fn parse(text: &str) -> Scrape {
+        let mut s = Scrape::default();
+        for l in text.lines() {
+            if let Some(t) = l.strip_prefix("# TYPE ") {
+                let mut f = t.split_whitespace();
+                if let (Some(name), Some(ty)) = (f.next(), f.next()) {
+                    s.types.insert(name.to_string(), ty.to_string());
+                }
+            } else if !l.starts_with('#') && !l.is_empty() {
+                let end = l.find(['{', ' ']).unwrap_or(l.len());
+                s.samples.insert(l[..end].to_string());
+            }
+        }
+        s
+    }
+
+    /// Whether `name` can be queried: a sample in the scrape, or a series its family's type
+    /// defines though no sample of it was there yet (`_total` of a counter; `_bucket` of a
+    /// histogram; `_sum`, `_count` of a histogram or summary; the name of a gauge).
+    fn has(&self, name: &str) -> bool {
+        if self.samples.contains(name) {
+            return true;
+        }
+        let ty = |base: &str| self.types.get(base).map(String::as_str);
+        if let Some(base) = name.strip_suffix("_total") {
+            return ty(base) == Some("counter");
+        }
+        if let Some(base) = name.strip_suffix("_bucket") {
+            return ty(base) == Some("histogram");
+        }
+        if let Some(base) = name
+            .strip_suffix("_sum")
+            .or_else(|| name.strip_suffix("_count"))
+        {
+            return matches!(ty(base), Some("histogram" | "summary"));
+        }
+        matches!(ty(name), Some("gauge" | "unknown"))
+    }
+}
+
+#[test]
+fn promql_names_and_scrape_suffixes_are_read_exactly() {
+    assert_eq!(
+        promql_metrics(
+            r#"histogram_quantile(0.99, sum by (le) (rate(a_seconds_bucket{job=~"$job", x="y{z}"}[$__rate_interval]))) / b_total [5m]"#
+        ),
+        ["a_seconds_bucket", "b_total"].map(String::from).into()
+    );
+    let s = Scrape::parse(
+        "# TYPE c counter\nc_total{a=\"1\"} 2\n# TYPE h histogram\n# TYPE g gauge\ng 1\n",
+    );
+    for yes in ["c_total", "h_bucket", "h_sum", "h_count", "g"] {
+        assert!(s.has(yes), "{yes}");
+    }
+    for no in [
+        "c", "c_bucket", "h", "h_total", "g_total", "g_count", "missing",
+    ] {
+        assert!(!s.has(no), "{no}");
+    }
+}
+
+/// The dashboard is a Grafana dashboard model (the fields Grafana requires to import it) and
+/// every metric it queries is in `scrape`, the proxy's own admin /metrics.
+fn check_dashboard(scrape: &str) {
+    let d: Value = serde_json::from_str(&dashboard_json()).expect("the dashboard is JSON");
+    for field in ["title", "uid"] {
+        assert!(
+            d[field].as_str().is_some_and(|s| !s.is_empty()),
+            "dashboard {field}"
+        );
+    }
+    assert!(d["schemaVersion"].as_u64().is_some(), "schemaVersion");
+    let panels = d["panels"].as_array().expect("panels");
+    assert!(!panels.is_empty());
+    let text = scrape;
+    let scrape = Scrape::parse(scrape);
+    let mut queried = BTreeSet::new();
+    for p in panels {
+        let title = p["title"].as_str().expect("a panel title");
+        assert!(p["type"].is_string(), "{title}: type");
+        let targets = p["targets"].as_array().expect("targets");
+        assert!(!targets.is_empty(), "{title}: targets");
+        for t in targets {
+            let expr = t["expr"].as_str().expect("a PromQL expr");
+            let names = promql_metrics(expr);
+            assert!(!names.is_empty(), "{title}: no metric in {expr}");
+            for n in names {
+                assert!(
+                    scrape.has(&n),
+                    "{title}: {n} is not in the proxy's /metrics ({expr}); it has:\n{}",
+                    text.lines()
+                        .filter(|l| l.starts_with("# TYPE"))
+                        .collect::<Vec<_>>()
+                        .join("\n")
+                );
+                queried.insert(n);
+            }
+        }
+    }
+    // What the dashboard is for.
+    for want in [
+        "kube_cache_proxy_requests_total",
+        "kube_cache_proxy_upstream_requests_total",
+        "kube_cache_proxy_watchers",
+        "kube_cache_proxy_watch_events_sent_total",
+        "kube_cache_proxy_list_snapshot_bytes",
+        "kube_cache_proxy_page_size",
+    ] {
+        assert!(queried.contains(want), "the dashboard shows {want}");
+    }
 }
 
 /// An admin kubeconfig file for `cp` in `dir`.
@@ -771,6 +1125,18 @@ async fn rendered_manifests_pass_a_server_side_dry_run() {
                 "priorityClassName=system-cluster-critical",
                 "networkPolicy.apiserverCIDRs[0].cidr=10.0.0.1/32",
                 "tokens.keyFile=signing-keys",
+            ]),
+        ),
+        (
+            "helm with all, the dashboard, extra volumes",
+            helm_template(&[
+                "cache.resources={all}",
+                "grafanaDashboard.enabled=true",
+                "image.digest=sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+                "volumes[0].name=extra",
+                "volumes[0].emptyDir.medium=Memory",
+                "volumeMounts[0].name=extra",
+                "volumeMounts[0].mountPath=/extra",
             ]),
         ),
     ];
@@ -967,7 +1333,8 @@ async fn served_from_cache(proxy: &TestProxy, resource: &str, verb: &str) -> f64
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_proxy_runs_with_exactly_the_rbac_from_deploy() {
     let (cp, dir, kc) = start_control_plane().await;
-    let base = docs(&kustomize("base"));
+    // The HA overlay: the base plus client certificates, whose callers are impersonated.
+    let base = docs(&kustomize("overlays/ha"));
     let (_, deploy_cfg) = proxy_config(&base);
     let token = install_rbac_and_get_token(&kc, &base);
 
@@ -1067,6 +1434,27 @@ async fn the_proxy_runs_with_exactly_the_rbac_from_deploy() {
     assert_eq!(ev["type"], "ADDED");
     assert_eq!(ev["object"]["metadata"]["name"], "after-watch");
     assert!(served_from_cache(&proxy, "configmaps", "WATCH").await >= 1.0);
+
+    // The Grafana dashboard queries only what this proxy exports, scraped after the traffic
+    // above and one request the apiserver answers (leases pass through), so the request,
+    // watch and upstream series exist.
+    let r = anon
+        .get(
+            &proxy.https(&format!(
+                "/apis/coordination.k8s.io/v1/namespaces/{ns}/leases"
+            )),
+            Some(&admin),
+        )
+        .await;
+    assert_eq!(r.status(), 200);
+    let scrape = body_string(
+        proxy
+            .client(None, false)
+            .get(&proxy.admin("/metrics"), None)
+            .await,
+    )
+    .await;
+    check_dashboard(&scrape);
 
     // A client-certificate caller: impersonated towards the apiserver with the proxy's token.
     let (cert, key) = support::proxy::client_cert(&proxy.client_ca, "carol", &["e2e-writers"]);
@@ -1375,6 +1763,219 @@ impl Replica {
             .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
             .sum()
     }
+}
+
+/// `kubectl auth can-i VERB RESOURCE` as the proxy's ServiceAccount: "yes" or "no".
+fn can_i(kc: &Path, sa: &str, verb: &str, resource: &str) -> String {
+    let out = kubectl(
+        kc,
+        &[
+            "auth",
+            "can-i",
+            verb,
+            resource,
+            "--all-namespaces",
+            &format!("--as=system:serviceaccount:{NS}:{sa}"),
+        ],
+        None,
+    );
+    // Exit status 1 with "no" on stdout is an answer, not a failure.
+    let answer = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    assert!(
+        answer == "yes" || answer == "no",
+        "can-i {verb} {resource}: {answer}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    answer
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chart_rbac_for_all_flow_control_and_check_config_discovery_on_a_real_apiserver() {
+    let (cp, dir, kc) = start_control_plane().await;
+    let crd = json!({"apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "widgets.example.com"},
+        "spec": {"group": "example.com", "scope": "Namespaced",
+                 "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
+                 "versions": [{"name": "v1", "served": true, "storage": true,
+                               "schema": {"openAPIV3Schema": {"type": "object",
+                                   "x-kubernetes-preserve-unknown-fields": true}}}]}});
+    ok_stdout(
+        "create the CRD",
+        kubectl(&kc, &["apply", "-f", "-"], Some(&crd.to_string())),
+    );
+    ok_stdout(
+        "wait for the CRD",
+        kubectl(
+            &kc,
+            &[
+                "wait",
+                "--for=condition=Established",
+                "crd/widgets.example.com",
+                "--timeout=90s",
+            ],
+            None,
+        ),
+    );
+
+    // `cache.resources: [all]`: the rendered RBAC, applied for real, lets the proxy's
+    // ServiceAccount list and watch anything, custom resources included; no impersonation.
+    let rendered = docs(&helm_template(&["cache.resources={all}"]));
+    // The chart installs into an existing namespace (helm install -n NS --create-namespace).
+    ok_stdout(
+        "create namespace",
+        kubectl(&kc, &["create", "namespace", NS], None),
+    );
+    // The cluster's default grants stay: `kubectl auth can-i --as` asks as the
+    // ServiceAccount (a SelfSubjectAccessReview, which system:basic-user allows), and none of
+    // them grants reading or impersonating anything asked below.
+    let objects: Vec<&Value> = ["ServiceAccount", "ClusterRole", "ClusterRoleBinding"]
+        .iter()
+        .flat_map(|k| of_kind(&rendered, k))
+        .collect();
+    apply(&kc, &objects);
+    let sa = one(&rendered, "ServiceAccount")["metadata"]["name"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let token = ok_stdout(
+        "kubectl create token",
+        kubectl(
+            &kc,
+            &["create", "token", &sa, "-n", NS, "--duration=1h"],
+            None,
+        ),
+    )
+    .trim()
+    .to_string();
+    for resource in [
+        "pods",
+        "configmaps",
+        "secrets",
+        "leases.coordination.k8s.io",
+        "widgets.example.com",
+        "customresourcedefinitions.apiextensions.k8s.io",
+    ] {
+        for verb in ["get", "list", "watch"] {
+            assert_eq!(can_i(&kc, &sa, verb, resource), "yes", "{verb} {resource}");
+        }
+        assert_eq!(
+            can_i(&kc, &sa, "delete", resource),
+            "no",
+            "delete {resource}"
+        );
+    }
+    for resource in ["users", "groups", "serviceaccounts"] {
+        assert_eq!(can_i(&kc, &sa, "impersonate", resource), "no", "{resource}");
+    }
+    // With client certificates on, impersonation is granted.
+    let with_certs = docs(&helm_template(&[
+        "cache.resources={all}",
+        "tls.clientCAConfigMap=kube-cache-proxy-client-ca",
+    ]));
+    apply(&kc, &of_kind(&with_certs, "ClusterRole"));
+    for resource in ["users", "groups", "serviceaccounts"] {
+        eventually(
+            &format!("impersonate {resource} granted"),
+            BOUND,
+            async || {
+                let a = can_i(&kc, &sa, "impersonate", resource);
+                ok_if(a == "yes", a)
+            },
+        )
+        .await;
+    }
+
+    // The FlowSchema and PriorityLevelConfiguration are accepted by the apiserver, and the
+    // proxy's own requests land in its priority level (the apiserver says which in the
+    // X-Kubernetes-PF-PriorityLevel-UID response header).
+    let flow: Vec<&Value> = ["PriorityLevelConfiguration", "FlowSchema"]
+        .iter()
+        .flat_map(|k| of_kind(&rendered, k))
+        .collect();
+    assert_eq!(flow.len(), 2);
+    apply(&kc, &flow);
+    let plc: Value = serde_json::from_str(&ok_stdout(
+        "get prioritylevelconfiguration",
+        kubectl(
+            &kc,
+            &["get", "prioritylevelconfiguration", RELEASE, "-o", "json"],
+            None,
+        ),
+    ))
+    .unwrap();
+    let plc_uid = plc["metadata"]["uid"].as_str().unwrap().to_string();
+    let sa_client = cp.client_for_token(&token).await.unwrap();
+    eventually(
+        "the proxy's requests in its priority level",
+        BOUND,
+        async || {
+            let req = http::Request::get("/api/v1/namespaces/default/configmaps?limit=1")
+                .body(kube::client::Body::from(Vec::new()))
+                .unwrap();
+            let resp = sa_client.send(req).await.map_err(|e| e.to_string());
+            match resp {
+                Ok(r) => {
+                    let level = r
+                        .headers()
+                        .get("X-Kubernetes-PF-PriorityLevel-UID")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_string();
+                    ok_if(level == plc_uid, level)
+                }
+                Err(e) => ok_if(false, e),
+            }
+        },
+    )
+    .await;
+
+    // check-config --kubeconfig: cache.resources against this apiserver's discovery.
+    let kustomize_cfg = "deploy/kustomize/base/config.yaml";
+    let out = run(
+        Command::new(proxy_bin())
+            .args(["check-config", "--no-files", "--kubeconfig"])
+            .arg(&kc)
+            .arg(kustomize_cfg)
+            .current_dir(repo()),
+        None,
+    );
+    let stdout = ok_stdout("check-config --kubeconfig (the shipped config)", out);
+    assert_eq!(stdout, format!("{kustomize_cfg}: ok\n"));
+    let file = dir.path().join("typo.yaml");
+    std::fs::write(
+        &file,
+        "insecureListen: 127.0.0.1:1\ncache:\n  resources: [all, pods, deployment.apps, \
+         widgets.example.com, gadgets.example.com, bindings, configmaps]\n",
+    )
+    .unwrap();
+    let out = run(
+        Command::new(proxy_bin())
+            .args(["check-config", "--kubeconfig"])
+            .arg(&kc)
+            .arg(&file),
+        None,
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let errors: Vec<&str> = stderr.lines().skip(1).collect();
+    assert_eq!(errors.len(), 3, "{stderr}");
+    assert!(
+        errors[0].contains("cache.resources[2]: \"deployment.apps\"")
+            && errors[0].contains("did you mean deployments.apps?"),
+        "{stderr}"
+    );
+    assert!(
+        errors[1].contains("cache.resources[4]: \"gadgets.example.com\"")
+            && errors[1].contains("no resource \"gadgets\" in API group \"example.com\""),
+        "{stderr}"
+    );
+    // `bindings` is served but cannot be listed or watched.
+    assert!(
+        errors[2].contains("cache.resources[5]: \"bindings\"")
+            && errors[2].contains("list and watch"),
+        "{stderr}"
+    );
+    cp.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,9 @@ mod support;
 
 mod admin;
 mod authn;
+mod check_config;
 mod crd;
+mod dev;
 mod fake_apiserver;
 mod lists;
 mod paging;

@@ -9,8 +9,9 @@
 //                       KUBE_API / KUBE_TOKEN are unset (embedded `token:` or `tokenFile:` only;
 //                       exec plugins and client certificates need KUBE_TOKEN or the variables below)
 //   KUBE_CLIENT_CERT, KUBE_CLIENT_KEY   PEM files for a client certificate instead of a token
-//   KUBE_INSECURE=1     skip TLS verification (k6 trusts the system roots only; a cluster CA that
-//                       is not in them needs this, or the CA added to the system trust store)
+//   SSL_CERT_FILE       (read by k6 itself, a Go program) the CA bundle to trust instead of the
+//                       system roots: the cluster's CA, the proxy's CA, or both in one file
+//   KUBE_INSECURE=1     skip TLS verification (not for published measurements: use SSL_CERT_FILE)
 //   NAMESPACE           namespace of the objects (default: loadtest)
 //   P99_MS              p99 threshold in milliseconds for the script's main request (per script default)
 

@@ -46,7 +46,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{/* The cached resources grouped by API group: {"": [pods, ...], "apps": [...]}. */}}
 {{- define "kcp.resourcesByGroup" -}}
 {{- $groups := dict -}}
-{{- range .Values.cache.resources -}}
+{{- range without .Values.cache.resources "all" -}}
 {{- $parts := splitn "." 2 . -}}
 {{- $grp := default "" $parts._1 -}}
 {{- $list := list -}}

@@ -434,9 +434,25 @@ fn check_render(what: &str, docs: &[Value]) -> Config {
         "{what}: every group's discovery exactly with `all`"
     );
     if !all {
+        // Plus what the proxy follows for itself: ServiceAccounts (their tokens' lookup) and
+        // RBAC objects (decisions follow them).
+        let mut want = cached.clone();
+        if cfg.authentication.service_account_lookup {
+            want.insert((String::new(), "serviceaccounts".into()));
+        }
+        if cfg.cache.authorization_follow_rbac {
+            for r in [
+                "roles",
+                "rolebindings",
+                "clusterroles",
+                "clusterrolebindings",
+            ] {
+                want.insert(("rbac.authorization.k8s.io".into(), r.into()));
+            }
+        }
         assert_eq!(
-            g.read, cached,
-            "{what}: get/list/watch on exactly cache.resources"
+            g.read, want,
+            "{what}: get/list/watch on exactly cache.resources and what the proxy follows"
         );
     }
     // CRDs are read only when custom resources are cached (then they are in cache.resources).

@@ -391,6 +391,11 @@ pub struct CacheConfig {
     /// Interval of BOOKMARK events to watchers that allow them (kube-apiserver: ~1 minute).
     #[serde(with = "duration")]
     pub bookmark_interval: Duration,
+    /// Interval of BOOKMARK events to watchers with a field-level change filter (the opt-in
+    /// `X-Kube-Cache-Proxy-Watch-Fields` header): their resourceVersion keeps advancing while
+    /// events are suppressed, so a resume never starts far behind.
+    #[serde(with = "duration")]
+    pub filtered_bookmark_interval: Duration,
     /// Items per page of the proxy's own upstream LISTs when `paging.adaptUpstream` is off.
     pub upstream_page_size: u32,
     /// A cached decision that a caller may read something lasts this long (kube-apiserver's
@@ -435,6 +440,7 @@ impl Default for CacheConfig {
             watcher_queue: 1024,
             dispatch_budget: Duration::from_millis(100),
             bookmark_interval: Duration::from_secs(60),
+            filtered_bookmark_interval: Duration::from_secs(5),
             upstream_page_size: 500,
             authorization_allow_ttl: Duration::from_secs(300),
             authorization_deny_ttl: Duration::from_secs(30),

@@ -143,6 +143,7 @@ pub fn build_state(
     let tenancy = Arc::new(crate::tenancy::Tenancy::new(&config.tenants));
     let watch = crate::read::watch::WatchConfig {
         bookmark_interval: c.bookmark_interval,
+        filtered_bookmark_interval: c.filtered_bookmark_interval,
         ..Default::default()
     };
     let l = &config.lists;

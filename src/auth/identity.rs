@@ -154,6 +154,8 @@ pub fn upstream_headers(
     let mut h = inbound.clone();
     strip_hop_by_hop(&mut h);
     h.remove(header::HOST);
+    // The proxy's own extension (a watch's field filter): never the apiserver's business.
+    h.remove(crate::k8s::watch_fields::HEADER);
     match caller {
         Caller::Bearer(token) => {
             h.insert(header::AUTHORIZATION, token.clone());

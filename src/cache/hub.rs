@@ -17,6 +17,7 @@ use dashmap::DashMap;
 use crate::cache::CachedObject;
 use crate::cache::event::{Delivery, Event};
 use crate::k8s::selector::{FieldSelector, LabelSelector};
+use crate::k8s::watch_fields::WatchFields;
 
 /// What a watcher wants to see.
 #[derive(Debug, Clone, Default)]
@@ -27,6 +28,40 @@ pub struct Filter {
     pub fields: FieldSelector,
     /// Only these namespaces (a tenant's filtered cluster view); `None` for all.
     pub namespaces: Option<Arc<std::collections::BTreeSet<String>>>,
+    /// The opt-in field-level change filter (`k8s::watch_fields`): a MODIFIED event that
+    /// changes none of its fields is not delivered. Selection is unaffected.
+    pub changes: Option<Arc<WatchFields>>,
+}
+
+/// The change decisions of one event, shared by every watcher with the same change filter
+/// (one decision per event per distinct filter; the objects are parsed at most once per
+/// event, and only when a watcher has a change filter).
+#[derive(Default)]
+pub struct ChangeMemo {
+    decided: Vec<(u64, bool)>,
+    /// The previous and the new object, parsed (`None`: unreadable, delivered).
+    parsed: Option<Option<(serde_json::Value, serde_json::Value)>>,
+}
+
+impl ChangeMemo {
+    fn changed(&mut self, f: &WatchFields, e: &Event) -> bool {
+        if let Some((_, c)) = self.decided.iter().find(|(id, _)| *id == f.id()) {
+            return *c;
+        }
+        let parsed = self.parsed.get_or_insert_with(|| {
+            let prev = e.prev.as_deref()?;
+            Some((
+                serde_json::from_slice(&prev.body).ok()?,
+                serde_json::from_slice(&e.object.body).ok()?,
+            ))
+        });
+        let c = match parsed {
+            Some((old, new)) => f.changed(old, new),
+            None => true,
+        };
+        self.decided.push((f.id(), c));
+        c
+    }
 }
 
 impl Filter {
@@ -44,7 +79,26 @@ impl Filter {
         self.labels.matches(|k| o.label(k)) && self.fields.matches(|f| o.field(f))
     }
 
-    /// How an event is seen through this filter, if at all (cacher `convertToWatchEvent`).
+    /// [`Filter::delivery`], then the change filter: a MODIFIED event delivered as it
+    /// happened is dropped when it changes none of the selected fields (`memo` shares the
+    /// decision between watchers with the same filter).
+    pub fn delivery_of_changes(&self, e: &Event, memo: &mut ChangeMemo) -> Option<Delivery> {
+        let d = self.delivery(e)?;
+        self.passes_changes(e, d, memo).then_some(d)
+    }
+
+    /// Whether delivery `d` of `e` passes the change filter (always, without one).
+    fn passes_changes(&self, e: &Event, d: Delivery, memo: &mut ChangeMemo) -> bool {
+        match &self.changes {
+            Some(f) if e.kind == crate::cache::EventKind::Modified && d == Delivery::AsIs => {
+                memo.changed(f, e)
+            }
+            _ => true,
+        }
+    }
+
+    /// How an event is seen through this filter's selection, if at all (cacher
+    /// `convertToWatchEvent`).
     pub fn delivery(&self, e: &Event) -> Option<Delivery> {
         use crate::cache::EventKind::*;
         let cur = e.kind != Deleted && self.matches(&e.object);
@@ -294,6 +348,10 @@ pub struct HubStats {
     pub events_sent: AtomicU64,
     pub closed_slow: AtomicU64,
     pub closed_relist: AtomicU64,
+    /// MODIFIED deliveries to watchers with a change filter: delivered, and suppressed
+    /// because they changed none of the watcher's fields.
+    pub changes_delivered: AtomicU64,
+    pub changes_suppressed: AtomicU64,
 }
 
 pub struct Hub {
@@ -306,6 +364,8 @@ pub struct Hub {
     /// Watchers in index buckets; when 0, events skip the index lookups.
     indexed: std::sync::atomic::AtomicUsize,
     count: std::sync::atomic::AtomicUsize,
+    /// Watchers with a change filter.
+    filtered: std::sync::atomic::AtomicUsize,
     /// The resourceVersion up to which every event has been queued to every watcher.
     dispatched: AtomicU64,
     next_id: AtomicU64,
@@ -346,6 +406,7 @@ impl Hub {
             buckets: DashMap::new(),
             indexed: Default::default(),
             count: Default::default(),
+            filtered: Default::default(),
             dispatched: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             queue_len: queue_len.max(1),
@@ -358,10 +419,20 @@ impl Hub {
         self.count.load(Ordering::Relaxed)
     }
 
+    /// Watchers with a change filter.
+    pub fn filtered(&self) -> usize {
+        self.filtered.load(Ordering::Relaxed)
+    }
+
     fn remove(&self, bucket: &str, id: u64) {
         let mut removed = false;
-        if let Some(b) = self.buckets.get(bucket) {
-            removed = b.remove(&id).is_some();
+        if let Some(b) = self.buckets.get(bucket)
+            && let Some((_, e)) = b.remove(&id)
+        {
+            removed = true;
+            if e.filter.changes.is_some() {
+                self.filtered.fetch_sub(1, Ordering::Relaxed);
+            }
         }
         if removed {
             self.count.fetch_sub(1, Ordering::Relaxed);
@@ -394,6 +465,9 @@ impl Hub {
         let all = filter.labels.is_everything()
             && filter.fields.is_everything()
             && filter.namespaces.is_none();
+        if filter.changes.is_some() {
+            self.filtered.fetch_add(1, Ordering::Relaxed);
+        }
         let bucket: Box<str> = match filter.fields.exact_value(INDEXED_FIELD) {
             Some(v) => {
                 self.indexed.fetch_add(1, Ordering::Relaxed);
@@ -419,6 +493,8 @@ impl Hub {
         let mut n = 0;
         for b in self.buckets.iter() {
             n += b.len();
+            let filtered = b.iter().filter(|e| e.filter.changes.is_some()).count();
+            self.filtered.fetch_sub(filtered, Ordering::Relaxed);
             if b.key().starts_with(INDEX_PREFIX) {
                 self.indexed.fetch_sub(b.len(), Ordering::Relaxed);
             }
@@ -460,6 +536,8 @@ impl Hub {
             .flatten()
             .chain(index_keys.iter().flatten().map(String::as_str));
         let for_all = Filter::default().delivery(&ev);
+        let mut memo = ChangeMemo::default();
+        let (mut changes_delivered, mut changes_suppressed) = (0u64, 0u64);
         for scope in scopes {
             let Some(bucket) = self.buckets.get(scope) else {
                 continue;
@@ -473,6 +551,14 @@ impl Hub {
                 let Some(d) = d else {
                     continue;
                 };
+                // Only watchers with a change filter pay for it.
+                if w.filter.changes.is_some() && ev.kind == crate::cache::EventKind::Modified {
+                    if !w.filter.passes_changes(&ev, d, &mut memo) {
+                        changes_suppressed += 1;
+                        continue;
+                    }
+                    changes_delivered += 1;
+                }
                 match w.tx.try_send((ev.clone(), d)) {
                     Ok(()) => sent += 1,
                     Err(TrySendError::Full(_)) => blocked.push((scope, *w.key(), w.tx.clone(), d)),
@@ -498,6 +584,13 @@ impl Hub {
             self.remove(scope, id);
         }
         self.stats.events_sent.fetch_add(sent, Ordering::Relaxed);
+        if changes_delivered + changes_suppressed > 0 {
+            let st = &self.stats;
+            st.changes_delivered
+                .fetch_add(changes_delivered, Ordering::Relaxed);
+            st.changes_suppressed
+                .fetch_add(changes_suppressed, Ordering::Relaxed);
+        }
         self.dispatched.fetch_max(ev.rv, Ordering::AcqRel);
     }
 }
@@ -545,6 +638,66 @@ mod tests {
         assert_eq!(hub.dispatched_rv(), 3);
         drop(a);
         assert_eq!(hub.len(), 2);
+    }
+
+    #[tokio::test]
+    async fn a_change_filter_drops_modifications_of_other_fields_once_per_filter() {
+        let cm = |rv: u64, data: &str, note: &str| {
+            let raw = format!(
+                r#"{{"metadata":{{"name":"x","namespace":"a","resourceVersion":"{rv}","annotations":{{"n":"{note}"}}}},"data":{{"v":"{data}"}}}}"#
+            );
+            Arc::new(
+                CachedObject::parse(
+                    Bytes::from(raw),
+                    &Resource::core("configmaps", "ConfigMap", true),
+                )
+                .unwrap(),
+            )
+        };
+        let modified = |prev: &Arc<CachedObject>, next: &Arc<CachedObject>, rv| {
+            let mut e = Event::new(EventKind::Modified, next.clone(), Some(prev.clone()));
+            e.rv = rv;
+            Arc::new(e)
+        };
+        let on_data = |ns: Option<&str>| {
+            let mut f = (*filter(ns)).clone();
+            f.changes = Some(Arc::new(WatchFields::parse("data").unwrap()));
+            Arc::new(f)
+        };
+        let hub = Hub::new(16, Duration::from_millis(10));
+        let mut plain = hub.subscribe(filter(None));
+        let mut data = hub.subscribe(on_data(None));
+        let mut data_ns = hub.subscribe(on_data(Some("a")));
+        assert_eq!(hub.filtered(), 2);
+        let (v1, v2, v3) = (cm(1, "0", "a"), cm(2, "0", "b"), cm(3, "1", "b"));
+        hub.dispatch(modified(&v1, &v2, 2)).await; // an annotation only
+        hub.dispatch(modified(&v2, &v3, 3)).await; // the data
+        let rvs = |w: &mut Subscription| {
+            std::iter::from_fn(|| w.rx.try_recv().ok().map(|(e, _)| e.rv)).collect::<Vec<_>>()
+        };
+        assert_eq!(rvs(&mut plain), [2, 3]);
+        assert_eq!(rvs(&mut data), [3]);
+        assert_eq!(rvs(&mut data_ns), [3]);
+        let st = &hub.stats;
+        assert_eq!(st.changes_suppressed.load(Ordering::Relaxed), 2);
+        assert_eq!(st.changes_delivered.load(Ordering::Relaxed), 2);
+        // Added and deleted events always pass; the decision is made once per filter.
+        let mut memo = ChangeMemo::default();
+        let e = modified(&v1, &v2, 2);
+        for f in [on_data(None), on_data(Some("a"))] {
+            assert_eq!(f.delivery_of_changes(&e, &mut memo), None);
+        }
+        assert_eq!(memo.decided.len(), 1);
+        let added = Arc::new(Event::new(EventKind::Added, v3.clone(), None));
+        assert!(
+            on_data(None)
+                .delivery_of_changes(&added, &mut memo)
+                .is_some()
+        );
+        drop(data);
+        assert_eq!(hub.filtered(), 1);
+        hub.close_all(CloseReason::Relist);
+        assert_eq!(hub.filtered(), 0);
     }
 
     #[tokio::test]

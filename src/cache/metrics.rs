@@ -24,6 +24,12 @@ struct ReasonLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    resource: String,
+    result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ServedByLabels {
     resource: String,
     served_by: String,
@@ -47,6 +53,8 @@ impl Collector for CacheCollector {
         let rejections = Family::<ReasonLabels, Counter>::default();
         let snapshots = Family::<ResourceLabels, Gauge>::default();
         let snapshot_bytes = Family::<ResourceLabels, Gauge>::default();
+        let field_filtered = Family::<ResultLabels, Counter>::default();
+        let filtered_watchers = Family::<ResourceLabels, Gauge>::default();
         for e in self.0.entries() {
             let resource = e.cache.resource.label();
             let l = ResourceLabels {
@@ -96,6 +104,21 @@ impl Collector for CacheCollector {
                     })
                     .inc_by(n);
             }
+            let hs = &e.cache.hub.stats;
+            for (result, n) in [
+                ("delivered", hs.changes_delivered.load(Relaxed)),
+                ("suppressed", hs.changes_suppressed.load(Relaxed)),
+            ] {
+                field_filtered
+                    .get_or_create(&ResultLabels {
+                        resource: resource.clone(),
+                        result: result.into(),
+                    })
+                    .inc_by(n);
+            }
+            filtered_watchers
+                .get_or_create(&l)
+                .set(e.cache.hub.filtered() as i64);
             snapshots
                 .get_or_create(&l)
                 .set(e.cache.retained_snapshots().0 as i64);
@@ -137,6 +160,18 @@ impl Collector for CacheCollector {
             "kube_cache_proxy_watch_events_sent",
             "Events queued to downstream watchers",
             &events_sent,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_watch_field_filter_events",
+            "MODIFIED events offered to watchers with a field-level change filter: delivered, or suppressed (none of their fields changed)",
+            &field_filtered,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_watch_field_filter_watchers",
+            "Downstream watchers with a field-level change filter",
+            &filtered_watchers,
         )?;
         emit(
             &mut enc,

@@ -500,8 +500,9 @@ impl ResourceCache {
                     .history
                     .range(from..)
                     .filter_map(|e| {
+                        // A resumed watch skips what its change filter suppressed before.
                         filter
-                            .delivery(e)
+                            .delivery_of_changes(e, &mut Default::default())
                             .map(|d| (e.object.clone(), Some(e.clone()), d))
                     })
                     .collect();

@@ -866,6 +866,7 @@ mod tests {
                     ).unwrap(),
                     fields: FieldSelector::default(),
                     namespaces: None,
+                    changes: None,
                 };
                 let expected: Vec<String> = {
                     let snap = cache.current();
@@ -959,6 +960,7 @@ mod tests {
                     labels: LabelSelector::default(),
                     fields: FieldSelector::default(),
                     namespaces: None,
+                    changes: None,
                 };
                 let Ok(r) = list(
                     &cache,

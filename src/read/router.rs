@@ -309,6 +309,7 @@ fn filter_for(
         labels,
         fields,
         namespaces: None,
+        changes: None,
     })
 }
 

@@ -31,6 +31,9 @@ use crate::read::{Served, delegate};
 pub struct WatchConfig {
     /// Periodic bookmarks for watchers that allow them (kube-apiserver: about a minute).
     pub bookmark_interval: Duration,
+    /// ...and for watchers with a field-level change filter, whose suppressed events
+    /// would otherwise leave their resourceVersion behind (`cache.filteredBookmarkInterval`).
+    pub filtered_bookmark_interval: Duration,
     /// Without `timeoutSeconds`, a watch lasts a random time in [t, 2t) (kube-apiserver's
     /// `--min-request-timeout`, 1800 s), so reconnects spread out.
     pub default_timeout: Duration,
@@ -42,6 +45,7 @@ impl Default for WatchConfig {
     fn default() -> Self {
         WatchConfig {
             bookmark_interval: Duration::from_secs(60),
+            filtered_bookmark_interval: Duration::from_secs(5),
             default_timeout: Duration::from_secs(1800),
             wait_for_rv: Duration::from_secs(3),
         }
@@ -65,6 +69,11 @@ pub async fn serve(
     {
         return delegate("resourceVersion not reached");
     }
+    let bookmark_interval = if filter.changes.is_some() {
+        cfg.bookmark_interval.min(cfg.filtered_bookmark_interval)
+    } else {
+        cfg.bookmark_interval
+    };
     let filter = Arc::new(filter);
     let reg = match cache.watch(start, filter) {
         Ok(r) => r,
@@ -95,7 +104,7 @@ pub async fn serve(
     let initial_is_state = start == Start::Initial;
     let deadline_bookmark = (params.allow_bookmarks && timeout > Duration::from_secs(2))
         .then(|| deadline - Duration::from_secs(2));
-    let next_bookmark = Instant::now() + cfg.bookmark_interval;
+    let next_bookmark = Instant::now() + bookmark_interval;
     let st = WatchState {
         cache,
         enc,
@@ -109,7 +118,7 @@ pub async fn serve(
         sub: reg.sub,
         bookmarks: params.allow_bookmarks,
         next_bookmark,
-        bookmark_interval: cfg.bookmark_interval,
+        bookmark_interval,
         // The apiserver sends a last bookmark about 2 s before the deadline (when the watch
         // is long enough for that to make sense).
         deadline_bookmark,

@@ -19,6 +19,7 @@ use crate::http::body::{self, Body};
 use crate::http::drain::Tracked;
 use crate::k8s::request_info::{self, RequestInfo};
 use crate::k8s::status::{Reason, Status};
+use crate::k8s::watch_fields::{self, WatchFields};
 use crate::metrics::{DurationLabels, KindLabels, Metrics, RequestLabels};
 use crate::read::plan::{ReadAt, Rv};
 use crate::read::router::{self, Route};
@@ -67,6 +68,7 @@ async fn serve_from_cache(
     req: &Request<Incoming>,
     info: &RequestInfo,
     query: Option<&str>,
+    watch_fields: Option<Arc<WatchFields>>,
 ) -> Served {
     let route = router::route(req.method(), info, query, req.headers(), |g, v, r| {
         state.caches.get(g, v, r)
@@ -101,6 +103,7 @@ async fn serve_from_cache(
                     .await?;
             }
             filter.namespaces = view.clone();
+            filter.changes = watch_fields;
             let resp = crate::read::watch::serve(
                 cache,
                 params,
@@ -570,6 +573,24 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
     // (`serve::admin`).
 
     let info = RequestInfo::parse(&method, &decoded, query.as_deref());
+    // The opt-in field-level change filter of a watch (`k8s::watch_fields`): validated for
+    // every watch, applied by the cache; a watch the apiserver answers is told it is not.
+    let watch_fields = match req.headers().get(watch_fields::HEADER) {
+        Some(v) if info.verb == "watch" => {
+            match v
+                .to_str()
+                .map_err(|_| format!("{}: not ASCII", watch_fields::HEADER))
+                .and_then(WatchFields::parse)
+            {
+                Ok(f) => Some(Arc::new(f)),
+                Err(e) => {
+                    state.metrics.reject("watch_fields");
+                    return refuse(Status::bad_request(e));
+                }
+            }
+        }
+        _ => None,
+    };
     let upgrade = crate::auth::identity::upgrade_protocol(req.headers()).is_some();
     let long_running = info.is_long_running(query.as_deref(), upgrade);
     let verb = info.metrics_verb(&method, content_type.as_deref(), upgrade);
@@ -616,6 +637,7 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
             &req,
             &info,
             query.as_deref(),
+            watch_fields.clone(),
         ))
         .await
         {
@@ -647,6 +669,17 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
     let mut resp = resp;
     if served_by != "upstream" {
         stamp_apiserver_headers(audit_id.as_ref(), resp.headers_mut());
+    }
+    if watch_fields.is_some() && resp.status().is_success() {
+        let applied = if served_by == "cache" {
+            "applied"
+        } else {
+            "unfiltered"
+        };
+        resp.headers_mut().insert(
+            watch_fields::APPLIED_HEADER,
+            http::HeaderValue::from_static(applied),
+        );
     }
     let code = resp.status();
     state

@@ -39,12 +39,16 @@ async fn kube_config(yaml: &str) -> kube::Config {
 }
 
 async fn env(ns: &str) -> Env {
+    env_with(ns, |_| {}).await
+}
+
+async fn env_with(ns: &str, configure: impl FnOnce(&mut kube_cache_proxy::config::Config)) -> Env {
     let cp = ControlPlane::start(ControlPlaneOptions::default())
         .await
         .expect("control plane starts");
     cp.create_default_service_account(ns).await.unwrap();
     let upstream = kube_config(&cp.admin_kubeconfig_yaml()).await;
-    let proxy = TestProxy::start_with_kube(upstream.clone(), |_| {}).await;
+    let proxy = TestProxy::start_with_kube(upstream.clone(), configure).await;
     let admin = kube::Client::try_from(upstream).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let proxy_kubeconfig = dir.path().join("proxy.kubeconfig");
@@ -229,6 +233,30 @@ impl InformerCheck {
                 )
             })
             .collect()
+    }
+
+    /// The handlers' calls so far: (adds, updates, deletes).
+    fn counts(&mut self) -> (u64, u64, u64) {
+        writeln!(self.stdin.as_mut().unwrap(), "COUNTS").unwrap();
+        let l = self.next("COUNTS ");
+        let n: Vec<u64> = l["COUNTS ".len()..]
+            .split(' ')
+            .map(|x| x.parse().unwrap())
+            .collect();
+        (n[0], n[1], n[2])
+    }
+
+    /// Waits until the informer's LastSyncResourceVersion reaches `rv` (events or bookmarks).
+    fn wait_rv(&mut self, rv: u64) -> u64 {
+        writeln!(self.stdin.as_mut().unwrap(), "WAITRV {rv}").unwrap();
+        self.next("RV ")["RV ".len()..].parse().unwrap()
+    }
+
+    /// Waits like [`InformerCheck::wait`]; the cache's entries as the program printed them.
+    fn wait_entries(&mut self, rv: u64) -> Vec<serde_json::Value> {
+        writeln!(self.stdin.as_mut().unwrap(), "WAIT {rv}").unwrap();
+        let cache = self.next("CACHE ");
+        serde_json::from_str(&cache["CACHE ".len()..]).unwrap()
     }
 
     /// Ends the program (it must exit 0); its stderr lines.
@@ -928,6 +956,126 @@ async fn kubectl_get_prints_the_same_tables_through_the_proxy() {
         normalise(&lines[0]),
         "kubectl get -w through the proxy (left) and direct (right)"
     );
+    env.proxy.shutdown().await;
+    env.cp.stop().await;
+}
+
+/// The opt-in field-level change filter with real client-go informers (a transport wrapper
+/// adds `X-Kube-Cache-Proxy-Watch-Fields`): a ConfigMap gets annotation-only "heartbeats" and
+/// a few `data` changes. The informer filtering on `data` sees every data change and none of
+/// the heartbeats, holds the apiserver's final data, and its resourceVersion keeps advancing
+/// through bookmarks while heartbeats are suppressed; an unfiltered informer sees every
+/// event; a filtered informer whose watch the apiserver answers (protobuf, which the cache
+/// does not serve) is told so and sees every event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_go_informers_with_a_field_filter_see_only_changes_of_their_fields() {
+    let ns = "e2e-fields";
+    let env = env_with(ns, |c| {
+        c.cache.filtered_bookmark_interval = Duration::from_millis(300);
+    })
+    .await;
+    let api = Api::<ConfigMap>::namespaced(env.admin.clone(), ns);
+    let cm: ConfigMap =
+        serde_json::from_value(json!({"metadata": {"name": "target"}, "data": {"v": "0"}}))
+            .unwrap();
+    api.create(&PostParams::default(), &cm).await.unwrap();
+    let (truth, _) = env.truth(ns).await;
+    let bin = tokio::task::spawn_blocking(kube_cache_proxy::app::dev::ensure_client_binaries)
+        .await
+        .unwrap()
+        .unwrap();
+    let spawn = |args: &[&str]| InformerCheck::spawn(&bin, &env.proxy_kubeconfig, ns, args);
+    let mut filtered = spawn(&["--accept", "json", "--watch-fields", "data"]);
+    let mut unfiltered = spawn(&["--accept", "json"]);
+    let mut client_accept = spawn(&["--watch-fields", "data"]);
+    for ic in [&filtered, &unfiltered, &client_accept] {
+        ic.next("SYNCED");
+    }
+    // 24 updates: a data change every 6th (the last one too), annotation-only otherwise.
+    let (mut last, mut data_changes) = (0, 0);
+    for i in 0..24 {
+        let p = if i % 6 == 5 {
+            data_changes += 1;
+            json!({"data": {"v": data_changes.to_string()}})
+        } else {
+            json!({"metadata": {"annotations": {"heartbeat": i.to_string()}}})
+        };
+        last = rv(&api
+            .patch("target", &PatchParams::default(), &Patch::Merge(&p))
+            .await
+            .unwrap());
+    }
+    let adds = truth.len() as u64;
+    let final_data = api.get("target").await.unwrap().data.unwrap();
+    let seen = filtered.wait_entries(last);
+    assert_eq!(
+        seen[0]["data"],
+        json!(final_data),
+        "the filtered informer holds the apiserver's data"
+    );
+    assert_eq!(filtered.counts(), (adds, data_changes, 0));
+    unfiltered.wait(last);
+    assert_eq!(unfiltered.counts(), (adds, 24, 0));
+    // Heartbeats only: the filtered informer gets no event, and still reaches their
+    // resourceVersion (bookmarks).
+    for i in 0..3 {
+        let p = json!({"metadata": {"annotations": {"heartbeat": format!("late-{i}")}}});
+        last = rv(&api
+            .patch("target", &PatchParams::default(), &Patch::Merge(&p))
+            .await
+            .unwrap());
+    }
+    assert!(filtered.wait_rv(last) >= last);
+    assert_eq!(filtered.counts(), (adds, data_changes, 0));
+    // With the client's own Accept: the watch's answer says whether the cache filtered it.
+    client_accept.wait(last);
+    let counts = client_accept.counts();
+    let errs = client_accept.finish();
+    let watch_accept: Vec<_> = errs
+        .iter()
+        .filter(|l| l.starts_with("REQUEST GET") && l.contains("watch=true"))
+        .collect();
+    let filter_said: Vec<_> = errs
+        .iter()
+        .filter_map(|l| l.strip_prefix("WATCHFILTER "))
+        .collect();
+    assert!(!filter_said.is_empty(), "{errs:?}");
+    let protobuf = watch_accept
+        .iter()
+        .all(|l| l.contains("accept=application/vnd.kubernetes.protobuf"));
+    if protobuf {
+        assert!(filter_said.iter().all(|v| *v == "unfiltered"), "{errs:?}");
+        assert_eq!(
+            counts,
+            (adds, 27, 0),
+            "an unfiltered watch delivers every event"
+        );
+    } else {
+        assert!(filter_said.iter().all(|v| *v == "applied"), "{errs:?}");
+        assert_eq!(counts, (adds, data_changes, 0));
+    }
+    eprintln!(
+        "field filter: filtered informer {:?}, unfiltered {:?}, client Accept (protobuf: {protobuf}) {counts:?}",
+        (adds, data_changes, 0),
+        (adds, 24, 0)
+    );
+    let errs = filtered.finish();
+    assert!(
+        errs.iter()
+            .filter_map(|l| l.strip_prefix("WATCHFILTER "))
+            .all(|v| v == "applied"),
+        "{errs:?}"
+    );
+    // Counted by the proxy.
+    let (code, text) = env.proxy.admin_get("/metrics").await;
+    assert_eq!(code, 200);
+    assert!(
+        text.lines().any(|l| l.starts_with(
+            "kube_cache_proxy_watch_field_filter_events_total{resource=\"configmaps\",result=\"suppressed\"}"
+        ) && !l.ends_with(" 0")),
+        "{text}"
+    );
+    unfiltered.finish();
     env.proxy.shutdown().await;
     env.cp.stop().await;
 }

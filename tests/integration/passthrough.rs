@@ -1010,3 +1010,61 @@ async fn upstream_redirects_are_relayed_never_followed() {
     );
     proxy.shutdown().await;
 }
+
+/// The opt-in watch field filter header (`k8s::watch_fields`): a malformed one is the proxy's
+/// 400 `Status` naming the problem, for any watch; a watch the apiserver answers is told it is
+/// unfiltered; the header never reaches the apiserver, and lists ignore it.
+#[tokio::test]
+async fn watch_field_filters_are_validated_answered_for_and_never_forwarded() {
+    let fake = FakeApiServer::start().await;
+    fake.create("/api/v1/namespaces", json!({"metadata": {"name": "ns1"}}))
+        .await;
+    // Nothing cached: the apiserver answers every watch.
+    let proxy = TestProxy::start(&fake.url(), |c| c.cache.resources = vec![]).await;
+    let c = proxy.client(None, true);
+    let ask = |path: &str, fields: &str| {
+        Request::get(proxy.https(path))
+            .header("authorization", "Bearer t")
+            .header("x-kube-cache-proxy-watch-fields", fields)
+            .body(Full::default())
+            .unwrap()
+    };
+    let rv = fake.current_rv();
+    let watch =
+        format!("/api/v1/namespaces/ns1/configmaps?watch=1&resourceVersion={rv}&timeoutSeconds=1");
+    let r = c.send(ask(&watch, "spec,-status")).await;
+    assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+    let s = body_json(r).await;
+    assert_eq!(s["kind"], "Status");
+    assert_eq!(s["reason"], "BadRequest");
+    assert!(
+        s["message"]
+            .as_str()
+            .unwrap()
+            .contains("paths are either all selected or all ignored"),
+        "{s}"
+    );
+    let r = c.send(ask(&watch, "spec")).await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert_eq!(r.headers()["x-kube-cache-proxy-watch-filter"], "unfiltered");
+    drop(body_string(r).await);
+    // A list: the header means nothing there, not even when malformed.
+    let r = c
+        .send(ask("/api/v1/namespaces/ns1/configmaps", "spec,-status"))
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    assert!(!r.headers().contains_key("x-kube-cache-proxy-watch-filter"));
+    let upstream: Vec<_> = fake
+        .requests()
+        .into_iter()
+        .filter(|r| r.path == "/api/v1/namespaces/ns1/configmaps")
+        .collect();
+    assert_eq!(upstream.len(), 2, "{upstream:?}");
+    assert!(
+        upstream
+            .iter()
+            .all(|r| !r.headers.contains_key("x-kube-cache-proxy-watch-fields")),
+        "{upstream:?}"
+    );
+    proxy.shutdown().await;
+}

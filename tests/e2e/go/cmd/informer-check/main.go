@@ -13,6 +13,10 @@
 // informer sends, so its LIST and WATCH ask for JSON PartialObjectMetadata(List) only (the
 // metadata client always puts protobuf first, which the proxy hands to the apiserver).
 //
+// --watch-fields=<spec> adds the proxy's opt-in X-Kube-Cache-Proxy-Watch-Fields header to every
+// request (a transport wrapper, as a controller would; lists ignore it), and logs the
+// X-Kube-Cache-Proxy-Watch-Filter response header of each watch to stderr as "WATCHFILTER <value>".
+//
 // client-go reads its feature gates from KUBE_FEATURE_<name> environment variables on first use;
 // this program sets KUBE_FEATURE_WatchListClient itself before any informer exists (overriding
 // the caller's environment) and reports the effective state, read back from client-go.
@@ -27,6 +31,11 @@
 //	stdout  CACHE <json>                                the cache: a JSON array sorted by namespace,
 //	                                                    name of {namespace,name,uid,resourceVersion,labels}
 //	                                                    (labels always an object)
+//	stdin   WAITRV <rv>                                 wait (60 s bound) until LastSyncResourceVersion >= rv
+//	                                                    (events or bookmarks), then
+//	stdout  RV <lastSyncResourceVersion>
+//	stdin   COUNTS                                      the handlers' calls so far:
+//	stdout  COUNTS <adds> <updates> <deletes>
 //	stdin   EOF                                         exit 0
 //
 // LastSyncResourceVersion moves when the reflector has queued an event, before the informer's
@@ -55,6 +64,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/meta"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	clientfeatures "k8s.io/client-go/features"
@@ -76,6 +86,8 @@ type entry struct {
 	UID             string            `json:"uid"`
 	ResourceVersion string            `json:"resourceVersion"`
 	Labels          map[string]string `json:"labels"`
+	// A ConfigMap's data (typed informers only).
+	Data map[string]string `json:"data,omitempty"`
 }
 
 func main() {
@@ -92,6 +104,7 @@ func run() error {
 	resource := flag.String("resource", "configmaps", "configmaps | pods")
 	watchList := flag.String("watch-list", "auto", "WatchListClient gate: auto (by mode) | true | false")
 	accept := flag.String("accept", "client", "client (the client's own Accept) | json (protobuf clauses dropped)")
+	watchFields := flag.String("watch-fields", "", "the proxy's X-Kube-Cache-Proxy-Watch-Fields header, sent with every request")
 	flag.Parse()
 	if *accept != "client" && *accept != "json" {
 		usage("--accept must be client or json")
@@ -136,6 +149,10 @@ func run() error {
 	// The informer's own traffic is what is under test; no client-side throttling.
 	cfg.QPS, cfg.Burst = 1000, 1000
 	cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper { return logRequests{rt, *accept == "json"} })
+	if *watchFields != "" {
+		// The transport wrapper a controller adds to opt in (see docs/watch-fields.md).
+		cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper { return watchFieldsHeader{rt, *watchFields} })
+	}
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
@@ -151,6 +168,7 @@ func run() error {
 	// The highest resourceVersion of an object the handlers were given: the store already
 	// holds every change up to it.
 	var handled atomic.Uint64
+	var adds, updates, deletes atomic.Uint64
 	record := func(obj interface{}) {
 		if d, ok := obj.(cache.DeletedFinalStateUnknown); ok {
 			obj = d.Obj
@@ -171,9 +189,9 @@ func run() error {
 		}
 	}
 	if _, err := informer.AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    record,
-		UpdateFunc: func(_, obj interface{}) { record(obj) },
-		DeleteFunc: record,
+		AddFunc:    func(obj interface{}) { adds.Add(1); record(obj) },
+		UpdateFunc: func(_, obj interface{}) { updates.Add(1); record(obj) },
+		DeleteFunc: func(obj interface{}) { deletes.Add(1); record(obj) },
 	}); err != nil {
 		return err
 	}
@@ -208,6 +226,18 @@ func run() error {
 				return err
 			}
 			fmt.Printf("CACHE %s\n", out)
+		case "WAITRV":
+			want, err := strconv.ParseUint(strings.TrimSpace(arg), 10, 64)
+			if err != nil {
+				return fmt.Errorf("WAITRV %q: resource version is not a number", arg)
+			}
+			last, err := waitForRV(informer, want)
+			if err != nil {
+				return err
+			}
+			fmt.Printf("RV %s\n", last)
+		case "COUNTS":
+			fmt.Printf("COUNTS %d %d %d\n", adds.Load(), updates.Load(), deletes.Load())
 		default:
 			return fmt.Errorf("unknown command %q", line)
 		}
@@ -258,6 +288,22 @@ func waitFor(informer cache.SharedIndexInformer, handled *atomic.Uint64, want ui
 	}
 }
 
+// waitForRV polls until the informer's LastSyncResourceVersion reaches want (an event or a
+// bookmark); it returns that resource version.
+func waitForRV(informer cache.SharedIndexInformer, want uint64) (string, error) {
+	deadline := time.Now().Add(waitBound)
+	for {
+		last := informer.LastSyncResourceVersion()
+		if got, err := strconv.ParseUint(last, 10, 64); err == nil && got >= want {
+			return last, nil
+		}
+		if time.Now().After(deadline) {
+			return "", fmt.Errorf("informer at resource version %q, not %d after %v", last, want, waitBound)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
 func dump(store cache.Store) ([]byte, error) {
 	items := store.List()
 	entries := make([]entry, 0, len(items))
@@ -270,13 +316,17 @@ func dump(store cache.Store) ([]byte, error) {
 		if labels == nil {
 			labels = map[string]string{}
 		}
-		entries = append(entries, entry{
+		e := entry{
 			Namespace:       m.GetNamespace(),
 			Name:            m.GetName(),
 			UID:             string(m.GetUID()),
 			ResourceVersion: m.GetResourceVersion(),
 			Labels:          labels,
-		})
+		}
+		if cm, ok := obj.(*corev1.ConfigMap); ok {
+			e.Data = cm.Data
+		}
+		entries = append(entries, e)
 	}
 	sort.Slice(entries, func(i, j int) bool {
 		if entries[i].Namespace != entries[j].Namespace {
@@ -307,4 +357,21 @@ func (l logRequests) RoundTrip(r *http.Request) (*http.Response, error) {
 	}
 	fmt.Fprintf(os.Stderr, "REQUEST %s %s accept=%s\n", r.Method, r.URL.String(), r.Header.Get("Accept"))
 	return l.next.RoundTrip(r)
+}
+
+// watchFieldsHeader adds the proxy's opt-in field-level change filter header to every request
+// and logs whether a watch was filtered.
+type watchFieldsHeader struct {
+	next   http.RoundTripper
+	fields string
+}
+
+func (w watchFieldsHeader) RoundTrip(r *http.Request) (*http.Response, error) {
+	r = r.Clone(r.Context())
+	r.Header.Set("X-Kube-Cache-Proxy-Watch-Fields", w.fields)
+	resp, err := w.next.RoundTrip(r)
+	if err == nil && r.URL.Query().Get("watch") != "" {
+		fmt.Fprintf(os.Stderr, "WATCHFILTER %s\n", resp.Header.Get("X-Kube-Cache-Proxy-Watch-Filter"))
+	}
+	return resp, err
 }

@@ -1081,6 +1081,29 @@ mod tests {
     }
 
     #[test]
+    fn the_access_log_switch_reads_on_and_off_and_sampling_is_a_fraction() {
+        for (text, want) in [
+            ("on", true),
+            ("off", false),
+            ("true", true),
+            ("false", false),
+        ] {
+            let c = Config::from_yaml(&format!("log:\n  access: {text}\n")).unwrap();
+            assert_eq!(c.log.access, want, "{text}");
+        }
+        assert!(Config::from_yaml("log:\n  access: maybe\n").is_err());
+        let mut c = Config::from_yaml("log:\n  accessSampling: 0.1\n").unwrap();
+        assert_eq!(c.log.access_sampling, 0.1);
+        c.insecure_listen = Some("127.0.0.1:1".parse().unwrap());
+        c.validate().unwrap();
+        c.log.access_sampling = 1.5;
+        let ConfigError::Invalid(errs) = c.validate().unwrap_err() else {
+            panic!()
+        };
+        assert_eq!(errs[0].path, "log.accessSampling");
+    }
+
+    #[test]
     fn the_example_file_documents_exactly_the_defaults() {
         let text = include_str!("../config/kube-cache-proxy.yaml");
         assert_eq!(Config::from_yaml(text).unwrap(), Config::default());

@@ -10,6 +10,7 @@ mod authn;
 mod crd;
 mod fake_apiserver;
 mod lists;
+mod ops;
 mod paging;
 mod passthrough;
 mod reflector;

@@ -517,3 +517,97 @@ fn a_bad_config_file_is_one_line_without_a_backtrace() {
         assert_eq!(stderr.matches(first).count(), 1, "{stderr}");
     }
 }
+
+/// The binary's stderr (not a terminal): no ANSI colour codes; at `--log-level debug` the
+/// proxy's lines without hyper's, h2's or rustls' internals, which `RUST_LOG=debug` (the
+/// control) does bring.
+#[tokio::test]
+async fn the_binary_logs_without_colours_and_without_library_debug_noise() {
+    use std::io::BufRead;
+    let fake = FakeApiServer::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("upstream.kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\n\
+             users:\n- name: proxy\n  user:\n    token: proxy-token\ncontexts:\n- name: fake\n  \
+             context:\n    cluster: fake\n    user: proxy\ncurrent-context: fake\n",
+            fake.url()
+        ),
+    )
+    .unwrap();
+    let library = |l: &Value| {
+        let t = l["target"].as_str().unwrap_or("");
+        ["hyper", "hyper_util", "h2", "rustls", "tower"]
+            .iter()
+            .any(|k| t == *k || t.starts_with(&format!("{k}::")))
+            && l["level"] == "DEBUG"
+    };
+    for rust_log in [None, Some("debug")] {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kube-cache-proxy"));
+        cmd.args(["serve", "--log-level", "debug", "--log-format", "json"])
+            .arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .args([
+                "--insecure-listen",
+                "127.0.0.1:0",
+                "--admin-listen",
+                "127.0.0.1:0",
+            ])
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .env_remove("RUST_LOG")
+            .stderr(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::null());
+        if let Some(v) = rust_log {
+            cmd.env("RUST_LOG", v);
+        }
+        let mut child = cmd.spawn().unwrap();
+        let stderr = child.stderr.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stderr)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let mut lines: Vec<String> = Vec::new();
+        // Until the proxy has talked to the apiserver (a cache synced) and, for the control,
+        // until hyper's debug lines show.
+        let done = |lines: &[String]| {
+            let parsed: Vec<Value> = lines
+                .iter()
+                .filter_map(|l| serde_json::from_str(l).ok())
+                .collect();
+            let synced = parsed.iter().any(|l| l["message"] == "cache synced");
+            let noisy = parsed.iter().any(library);
+            synced && (rust_log.is_none() || noisy)
+        };
+        let rx = Arc::new(Mutex::new(rx));
+        eventually("the proxy's start-up lines", BOUND, async || {
+            while let Ok(l) = rx.lock().try_recv() {
+                lines.push(l);
+            }
+            ok_if(done(&lines), lines.len())
+        })
+        .await;
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let all = lines.join("\n");
+        assert!(!all.contains('\u{1b}'), "ANSI codes on a pipe:\n{all}");
+        let parsed: Vec<Value> = lines
+            .iter()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|_| panic!("not JSON: {l}")))
+            .collect();
+        let noisy = parsed.iter().filter(|l| library(l)).count();
+        match rust_log {
+            None => assert_eq!(noisy, 0, "{all}"),
+            Some(_) => assert!(noisy > 0, "the control shows library lines"),
+        }
+        assert!(parsed.iter().any(|l| l["message"] == "starting"), "{all}");
+    }
+}

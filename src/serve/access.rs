@@ -8,7 +8,8 @@
 //! `namespace`, `path` (with the query), `code`, `served_by` (`cache`; `apiserver`: passed
 //! through, including the 503 when the apiserver could not be reached; `proxy`: a refusal the
 //! proxy wrote: 400, 401, 403, 429, ...), `bytes` (response body bytes sent, counted to the
-//! end of the stream), `latency_ms` (to the end of the body), `user_agent`, `audit_id`,
+//! end of the stream; an upgraded exec/attach/port-forward stream's bytes are not the
+//! response body and are not counted), `latency_ms` (to the end of the body), `user_agent`, `audit_id`,
 //! `peer`. Credentials never appear: no header but `User-Agent` and `Audit-Id` is read.
 //!
 //! `log.access: off` (`--log-access off`) turns it off; `log.accessSampling` (0 to 1) writes

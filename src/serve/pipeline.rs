@@ -731,7 +731,12 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         .clone();
     let (parts, b) = resp.into_parts();
     let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let b = crate::http::drain::Counted::new(b, sent.clone());
+    // Counted only for a request the access log writes.
+    let b = if access.is_some() {
+        body::boxed(crate::http::drain::Counted::new(b, sent.clone()))
+    } else {
+        b
+    };
     let b = Tracked::new(b, start, move |start| {
         hist.observe(start.elapsed().as_secs_f64());
         if let Some(p) = &paging {

@@ -37,9 +37,13 @@ pub struct Entry {
     pub audit_id: String,
 }
 
-/// Whether this request gets an access-log line (`log.access`, `log.accessSampling`).
+/// Whether this request gets an access-log line (`log.access`, `log.accessSampling`, and a
+/// log filter that lets info lines of `kube_cache_proxy::access` through: at `--log-level
+/// warn` nothing of the line is collected).
 pub fn sampled(cfg: &crate::config::LogConfig) -> bool {
-    cfg.access && (cfg.access_sampling >= 1.0 || fastrand::f64() < cfg.access_sampling)
+    cfg.access
+        && (cfg.access_sampling >= 1.0 || fastrand::f64() < cfg.access_sampling)
+        && tracing::enabled!(target: "kube_cache_proxy::access", tracing::Level::INFO)
 }
 
 /// A header's value as text, `-` when absent or not text.

@@ -11,6 +11,10 @@
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY . .
+# The source revision in kube_cache_proxy_build_info: `--build-arg
+# KUBE_CACHE_PROXY_REVISION=$(git rev-parse HEAD)` when the context has no .git (build.rs
+# asks git otherwise, and says `unknown` without either).
+ARG KUBE_CACHE_PROXY_REVISION=
 # BuildKit cache mounts keep the registry and the target directory between builds; the
 # binary is copied out of the cached target directory before the mount goes away.
 RUN --mount=type=cache,target=/usr/local/cargo/registry \

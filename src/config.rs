@@ -768,8 +768,17 @@ pub enum LogFormat {
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct LogConfig {
     /// A tracing filter: `info`, `debug`, or per-module `kube_cache_proxy=debug,hyper=info`.
+    /// The HTTP and TLS libraries (rustls, h2, hyper, tower) stay at `info` unless the
+    /// filter names them; `RUST_LOG`, when set, replaces this filter.
     pub level: String,
     pub format: LogFormat,
+    /// One line per request on the API port at info level (target
+    /// `kube_cache_proxy::access`), when the response ends: `on` (default) or `off`.
+    /// Operators expect a request log; sampling bounds its volume.
+    #[serde(deserialize_with = "on_off")]
+    pub access: bool,
+    /// The fraction of requests the access log writes, 0 to 1 (default 1: every request).
+    pub access_sampling: f64,
 }
 
 impl Default for LogConfig {
@@ -777,7 +786,32 @@ impl Default for LogConfig {
         LogConfig {
             level: "info".into(),
             format: LogFormat::Text,
+            access: true,
+            access_sampling: 1.0,
         }
+    }
+}
+
+/// `on`/`off` (also `true`/`false`: YAML 1.1 readers turn `on` into a boolean).
+fn on_off<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum OnOff {
+        Bool(bool),
+        Text(String),
+    }
+    match OnOff::deserialize(d)? {
+        OnOff::Bool(b) => Ok(b),
+        OnOff::Text(t) => parse_on_off(&t).map_err(serde::de::Error::custom),
+    }
+}
+
+/// Parses `on`/`off`/`true`/`false` (the `--log-access` flag, `log.access`).
+pub fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s {
+        "on" | "true" => Ok(true),
+        "off" | "false" => Ok(false),
+        _ => Err(format!("expected on or off, got {s:?}")),
     }
 }
 
@@ -1115,6 +1149,9 @@ impl Config {
         // Checks that need other modules' parsers (label selectors, continue-token keys): the
         // caller supplies them, so this module stays a leaf (see `crate::app::start::validate`).
         checks(self, &mut err);
+        if !(0.0..=1.0).contains(&self.log.access_sampling) {
+            err("log.accessSampling", "must be between 0 and 1".into());
+        }
         if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
             err("log.level", format!("invalid filter: {e}"));
         }
@@ -1153,6 +1190,29 @@ mod tests {
             Config::from_yaml("# only a comment\n").unwrap(),
             Config::default()
         );
+    }
+
+    #[test]
+    fn the_access_log_switch_reads_on_and_off_and_sampling_is_a_fraction() {
+        for (text, want) in [
+            ("on", true),
+            ("off", false),
+            ("true", true),
+            ("false", false),
+        ] {
+            let c = Config::from_yaml(&format!("log:\n  access: {text}\n")).unwrap();
+            assert_eq!(c.log.access, want, "{text}");
+        }
+        assert!(Config::from_yaml("log:\n  access: maybe\n").is_err());
+        let mut c = Config::from_yaml("log:\n  accessSampling: 0.1\n").unwrap();
+        assert_eq!(c.log.access_sampling, 0.1);
+        c.insecure_listen = Some("127.0.0.1:1".parse().unwrap());
+        c.validate().unwrap();
+        c.log.access_sampling = 1.5;
+        let ConfigError::Invalid(errs) = c.validate().unwrap_err() else {
+            panic!()
+        };
+        assert_eq!(errs[0].path, "log.accessSampling");
     }
 
     #[test]

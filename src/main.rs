@@ -4,8 +4,21 @@ use clap::Parser;
 use kube_cache_proxy::app::cli::{self, Cli, Command};
 
 #[tokio::main]
-async fn main() -> anyhow::Result<()> {
+async fn main() {
     let cli = Cli::parse();
+    if let Err(e) = run(cli).await {
+        // One line: the error and its causes, each once (no Debug dump, no backtrace: these
+        // are configuration and environment errors, not bugs).
+        let chain: Vec<&(dyn std::error::Error + 'static)> = e.chain().collect();
+        eprintln!(
+            "error: {}",
+            kube_cache_proxy::upstream::error_chain(chain[0])
+        );
+        std::process::exit(1);
+    }
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::CheckConfig(args) => {
             let errs = cli::check_config(&args).await;
@@ -25,7 +38,10 @@ async fn main() -> anyhow::Result<()> {
             let cfg = match args.resolve() {
                 Ok(c) => c,
                 Err(e) => {
-                    eprintln!("invalid configuration: {e}");
+                    eprintln!(
+                        "invalid configuration: {}",
+                        kube_cache_proxy::upstream::error_chain(&e)
+                    );
                     std::process::exit(1);
                 }
             };

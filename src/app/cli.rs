@@ -98,6 +98,12 @@ pub struct ServeArgs {
     pub log_level: Option<String>,
     #[arg(long, env = "KCP_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
+    /// The access log, one line per request at info level: on or off (default on).
+    #[arg(long, env = "KCP_LOG_ACCESS", value_parser = crate::config::parse_on_off)]
+    pub log_access: Option<bool>,
+    /// The fraction of requests the access log writes, 0 to 1 (default 1).
+    #[arg(long, env = "KCP_LOG_ACCESS_SAMPLING")]
+    pub log_access_sampling: Option<f64>,
 }
 
 #[cfg(feature = "dev")]
@@ -165,21 +171,72 @@ impl ServeArgs {
         if let Some(v) = self.log_format {
             cfg.log.format = v;
         }
+        if let Some(v) = self.log_access {
+            cfg.log.access = v;
+        }
+        if let Some(v) = self.log_access_sampling {
+            cfg.log.access_sampling = v;
+        }
         Ok(cfg)
     }
 }
 
-/// Sets up tracing once per process.
+/// Sets up tracing once per process: to stderr, `RUST_LOG` if set, else `level` (see
+/// [`log_filter`]); colours only when stderr is a terminal.
 pub fn init_logging(level: &str, format: LogFormat) {
-    let filter = tracing_subscriber::EnvFilter::try_new(level)
+    use std::io::IsTerminal;
+    let env = std::env::var("RUST_LOG")
+        .ok()
+        .filter(|v| !v.trim().is_empty());
+    let filter = log_filter(env.as_deref().unwrap_or(level), env.is_some());
+    let ansi = std::io::stderr().is_terminal();
+    let _ =
+        tracing::subscriber::set_global_default(subscriber(&filter, format, ansi, std::io::stderr));
+}
+
+/// The libraries whose own debug and trace lines would drown the proxy's at
+/// `--log-level debug` (a line per frame, per record, per poll).
+const QUIET_BY_DEFAULT: &[&str] = &["rustls", "h2", "hyper", "hyper_util", "tower", "mio"];
+
+/// The filter directives for `level`: unless `verbatim` (it came from `RUST_LOG`), each of
+/// [`QUIET_BY_DEFAULT`] the filter does not name is capped at `info`.
+pub fn log_filter(level: &str, verbatim: bool) -> String {
+    if verbatim {
+        return level.to_string();
+    }
+    let named = |krate: &str| {
+        level.split(',').any(|d| {
+            let target = d.split('=').next().unwrap_or("").trim();
+            target == krate || target.starts_with(&format!("{krate}::"))
+        })
+    };
+    let mut out = level.to_string();
+    for krate in QUIET_BY_DEFAULT.iter().filter(|k| !named(k)) {
+        out.push_str(&format!(",{krate}=info"));
+    }
+    out
+}
+
+/// The log subscriber, writing to `writer` (stderr; a buffer in tests).
+pub fn subscriber<W>(
+    filter: &str,
+    format: LogFormat,
+    ansi: bool,
+    writer: W,
+) -> Box<dyn tracing::Subscriber + Send + Sync>
+where
+    W: for<'w> tracing_subscriber::fmt::MakeWriter<'w> + Send + Sync + 'static,
+{
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
     let b = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    let _ = match format {
-        LogFormat::Json => b.json().flatten_event(true).try_init(),
-        LogFormat::Text => b.try_init(),
-    };
+        .with_ansi(ansi)
+        .with_writer(writer);
+    match format {
+        LogFormat::Json => Box::new(b.json().flatten_event(true).finish()),
+        LogFormat::Text => Box::new(b.finish()),
+    }
 }
 
 /// Resolves on SIGTERM or SIGINT.
@@ -577,6 +634,52 @@ mod tests {
                 "authentication.tokenAuthFile"
             ],
             "{errs:#?}"
+        );
+    }
+
+    #[test]
+    fn library_internals_stay_at_info_unless_named() {
+        assert_eq!(
+            log_filter("debug", false),
+            "debug,rustls=info,h2=info,hyper=info,hyper_util=info,tower=info,mio=info"
+        );
+        // Named: the filter's own choice.
+        let f = log_filter("debug,h2=trace,hyper::proto=debug", false);
+        assert!(
+            f.starts_with("debug,h2=trace,hyper::proto=debug,rustls=info"),
+            "{f}"
+        );
+        assert!(!f.contains("h2=info") && !f.contains(",hyper=info"), "{f}");
+        assert!(f.contains("hyper_util=info"), "{f}");
+        // RUST_LOG is taken as it is.
+        assert_eq!(log_filter("trace", true), "trace");
+        for f in [
+            log_filter("debug", false),
+            log_filter("info,kube_client=off", false),
+        ] {
+            assert!(tracing_subscriber::EnvFilter::try_new(&f).is_ok(), "{f}");
+        }
+    }
+
+    #[test]
+    fn access_log_flags_override_the_file() {
+        let args = ServeArgs {
+            log_access: Some(false),
+            log_access_sampling: Some(0.25),
+            ..Default::default()
+        };
+        let cfg = args.resolve().unwrap();
+        assert!(!cfg.log.access);
+        assert_eq!(cfg.log.access_sampling, 0.25);
+        assert!(ServeArgs::default().resolve().unwrap().log.access);
+        let cli =
+            Cli::try_parse_from(["kube-cache-proxy", "serve", "--log-access", "off"]).unwrap();
+        let Command::Serve(a) = cli.command else {
+            panic!("serve")
+        };
+        assert_eq!(a.log_access, Some(false));
+        assert!(
+            Cli::try_parse_from(["kube-cache-proxy", "serve", "--log-access", "maybe"]).is_err()
         );
     }
 

@@ -400,7 +400,11 @@ pub fn plan(
             None => {
                 let why = match d.failed_groups.get(group) {
                     Some(e) => format!("discovery of group {group:?} failed: {e}"),
-                    None => format!("{name} is not served by the apiserver"),
+                    None => format!(
+                        "{name} is not served by the apiserver (cache.resources takes the plural \
+                         resource name and its group, e.g. deployments.apps; `kubectl \
+                         api-resources` lists them)"
+                    ),
                 };
                 p.missing.insert(name.clone(), why);
             }

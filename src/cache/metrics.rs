@@ -45,6 +45,8 @@ impl Collector for CacheCollector {
         let upstream_watches = Family::<ResourceLabels, Gauge>::default();
         let watchers = Family::<ResourceLabels, Gauge>::default();
         let objects = Family::<ResourceLabels, Gauge>::default();
+        let bytes = Family::<ResourceLabels, Gauge>::default();
+        let expired = Family::<ReasonLabels, Counter>::default();
         let events_sent = Family::<ResourceLabels, Counter>::default();
         let relists = Family::<ReasonLabels, Counter>::default();
         let terminated = Family::<ReasonLabels, Counter>::default();
@@ -67,6 +69,19 @@ impl Collector for CacheCollector {
             upstream_watches.get_or_create(&l).set(i64::from(watching));
             watchers.get_or_create(&l).set(e.cache.hub.len() as i64);
             objects.get_or_create(&l).set(e.cache.len() as i64);
+            bytes.get_or_create(&l).set(e.cache.object_bytes() as i64);
+            let ws = &e.cache.watch_stats;
+            for (reason, n) in [
+                ("too_old", ws.expired_too_old.load(Relaxed)),
+                ("relist", ws.expired_relist.load(Relaxed)),
+            ] {
+                expired
+                    .get_or_create(&ReasonLabels {
+                        resource: resource.clone(),
+                        reason: reason.into(),
+                    })
+                    .inc_by(n);
+            }
             events_sent
                 .get_or_create(&l)
                 .inc_by(e.cache.hub.stats.events_sent.load(Relaxed));
@@ -154,6 +169,18 @@ impl Collector for CacheCollector {
             "kube_cache_proxy_cache_objects",
             "Objects held in the cache",
             &objects,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_cache_bytes",
+            "Bytes of the cached objects' bodies (their JSON as received; the process holds more: parsed metadata, history, snapshots)",
+            &bytes,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_watches_expired",
+            "Downstream watches answered 410 Expired, by reason: too_old (before the history window or the first list), relist (before the cache's last relist)",
+            &expired,
         )?;
         emit(
             &mut enc,

@@ -288,7 +288,8 @@ impl Manager {
         let mut next_discovery = tokio::time::Instant::now();
         loop {
             let now = tokio::time::Instant::now();
-            if now >= next_discovery {
+            let discovered_now = now >= next_discovery;
+            if discovered_now {
                 let ok = match fetch(&self.upstream, &self.sel).await {
                     Ok(mut d) => {
                         for (g, e) in &d.failed_groups {
@@ -333,6 +334,20 @@ impl Manager {
             // once through the CRD watch; this covers built-in and aggregated ones).
             if !self.sel.all && plan.missing.values().any(|m| m.contains("not served")) {
                 next_discovery = next_discovery.min(tokio::time::Instant::now() + RETRY_MAX);
+            }
+            // Said at start and after every discovery while it lasts: a name the apiserver
+            // does not serve (a typo such as `deployment.apps`) keeps every replica unready,
+            // and the operator must learn why from the log as well as from /readyz?verbose.
+            if discovered_now && found.is_some() {
+                let retry_in =
+                    next_discovery.saturating_duration_since(tokio::time::Instant::now());
+                for (name, why) in &plan.missing {
+                    if why.starts_with("waiting for") {
+                        // The CRD list's reflector logs its own retries.
+                        continue;
+                    }
+                    tracing::warn!(resource = %name, reason = %why, retry_in = ?retry_in, "a resource in cache.resources is not cached; requests for it pass through");
+                }
             }
             let keep: Vec<Arc<CacheEntry>> = self
                 .crds

@@ -161,6 +161,11 @@ struct State {
     history: VecDeque<Arc<Event>>,
     /// History holds every event with rv > oldest_rv.
     oldest_rv: u64,
+    /// Bytes of the bodies of `objects` (the JSON as received).
+    bytes: usize,
+    /// The resourceVersion of the last relist after the first sync (the history starts
+    /// there until it is trimmed).
+    relist_rv: Option<u64>,
 }
 
 pub struct ResourceCache {
@@ -176,6 +181,19 @@ pub struct ResourceCache {
     /// Snapshots served to paginated lists, by resourceVersion.
     retained: Mutex<VecDeque<Retained>>,
     pub list_stats: ListStats,
+    pub watch_stats: WatchStats,
+}
+
+/// Downstream watches refused with 410 Expired, by why their resourceVersion is gone (read
+/// by the metrics collector).
+#[derive(Debug, Default)]
+pub struct WatchStats {
+    /// Older than the history window (`cache.historyMaxEvents`, `cache.historyMaxAge`), or
+    /// than the cache's first list.
+    pub expired_too_old: std::sync::atomic::AtomicU64,
+    /// Older than the cache's last relist (its upstream watch expired or broke, so the
+    /// history restarted there).
+    pub expired_relist: std::sync::atomic::AtomicU64,
 }
 
 /// Counters of the lists of one resource (read by the metrics collector).
@@ -245,6 +263,8 @@ impl ResourceCache {
                 rv: 0,
                 history: VecDeque::new(),
                 oldest_rv: 0,
+                bytes: 0,
+                relist_rv: None,
             }),
             hub: hub.clone(),
             dispatch,
@@ -254,6 +274,7 @@ impl ResourceCache {
             relists: Default::default(),
             retained: Mutex::new(VecDeque::new()),
             list_stats: ListStats::default(),
+            watch_stats: WatchStats::default(),
         });
         // The dispatcher: one task per resource, events in order.
         tokio::spawn(async move {
@@ -306,6 +327,12 @@ impl ResourceCache {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Bytes of the objects' bodies in the current state (the JSON as the apiserver sent
+    /// it; parsed metadata, the history and retained snapshots are not counted).
+    pub fn object_bytes(&self) -> usize {
+        self.read().bytes
     }
 
     pub fn relists(&self) -> u64 {
@@ -489,6 +516,12 @@ impl ResourceCache {
                 (items, s.rv)
             }
             Start::After(n) if n < s.oldest_rv => {
+                let counter = if s.relist_rv == Some(s.oldest_rv) {
+                    &self.watch_stats.expired_relist
+                } else {
+                    &self.watch_stats.expired_too_old
+                };
+                counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 return Err(WatchError::Expired {
                     requested: n,
                     oldest: s.oldest_rv + 1,
@@ -548,6 +581,8 @@ impl ReflectorSink for ResourceCache {
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 self.hub.close_all(CloseReason::Relist);
             }
+            s.bytes = items.iter().map(|o| o.body.len()).sum();
+            s.relist_rv = (!first).then_some(rv);
             s.objects = items.into_iter().map(|o| (o.key(), Arc::new(o))).collect();
             s.index = FieldIndex::for_resource(&self.resource).map(|mut ix| {
                 for (k, o) in s.objects.iter() {
@@ -580,6 +615,12 @@ impl ReflectorSink for ResourceCache {
                 EventKind::Deleted => s.objects.remove(&key),
                 _ => s.objects.insert(key.clone(), object.clone()),
             };
+            if kind != EventKind::Deleted {
+                s.bytes += object.body.len();
+            }
+            if let Some(p) = &prev {
+                s.bytes = s.bytes.saturating_sub(p.body.len());
+            }
             if let Some(ix) = s.index.as_mut() {
                 let now = (kind != EventKind::Deleted).then_some(&*object);
                 ix.update(&key, prev.as_deref(), now);
@@ -652,6 +693,67 @@ mod tests {
         cache.retain(&cache.current());
         assert_eq!(cache.retained_snapshots(), (1, Some(rv)), "the oldest went");
         assert_eq!(cache.retained_bytes(), 0);
+    }
+
+    /// The object bytes follow every add, change, delete and relist.
+    #[tokio::test]
+    async fn object_bytes_follow_the_current_state() {
+        let cache = ResourceCache::new(Resource::core("pods", "Pod", true), StoreConfig::default());
+        let len = |o: &CachedObject| o.body.len();
+        let (a, b) = (pod("a", "p", None, 10), pod("a", "q", Some("n1"), 10));
+        let want = len(&a) + len(&b);
+        cache.replace(vec![a, b], 10);
+        assert_eq!(cache.object_bytes(), want);
+        let changed = pod("a", "p", Some("node-with-a-long-name"), 11);
+        let want = want - len(&pod("a", "p", None, 10)) + len(&changed);
+        cache.apply(EventKind::Modified, changed);
+        assert_eq!(cache.object_bytes(), want);
+        cache.apply(EventKind::Deleted, pod("a", "q", Some("n1"), 12));
+        assert_eq!(
+            cache.object_bytes(),
+            len(&pod("a", "p", Some("node-with-a-long-name"), 11))
+        );
+        cache.replace(vec![], 20);
+        assert_eq!(cache.object_bytes(), 0);
+    }
+
+    /// A watch from a resourceVersion the cache no longer has is counted by why: older than
+    /// the history window, or older than the last relist.
+    #[tokio::test]
+    async fn expired_watches_are_counted_by_reason() {
+        use std::sync::atomic::Ordering::Relaxed;
+        let cfg = StoreConfig {
+            history_max_events: 2,
+            ..StoreConfig::default()
+        };
+        let cache = ResourceCache::new(Resource::core("pods", "Pod", true), cfg);
+        let stats = |c: &ResourceCache| {
+            (
+                c.watch_stats.expired_too_old.load(Relaxed),
+                c.watch_stats.expired_relist.load(Relaxed),
+            )
+        };
+        let expired = |c: &ResourceCache, rv| {
+            matches!(
+                c.watch(Start::After(rv), Arc::new(Filter::default())),
+                Err(WatchError::Expired { .. })
+            )
+        };
+        cache.replace(vec![pod("a", "p", None, 10)], 10);
+        assert!(expired(&cache, 5), "before the first list");
+        assert_eq!(stats(&cache), (1, 0));
+        cache.replace(vec![pod("a", "p", None, 20)], 20);
+        assert!(expired(&cache, 15), "before the relist");
+        assert_eq!(stats(&cache), (1, 1));
+        for rv in 21..=24 {
+            cache.apply(EventKind::Modified, pod("a", "p", None, rv));
+        }
+        assert!(
+            expired(&cache, 21),
+            "trimmed from the history after the relist"
+        );
+        assert_eq!(stats(&cache), (2, 1));
+        assert!(!expired(&cache, 23));
     }
 
     proptest! {

@@ -166,6 +166,53 @@ where
     }
 }
 
+pin_project_lite::pin_project! {
+    /// Adds the bytes of every data frame the body yields to `sent` (the access log's
+    /// `bytes`, read when the body ends).
+    pub struct Counted<B> {
+        #[pin]
+        inner: B,
+        sent: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    }
+}
+
+impl<B> Counted<B> {
+    pub fn new(inner: B, sent: std::sync::Arc<std::sync::atomic::AtomicU64>) -> Self {
+        Counted { inner, sent }
+    }
+}
+
+impl<B> HttpBody for Counted<B>
+where
+    B: HttpBody<Data = Bytes>,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = self.project();
+        let r = ready!(this.inner.poll_frame(cx));
+        if let Some(Ok(f)) = &r
+            && let Some(d) = f.data_ref()
+        {
+            this.sent
+                .fetch_add(d.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        }
+        Poll::Ready(r)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -255,6 +255,7 @@ async fn serve_io<S: Service, IO>(
     let conn: ConnFuture = Box::pin(watcher.watch(c.into_owned()));
     let conn = crate::http::local_streams::WithStreams::new(conn);
     if let Err(e) = coalescing.drive(conn).await {
-        tracing::debug!(?peer, error = %e, "connection ended with an error");
+        let peer = peer.map_or_else(|| "-".to_string(), |p| p.to_string());
+        tracing::debug!(%peer, error = %e, "connection ended with an error");
     }
 }

@@ -2,7 +2,11 @@
 //! dashboards and queries carry over (`apiserver_request_total` ->
 //! `kube_cache_proxy_requests_total`).
 
+pub mod process;
+pub mod text;
 pub mod window;
+
+pub use text::Format;
 
 use parking_lot::Mutex;
 use prometheus_client::encoding::EncodeLabelSet;
@@ -66,7 +70,21 @@ pub struct Metrics {
     pub upstream_requests: Family<UpstreamLabels, Counter>,
     pub connections: Family<KindLabels, Gauge>,
     pub rejected: Family<ReasonLabels, Counter>,
+    /// 1 while the last probe of the apiserver's `/readyz` with the proxy's identity
+    /// succeeded (a 2xx within the timeout), 0 otherwise and before the first probe
+    /// (`serve::state::State::spawn_upstream_probe`, every `upstream.healthCheckInterval`).
+    pub upstream_up: Gauge,
 }
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabels {
+    version: String,
+    revision: String,
+}
+
+/// The source revision the binary was built from: `KUBE_CACHE_PROXY_REVISION` at build
+/// time, else `git rev-parse HEAD` (`build.rs`), else `unknown` (a build from a tarball).
+pub const REVISION: &str = env!("KUBE_CACHE_PROXY_REVISION");
 
 impl std::fmt::Debug for Metrics {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -91,6 +109,25 @@ impl Metrics {
         let upstream_requests = Family::<UpstreamLabels, Counter>::default();
         let connections = Family::<KindLabels, Gauge>::default();
         let rejected = Family::<ReasonLabels, Counter>::default();
+        let upstream_up = Gauge::default();
+        let build_info = Family::<BuildLabels, Gauge>::default();
+        build_info
+            .get_or_create(&BuildLabels {
+                version: env!("CARGO_PKG_VERSION").into(),
+                revision: REVISION.into(),
+            })
+            .set(1);
+        registry.register(
+            "kube_cache_proxy_build_info",
+            "Always 1; the version and source revision of the running binary",
+            build_info,
+        );
+        registry.register(
+            "kube_cache_proxy_upstream_up",
+            "1 while the proxy's last probe of the apiserver's /readyz succeeded, else 0 (unreachable, timed out, or not ready)",
+            upstream_up.clone(),
+        );
+        registry.register_collector(Box::new(process::ProcessCollector));
         registry.register(
             "kube_cache_proxy_requests",
             "Requests served, by verb, resource, scope, HTTP code and what served them",
@@ -129,6 +166,7 @@ impl Metrics {
             upstream_requests,
             connections,
             rejected,
+            upstream_up,
         }
     }
 
@@ -152,6 +190,14 @@ impl Metrics {
         // Encoding into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &reg);
         out
+    }
+
+    /// The exposition in `format` (see [`Format::negotiate`]).
+    pub fn encode_as(&self, format: Format) -> String {
+        match format {
+            Format::OpenMetrics => self.encode(),
+            Format::Prometheus => text::openmetrics_to_prometheus(&self.encode()),
+        }
     }
 }
 

@@ -107,12 +107,17 @@ pub async fn handle<B>(state: &State, conn: &ConnInfo, req: Request<B>) -> Respo
     }
     match path {
         "/metrics" => {
-            let mut r = Response::new(body::full(state.metrics.encode()));
+            // OpenMetrics when the scraper prefers it (Prometheus does), else the text
+            // format 0.0.4 (`promtool check metrics`, curl, older scrapers).
+            let format = crate::metrics::Format::negotiate(
+                req.headers()
+                    .get(header::ACCEPT)
+                    .and_then(|v| v.to_str().ok()),
+            );
+            let mut r = Response::new(body::full(state.metrics.encode_as(format)));
             r.headers_mut().insert(
                 header::CONTENT_TYPE,
-                HeaderValue::from_static(
-                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                ),
+                HeaderValue::from_static(format.content_type()),
             );
             r
         }

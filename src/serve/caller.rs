@@ -38,6 +38,14 @@ impl Caller {
         self.outcome.get_or_insert(Outcome::Unauthorized)
     }
 
+    /// The identity an earlier step authenticated, if any (the access log's user).
+    pub fn authenticated(&self) -> Option<&Identity> {
+        match &self.outcome {
+            Some(Outcome::Authenticated(id, _)) => Some(id),
+            _ => None,
+        }
+    }
+
     /// Who the caller is, to charge its tenant on a passthrough request: the identity an
     /// earlier step authenticated, else what the proxy can verify without asking the
     /// apiserver (the apiserver authenticates a passthrough request itself; this only names

@@ -2,7 +2,11 @@
 //!
 //! Format as in k8s.io/apiserver `pkg/server/healthz`: `ok` on success; with `?verbose` one
 //! line per check (`[+]name ok`, `[-]name failed: reason withheld`) and a final
-//! `<endpoint> check passed|failed`; failure is HTTP 500 with the verbose listing.
+//! `<endpoint> check passed|failed`; failure is HTTP 500 with the verbose listing. The
+//! per-resource checks (`cache:<resource>`) show their reason instead of withholding it
+//! (`[-]cache:deployment.apps failed: not discovered yet: deployment.apps is not served by the
+//! apiserver ...`): what keeps a replica unready is then visible where the operator looks,
+//! and it names only configuration, no address or credential.
 //! `/readyz/<name>` runs one check; `?exclude=name` skips one (repeatable).
 
 use std::sync::Arc;
@@ -144,6 +148,8 @@ impl Health {
             .into_iter()
             .map(|c| (c.name().to_string(), c.get().map(|()| None)))
             .collect();
+        // The first `own` are the proxy's built-in checks (reasons withheld).
+        let own = checks.len();
         if ep == Endpoint::Readyz {
             checks.extend(extra);
         }
@@ -176,7 +182,7 @@ impl Health {
             .collect();
         let mut out = String::new();
         let mut failed = false;
-        for (name, result) in &checks {
+        for (i, (name, result)) in checks.iter().enumerate() {
             if let Some(i) = excluded.iter().position(|e| e == name) {
                 excluded.remove(i);
                 out.push_str(&format!("[+]{name} excluded: ok\n"));
@@ -185,6 +191,10 @@ impl Health {
             match result {
                 Ok(None) => out.push_str(&format!("[+]{name} ok\n")),
                 Ok(Some(note)) => out.push_str(&format!("[+]{name} ok: {note}\n")),
+                Err(why) if i >= own => {
+                    failed = true;
+                    out.push_str(&format!("[-]{name} failed: {why}\n"));
+                }
                 Err(_) => {
                     failed = true;
                     // The apiserver withholds reasons from this listing; /<endpoint>/<name>
@@ -298,6 +308,28 @@ mod tests {
         );
         // Liveness does not follow the upstream.
         assert_eq!(get(&h, "/livez", None).await.0, 200);
+    }
+
+    #[tokio::test]
+    async fn resource_checks_show_their_reason_when_verbose() {
+        let h = Health::new();
+        h.upstream.set(Err("connection refused".into()));
+        let extra = vec![
+            ("cache:pods".to_string(), Ok(None)),
+            (
+                "cache:deployment.apps".to_string(),
+                Err("not discovered yet: deployment.apps is not served".to_string()),
+            ),
+        ];
+        let r = h.respond_with("/readyz", Some("verbose"), extra).unwrap();
+        assert_eq!(r.status(), 500);
+        let b = r.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(
+            String::from_utf8(b.to_vec()).unwrap(),
+            "[+]ping ok\n[+]shutdown ok\n[-]upstream failed: reason withheld\n[+]cache:pods ok\n\
+             [-]cache:deployment.apps failed: not discovered yet: deployment.apps is not served\n\
+             readyz check failed\n"
+        );
     }
 
     #[tokio::test]

@@ -97,7 +97,7 @@ pub async fn forward(
                 state.metrics.reject("body_too_large");
                 return too_large(limit);
             }
-            tracing::warn!(error = %e, error.source = ?std::error::Error::source(&*e), path = %req_path(&pq), caller = %caller.describe(), "upstream request failed");
+            tracing::warn!(error = %e, path = %req_path(&pq), caller = %caller.describe(), "upstream request failed");
             return Status::service_unavailable(
                 format!("the upstream apiserver could not be reached: {e}"),
                 1,

@@ -532,9 +532,30 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         .map(str::to_string);
 
     let audit_id = req.headers().get(AUDIT_ID).cloned();
+    // The access-log line, when this request is sampled (`serve::access`).
+    let mut access =
+        crate::serve::access::sampled(&state.config.log).then(|| crate::serve::access::Entry {
+            method: method.to_string(),
+            path: req
+                .uri()
+                .path_and_query()
+                .map_or_else(|| path.clone(), |pq| pq.to_string()),
+            user_agent: crate::serve::access::header(req.headers(), header::USER_AGENT),
+            peer: conn.peer,
+            ..Default::default()
+        });
+    // Refusals before routing (bad path, CONNECT, oversized headers) log here.
     let refuse = |status: Status| {
         let mut r = status.into_response();
         stamp_apiserver_headers(audit_id.as_ref(), r.headers_mut());
+        if let Some(a) = &access {
+            let mut a = a.clone();
+            a.code = r.status().as_u16();
+            a.served_by = "proxy";
+            a.audit_id = crate::serve::access::header(r.headers(), AUDIT_ID);
+            let bytes = http_body::Body::size_hint(r.body()).exact().unwrap_or(0);
+            a.emit(bytes, start.elapsed());
+        }
         r
     };
     // Routed and authorized by the decoded path, as the apiserver does; the raw one is what
@@ -612,6 +633,9 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
 
     // Authenticated at most once, by whichever step needs it first.
     let mut caller = Caller::default();
+    // A refusal the proxy wrote on the cache path (the access log's `served_by=proxy`; the
+    // metrics keep `cache`).
+    let mut refused = false;
     // Each branch's future is boxed: this future then holds only the one a request takes,
     // not the largest of them (it was 6.8 KB for every request, watches included, and a burst
     // of thousands of watch requests held that many at once).
@@ -644,7 +668,10 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
             Ok(r) => (r, "cache"),
             // A refusal decided on the cache path (401, 403, 429, 400 for a bad continue
             // token, ...): the only place the pipeline turns a `Status` into a response.
-            Err(NotServed::Refuse(status)) => (status.into_response(), "cache"),
+            Err(NotServed::Refuse(status)) => {
+                refused = true;
+                (status.into_response(), "cache")
+            }
             Err(NotServed::Delegate(why)) => {
                 if info.is_resource_request && info.verb != "create" {
                     tracing::trace!(reason = why, path = %path, "passthrough");
@@ -696,15 +723,30 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
             served_by: served_by.into(),
         })
         .inc();
-    tracing::debug!(
-        %method,
-        path = %path,
-        verb = %verb,
-        code = code.as_u16(),
-        latency_ms = start.elapsed().as_secs_f64() * 1e3,
-        peer = ?conn.peer,
-        "request"
-    );
+    if let Some(a) = access.as_mut() {
+        a.verb = verb.clone();
+        a.resource = if info.subresource.is_empty() {
+            info.resource.clone()
+        } else {
+            format!("{}/{}", info.resource, info.subresource)
+        };
+        a.namespace = info.namespace.clone();
+        a.code = code.as_u16();
+        a.served_by = match served_by {
+            "cache" if refused => "proxy",
+            "upstream" => "apiserver",
+            other => other,
+        };
+        a.audit_id = crate::serve::access::header(resp.headers(), AUDIT_ID);
+        let known = caller
+            .authenticated()
+            .map(|id| (id.user.clone(), id.groups.len()))
+            .or_else(|| conn.cert.as_ref().map(|c| (c.user.clone(), c.groups.len())));
+        if let Some((user, groups)) = known {
+            a.user = Some(user);
+            a.groups = groups;
+        }
+    }
     let scope = info.metrics_scope().to_string();
     let paging = (verb == "LIST").then(|| state.paging.clone());
     let hist = state
@@ -721,12 +763,25 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         })
         .clone();
     let (parts, b) = resp.into_parts();
+    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    // Counted only for a request the access log writes.
+    let b = if access.is_some() {
+        body::boxed(crate::http::drain::Counted::new(b, sent.clone()))
+    } else {
+        b
+    };
     let b = Tracked::new(b, start, move |start| {
         hist.observe(start.elapsed().as_secs_f64());
         if let Some(p) = &paging {
             p.record_list(start.elapsed());
         }
         inflight.dec();
+        if let Some(a) = access {
+            a.emit(
+                sent.load(std::sync::atomic::Ordering::Relaxed),
+                start.elapsed(),
+            );
+        }
     });
     Response::from_parts(parts, body::boxed(b))
 }

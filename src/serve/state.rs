@@ -104,6 +104,7 @@ impl State {
                 if let Err(e) = &r {
                     tracing::warn!(error = %e, "upstream apiserver is not ready");
                 }
+                this.metrics.upstream_up.set(i64::from(r.is_ok()));
                 this.health.upstream.set(r);
             }
         });

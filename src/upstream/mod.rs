@@ -319,13 +319,91 @@ impl Upstream {
             (As::Proxy, false) => &self.proxy,
             (As::Proxy, true) => &self.proxy_h1,
         };
-        svc.clone().oneshot(req)
+        let target = self.authority();
+        futures_util::TryFutureExt::map_err(svc.clone().oneshot(req), move |source| {
+            BoxError::from(SendError { target, source })
+        })
     }
+
+    /// `host:port` of the apiserver, as errors name it.
+    fn authority(&self) -> String {
+        let host = self.base.host().unwrap_or_default();
+        let port = self
+            .base
+            .port_u16()
+            .unwrap_or(match self.base.scheme_str() {
+                Some("http") => 80,
+                _ => 443,
+            });
+        format!("{host}:{port}")
+    }
+}
+
+/// A request to the apiserver that got no response: its address and the whole cause.
+///
+/// hyper_util's client error says only `client error (Connect)` and keeps the cause in its
+/// `source()` chain (`tcp connect error`, `Connection refused (os error 111)`); the message
+/// here walks the chain, so logs and 503 messages say what happened and where.
+/// `source()` is the original error, so callers can still look for a cause by type.
+#[derive(Debug)]
+pub struct SendError {
+    /// `host:port` of the apiserver.
+    pub target: String,
+    pub source: BoxError,
+}
+
+impl std::fmt::Display for SendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}: {}", self.target, error_chain(&*self.source))
+    }
+}
+
+impl std::error::Error for SendError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&*self.source)
+    }
+}
+
+/// An error and its sources as one line, `outer: inner: innermost`; a source whose message
+/// the outer one already contains is skipped.
+pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        let msg = s.to_string();
+        if !msg.is_empty() && !out.contains(&msg) {
+            out.push_str(": ");
+            out.push_str(&msg);
+        }
+        cur = s.source();
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A refused connection names the address and the cause, not `client error (Connect)`.
+    #[tokio::test]
+    async fn a_refused_connection_names_the_address_and_the_cause() {
+        // A port with nothing listening: bound, then closed.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let kc = kube::Config::new(format!("http://127.0.0.1:{port}").parse().unwrap());
+        let up = Upstream::new(&kc, &UpstreamConfig::default()).unwrap();
+        let mut req = Request::new(crate::http::body::empty());
+        *req.uri_mut() = up.uri("/readyz");
+        let e = up.send(req, As::Proxy, false).await.unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.starts_with(&format!("127.0.0.1:{port}: ")), "{msg}");
+        assert!(msg.contains("Connection refused"), "{msg}");
+        // The original error is still the source (callers look for causes by type).
+        assert!(std::error::Error::source(&*e).is_some());
+    }
 
     fn ca() -> String {
         crate::http::tls::generate_serving_pair(&["localhost"])

@@ -12,6 +12,7 @@ mod crd;
 mod dev;
 mod fake_apiserver;
 mod lists;
+mod ops;
 mod paging;
 mod passthrough;
 mod reflector;

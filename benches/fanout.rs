@@ -480,6 +480,9 @@ async fn start_proxy() -> Option<Proxy> {
         ..Config::default()
     };
     cfg.cache.resources = vec!["configmaps".into()];
+    // The bench upstream serves neither ServiceAccounts nor RBAC objects.
+    cfg.authentication.service_account_lookup = false;
+    cfg.cache.authorization_follow_rbac = false;
     cfg.log.level = "warn".into();
     // The client child sends no credentials: served as system:anonymous, whose access
     // review the fake upstream allows (one review, then the cached decision).

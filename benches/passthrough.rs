@@ -99,6 +99,9 @@ async fn main() {
     cfg.log.level = "warn".into();
     // The passthrough path only: no cache (the bench upstream serves no discovery).
     cfg.cache.resources.clear();
+    // The bench upstream serves neither ServiceAccounts nor RBAC objects.
+    cfg.authentication.service_account_lookup = false;
+    cfg.cache.authorization_follow_rbac = false;
     let kube = kube::Config::new(format!("http://{up}").parse().unwrap());
     let proxy = kube_cache_proxy::app::start::start(cfg, &kube)
         .await

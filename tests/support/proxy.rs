@@ -81,7 +81,8 @@ impl TestProxy {
     /// `paging.interval`, so tests that count or fault upstream requests meet no scrape.
     /// For the same reason offline JWT verification (and with it the background fetch of the
     /// issuer's keys) is off unless `tweak` turns it on (the fake serves keys only after
-    /// `Faults::set_jwks`).
+    /// `Faults::set_jwks`), and so are the caches the proxy keeps for itself (ServiceAccounts
+    /// for the token lookup, RBAC objects for decisions), which would add upstream requests.
     pub async fn start(upstream_url: &str, tweak: impl FnOnce(&mut Config)) -> TestProxy {
         let mut kube = kube::Config::new(upstream_url.parse().unwrap());
         kube.auth_info.token = Some("proxy-token".to_string().into());
@@ -89,6 +90,8 @@ impl TestProxy {
             c.cache.resources.clear();
             c.paging.interval = std::time::Duration::from_secs(3600);
             c.authentication.service_account_jwt = false;
+            c.authentication.service_account_lookup = false;
+            c.cache.authorization_follow_rbac = false;
             tweak(c)
         })
         .await

@@ -384,6 +384,10 @@ pub struct CacheConfig {
     pub history_max_age: Duration,
     /// Events queued per watcher; a watcher whose queue stays full is closed.
     pub watcher_queue: usize,
+    /// ...and object bytes queued per watcher (one event always fits): a watcher that falls
+    /// this far behind is closed like one whose queue is full, so a slow reader of large
+    /// objects holds little and costs its neighbours one dispatch budget at most.
+    pub watcher_queue_bytes: usize,
     /// How long one event may wait in total for watchers with full queues before they are
     /// closed (k8s.io/apiserver's cacher: 100 ms).
     #[serde(with = "duration")]
@@ -438,6 +442,7 @@ impl Default for CacheConfig {
             history_max_events: 100_000,
             history_max_age: Duration::from_secs(150),
             watcher_queue: 1024,
+            watcher_queue_bytes: 4 << 20,
             dispatch_budget: Duration::from_millis(100),
             bookmark_interval: Duration::from_secs(60),
             filtered_bookmark_interval: Duration::from_secs(5),

@@ -103,6 +103,7 @@ pub fn build_state(
         history_max_events: c.history_max_events,
         history_max_age: c.history_max_age,
         watcher_queue: c.watcher_queue,
+        watcher_queue_bytes: c.watcher_queue_bytes,
         dispatch_budget: c.dispatch_budget,
         snapshot_retention: config.lists.snapshot_retention,
         snapshot_max: config.lists.snapshot_max,

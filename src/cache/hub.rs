@@ -157,6 +157,8 @@ struct Entry {
 struct Queue {
     state: parking_lot::Mutex<QueueState>,
     cap: usize,
+    /// Object bytes queued at most (one item always fits).
+    cap_bytes: usize,
     /// The reader's task, woken by every push and by the last sender's drop.
     rx_waker: futures_util::task::AtomicWaker,
     /// Senders waiting for room (the dispatcher's bounded wait), woken when the reader takes
@@ -167,6 +169,8 @@ struct Queue {
 #[derive(Default)]
 struct QueueState {
     items: std::collections::VecDeque<Item>,
+    /// Object bytes of the queued items ([`item_bytes`]).
+    bytes: usize,
     senders: usize,
     rx_gone: bool,
     sender_waiting: bool,
@@ -178,17 +182,24 @@ impl Queue {
     }
 }
 
-fn queue(cap: usize) -> (Sender, Receiver) {
+fn queue(cap: usize, cap_bytes: usize) -> (Sender, Receiver) {
     let q = Arc::new(Queue {
         state: parking_lot::Mutex::new(QueueState {
             senders: 1,
             ..QueueState::default()
         }),
         cap: cap.max(1),
+        cap_bytes,
         rx_waker: Default::default(),
         space: tokio::sync::Notify::new(),
     });
     (Sender(q.clone()), Receiver(q))
+}
+
+/// What a queued item counts for the byte bound: the object's JSON (the frame written for it
+/// is about that size; the object itself is shared by every watcher).
+fn item_bytes((ev, _): &Item) -> usize {
+    ev.object.body.len()
 }
 
 /// Why a non-blocking send did not queue the item.
@@ -231,10 +242,13 @@ impl Sender {
             if st.rx_gone {
                 return Err(TrySendError::Closed);
             }
-            if st.items.len() >= self.0.cap {
+            let size = item_bytes(&item);
+            let over_bytes = !st.items.is_empty() && st.bytes + size > self.0.cap_bytes;
+            if st.items.len() >= self.0.cap || over_bytes {
                 st.sender_waiting |= wait;
                 return Err(TrySendError::Full(item));
             }
+            st.bytes += size;
             st.items.push_back(item);
         }
         self.0.rx_waker.wake();
@@ -278,6 +292,7 @@ impl Receiver {
             let mut st = self.0.lock();
             match st.items.pop_front() {
                 Some(i) => {
+                    st.bytes -= item_bytes(&i);
                     // An idle watcher does not keep the room a burst needed.
                     if st.items.is_empty() && st.items.capacity() > 64 {
                         st.items.shrink_to(8);
@@ -370,6 +385,7 @@ pub struct Hub {
     dispatched: AtomicU64,
     next_id: AtomicU64,
     queue_len: usize,
+    queue_bytes: usize,
     budget: Duration,
     pub stats: HubStats,
 }
@@ -402,6 +418,12 @@ impl Hub {
     /// `queue_len`: events buffered per watcher; `budget`: the shared wait for full queues
     /// per dispatched event.
     pub fn new(queue_len: usize, budget: Duration) -> Arc<Hub> {
+        Hub::with_queue_bytes(queue_len, usize::MAX, budget)
+    }
+
+    /// [`Hub::new`] with a bound on the object bytes queued per watcher too (one event
+    /// always fits, however large).
+    pub fn with_queue_bytes(queue_len: usize, queue_bytes: usize, budget: Duration) -> Arc<Hub> {
         Arc::new(Hub {
             buckets: DashMap::new(),
             indexed: Default::default(),
@@ -410,6 +432,7 @@ impl Hub {
             dispatched: AtomicU64::new(0),
             next_id: AtomicU64::new(1),
             queue_len: queue_len.max(1),
+            queue_bytes: queue_bytes.max(1),
             budget,
             stats: HubStats::default(),
         })
@@ -461,7 +484,7 @@ impl Hub {
 
     pub fn subscribe(self: &Arc<Self>, filter: Arc<Filter>) -> Subscription {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = queue(self.queue_len);
+        let (tx, rx) = queue(self.queue_len, self.queue_bytes);
         let all = filter.labels.is_everything()
             && filter.fields.is_everything()
             && filter.namespaces.is_none();
@@ -698,6 +721,40 @@ mod tests {
         assert_eq!(hub.filtered(), 1);
         hub.close_all(CloseReason::Relist);
         assert_eq!(hub.filtered(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_watcher_too_many_bytes_behind_is_closed_and_one_large_event_always_fits() {
+        let big = |name: &str, rv: u64, kib: usize| {
+            let raw = format!(
+                r#"{{"metadata":{{"name":"{name}","namespace":"a","resourceVersion":"{rv}"}},"data":{{"v":"{}"}}}}"#,
+                "x".repeat(kib << 10)
+            );
+            let o = CachedObject::parse(
+                Bytes::from(raw),
+                &Resource::core("configmaps", "ConfigMap", true),
+            )
+            .unwrap();
+            Arc::new(Event::new(EventKind::Added, Arc::new(o), None))
+        };
+        // 1,000 events or 40 KiB per watcher; the dispatcher waits 5 ms for a full one.
+        let hub = Hub::with_queue_bytes(1000, 40 << 10, Duration::from_millis(5));
+        let mut slow = hub.subscribe(filter(None));
+        let mut fast = hub.subscribe(filter(None));
+        // One event larger than the bound fits an empty queue.
+        hub.dispatch(big("huge", 2, 64)).await;
+        assert_eq!(fast.rx.try_recv().unwrap().0.rv, 2);
+        assert_eq!(slow.rx.try_recv().unwrap().0.rv, 2);
+        // 16 KiB events: the slow watcher's queue holds two, the third closes it.
+        for rv in 3..6 {
+            hub.dispatch(big("x", rv, 16)).await;
+            assert_eq!(fast.rx.try_recv().unwrap().0.rv, rv);
+        }
+        assert_eq!(hub.len(), 1, "closed by bytes, far below 1,000 events");
+        assert_eq!(hub.stats.closed_slow.load(Ordering::Relaxed), 1);
+        assert_eq!(slow.rx.recv().await.unwrap().0.rv, 3);
+        assert_eq!(slow.rx.recv().await.unwrap().0.rv, 4);
+        assert!(slow.rx.recv().await.is_none());
     }
 
     #[tokio::test]

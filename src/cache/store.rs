@@ -25,8 +25,10 @@ pub struct StoreConfig {
     pub history_max_events: usize,
     /// Events older than this are dropped even below the count.
     pub history_max_age: Duration,
-    /// Queued events per watcher before it counts as slow.
+    /// Queued events per watcher before it counts as slow...
     pub watcher_queue: usize,
+    /// ...and queued object bytes (one event always fits).
+    pub watcher_queue_bytes: usize,
     /// Shared wait for slow watchers per event before they are closed.
     pub dispatch_budget: Duration,
     /// A snapshot served to a paginated list stays available this long after its last use
@@ -49,6 +51,9 @@ impl Default for StoreConfig {
             history_max_events: 100_000,
             history_max_age: Duration::from_secs(150),
             watcher_queue: 1024,
+            // A slow watcher of 16 KiB objects was closed by kube-apiserver after about
+            // 3.5 MB queued for it.
+            watcher_queue_bytes: 4 << 20,
             // k8s.io/apiserver cacher: 100 ms dispatch budget per event.
             dispatch_budget: Duration::from_millis(100),
             snapshot_retention: Duration::from_secs(75),
@@ -252,7 +257,11 @@ pub enum WatchError {
 impl ResourceCache {
     pub fn new(resource: Resource, cfg: StoreConfig) -> Arc<ResourceCache> {
         let (dispatch, mut rx) = mpsc::unbounded_channel::<Dispatch>();
-        let hub = Hub::new(cfg.watcher_queue, cfg.dispatch_budget);
+        let hub = Hub::with_queue_bytes(
+            cfg.watcher_queue,
+            cfg.watcher_queue_bytes,
+            cfg.dispatch_budget,
+        );
         let index = FieldIndex::for_resource(&resource);
         let cache = Arc::new(ResourceCache {
             resource,

@@ -82,12 +82,35 @@ async fn fast_watcher(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watcher_that_stops_reading_is_closed_and_the_others_get_every_event() {
+    let closed_at = slow_watcher_scenario(16, usize::MAX, DATA_BYTES).await;
+    assert!(closed_at > 16, "{closed_at}");
+}
+
+/// With the default queue (1,024 events) and its byte bound (`cache.watcherQueueBytes`, here
+/// 1 MiB), a slow reader of 16 KiB objects is closed by bytes: after about 1 MiB plus what
+/// the HTTP/2 buffers in front of it absorbed, not after 1,024 events (16 MiB).
+#[tokio::test]
+async fn a_slow_reader_of_large_objects_is_closed_by_queued_bytes() {
+    let data = 16 << 10;
+    let closed_at = slow_watcher_scenario(1024, 1 << 20, data).await;
+    let written = closed_at * data;
+    println!("16 KiB objects: slow watcher closed after {closed_at} writes ({written} bytes)");
+    assert!(
+        written < 4 << 20,
+        "closed after {closed_at} writes of {data} bytes: the byte bound did not act"
+    );
+}
+
+/// A watcher that stops reading among fast ones on every transport; returns the number of
+/// writes after which the hub closed it. Every fast watcher must get every event.
+async fn slow_watcher_scenario(queue: usize, queue_bytes: usize, data_bytes: usize) -> usize {
     let fake = FakeApiServer::start().await;
     fake.create("/api/v1/namespaces", json!({"metadata": {"name": "slow"}}))
         .await;
     let proxy = TestProxy::start(&fake.url(), |c| {
         c.cache.resources = vec!["configmaps".into(), "pods".into()];
-        c.cache.watcher_queue = 16;
+        c.cache.watcher_queue = queue;
+        c.cache.watcher_queue_bytes = queue_bytes;
         c.cache.dispatch_budget = Duration::from_millis(50);
     })
     .await;
@@ -169,7 +192,7 @@ async fn a_watcher_that_stops_reading_is_closed_and_the_others_get_every_event()
     }
 
     // Write until the hub closes the slow watcher, then some more.
-    let data = "x".repeat(DATA_BYTES);
+    let data = "x".repeat(data_bytes);
     let mut writes = 0;
     let mut closed_at = None;
     while closed_at.is_none_or(|c| writes < c + WRITES_AFTER_CLOSE) {
@@ -252,4 +275,5 @@ async fn a_watcher_that_stops_reading_is_closed_and_the_others_get_every_event()
         "only the slow watcher (and any fast one that resumed) was closed"
     );
     proxy.shutdown().await;
+    closed_at.unwrap()
 }

@@ -15,7 +15,7 @@ use http::{Method, Request};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions, token_auth_file};
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use kube_cache_proxy::config::AdminAuth;
 use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
@@ -87,17 +87,8 @@ async fn the_api_port_is_the_apiservers_and_the_admin_port_is_guarded_by_rbac() 
         .expect("control plane starts");
     let dir = tempfile::tempdir().unwrap();
     let token_file = dir.path().join("tokens.csv");
-    std::fs::write(&token_file, token_auth_file(&cp.users)).unwrap();
-    let mut kube = kube::Config::new(cp.url.parse().unwrap());
-    kube.root_cert = Some(
-        CertificateDer::pem_slice_iter(cp.ca_pem.as_bytes())
-            .map(|c| c.unwrap().to_vec())
-            .collect(),
-    );
-    kube.auth_info.token = Some(cp.admin_token().to_string().into());
-    let proxy = TestProxy::start_with_kube(kube, |c| {
+    let proxy = TestProxy::start_for(&cp, Some(&token_file), |c| {
         c.cache.resources = vec!["configmaps".into()];
-        c.authentication.token_auth_file = Some(token_file.clone());
         c.server.admin_auth = AdminAuth::Kubernetes;
     })
     .await;
@@ -268,14 +259,7 @@ async fn promtool_accepts_the_proxys_metrics() {
     let cp = ControlPlane::start(ControlPlaneOptions::default())
         .await
         .expect("control plane starts");
-    let mut kube = kube::Config::new(cp.url.parse().unwrap());
-    kube.root_cert = Some(
-        CertificateDer::pem_slice_iter(cp.ca_pem.as_bytes())
-            .map(|c| c.unwrap().to_vec())
-            .collect(),
-    );
-    kube.auth_info.token = Some(cp.admin_token().to_string().into());
-    let proxy = TestProxy::start_with_kube(kube, |c| {
+    let proxy = TestProxy::start_for(&cp, None, |c| {
         c.cache.resources = vec!["configmaps".into(), "namespaces".into()];
     })
     .await;

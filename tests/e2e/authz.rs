@@ -29,7 +29,7 @@ use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions, token_auth_file};
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use kube_cache_proxy::auth::authn::{AuthnMethod, METHODS};
 use rustls_pki_types::CertificateDer;
 use rustls_pki_types::pem::PemObject;
@@ -514,15 +514,7 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
         .expect("control plane starts");
     let dir = tempfile::tempdir().unwrap();
     let token_file = dir.path().join("tokens.csv");
-    std::fs::write(&token_file, token_auth_file(&cp.users)).unwrap();
-    let mut kube = kube::Config::new(cp.url.parse().unwrap());
-    kube.root_cert = Some(
-        CertificateDer::pem_slice_iter(cp.ca_pem.as_bytes())
-            .map(|c| c.unwrap().to_vec())
-            .collect(),
-    );
-    kube.auth_info.token = Some(cp.admin_token().to_string().into());
-    let proxy = TestProxy::start_with_kube(kube, |c| {
+    let proxy = TestProxy::start_for(&cp, Some(&token_file), |c| {
         c.cache.resources = [
             "configmaps",
             "secrets",
@@ -1059,19 +1051,10 @@ async fn revocation_takes_effect_at_the_proxy_as_at_the_apiserver() {
         .expect("control plane starts");
     let dir = tempfile::tempdir().unwrap();
     let token_file = dir.path().join("tokens.csv");
-    std::fs::write(&token_file, token_auth_file(&cp.users)).unwrap();
-    let mut kube = kube::Config::new(cp.url.parse().unwrap());
-    kube.root_cert = Some(
-        CertificateDer::pem_slice_iter(cp.ca_pem.as_bytes())
-            .map(|c| c.unwrap().to_vec())
-            .collect(),
-    );
-    kube.auth_info.token = Some(cp.admin_token().to_string().into());
     // Default caching of authentications (10 s) and decisions (allowed 5 min, denied 30 s):
     // revocation must not wait for them.
-    let proxy = TestProxy::start_with_kube(kube, |c| {
+    let proxy = TestProxy::start_for(&cp, Some(&token_file), |c| {
         c.cache.resources = vec!["configmaps".into()];
-        c.authentication.token_auth_file = Some(token_file.clone());
     })
     .await;
     let env = Env {

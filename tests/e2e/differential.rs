@@ -23,8 +23,6 @@ use crate::support::eventually::{eventually, ok_if};
 use crate::support::fake_apiserver::FakeApiServer;
 use crate::support::proxy::TestProxy;
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
-use rustls_pki_types::CertificateDer;
-use rustls_pki_types::pem::PemObject;
 
 /// Requests in flight at once. The corpus makes no writes, so order is irrelevant; this hides
 /// the seconds that watches (timeoutSeconds) and future resourceVersions (3 s wait) take.
@@ -93,14 +91,7 @@ async fn proxy_and_fake_answer_the_corpus_like_the_real_apiserver() {
         .await
         .expect("control plane restarts");
     // 1. The proxy, in front of the same apiserver, with the admin's token forwarded.
-    let mut kube = kube::Config::new(cp.url.parse().expect("apiserver URL"));
-    kube.root_cert = Some(
-        CertificateDer::pem_slice_iter(cp.ca_pem.as_bytes())
-            .map(|c| c.expect("CA PEM").to_vec())
-            .collect(),
-    );
-    kube.auth_info.token = Some(cp.admin_token().to_string().into());
-    let proxy = TestProxy::start_with_kube(kube, |_| {}).await;
+    let proxy = TestProxy::start_for(&cp, None, |_| {}).await;
     // The proxy syncs before the data is written, so its history holds every seeded event and
     // watches from the seed resourceVersion are answered from it, exactly.
     let state = proxy.running.as_ref().expect("running").state.clone();

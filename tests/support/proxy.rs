@@ -97,6 +97,34 @@ impl TestProxy {
         .await
     }
 
+    /// Starts the proxy in front of a real control plane, with the admin's credentials as
+    /// its own; when `static_users` names a file, the apiserver's static token users are
+    /// written there and given to the proxy too (`authentication.tokenAuthFile`).
+    pub async fn start_for(
+        cp: &kube_cache_proxy::app::dev::ControlPlane,
+        static_users: Option<&std::path::Path>,
+        tweak: impl FnOnce(&mut Config),
+    ) -> TestProxy {
+        let mut kube = kube::Config::new(cp.url.parse().expect("apiserver URL"));
+        kube.root_cert = Some(
+            CertificateDer::pem_slice_iter(cp.ca_pem.as_bytes())
+                .map(|c| c.expect("CA PEM").to_vec())
+                .collect(),
+        );
+        kube.auth_info.token = Some(cp.admin_token().to_string().into());
+        if let Some(path) = static_users {
+            std::fs::write(path, kube_cache_proxy::app::dev::token_auth_file(&cp.users)).unwrap();
+        }
+        let file = static_users.map(std::path::Path::to_path_buf);
+        Self::start_with_kube(kube, |c| {
+            if file.is_some() {
+                c.authentication.token_auth_file = file;
+            }
+            tweak(c)
+        })
+        .await
+    }
+
     /// Starts the proxy in front of the apiserver `kube` describes (its credentials become the
     /// proxy's own).
     pub async fn start_with_kube(kube: kube::Config, tweak: impl FnOnce(&mut Config)) -> TestProxy {

@@ -141,6 +141,14 @@ impl prometheus_client::collector::Collector for AuthCollector {
             "Authorization decision cache lookups (hit ratio = hit / (hit + miss))",
             &lookups,
         )?;
+        let invalidations = Counter::<u64>::default();
+        invalidations.inc_by(z.rbac_invalidations.load(Relaxed));
+        emit(
+            &mut enc,
+            "kube_cache_proxy_authorization_rbac_invalidations",
+            "Times cached authorization decisions were voided because RBAC objects changed (per scope: the cluster or one namespace; each change counts twice, at once and once settled)",
+            &invalidations,
+        )?;
 
         let quota = Family::<QuotaLabels, Counter>::default();
         for t in self.tenancy.tenants() {

@@ -34,6 +34,8 @@ struct Verification {
     refused_by: Option<AuthnMethod>,
     /// A TokenReview decided (or confirmed) it.
     reviewed: bool,
+    /// The Secret an offline-verified token is bound to (name, uid).
+    secret: Option<Arc<(String, String)>>,
 }
 
 /// The result of authenticating one request.
@@ -149,10 +151,10 @@ impl Authenticator {
 
     /// What the caches say of an identity established by `m`; only tokens are looked up
     /// (the token file and certificates name no ServiceAccount object).
-    fn live(&self, id: &Identity, m: AuthnMethod) -> Live {
+    fn live(&self, id: &Identity, m: AuthnMethod, secret: Option<&(String, String)>) -> Live {
         match (&self.caches, m) {
             (Some(c), AuthnMethod::ServiceAccountJwt | AuthnMethod::TokenReview) => {
-                liveness::check(c, id)
+                liveness::check(c, id, secret)
             }
             _ => Live::Alive,
         }
@@ -233,9 +235,10 @@ impl Authenticator {
             if let Ok(Cached {
                 outcome: Ok((id, m)),
                 reviewed,
+                secret,
                 ..
             }) = &r
-                && let Live::Doubt(what) = self.live(id, *m)
+                && let Live::Doubt(what) = self.live(id, *m, secret.as_deref())
                 && reviewed.is_none_or(|t| t.elapsed() > REVIEW_VOUCHES)
             {
                 tracing::debug!(user = %id.user, missing = what, "cached verdict in doubt; verifying again");
@@ -295,11 +298,13 @@ impl Authenticator {
                         outcome: Ok(self.finish(v.identity, AuthnMethod::ServiceAccountJwt)),
                         until: v.exp,
                         reviewed: None,
+                        secret: None,
                     },
                     Err(_) => Cached {
                         outcome: Err(Some(AuthnMethod::ServiceAccountJwt)),
                         until: None,
                         reviewed: None,
+                        secret: None,
                     },
                 }
             })
@@ -322,11 +327,13 @@ impl Authenticator {
                         outcome: Ok((id, m)),
                         until: v.until,
                         reviewed,
+                        secret: v.secret,
                     }),
                     Outcome::Unauthorized => Ok(Cached {
                         outcome: Err(v.refused_by),
                         until: None,
                         reviewed,
+                        secret: None,
                     }),
                     Outcome::Unavailable(e) => Err(e),
                 }
@@ -355,6 +362,7 @@ impl Authenticator {
             until,
             refused_by,
             reviewed,
+            secret: None,
         };
         if let Some(u) = self.static_tokens.get(&sha256(token.as_bytes())) {
             let (id, m) = self.static_identity(u);
@@ -382,7 +390,11 @@ impl Authenticator {
                         RevocationCheck::BoundObjects => v.bound,
                         RevocationCheck::Always => true,
                     } || matches!(
-                        self.live(&v.identity, AuthnMethod::ServiceAccountJwt),
+                        self.live(
+                            &v.identity,
+                            AuthnMethod::ServiceAccountJwt,
+                            v.secret.as_ref()
+                        ),
                         Live::Doubt(_)
                     );
                     if review {
@@ -407,7 +419,10 @@ impl Authenticator {
                         }
                     }
                     let (id, m) = self.finish(v.identity, AuthnMethod::ServiceAccountJwt);
-                    return done(Outcome::Authenticated(id, m), v.exp, None, review);
+                    return Verification {
+                        secret: v.secret.map(Arc::new),
+                        ..done(Outcome::Authenticated(id, m), v.exp, None, review)
+                    };
                 }
                 Err(JwtError::Invalid(why)) => {
                     tracing::debug!(reason = %why, "serviceaccount token rejected");
@@ -535,6 +550,7 @@ mod tests {
                     outcome: Ok((id, m)),
                     until: None,
                     reviewed: None,
+                    secret: None,
                 },
             )
             .await;

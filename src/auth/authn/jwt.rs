@@ -156,6 +156,8 @@ pub struct VerifiedJwt {
     pub exp: Option<u64>,
     /// Names a pod, secret or node whose deletion revokes it.
     pub bound: bool,
+    /// The Secret it is bound to (name, uid): not part of the identity, looked up apart.
+    pub secret: Option<(String, String)>,
 }
 
 /// The issuer claim of a JWT, read without verification (only to pick the verifier).
@@ -275,6 +277,7 @@ pub fn verify_jwt(
         },
         exp: c.exp,
         bound: k.pod.is_some() || k.secret.is_some() || k.node.is_some(),
+        secret: k.secret.as_ref().map(|s| (s.name.clone(), s.uid.clone())),
     })
 }
 

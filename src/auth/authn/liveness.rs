@@ -6,8 +6,10 @@
 //! uid (`pkg/serviceaccount/claims.go`, `--service-account-lookup`). A token verified offline
 //! or remembered in the verdict cache would otherwise keep reading the cache after its account
 //! was deleted or re-created, until the token expired. The proxy follows ServiceAccounts
-//! itself (a pinned cache, one upstream watch) and pods and nodes when `cache.resources`
-//! selects them; secrets bound into legacy tokens are left to `revocationCheck` (TokenReview).
+//! itself (a pinned cache, one upstream watch) and looks bound pods, secrets and nodes up
+//! when `cache.resources` selects them (the default does); a bound object whose kind is not
+//! cached is left to `revocationCheck` (TokenReview when the token is verified, remembered
+//! for `authentication.cacheTtl`).
 //!
 //! The caches only ever raise a doubt: a copy that lags (an account created a moment ago) or
 //! disagrees sends the token to TokenReview, which decides with the apiserver's own lookup.
@@ -68,13 +70,18 @@ fn deleting(body: &[u8]) -> bool {
         .any(|w| w == b"\"deletionTimestamp\"")
 }
 
-/// What `caches` say of `id` (see the module docs). Only ServiceAccount users are checked.
-pub fn check(caches: &Caches, id: &Identity) -> Live {
-    check_with(&|r| synced(caches, r), id)
+/// What `caches` say of `id` (see the module docs), and of the Secret (name, uid) its token
+/// is bound to, if any. Only ServiceAccount users are checked.
+pub fn check(caches: &Caches, id: &Identity, secret: Option<&(String, String)>) -> Live {
+    check_with(&|r| synced(caches, r), id, secret)
 }
 
 /// [`check`] with `synced` finding the synced cache of a core/v1 resource.
-fn check_with(synced: &dyn Fn(&str) -> Option<Arc<ResourceCache>>, id: &Identity) -> Live {
+fn check_with(
+    synced: &dyn Fn(&str) -> Option<Arc<ResourceCache>>,
+    id: &Identity,
+    secret: Option<&(String, String)>,
+) -> Live {
     let Some((namespace, name)) = id
         .user
         .strip_prefix("system:serviceaccount:")
@@ -87,6 +94,12 @@ fn check_with(synced: &dyn Fn(&str) -> Option<Arc<ResourceCache>>, id: &Identity
     };
     if present(&accounts, namespace, name, &id.uid).is_err() {
         return Live::Doubt("serviceaccount");
+    }
+    if let Some((name, uid)) = secret
+        && let Some(secrets) = synced("secrets")
+        && present(&secrets, namespace, name, uid).is_err()
+    {
+        return Live::Doubt("secret");
     }
     if let Some(pod) = first(id, POD_NAME) {
         if let Some(pods) = synced("pods")
@@ -162,7 +175,10 @@ mod tests {
             _ => None,
         };
         let user = "system:serviceaccount:ns:a";
-        assert_eq!(check_with(&with_pods, &sa(user, "u-a", &[])), Live::Alive);
+        assert_eq!(
+            check_with(&with_pods, &sa(user, "u-a", &[]), None),
+            Live::Alive
+        );
         // Re-created (another uid), deleted, being deleted, or in another namespace.
         for (user, uid) in [
             (user, "u-old"),
@@ -171,24 +187,56 @@ mod tests {
             ("system:serviceaccount:other:a", "u-a"),
         ] {
             assert_eq!(
-                check_with(&with_pods, &sa(user, uid, &[])),
+                check_with(&with_pods, &sa(user, uid, &[]), None),
                 Live::Doubt("serviceaccount"),
                 "{user} {uid}"
             );
         }
         let bound = |pod: &str, uid: &str| sa(user, "u-a", &[(POD_NAME, pod), (POD_UID, uid)]);
-        assert_eq!(check_with(&with_pods, &bound("p", "u-p")), Live::Alive);
         assert_eq!(
-            check_with(&with_pods, &bound("p", "u-x")),
+            check_with(&with_pods, &bound("p", "u-p"), None),
+            Live::Alive
+        );
+        assert_eq!(
+            check_with(&with_pods, &bound("p", "u-x"), None),
             Live::Doubt("pod")
         );
         assert_eq!(
-            check_with(&with_pods, &bound("q", "u-q")),
+            check_with(&with_pods, &bound("q", "u-q"), None),
             Live::Doubt("pod")
         );
         // Pods not cached: the bound pod is left to `revocationCheck`.
         let accounts_only = |r: &str| (r == "serviceaccounts").then(|| accounts.clone());
-        assert_eq!(check_with(&accounts_only, &bound("q", "u-q")), Live::Alive);
+        assert_eq!(
+            check_with(&accounts_only, &bound("q", "u-q"), None),
+            Live::Alive
+        );
+        // A Secret-bound token: its Secret, when secrets are cached.
+        let secrets = cache(
+            Resource::core("secrets", "Secret", true),
+            &[
+                json!({"metadata": {"name": "s", "namespace": "ns", "uid": "u-s", "resourceVersion": "9"}}),
+            ],
+        );
+        let with_secrets = |r: &str| match r {
+            "serviceaccounts" => Some(accounts.clone()),
+            "secrets" => Some(secrets.clone()),
+            _ => None,
+        };
+        let plain = sa(user, "u-a", &[]);
+        let s = |name: &str, uid: &str| (name.to_string(), uid.to_string());
+        assert_eq!(
+            check_with(&with_secrets, &plain, Some(&s("s", "u-s"))),
+            Live::Alive
+        );
+        assert_eq!(
+            check_with(&with_secrets, &plain, Some(&s("s", "u-old"))),
+            Live::Doubt("secret")
+        );
+        assert_eq!(
+            check_with(&accounts_only, &plain, Some(&s("gone", "u"))),
+            Live::Alive
+        );
         // A node-bound token (no pod): its node, when nodes are cached.
         let nodes = cache(
             Resource::core("nodes", "Node", false),
@@ -200,9 +248,12 @@ mod tests {
             _ => None,
         };
         let node = |n: &str, uid: &str| sa(user, "u-a", &[(NODE_NAME, n), (NODE_UID, uid)]);
-        assert_eq!(check_with(&with_nodes, &node("n1", "u-n1")), Live::Alive);
         assert_eq!(
-            check_with(&with_nodes, &node("n2", "u-n2")),
+            check_with(&with_nodes, &node("n1", "u-n1"), None),
+            Live::Alive
+        );
+        assert_eq!(
+            check_with(&with_nodes, &node("n2", "u-n2"), None),
             Live::Doubt("node")
         );
     }
@@ -211,13 +262,13 @@ mod tests {
     async fn without_followed_accounts_nothing_is_said_and_other_users_are_not_checked() {
         let caches = Caches::default();
         assert_eq!(
-            check(&caches, &sa("system:serviceaccount:ns:a", "u", &[])),
+            check(&caches, &sa("system:serviceaccount:ns:a", "u", &[]), None),
             Live::Unchecked
         );
-        assert_eq!(check(&caches, &sa("alice", "", &[])), Live::Alive);
+        assert_eq!(check(&caches, &sa("alice", "", &[]), None), Live::Alive);
         // A malformed ServiceAccount user names nothing to look up.
         assert_eq!(
-            check(&caches, &sa("system:serviceaccount:only-ns", "", &[])),
+            check(&caches, &sa("system:serviceaccount:only-ns", "", &[]), None),
             Live::Alive
         );
     }

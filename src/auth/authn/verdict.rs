@@ -17,6 +17,8 @@ pub(super) struct Cached {
     /// identity: a doubt of the proxy's caches (see `liveness`) is then left alone for
     /// [`REVIEW_VOUCHES`], the time they take to catch up with the apiserver.
     pub(super) reviewed: Option<Instant>,
+    /// The Secret an offline-verified token is bound to (name, uid), for the lookup.
+    pub(super) secret: Option<Arc<(String, String)>>,
 }
 
 /// How long a TokenReview outweighs a doubt of the proxy's own copy of the ServiceAccounts

@@ -10,7 +10,8 @@
 //! proxy wrote: 400, 401, 403, 429, ...), `bytes` (response body bytes sent, counted to the
 //! end of the stream; an upgraded exec/attach/port-forward stream's bytes are not the
 //! response body and are not counted), `latency_ms` (to the end of the body), `user_agent`, `audit_id`,
-//! `peer`. Credentials never appear: no header but `User-Agent` and `Audit-Id` is read.
+//! `peer`, and a watch's opt-in field filter (`watch_fields`: its canonical form and
+//! `applied` or `unfiltered`). Credentials never appear: no header but `User-Agent` and `Audit-Id` is read.
 //!
 //! `log.access: off` (`--log-access off`) turns it off; `log.accessSampling` (0 to 1) writes
 //! that fraction of requests.
@@ -35,6 +36,9 @@ pub struct Entry {
     pub code: u16,
     pub served_by: &'static str,
     pub audit_id: String,
+    /// A watch's opt-in field filter (`k8s::watch_fields`, canonical form) and whether it
+    /// was applied: `spec applied`, `spec unfiltered`; `-` without one.
+    pub watch_fields: Option<String>,
 }
 
 /// Whether this request gets an access-log line (`log.access`, `log.accessSampling`, and a
@@ -75,6 +79,7 @@ impl Entry {
             user_agent = %self.user_agent,
             audit_id = %self.audit_id,
             peer = %peer,
+            watch_fields = self.watch_fields.as_deref().unwrap_or("-"),
             "request"
         );
     }

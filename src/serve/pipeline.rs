@@ -732,6 +732,14 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         };
         a.namespace = info.namespace.clone();
         a.code = code.as_u16();
+        if let Some(f) = &watch_fields {
+            let applied = resp
+                .headers()
+                .get(watch_fields::APPLIED_HEADER)
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("refused");
+            a.watch_fields = Some(format!("{} {applied}", f.canonical()));
+        }
         a.served_by = match served_by {
             "cache" if refused => "proxy",
             "upstream" => "apiserver",

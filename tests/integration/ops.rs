@@ -76,8 +76,17 @@ fn get(url: &str, token: &str, ua: &str) -> Request<Full<Bytes>> {
         .unwrap()
 }
 
+fn by_ua_in(lines: &[serde_json::Value], ua: &str) -> serde_json::Value {
+    lines
+        .iter()
+        .find(|l| l["user_agent"] == ua)
+        .unwrap_or_else(|| panic!("no line for {ua}: {lines:#?}"))
+        .clone()
+}
+
 /// One access-log line per request, with every field, in JSON; a cache read, a passthrough
-/// and a refusal each say who served them; the bearer token appears nowhere.
+/// and a refusal each say who served them; the bearer token appears nowhere; a watch with
+/// the opt-in field filter names it.
 #[tokio::test]
 async fn the_access_log_names_each_request_and_never_its_token() {
     let (logs, _guard) = Captured::install("info", LogFormat::Json);
@@ -129,12 +138,31 @@ async fn the_access_log_names_each_request_and_never_its_token() {
         .await;
     assert_eq!(r.status(), 401);
     body_string(r).await;
+    // A watch with the opt-in field filter, served (and filtered) by the cache.
+    let mut w = get(
+        &proxy
+            .https("/api/v1/namespaces/ns1/configmaps?watch=1&resourceVersion=0&timeoutSeconds=1"),
+        SECRET,
+        "filtered-watcher",
+    );
+    w.headers_mut().insert(
+        "x-kube-cache-proxy-watch-fields",
+        http::HeaderValue::from_static("data"),
+    );
+    let r = c.send(w).await;
+    assert_eq!(r.status(), 200);
+    body_string(r).await;
 
-    let lines = eventually("three access-log lines", BOUND, async || {
+    let lines = eventually("four access-log lines", BOUND, async || {
         let l = logs.json_lines("request");
-        ok_if(l.len() >= 3, l)
+        ok_if(l.len() >= 4, l)
     })
     .await;
+    assert_eq!(
+        by_ua_in(&lines, "filtered-watcher")["watch_fields"],
+        "data applied"
+    );
+    assert_eq!(by_ua_in(&lines, "cached-reader")["watch_fields"], "-");
     let by_ua = |ua: &str| {
         lines
             .iter()

@@ -11,6 +11,11 @@
 //! are closed cleanly (clients re-watch, and pass through to the apiserver's own answer,
 //! e.g. 404 for a deleted CRD), and its cache and metric series go; its requests pass
 //! through from then on. A CRD re-created under the same name (a new uid) gets a fresh cache.
+//!
+//! Pinned resources (ServiceAccounts for the token lookup, the RBAC resources for decision
+//! invalidation) are cached from the start for the proxy's own use, whatever the plan says;
+//! when the plan selects one of them, the served cache is that same cache (one upstream
+//! watch), and it counts for readiness only then.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;

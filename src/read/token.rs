@@ -106,6 +106,31 @@ impl std::fmt::Debug for Key {
     }
 }
 
+/// The one place a continue token's fault becomes an answer: a foreign token goes to the
+/// apiserver, a bad one is a 400 and an expired one a 410, as the apiserver answers.
+impl From<TokenError> for super::NotServed {
+    fn from(e: TokenError) -> Self {
+        use crate::k8s::status::{Reason, Status};
+        match e {
+            TokenError::Foreign => super::NotServed::Delegate("foreign continue token"),
+            // One message for every cause (nothing disclosed about which part failed),
+            // naming them all, including a filtered view that changed.
+            TokenError::Invalid => Status::bad_request(
+                "invalid continue token: continue key is not valid for this caller, query \
+                 and namespace view; start a new list without the continue parameter",
+            )
+            .into(),
+            TokenError::Expired => Status::failure(
+                http::StatusCode::GONE,
+                Reason::Expired,
+                "The provided continue parameter is too old to display a consistent list \
+                 result. You can start a new list without the continue parameter.",
+            )
+            .into(),
+        }
+    }
+}
+
 /// A key the key file cannot hold.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum KeyError {

@@ -93,7 +93,8 @@ pub enum DevClusterError {
     NotReady {
         name: &'static str,
         after: Duration,
-        last_error: String,
+        /// Boxed: a `kube::Error` inside would make every `DevClusterError` large.
+        last_error: Box<ProbeError>,
         log: PathBuf,
         tail: String,
     },
@@ -301,14 +302,12 @@ impl ControlPlane {
         cp.wait_ready("kube-apiserver", APISERVER_READY_TIMEOUT, || {
             let client = client.clone();
             async move {
-                let req = http::Request::get("/readyz")
-                    .body(Vec::new())
-                    .map_err(|e| e.to_string())?;
+                let req = http::Request::get("/readyz").body(Vec::new())?;
                 client
                     .request_text(req)
                     .await
                     .map(|_| ())
-                    .map_err(|e| e.to_string())
+                    .map_err(ProbeError::Apiserver)
             }
         })
         .await?;
@@ -403,7 +402,7 @@ impl ControlPlane {
     ) -> Result<(), DevClusterError>
     where
         F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Result<(), String>>,
+        Fut: std::future::Future<Output = Result<(), ProbeError>>,
     {
         let deadline = Instant::now() + timeout;
         loop {
@@ -421,14 +420,14 @@ impl ControlPlane {
             let last_error = match tokio::time::timeout(Duration::from_secs(5), probe()).await {
                 Ok(Ok(())) => return Ok(()),
                 Ok(Err(e)) => e,
-                Err(_) => "probe timed out after 5s".to_string(),
+                Err(_) => ProbeError::TimedOut,
             };
             if Instant::now() >= deadline {
                 let log = self.log_path(name);
                 return Err(DevClusterError::NotReady {
                     name,
                     after: timeout,
-                    last_error,
+                    last_error: Box::new(last_error),
                     tail: log_tail(&log),
                     log,
                 });
@@ -968,7 +967,7 @@ async fn cp_wait_default_sa(
                 sas.get("default")
                     .await
                     .map(|_| ())
-                    .map_err(|e| format!("ServiceAccount default/default: {e}"))
+                    .map_err(ProbeError::DefaultServiceAccount)
             }
         },
     )
@@ -987,24 +986,40 @@ fn kube_err(context: String) -> impl FnOnce(kube::Error) -> DevClusterError {
     move |source| DevClusterError::Kube { context, source }
 }
 
+/// Why a child's readiness probe failed; the last one is in [`DevClusterError::NotReady`].
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("probe timed out after 5s")]
+    TimedOut,
+    #[error(transparent)]
+    Io(#[from] std::io::Error),
+    #[error(transparent)]
+    Request(#[from] http::Error),
+    /// The apiserver's `/readyz` did not answer ok.
+    #[error(transparent)]
+    Apiserver(kube::Error),
+    /// kube-controller-manager has not created the default ServiceAccount yet.
+    #[error("ServiceAccount default/default: {0}")]
+    DefaultServiceAccount(#[source] kube::Error),
+    /// It answered, but not healthy: the last line of its answer.
+    #[error("unhealthy: {0}")]
+    Unhealthy(String),
+}
+
 /// One plain HTTP/1.0 `GET /health` against etcd; healthy when it answers `"health":"true"`.
-async fn etcd_healthy(addr: &str) -> Result<(), String> {
-    let mut s = tokio::net::TcpStream::connect(addr)
-        .await
-        .map_err(|e| e.to_string())?;
+async fn etcd_healthy(addr: &str) -> Result<(), ProbeError> {
+    let mut s = tokio::net::TcpStream::connect(addr).await?;
     s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        .await
-        .map_err(|e| e.to_string())?;
+        .await?;
     let mut buf = Vec::new();
-    s.read_to_end(&mut buf).await.map_err(|e| e.to_string())?;
+    s.read_to_end(&mut buf).await?;
     let text = String::from_utf8_lossy(&buf);
     let ok_status = text.starts_with("HTTP/1.0 200") || text.starts_with("HTTP/1.1 200");
     if ok_status && text.contains("\"health\":\"true\"") {
         return Ok(());
     }
-    Err(format!(
-        "unhealthy: {}",
-        text.lines().last().unwrap_or_default()
+    Err(ProbeError::Unhealthy(
+        text.lines().last().unwrap_or_default().to_string(),
     ))
 }
 

@@ -80,7 +80,7 @@ pub fn check_files(c: &Config, err: &mut dyn FnMut(&str, String)) {
     if let Some(p) = &c.tokens.key_file
         && let Err(e) = std::fs::read_to_string(p)
             .map_err(|e| e.to_string())
-            .and_then(|t| crate::read::token::KeySet::parse(&t))
+            .and_then(|t| crate::read::token::KeySet::parse(&t).map_err(|e| e.to_string()))
     {
         err("tokens.keyFile", format!("{}: {e}", p.display()));
     }

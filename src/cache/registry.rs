@@ -427,32 +427,29 @@ impl Manager {
 /// Reads the discovery documents of `groups` (`None`: every group) with the proxy's identity
 /// (also `check-config --kubeconfig`). Fails only when the core
 /// documents cannot be read; a group that fails is recorded in [`Discovery::failed_groups`].
-pub async fn fetch(upstream: &Upstream, sel: &Selection) -> Result<Discovery, String> {
+pub async fn fetch(upstream: &Upstream, sel: &Selection) -> Result<Discovery, DiscoveryError> {
     let groups = sel.groups();
     let groups = groups.as_ref();
     let mut d = Discovery::default();
     if groups.is_none_or(|g| g.contains("")) {
-        let core: discovery::ResourceList = get_json(upstream, "/api/v1")
-            .await
-            .map_err(Fetch::message)?;
+        let core: discovery::ResourceList = get_json(upstream, "/api/v1").await?;
         discovery::add_resources(&mut d, "", "v1", core);
     }
     let mut found: Vec<discovery::ApiGroup> = Vec::new();
     match groups {
         None => {
-            let list: discovery::ApiGroupList =
-                get_json(upstream, "/apis").await.map_err(Fetch::message)?;
+            let list: discovery::ApiGroupList = get_json(upstream, "/apis").await?;
             found = list.groups;
         }
         Some(groups) => {
             for g in groups.iter().filter(|g| !g.is_empty()) {
                 match get_json::<discovery::ApiGroup>(upstream, &format!("/apis/{g}")).await {
                     Ok(group) => found.push(group),
-                    Err(Fetch::NotFound) => {
+                    Err(DiscoveryError::NotFound) => {
                         d.absent_groups.insert(g.clone());
                     }
                     Err(e) => {
-                        d.failed_groups.insert(g.clone(), e.message());
+                        d.failed_groups.insert(g.clone(), e.to_string());
                     }
                 }
             }
@@ -464,7 +461,7 @@ pub async fn fetch(upstream: &Upstream, sel: &Selection) -> Result<Discovery, St
             match get_json::<discovery::ResourceList>(upstream, &path).await {
                 Ok(list) => discovery::add_resources(&mut d, &g.name, &v, list),
                 Err(e) => {
-                    d.failed_groups.insert(g.name.clone(), e.message());
+                    d.failed_groups.insert(g.name.clone(), e.to_string());
                 }
             }
             // Named mode: stop at the first version that has every wanted resource of the
@@ -483,24 +480,40 @@ pub async fn fetch(upstream: &Upstream, sel: &Selection) -> Result<Discovery, St
 }
 
 /// Why a discovery document could not be read.
-enum Fetch {
+#[derive(Debug, thiserror::Error)]
+pub enum DiscoveryError {
+    /// 404: the group is not served (an absent group, not a failure, when asked by name).
+    #[error("not found")]
     NotFound,
-    Failed(String),
-}
-
-impl Fetch {
-    fn message(self) -> String {
-        match self {
-            Fetch::NotFound => "not found".into(),
-            Fetch::Failed(e) => e,
-        }
-    }
+    #[error("GET {path} timed out")]
+    TimedOut { path: String },
+    /// No response (the upstream's error names the address and cause).
+    #[error("GET {path}: {source}")]
+    Send {
+        path: String,
+        #[source]
+        source: tower::BoxError,
+    },
+    /// The body broke off.
+    #[error(transparent)]
+    Body(hyper::Error),
+    #[error("GET {path} returned {status}")]
+    Status {
+        path: String,
+        status: http::StatusCode,
+    },
+    #[error("GET {path}: {source}")]
+    Decode {
+        path: String,
+        #[source]
+        source: serde_json::Error,
+    },
 }
 
 async fn get_json<T: for<'de> Deserialize<'de>>(
     upstream: &Upstream,
     path: &str,
-) -> Result<T, Fetch> {
+) -> Result<T, DiscoveryError> {
     let mut req = Request::new(body::empty());
     *req.uri_mut() = upstream.uri(path);
     req.headers_mut().insert(
@@ -512,20 +525,31 @@ async fn get_json<T: for<'de> Deserialize<'de>>(
         upstream.send(req, As::Proxy, false),
     )
     .await
-    .map_err(|_| Fetch::Failed(format!("GET {path} timed out")))?
-    .map_err(|e| Fetch::Failed(format!("GET {path}: {e}")))?;
+    .map_err(|_| DiscoveryError::TimedOut {
+        path: path.to_string(),
+    })?
+    .map_err(|source| DiscoveryError::Send {
+        path: path.to_string(),
+        source,
+    })?;
     let status = resp.status();
     let b = resp
         .into_body()
         .collect()
         .await
-        .map_err(|e| Fetch::Failed(e.to_string()))?
+        .map_err(DiscoveryError::Body)?
         .to_bytes();
     if status == http::StatusCode::NOT_FOUND {
-        return Err(Fetch::NotFound);
+        return Err(DiscoveryError::NotFound);
     }
     if !status.is_success() {
-        return Err(Fetch::Failed(format!("GET {path} returned {status}")));
+        return Err(DiscoveryError::Status {
+            path: path.to_string(),
+            status,
+        });
     }
-    serde_json::from_slice(&b).map_err(|e| Fetch::Failed(format!("GET {path}: {e}")))
+    serde_json::from_slice(&b).map_err(|source| DiscoveryError::Decode {
+        path: path.to_string(),
+        source,
+    })
 }

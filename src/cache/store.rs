@@ -254,6 +254,22 @@ pub enum WatchError {
     NotReady,
 }
 
+/// The one place a watch registration's fault becomes a `Status`. `Expired` is the 410 the
+/// apiserver answers past its own window (sent as an ERROR event on a 200 stream); the read
+/// path hands `NotReady` to the apiserver instead, so its 503 is only what another caller
+/// would show.
+impl From<WatchError> for crate::k8s::status::Status {
+    fn from(e: WatchError) -> Self {
+        use crate::k8s::status::{Reason, Status};
+        match e {
+            WatchError::Expired { .. } => {
+                Status::failure(http::StatusCode::GONE, Reason::Expired, e.to_string())
+            }
+            WatchError::NotReady => Status::service_unavailable(e.to_string(), 1),
+        }
+    }
+}
+
 impl ResourceCache {
     pub fn new(resource: Resource, cfg: StoreConfig) -> Arc<ResourceCache> {
         let (dispatch, mut rx) = mpsc::unbounded_channel::<Dispatch>();

@@ -14,15 +14,41 @@ use crate::upstream::{As, Upstream};
 /// Largest `/metrics` body read. A big apiserver exports a few MiB.
 const MAX_METRICS_BYTES: usize = 64 << 20;
 
-async fn read_metrics(resp: Response<hyper::body::Incoming>) -> Result<String, String> {
+/// Why a `/metrics` scrape gave no scrape; the load signal it carries is then unknown.
+#[derive(Debug, thiserror::Error)]
+pub enum ScrapeError {
+    /// The etcd metrics URL in the configuration is not a URI.
+    #[error("{url}: {source}")]
+    BadUrl {
+        url: String,
+        #[source]
+        source: http::uri::InvalidUri,
+    },
+    /// No response: `target` is `/metrics` for the apiserver, the URL for etcd.
+    #[error("GET {target}: {source}")]
+    Send {
+        target: String,
+        #[source]
+        source: tower::BoxError,
+    },
+    #[error("GET /metrics returned {0}")]
+    Status(http::StatusCode),
+    /// The body broke off or is larger than 64 MiB.
+    #[error("reading /metrics: {0}")]
+    Read(#[source] tower::BoxError),
+    #[error("GET {target} timed out after {after:?}")]
+    TimedOut { target: String, after: Duration },
+}
+
+async fn read_metrics(resp: Response<hyper::body::Incoming>) -> Result<String, ScrapeError> {
     let status = resp.status();
     if !status.is_success() {
-        return Err(format!("GET /metrics returned {status}"));
+        return Err(ScrapeError::Status(status));
     }
     let b: Bytes = http_body_util::Limited::new(resp.into_body(), MAX_METRICS_BYTES)
         .collect()
         .await
-        .map_err(|e| format!("reading /metrics: {e}"))?
+        .map_err(ScrapeError::Read)?
         .to_bytes();
     Ok(String::from_utf8_lossy(&b).into_owned())
 }
@@ -40,18 +66,25 @@ fn metrics_request(uri: http::Uri) -> Request<Body> {
 pub(super) async fn scrape_apiserver(
     upstream: &Upstream,
     timeout: Duration,
-) -> Result<ApiserverScrape, String> {
+) -> Result<ApiserverScrape, ScrapeError> {
     let req = metrics_request(upstream.uri("/metrics"));
     let fetch = async {
         let resp = upstream
             .send_untimed(req, As::Proxy, false)
             .await
-            .map_err(|e| format!("GET /metrics: {e}"))?;
+            .map_err(|source| ScrapeError::Send {
+                target: "/metrics".into(),
+                source,
+            })?;
         read_metrics(resp).await
     };
-    let text = tokio::time::timeout(timeout, fetch)
-        .await
-        .map_err(|_| format!("GET /metrics timed out after {timeout:?}"))??;
+    let text =
+        tokio::time::timeout(timeout, fetch)
+            .await
+            .map_err(|_| ScrapeError::TimedOut {
+                target: "/metrics".into(),
+                after: timeout,
+            })??;
     Ok(ApiserverScrape::parse(&text))
 }
 
@@ -62,17 +95,27 @@ pub(super) async fn scrape_etcd(
     >,
     url: &str,
     timeout: Duration,
-) -> Result<EtcdScrape, String> {
-    let uri: http::Uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
+) -> Result<EtcdScrape, ScrapeError> {
+    let uri: http::Uri = url.parse().map_err(|source| ScrapeError::BadUrl {
+        url: url.to_string(),
+        source,
+    })?;
     let fetch = async {
         let resp = client
             .request(metrics_request(uri))
             .await
-            .map_err(|e| format!("GET {url}: {e}"))?;
+            .map_err(|e| ScrapeError::Send {
+                target: url.to_string(),
+                source: e.into(),
+            })?;
         read_metrics(resp).await
     };
-    let text = tokio::time::timeout(timeout, fetch)
-        .await
-        .map_err(|_| format!("GET {url} timed out after {timeout:?}"))??;
+    let text =
+        tokio::time::timeout(timeout, fetch)
+            .await
+            .map_err(|_| ScrapeError::TimedOut {
+                target: url.to_string(),
+                after: timeout,
+            })??;
     Ok(EtcdScrape::parse(&text))
 }

@@ -7,6 +7,7 @@ use std::time::Duration;
 use serde::Serialize;
 
 use super::controller::clamp;
+use super::fetch::ScrapeError;
 use super::scrape::{ApiserverScrape, EtcdScrape};
 use crate::config::LoadConfig;
 
@@ -59,8 +60,8 @@ impl LoadTracker {
     pub fn update(
         &mut self,
         cfg: &LoadConfig,
-        api: Result<ApiserverScrape, String>,
-        etcd: Option<Result<EtcdScrape, String>>,
+        api: Result<ApiserverScrape, ScrapeError>,
+        etcd: Option<Result<EtcdScrape, ScrapeError>>,
         elapsed: Duration,
     ) -> LoadReport {
         let mut signals = Vec::new();
@@ -220,13 +221,19 @@ mod tests {
         let d = Duration::from_secs(10);
         let ok = || Ok(ApiserverScrape::parse(&etcd_text("get", 1, 0, 0)));
         assert!(approx(t.update(&lc, ok(), None, d).score.unwrap(), 0.1));
+        let timed_out = || {
+            Err(ScrapeError::TimedOut {
+                target: "/metrics".into(),
+                after: Duration::from_secs(5),
+            })
+        };
         for i in 1..=STALE_SAMPLES {
-            let r = t.update(&lc, Err("timed out".into()), None, d);
+            let r = t.update(&lc, timed_out(), None, d);
             assert!(approx(r.score.unwrap(), 0.1));
             assert_eq!(r.stale_samples, i);
-            assert_eq!(r.errors, ["apiserver: timed out"]);
+            assert_eq!(r.errors, ["apiserver: GET /metrics timed out after 5s"]);
         }
-        let r = t.update(&lc, Err("timed out".into()), None, d);
+        let r = t.update(&lc, timed_out(), None, d);
         assert_eq!(r.score, None);
         assert_eq!(load_factor(&cfg(), r.score), 1.0);
         // A scrape that works but has none of the metrics is the same as no signal.
@@ -251,9 +258,19 @@ mod tests {
             ))))
         };
         let d = Duration::from_secs(10);
-        let r = t.update(&lc, Err("403 Forbidden".into()), etcd(10, 0, 20), d);
+        let r = t.update(
+            &lc,
+            Err(ScrapeError::Status(http::StatusCode::FORBIDDEN)),
+            etcd(10, 0, 20),
+            d,
+        );
         assert!(approx(r.score.unwrap(), 0.2), "pending 20 / 100: {r:?}");
-        let r = t.update(&lc, Err("403 Forbidden".into()), etcd(10, 50, 20), d);
+        let r = t.update(
+            &lc,
+            Err(ScrapeError::Status(http::StatusCode::FORBIDDEN)),
+            etcd(10, 50, 20),
+            d,
+        );
         let commit = r
             .signals
             .iter()
@@ -264,9 +281,15 @@ mod tests {
         let r = t.update(
             &lc,
             Ok(ApiserverScrape::default()),
-            Some(Err("refused".into())),
+            Some(Err(ScrapeError::Send {
+                target: "http://127.0.0.1:2381/metrics".into(),
+                source: "connection refused".into(),
+            })),
             d,
         );
-        assert_eq!(r.errors, ["etcd: refused"]);
+        assert_eq!(
+            r.errors,
+            ["etcd: GET http://127.0.0.1:2381/metrics: connection refused"]
+        );
     }
 }

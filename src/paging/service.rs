@@ -16,7 +16,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 
 use super::controller::{Controller, Decision, Inputs};
-use super::fetch::{scrape_apiserver, scrape_etcd};
+use super::fetch::{ScrapeError, scrape_apiserver, scrape_etcd};
 use super::load::{LoadReport, LoadTracker, STALE_SAMPLES};
 use super::scrape::{ApiserverScrape, EtcdScrape};
 use crate::config::PagingConfig;
@@ -154,8 +154,8 @@ impl Paging {
     pub fn sample(
         &self,
         upstream: Window,
-        api: Result<ApiserverScrape, String>,
-        etcd: Option<Result<EtcdScrape, String>>,
+        api: Result<ApiserverScrape, ScrapeError>,
+        etcd: Option<Result<EtcdScrape, ScrapeError>>,
     ) -> Record {
         self.sample_at(Instant::now(), upstream, api, etcd)
     }
@@ -165,8 +165,8 @@ impl Paging {
         &self,
         now: Instant,
         upstream: Window,
-        api: Result<ApiserverScrape, String>,
-        etcd: Option<Result<EtcdScrape, String>>,
+        api: Result<ApiserverScrape, ScrapeError>,
+        etcd: Option<Result<EtcdScrape, ScrapeError>>,
     ) -> Record {
         let lists = self.lists.take();
         let mut inner = self.lock();
@@ -305,8 +305,8 @@ impl Paging {
 
 /// Logs scrape errors when they change (not every interval); returns the current ones.
 fn log_errors(
-    api: &Result<ApiserverScrape, String>,
-    etcd: &Option<Result<EtcdScrape, String>>,
+    api: &Result<ApiserverScrape, ScrapeError>,
+    etcd: &Option<Result<EtcdScrape, ScrapeError>>,
     last: &[String],
 ) -> Vec<String> {
     let mut now = Vec::new();
@@ -365,14 +365,15 @@ mod tests {
         assert_eq!(p.upstream_source().unwrap().get(), 106);
         for _ in 0..5 {
             now += Duration::from_secs(10);
-            p.sample_at(now, Window::default(), Err("down".into()), None);
+            let down = Err(ScrapeError::Status(http::StatusCode::SERVICE_UNAVAILABLE));
+            p.sample_at(now, Window::default(), down, None);
         }
         let j = p.debug_json();
         assert_eq!(j["history"].as_array().unwrap().len(), 3);
         assert_eq!(j["current"]["inputs"]["downstreamListQps"], 0.0);
         assert_eq!(
             j["current"]["inputs"]["load"]["errors"][0],
-            "apiserver: down"
+            "apiserver: GET /metrics returned 503 Service Unavailable"
         );
         assert_eq!(j["current"]["pageSize"]["upstream"], p.upstream_page_size());
         assert_eq!(j["pageSize"]["downstream"], p.downstream_cap().unwrap());

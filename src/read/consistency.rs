@@ -330,7 +330,7 @@ impl Consistency {
                 let n = rounds.state.lock().started;
                 let outcome = match tokio::time::timeout(self.timeout, self.probe(&cache)).await {
                     Ok(r) => r,
-                    Err(_) => Err("timed out".into()),
+                    Err(_) => Err(ProbeError::TimedOut),
                 };
                 let ok = outcome.is_ok();
                 if let Err(e) = outcome {
@@ -354,7 +354,7 @@ impl Consistency {
     async fn get(
         &self,
         path_and_query: &str,
-    ) -> Result<http::Response<hyper::body::Incoming>, String> {
+    ) -> Result<http::Response<hyper::body::Incoming>, ProbeError> {
         let mut req = Request::new(body::empty());
         *req.method_mut() = Method::GET;
         *req.uri_mut() = self.upstream.uri(path_and_query);
@@ -364,15 +364,18 @@ impl Consistency {
             .upstream
             .send(req, As::Proxy, true)
             .await
-            .map_err(|e| e.to_string())?;
+            .map_err(ProbeError::Send)?;
         if !resp.status().is_success() {
-            return Err(format!("{path_and_query}: {}", resp.status()));
+            return Err(ProbeError::Status {
+                path: path_and_query.to_string(),
+                status: resp.status(),
+            });
         }
         Ok(resp)
     }
 
     /// One probe: the current revision, then proof that the cache holds every change up to it.
-    async fn probe(&self, cache: &Arc<ResourceCache>) -> Result<(), String> {
+    async fn probe(&self, cache: &Arc<ResourceCache>) -> Result<(), ProbeError> {
         use std::sync::atomic::Ordering::Relaxed;
         self.stats.probes.fetch_add(1, Relaxed);
         let collection = cache.resource.collection_path(None);
@@ -381,9 +384,9 @@ impl Consistency {
             .into_body()
             .collect()
             .await
-            .map_err(|e| e.to_string())?
+            .map_err(ProbeError::Body)?
             .to_bytes();
-        let current = list_rv(&body).ok_or("no resourceVersion in the probe list")?;
+        let current = list_rv(&body).ok_or(ProbeError::NoResourceVersion)?;
         // Usually the cache is there already, or its watch brings it within milliseconds.
         if cache.rv() >= current || cache.wait_for_rv(current, Duration::from_millis(50)).await {
             return Ok(());
@@ -404,7 +407,7 @@ impl Consistency {
         let mut buf = Vec::new();
         let mut last_event = from;
         while let Some(frame) = body.frame().await {
-            let frame = frame.map_err(|e| e.to_string())?;
+            let frame = frame.map_err(ProbeError::Body)?;
             let Some(data) = frame.data_ref() else {
                 continue;
             };
@@ -421,19 +424,47 @@ impl Consistency {
                         if last_event > cache.rv()
                             && !cache.wait_for_rv(last_event, self.timeout).await
                         {
-                            return Err("the cache did not apply the probed events".into());
+                            return Err(ProbeError::NotApplied);
                         }
                         cache.bookmark(rv);
                         return Ok(());
                     }
                     "BOOKMARK" => {}
-                    "ERROR" => return Err("probe watch error".into()),
+                    "ERROR" => return Err(ProbeError::WatchError),
                     _ => last_event = last_event.max(rv),
                 }
             }
         }
-        Err("probe watch ended without a bookmark".into())
+        Err(ProbeError::NoBookmark)
     }
+}
+
+/// Why a consistency probe proved nothing; the reads waiting on it pass through.
+#[derive(Debug, thiserror::Error)]
+enum ProbeError {
+    /// Longer than `lists.consistencyTimeout`.
+    #[error("timed out")]
+    TimedOut,
+    /// No response (the upstream's error names the address and cause).
+    #[error(transparent)]
+    Send(tower::BoxError),
+    #[error("{path}: {status}")]
+    Status {
+        path: String,
+        status: http::StatusCode,
+    },
+    /// The body broke off.
+    #[error(transparent)]
+    Body(hyper::Error),
+    #[error("no resourceVersion in the probe list")]
+    NoResourceVersion,
+    #[error("the cache did not apply the probed events")]
+    NotApplied,
+    /// The probe watch sent an ERROR event (its resourceVersion was compacted, say).
+    #[error("probe watch error")]
+    WatchError,
+    #[error("probe watch ended without a bookmark")]
+    NoBookmark,
 }
 
 fn list_rv(body: &Bytes) -> Option<u64> {

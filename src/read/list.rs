@@ -378,27 +378,17 @@ async fn list_inner(
         ListFrom::Continue(c) => {
             let t = match cx.keys.verify(&cx.binding, c) {
                 Ok(t) => t,
-                Err(TokenError::Foreign) => return delegate("foreign continue token"),
-                Err(TokenError::Invalid) => {
-                    cache.list_stats.token_invalid.fetch_add(1, Relaxed);
-                    // One message for every cause (nothing disclosed about which part
-                    // failed), naming them all, including a filtered view that changed.
-                    return Err(Status::bad_request(
-                        "invalid continue token: continue key is not valid for this caller, \
-                         query and namespace view; start a new list without the continue \
-                         parameter",
-                    )
-                    .into());
-                }
-                Err(TokenError::Expired) => {
-                    cache.list_stats.token_expired.fetch_add(1, Relaxed);
-                    return Err(Status::failure(
-                        StatusCode::GONE,
-                        Reason::Expired,
-                        "The provided continue parameter is too old to display a consistent \
-                         list result. You can start a new list without the continue parameter.",
-                    )
-                    .into());
+                Err(e) => {
+                    let counter = match e {
+                        TokenError::Invalid => Some(&cache.list_stats.token_invalid),
+                        TokenError::Expired => Some(&cache.list_stats.token_expired),
+                        TokenError::Foreign => None,
+                    };
+                    if let Some(c) = counter {
+                        c.fetch_add(1, Relaxed);
+                    }
+                    // 400, 410 or to the apiserver: `From<TokenError> for NotServed`.
+                    return Err(e.into());
                 }
             };
             if t.rv == 0 {

@@ -42,6 +42,12 @@ impl From<Box<Status>> for NotServed {
     }
 }
 
+impl From<crate::tenancy::Refusal> for NotServed {
+    fn from(r: crate::tenancy::Refusal) -> Self {
+        Status::from(r).into()
+    }
+}
+
 /// The outcome of a step of a cache read.
 pub type Served<T = Response<Body>> = Result<T, NotServed>;
 

@@ -106,23 +106,95 @@ impl std::fmt::Debug for Key {
     }
 }
 
+/// The one place a continue token's fault becomes an answer: a foreign token goes to the
+/// apiserver, a bad one is a 400 and an expired one a 410, as the apiserver answers.
+impl From<TokenError> for super::NotServed {
+    fn from(e: TokenError) -> Self {
+        use crate::k8s::status::{Reason, Status};
+        match e {
+            TokenError::Foreign => super::NotServed::Delegate("foreign continue token"),
+            // One message for every cause (nothing disclosed about which part failed),
+            // naming them all, including a filtered view that changed.
+            TokenError::Invalid => Status::bad_request(
+                "invalid continue token: continue key is not valid for this caller, query \
+                 and namespace view; start a new list without the continue parameter",
+            )
+            .into(),
+            TokenError::Expired => Status::failure(
+                http::StatusCode::GONE,
+                Reason::Expired,
+                "The provided continue parameter is too old to display a consistent list \
+                 result. You can start a new list without the continue parameter.",
+            )
+            .into(),
+        }
+    }
+}
+
+/// A key the key file cannot hold.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum KeyError {
+    #[error("key id {0:?}: 1-32 characters of [A-Za-z0-9_-] expected")]
+    BadId(String),
+    #[error("key {id:?}: secret of {len} bytes, at least {MIN_SECRET_LEN} expected")]
+    ShortSecret { id: String, len: usize },
+}
+
+/// Why a key file's text is not a key set; `line` counts from 1.
+#[derive(Debug, thiserror::Error)]
+pub enum KeySetError {
+    #[error("line {line}: expected `<id> <base64 secret>`")]
+    Syntax { line: usize },
+    #[error("line {line}: secret is not base64: {source}")]
+    Base64 {
+        line: usize,
+        #[source]
+        source: base64::DecodeError,
+    },
+    #[error("line {line}: {source}")]
+    Key {
+        line: usize,
+        #[source]
+        source: KeyError,
+    },
+    #[error("line {line}: duplicate key id {id:?}")]
+    Duplicate { line: usize, id: String },
+    #[error("no keys in the key file")]
+    Empty,
+}
+
+/// A key file that cannot be read or parsed, named by its path.
+#[derive(Debug, thiserror::Error)]
+pub enum KeyFileError {
+    #[error("{}: {source}", .path.display())]
+    Read {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{}: {source}", .path.display())]
+    Parse {
+        path: PathBuf,
+        #[source]
+        source: KeySetError,
+    },
+}
+
 impl Key {
-    pub fn new(id: &str, secret: Vec<u8>) -> Result<Key, String> {
+    pub fn new(id: &str, secret: Vec<u8>) -> Result<Key, KeyError> {
         if id.is_empty()
             || id.len() > 32
             || !id
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
         {
-            return Err(format!(
-                "key id {id:?}: 1-32 characters of [A-Za-z0-9_-] expected"
-            ));
+            return Err(KeyError::BadId(id.to_string()));
         }
         if secret.len() < MIN_SECRET_LEN {
-            return Err(format!(
-                "key {id:?}: secret of {} bytes, at least {MIN_SECRET_LEN} expected",
-                secret.len()
-            ));
+            return Err(KeyError::ShortSecret {
+                id: id.to_string(),
+                len: secret.len(),
+            });
         }
         Ok(Key {
             id: id.to_string(),
@@ -149,28 +221,32 @@ impl KeySet {
     /// The key file: one key per line, `<id> <base64 secret>`; the first is the current key,
     /// the others are accepted for verification. `#` starts a comment. Rotation: put the new
     /// key first and keep the old one below it for at least the token lifetime.
-    pub fn parse(text: &str) -> Result<KeySet, String> {
+    pub fn parse(text: &str) -> Result<KeySet, KeySetError> {
         let mut keys = Vec::new();
-        for (n, line) in text.lines().enumerate() {
-            let line = line.split('#').next().unwrap_or("").trim();
-            if line.is_empty() {
+        for (n, text) in text.lines().enumerate() {
+            let line = n + 1;
+            let text = text.split('#').next().unwrap_or("").trim();
+            if text.is_empty() {
                 continue;
             }
-            let mut parts = line.split_whitespace();
+            let mut parts = text.split_whitespace();
             let (Some(id), Some(secret), None) = (parts.next(), parts.next(), parts.next()) else {
-                return Err(format!("line {}: expected `<id> <base64 secret>`", n + 1));
+                return Err(KeySetError::Syntax { line });
             };
             let secret = base64::engine::general_purpose::STANDARD
                 .decode(secret)
-                .map_err(|e| format!("line {}: secret is not base64: {e}", n + 1))?;
-            let key = Key::new(id, secret).map_err(|e| format!("line {}: {e}", n + 1))?;
+                .map_err(|source| KeySetError::Base64 { line, source })?;
+            let key = Key::new(id, secret).map_err(|source| KeySetError::Key { line, source })?;
             if keys.iter().any(|k: &Key| k.id == key.id) {
-                return Err(format!("line {}: duplicate key id {id:?}", n + 1));
+                return Err(KeySetError::Duplicate {
+                    line,
+                    id: id.to_string(),
+                });
             }
             keys.push(key);
         }
         let mut it = keys.into_iter();
-        let current = it.next().ok_or("no keys in the key file")?;
+        let current = it.next().ok_or(KeySetError::Empty)?;
         Ok(KeySet {
             current,
             previous: it.collect(),
@@ -317,7 +393,7 @@ pub struct Keys {
 
 impl Keys {
     /// Keys from `path`, or a generated process-local key (with a warning) when `None`.
-    pub fn load(path: Option<&Path>, ttl: Duration) -> Result<Arc<Keys>, String> {
+    pub fn load(path: Option<&Path>, ttl: Duration) -> Result<Arc<Keys>, KeyFileError> {
         let set = match path {
             Some(p) => read(p)?,
             None => {
@@ -414,9 +490,15 @@ impl Keys {
     }
 }
 
-fn read(p: &Path) -> Result<KeySet, String> {
-    let text = std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?;
-    KeySet::parse(&text).map_err(|e| format!("{}: {e}", p.display()))
+fn read(p: &Path) -> Result<KeySet, KeyFileError> {
+    let text = std::fs::read_to_string(p).map_err(|source| KeyFileError::Read {
+        path: p.to_path_buf(),
+        source,
+    })?;
+    KeySet::parse(&text).map_err(|source| KeyFileError::Parse {
+        path: p.to_path_buf(),
+        source,
+    })
 }
 
 #[cfg(test)]
@@ -520,23 +602,41 @@ mod tests {
 
     #[test]
     fn key_file_errors_are_clear() {
-        assert!(KeySet::parse("").unwrap_err().contains("no keys"));
+        assert!(
+            KeySet::parse("")
+                .unwrap_err()
+                .to_string()
+                .contains("no keys")
+        );
         assert!(
             KeySet::parse("k1 c2hvcnQ=")
                 .unwrap_err()
+                .to_string()
                 .contains("at least 32")
         );
-        assert!(KeySet::parse("k1 !!!").unwrap_err().contains("base64"));
-        assert!(KeySet::parse("k1").unwrap_err().contains("expected"));
+        assert!(
+            KeySet::parse("k1 !!!")
+                .unwrap_err()
+                .to_string()
+                .contains("base64")
+        );
+        assert!(
+            KeySet::parse("k1")
+                .unwrap_err()
+                .to_string()
+                .contains("expected")
+        );
         let s = base64::engine::general_purpose::STANDARD.encode([1u8; 32]);
         assert!(
             KeySet::parse(&format!("a {s}\na {s}"))
                 .unwrap_err()
+                .to_string()
                 .contains("duplicate")
         );
         assert!(
             KeySet::parse(&format!("bad/id {s}"))
                 .unwrap_err()
+                .to_string()
                 .contains("key id")
         );
     }

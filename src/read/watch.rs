@@ -84,11 +84,7 @@ pub async fn serve(
         // apiserver watch, just when the apiserver is busiest; with 410 they relist from
         // this cache.
         Err(e @ WatchError::Expired { .. }) => {
-            let status = crate::k8s::status::Status::failure(
-                http::StatusCode::GONE,
-                crate::k8s::status::Reason::Expired,
-                e.to_string(),
-            );
+            let status = crate::k8s::status::Status::from(e);
             let mut frame = b"{\"type\":\"ERROR\",\"object\":".to_vec();
             frame.extend_from_slice(&status.to_bytes());
             frame.extend_from_slice(b"}\n");

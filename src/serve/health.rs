@@ -17,6 +17,49 @@ use slot::Slot;
 
 use crate::http::body::{self, Body};
 
+/// Why a check fails. The text is what `/readyz/<name>` shows, and for the per-resource
+/// checks also `?verbose` (the built-in checks' reasons are withheld there).
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Unready {
+    /// `upstream` before its first probe.
+    #[error("not probed yet")]
+    NotProbed,
+    #[error("process is shutting down")]
+    ShuttingDown,
+    /// The last probe of the apiserver's `/readyz` failed.
+    #[error(transparent)]
+    Upstream(Arc<UpstreamNotReady>),
+    /// A cached resource before its first sync; the reason is the cache's.
+    #[error("not synced yet: {0}")]
+    NotSynced(String),
+    #[error("stopped")]
+    Stopped,
+    /// A configured resource without a cache; the reason is discovery's.
+    #[error("not discovered yet: {0}")]
+    NotDiscovered(String),
+}
+
+/// Why the upstream apiserver's `/readyz` did not answer ok.
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamNotReady {
+    #[error("GET /readyz timed out after {0:?}")]
+    TimedOut(std::time::Duration),
+    /// No response (the upstream's error names the address and cause).
+    #[error("GET /readyz: {0}")]
+    Send(#[source] tower::BoxError),
+    #[error("GET /readyz returned {0}")]
+    Status(StatusCode),
+}
+
+impl From<UpstreamNotReady> for Unready {
+    fn from(e: UpstreamNotReady) -> Unready {
+        Unready::Upstream(Arc::new(e))
+    }
+}
+
+/// One check's result: failing, or passing with an optional note for the verbose listing.
+pub type CheckResult = Result<Option<String>, Unready>;
+
 /// A named check's latest result, updated by whoever owns the condition.
 #[derive(Debug, Clone)]
 pub struct Check {
@@ -25,20 +68,20 @@ pub struct Check {
 }
 
 impl Check {
-    pub fn new(name: &'static str, ok: bool, why: &str) -> Check {
+    pub fn new(name: &'static str, initial: Result<(), Unready>) -> Check {
         let c = Check {
             name,
             state: Arc::new(Slot::default()),
         };
-        c.set(if ok { Ok(()) } else { Err(why.to_string()) });
+        c.set(initial);
         c
     }
 
-    pub fn set(&self, r: Result<(), String>) {
+    pub fn set(&self, r: Result<(), Unready>) {
         self.state.set(r);
     }
 
-    pub fn get(&self) -> Result<(), String> {
+    pub fn get(&self) -> Result<(), Unready> {
         self.state.get()
     }
 
@@ -102,16 +145,16 @@ impl Default for Health {
 impl Health {
     pub fn new() -> Health {
         Health {
-            ping: Check::new("ping", true, ""),
-            shutdown: Check::new("shutdown", true, ""),
-            upstream: Check::new("upstream", false, "not probed yet"),
+            ping: Check::new("ping", Ok(())),
+            shutdown: Check::new("shutdown", Ok(())),
+            upstream: Check::new("upstream", Err(Unready::NotProbed)),
             shutting_down: Arc::new(AtomicBool::new(false)),
         }
     }
 
     pub fn begin_shutdown(&self) {
         self.shutting_down.store(true, Ordering::SeqCst);
-        self.shutdown.set(Err("process is shutting down".into()));
+        self.shutdown.set(Err(Unready::ShuttingDown));
     }
 
     pub fn is_shutting_down(&self) -> bool {
@@ -140,10 +183,10 @@ impl Health {
         &self,
         path: &str,
         query: Option<&str>,
-        extra: Vec<(String, Result<Option<String>, String>)>,
+        extra: Vec<(String, CheckResult)>,
     ) -> Option<Response<Body>> {
         let (ep, single) = Endpoint::from_path(path)?;
-        let mut checks: Vec<(String, Result<Option<String>, String>)> = self
+        let mut checks: Vec<(String, CheckResult)> = self
             .checks(ep)
             .into_iter()
             .map(|c| (c.name().to_string(), c.get().map(|()| None)))
@@ -245,15 +288,17 @@ fn text(code: StatusCode, s: String) -> Response<Body> {
 mod slot {
     use parking_lot::Mutex;
 
+    use super::Unready;
+
     #[derive(Debug, Default)]
-    pub struct Slot(Mutex<Option<String>>);
+    pub struct Slot(Mutex<Option<Unready>>);
 
     impl Slot {
-        pub fn set(&self, r: Result<(), String>) {
+        pub fn set(&self, r: Result<(), Unready>) {
             *self.0.lock() = r.err();
         }
 
-        pub fn get(&self) -> Result<(), String> {
+        pub fn get(&self) -> Result<(), Unready> {
             match &*self.0.lock() {
                 None => Ok(()),
                 Some(e) => Err(e.clone()),
@@ -295,7 +340,9 @@ mod tests {
     #[tokio::test]
     async fn a_failed_check_fails_the_endpoint_with_the_reason_withheld() {
         let h = Health::new();
-        h.upstream.set(Err("connection refused".into()));
+        h.upstream.set(Err(
+            UpstreamNotReady::Send("connection refused".into()).into()
+        ));
         let (code, body) = get(&h, "/readyz", None).await;
         assert_eq!(code, 500);
         assert_eq!(
@@ -304,7 +351,10 @@ mod tests {
         );
         assert_eq!(
             get(&h, "/readyz/upstream", None).await,
-            (500, "internal server error: connection refused\n".into())
+            (
+                500,
+                "internal server error: GET /readyz: connection refused\n".into()
+            )
         );
         // Liveness does not follow the upstream.
         assert_eq!(get(&h, "/livez", None).await.0, 200);
@@ -313,12 +363,16 @@ mod tests {
     #[tokio::test]
     async fn resource_checks_show_their_reason_when_verbose() {
         let h = Health::new();
-        h.upstream.set(Err("connection refused".into()));
+        h.upstream.set(Err(
+            UpstreamNotReady::Send("connection refused".into()).into()
+        ));
         let extra = vec![
             ("cache:pods".to_string(), Ok(None)),
             (
                 "cache:deployment.apps".to_string(),
-                Err("not discovered yet: deployment.apps is not served".to_string()),
+                Err(Unready::NotDiscovered(
+                    "deployment.apps is not served".to_string(),
+                )),
             ),
         ];
         let r = h.respond_with("/readyz", Some("verbose"), extra).unwrap();
@@ -335,7 +389,10 @@ mod tests {
     #[tokio::test]
     async fn excluded_checks_are_skipped_and_unknown_exclusions_warned() {
         let h = Health::new();
-        h.upstream.set(Err("down".into()));
+        h.upstream.set(Err(UpstreamNotReady::Status(
+            StatusCode::SERVICE_UNAVAILABLE,
+        )
+        .into()));
         let (code, body) = get(&h, "/readyz", Some("verbose&exclude=upstream&exclude=nope")).await;
         assert_eq!(code, 200);
         assert_eq!(

@@ -325,7 +325,7 @@ async fn forward_within_quota(
     {
         match state.tenancy.admit_passthrough(&id, info) {
             Ok(p) => permit = p,
-            Err(refusal) => return (refusal.into_response(), "proxy"),
+            Err(refusal) => return (Status::from(refusal).into_response(), "proxy"),
         }
     }
     let resp = passthrough::forward(state, forward_as, req, info, long_running).await;

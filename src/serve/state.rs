@@ -12,7 +12,7 @@ use crate::auth::identity::CertIdentity;
 use crate::config::Config;
 use crate::http::body;
 use crate::metrics::Metrics;
-use crate::serve::health::Health;
+use crate::serve::health::{CheckResult, Health, Unready, UpstreamNotReady};
 use crate::upstream::{As, Upstream};
 
 /// What the listener knows about the connection a request arrived on.
@@ -53,8 +53,8 @@ impl State {
     /// resources never do (a CRD with a broken conversion webhook, or deleted, must not take
     /// every replica out of service): they are listed with their state and pass through
     /// until synced.
-    pub fn cache_checks(&self) -> Vec<(String, Result<Option<String>, String>)> {
-        let gate = |custom: bool, why: String| {
+    pub fn cache_checks(&self) -> Vec<(String, CheckResult)> {
+        let gate = |custom: bool, why: Unready| {
             if custom {
                 Ok(Some(format!("{why}; requests pass through")))
             } else {
@@ -70,9 +70,9 @@ impl State {
                     crate::cache::Readiness::Ready => Ok(None),
                     crate::cache::Readiness::Pending => gate(
                         c.resource.custom,
-                        format!("not synced yet: {}", c.unhealthy().unwrap_or_default()),
+                        Unready::NotSynced(c.unhealthy().unwrap_or_default()),
                     ),
-                    crate::cache::Readiness::Stopped => gate(c.resource.custom, "stopped".into()),
+                    crate::cache::Readiness::Stopped => gate(c.resource.custom, Unready::Stopped),
                 };
                 (format!("cache:{}", c.resource.label()), r)
             })
@@ -83,7 +83,7 @@ impl State {
                 let custom = crate::cache::discovery::is_custom_name(m.key());
                 (
                     format!("cache:{}", m.key()),
-                    gate(custom, format!("not discovered yet: {}", m.value())),
+                    gate(custom, Unready::NotDiscovered(m.value().clone())),
                 )
             }))
             .collect()
@@ -105,12 +105,12 @@ impl State {
                     tracing::warn!(error = %e, "upstream apiserver is not ready");
                 }
                 this.metrics.upstream_up.set(i64::from(r.is_ok()));
-                this.health.upstream.set(r);
+                this.health.upstream.set(r.map_err(Unready::from));
             }
         });
     }
 
-    async fn probe_upstream(&self) -> Result<(), String> {
+    async fn probe_upstream(&self) -> Result<(), UpstreamNotReady> {
         let mut req = Request::new(body::empty());
         *req.uri_mut() = self.upstream.uri("/readyz");
         let timeout = self
@@ -119,10 +119,10 @@ impl State {
             .health_check_interval
             .max(Duration::from_secs(2));
         match tokio::time::timeout(timeout, self.upstream.send(req, As::Proxy, false)).await {
-            Err(_) => Err(format!("GET /readyz timed out after {timeout:?}")),
-            Ok(Err(e)) => Err(format!("GET /readyz: {e}")),
+            Err(_) => Err(UpstreamNotReady::TimedOut(timeout)),
+            Ok(Err(e)) => Err(UpstreamNotReady::Send(e)),
             Ok(Ok(r)) if r.status().is_success() => Ok(()),
-            Ok(Ok(r)) => Err(format!("GET /readyz returned {}", r.status())),
+            Ok(Ok(r)) => Err(UpstreamNotReady::Status(r.status())),
         }
     }
 }

@@ -52,18 +52,42 @@ impl Drop for WatchPermit {
     }
 }
 
-/// A refusal (boxed: `Status` is large and most calls succeed).
-pub type Refusal = Box<Status>;
+/// A tenant quota refused the request. Every kind becomes a 429 `TooManyRequests` with a
+/// `Retry-After`, decided in one place: `impl From<Refusal> for Status` below.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    /// No LIST/GET token left in the bucket; `retry_after`: seconds until the next.
+    #[error("tenant {tenant:?} is over its list rate quota; retry later")]
+    Rate { tenant: String, retry_after: u32 },
+    #[error("tenant {tenant:?} has reached its limit of {max} concurrent watches")]
+    Watches { tenant: String, max: u32 },
+    #[error(
+        "the list has {objects} objects, over tenant {tenant:?}'s limit of {max} for an \
+         unpaginated list; use limit and continue"
+    )]
+    ListSize {
+        tenant: String,
+        objects: usize,
+        max: usize,
+    },
+}
 
-fn too_many(message: String, retry_after: u32) -> Refusal {
-    Box::new(
+impl From<Refusal> for Status {
+    fn from(r: Refusal) -> Status {
+        let retry_after = match &r {
+            Refusal::Rate { retry_after, .. } => *retry_after,
+            // A watch slot frees when any of the tenant's watches ends; client-go's
+            // reflector backoff starts near 1 s anyway.
+            Refusal::Watches { .. } => 1,
+            Refusal::ListSize { .. } => 1,
+        };
         Status::failure(
             StatusCode::TOO_MANY_REQUESTS,
             Reason::TooManyRequests,
-            message,
+            r.to_string(),
         )
-        .with_retry_after(retry_after.max(1)),
-    )
+        .with_retry_after(retry_after.max(1))
+    }
 }
 
 impl Tenant {
@@ -97,13 +121,10 @@ impl Tenant {
         l.check().map_err(|not_until| {
             self.rejections.rate.fetch_add(1, Ordering::Relaxed);
             let wait = not_until.wait_time_from(DefaultClock::default().now());
-            too_many(
-                format!(
-                    "tenant {:?} is over its list rate quota; retry later",
-                    self.config.name
-                ),
-                wait.as_secs_f64().ceil() as u32,
-            )
+            Refusal::Rate {
+                tenant: self.config.name.clone(),
+                retry_after: wait.as_secs_f64().ceil() as u32,
+            }
         })
     }
 
@@ -117,15 +138,10 @@ impl Tenant {
         if prev >= max {
             drop(permit);
             self.rejections.watches.fetch_add(1, Ordering::Relaxed);
-            return Err(too_many(
-                format!(
-                    "tenant {:?} has reached its limit of {max} concurrent watches",
-                    self.config.name
-                ),
-                // A watch slot frees when any of the tenant's watches ends; client-go's
-                // reflector backoff starts near 1 s anyway.
-                1,
-            ));
+            return Err(Refusal::Watches {
+                tenant: self.config.name.clone(),
+                max,
+            });
         }
         Ok(Some(permit))
     }
@@ -135,13 +151,11 @@ impl Tenant {
         match self.config.quotas.max_list_objects {
             Some(max) if objects > max => {
                 self.rejections.list_size.fetch_add(1, Ordering::Relaxed);
-                Err(too_many(
-                    format!(
-                        "the list has {objects} objects, over tenant {:?}'s limit of {max} for an unpaginated list; use limit and continue",
-                        self.config.name
-                    ),
-                    1,
-                ))
+                Err(Refusal::ListSize {
+                    tenant: self.config.name.clone(),
+                    objects,
+                    max,
+                })
             }
             _ => Ok(()),
         }
@@ -189,7 +203,7 @@ mod tests {
         });
         let a = t.admit_watch().unwrap();
         let _b = t.admit_watch().unwrap();
-        let refused = t.admit_watch().unwrap_err();
+        let refused = Status::from(t.admit_watch().unwrap_err());
         assert_eq!(refused.code(), 429);
         drop(a);
         assert!(t.admit_watch().is_ok());
@@ -206,7 +220,7 @@ mod tests {
         for _ in 0..3 {
             t.admit_read().unwrap();
         }
-        let s = t.admit_read().unwrap_err();
+        let s = Status::from(t.admit_read().unwrap_err());
         assert_eq!(s.code(), 429);
         let resp = s.into_response();
         let secs: u32 = resp.headers()[http::header::RETRY_AFTER]
@@ -225,7 +239,7 @@ mod tests {
             ..Default::default()
         });
         assert!(t.admit_list_size(10).is_ok());
-        assert_eq!(t.admit_list_size(11).unwrap_err().code(), 429);
+        assert_eq!(Status::from(t.admit_list_size(11).unwrap_err()).code(), 429);
         let unlimited = tenant(TenantQuotas::default());
         assert!(unlimited.admit_list_size(usize::MAX).is_ok());
         assert!(unlimited.admit_watch().unwrap().is_none());

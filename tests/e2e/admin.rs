@@ -13,40 +13,14 @@ use crate::support::proxy::{TestProxy, body_string};
 use bytes::Bytes;
 use http::{Method, Request};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use kube_cache_proxy::config::AdminAuth;
-use rustls_pki_types::CertificateDer;
-use rustls_pki_types::pem::PemObject;
 use serde_json::Value;
 
 const BOUND: Duration = Duration::from_secs(90);
 
-type Https = Client<
-    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
-    Full<Bytes>,
->;
-
-fn direct_client(ca_pem: &str) -> Https {
-    kube_cache_proxy::http::tls::install_crypto_provider();
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        roots.add(c.unwrap()).unwrap();
-    }
-    let tls = rustls::ClientConfig::builder()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let conn = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
-        .https_or_http()
-        .enable_http1()
-        .build();
-    Client::builder(TokioExecutor::new()).build(conn)
-}
-
 async fn send(
-    c: &Https,
+    c: &crate::support::proxy::Https,
     method: Method,
     url: &str,
     token: Option<&str>,
@@ -92,7 +66,7 @@ async fn the_api_port_is_the_apiservers_and_the_admin_port_is_guarded_by_rbac() 
         c.server.admin_auth = AdminAuth::Kubernetes;
     })
     .await;
-    let direct = direct_client(&cp.ca_pem);
+    let direct = crate::support::proxy::apiserver_client(&cp.ca_pem, false);
     let pc = proxy.client(None, false);
     let admin = cp.admin_token().to_string();
     let via_proxy = async |path: &str, token: Option<&str>| {

@@ -27,18 +27,9 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use kube_cache_proxy::auth::authn::{AuthnMethod, METHODS};
-use rustls_pki_types::CertificateDer;
-use rustls_pki_types::pem::PemObject;
 use serde_json::{Value, json};
-
-type Https = Client<
-    hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector>,
-    Full<Bytes>,
->;
 
 const NAMESPACES: [&str; 3] = ["ns-a", "ns-b", "ns-c"];
 
@@ -49,33 +40,6 @@ const RESOURCES: [(&str, &str, &str); 4] = [
     ("pods", "/api/v1", ""),
     ("deployments", "/apis/apps/v1", "apps"),
 ];
-
-fn direct_client(ca_pem: &str) -> Https {
-    direct_client_with(ca_pem, true)
-}
-
-/// A client of the apiserver, HTTP/1.1 only when `h2` is false (an HTTP/2 client drops a
-/// `Connection` header before it reaches the server).
-fn direct_client_with(ca_pem: &str, h2: bool) -> Https {
-    kube_cache_proxy::http::tls::install_crypto_provider();
-    let mut roots = rustls::RootCertStore::empty();
-    for c in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
-        roots.add(c.unwrap()).unwrap();
-    }
-    let tls = rustls::ClientConfig::builder()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    let conn = hyper_rustls::HttpsConnectorBuilder::new()
-        .with_tls_config(tls)
-        .https_or_http()
-        .enable_http1();
-    let conn = if h2 {
-        conn.enable_http2().build()
-    } else {
-        conn.build()
-    };
-    Client::builder(TokioExecutor::new()).build(conn)
-}
 
 async fn read(resp: http::Response<hyper::body::Incoming>) -> (StatusCode, Bytes) {
     let status = resp.status();
@@ -106,7 +70,7 @@ struct Subject {
 
 struct Env {
     cp: ControlPlane,
-    direct: Https,
+    direct: support::proxy::Https,
     proxy: TestProxy,
 }
 
@@ -530,7 +494,7 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
     })
     .await;
     let env = Env {
-        direct: direct_client(&cp.ca_pem),
+        direct: support::proxy::apiserver_client(&cp.ca_pem, true),
         cp,
         proxy,
     };
@@ -1029,6 +993,32 @@ async fn watch_shows(resp: http::Response<hyper::body::Incoming>, needle: &str) 
     found.unwrap_or(false)
 }
 
+impl Env {
+    /// How long until the proxy and the apiserver (asked side by side) both answer `want`
+    /// to `s` on `path`: (proxy, apiserver).
+    async fn until_both(
+        &self,
+        what: &str,
+        want: StatusCode,
+        s: &Subject,
+        clients: &ProxyClients,
+        path: &str,
+    ) -> (Duration, Duration) {
+        let (at_proxy, at_apiserver) = (
+            format!("the proxy: {what}"),
+            format!("the apiserver: {what}"),
+        );
+        tokio::join!(
+            until_status(&at_proxy, want, async || {
+                self.ask_proxy(s, clients, path).await.0
+            }),
+            until_status(&at_apiserver, want, async || {
+                self.ask_apiserver(s, path).await.0
+            }),
+        )
+    }
+}
+
 /// Polls `ask` until it answers `want`; the time it took.
 async fn until_status<F: AsyncFnMut() -> StatusCode>(
     what: &str,
@@ -1058,7 +1048,7 @@ async fn revocation_takes_effect_at_the_proxy_as_at_the_apiserver() {
     })
     .await;
     let env = Env {
-        direct: direct_client(&cp.ca_pem),
+        direct: support::proxy::apiserver_client(&cp.ca_pem, true),
         cp,
         proxy,
     };
@@ -1136,18 +1126,15 @@ async fn revocation_takes_effect_at_the_proxy_as_at_the_apiserver() {
         None,
     )
     .await;
-    let (at_proxy, at_apiserver) = tokio::join!(
-        until_status(
-            "the proxy to refuse the deleted account's token",
+    let (at_proxy, at_apiserver) = env
+        .until_both(
+            "refuse the deleted account's token",
             StatusCode::UNAUTHORIZED,
-            async || { env.ask_proxy(&doomed, &clients, &list).await.0 }
-        ),
-        until_status(
-            "the apiserver to refuse the deleted account's token",
-            StatusCode::UNAUTHORIZED,
-            async || { env.ask_apiserver(&doomed, &list).await.0 }
-        ),
-    );
+            &doomed,
+            &clients,
+            &list,
+        )
+        .await;
     eprintln!(
         "deleted ServiceAccount: token refused after {at_proxy:?} at the proxy, {at_apiserver:?} at the apiserver"
     );
@@ -1230,18 +1217,15 @@ async fn revocation_takes_effect_at_the_proxy_as_at_the_apiserver() {
         None,
     )
     .await;
-    let (at_proxy, at_apiserver) = tokio::join!(
-        until_status(
-            "the proxy to refuse alice",
+    let (at_proxy, at_apiserver) = env
+        .until_both(
+            "refuse alice",
             StatusCode::FORBIDDEN,
-            async || { env.ask_proxy(&alice, &clients, &list).await.0 }
-        ),
-        until_status(
-            "the apiserver to refuse alice",
-            StatusCode::FORBIDDEN,
-            async || { env.ask_apiserver(&alice, &list).await.0 }
-        ),
-    );
+            &alice,
+            &clients,
+            &list,
+        )
+        .await;
     eprintln!(
         "deleted ClusterRoleBinding: refused after {at_proxy:?} at the proxy, {at_apiserver:?} at the apiserver"
     );
@@ -1283,18 +1267,9 @@ async fn revocation_takes_effect_at_the_proxy_as_at_the_apiserver() {
         Some(binding),
     )
     .await;
-    let (at_proxy, at_apiserver) = tokio::join!(
-        until_status(
-            "the proxy to allow alice again",
-            StatusCode::OK,
-            async || { env.ask_proxy(&alice, &clients, &list).await.0 }
-        ),
-        until_status(
-            "the apiserver to allow alice again",
-            StatusCode::OK,
-            async || { env.ask_apiserver(&alice, &list).await.0 }
-        ),
-    );
+    let (at_proxy, at_apiserver) = env
+        .until_both("allow alice again", StatusCode::OK, &alice, &clients, &list)
+        .await;
     eprintln!(
         "re-created ClusterRoleBinding: allowed after {at_proxy:?} at the proxy, {at_apiserver:?} at the apiserver"
     );
@@ -1311,7 +1286,7 @@ async fn revocation_takes_effect_at_the_proxy_as_at_the_apiserver() {
             .unwrap()
     };
     let (ps, pb) = read(h1.send(ask(env.proxy.https(&list))).await).await;
-    let direct_h1 = direct_client_with(&env.cp.ca_pem, false);
+    let direct_h1 = support::proxy::apiserver_client(&env.cp.ca_pem, false);
     let (ds, db) = read(
         direct_h1
             .request(ask(format!("{}{list}", env.cp.url)))

@@ -337,3 +337,28 @@ impl EventReader {
 }
 
 pub type SharedIssuer = Arc<rcgen::Issuer<'static, rcgen::KeyPair>>;
+
+/// An HTTPS client of kube-apiserver trusting `ca_pem` (HTTP/1.1, and HTTP/2 when `h2`: an
+/// HTTP/2 client drops a `Connection` header before it reaches the server).
+pub type Https = Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>;
+
+pub fn apiserver_client(ca_pem: &str, h2: bool) -> Https {
+    kube_cache_proxy::http::tls::install_crypto_provider();
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let tls = rustls::ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let conn = hyper_rustls::HttpsConnectorBuilder::new()
+        .with_tls_config(tls)
+        .https_or_http()
+        .enable_http1();
+    let conn = if h2 {
+        conn.enable_http2().build()
+    } else {
+        conn.build()
+    };
+    Client::builder(TokioExecutor::new()).build(conn)
+}

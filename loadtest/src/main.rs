@@ -31,6 +31,7 @@ macro_rules! say {
 static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
 
 mod client;
+mod fields;
 mod proxy;
 mod report;
 mod scenarios;
@@ -47,6 +48,7 @@ use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde::Serialize;
 
 use crate::client::{Conn, Target, fetch};
+use crate::fields::{FieldsOpts, FieldsResult};
 use crate::proxy::{ProxyChild, ProxyFiles};
 use crate::scenarios::{
     FanoutOpts, FanoutResult, GetResult, ListResult, StartMode, StormResult, create_configmaps,
@@ -100,6 +102,9 @@ struct Args {
     /// Override: scenario b clients.
     #[arg(long)]
     clients: Option<usize>,
+    /// Override: scenario f watchers (half of them filtered in its last phase).
+    #[arg(long)]
+    field_watchers: Option<usize>,
     /// Override: scenario c objects.
     #[arg(long)]
     list_objects: Option<usize>,
@@ -125,11 +130,21 @@ pub struct Profile {
     pub e_get_rate: f64,
     pub e_list_clients: usize,
     pub e_list_limit: usize,
+    pub f: FieldsOpts,
     pub loopback_bytes: u64,
 }
 
 impl Profile {
     fn named(name: &str) -> anyhow::Result<Profile> {
+        let f = |watchers, streams_per_conn, rate, spec_every, duration_s| FieldsOpts {
+            namespace: "lt-f".into(),
+            watchers,
+            streams_per_conn,
+            rate,
+            spec_every,
+            objects: 10,
+            duration_s,
+        };
         let a = |watchers, streams_per_conn, rate, objects, duration_s| FanoutOpts {
             namespace: "lt-a".into(),
             watchers,
@@ -159,6 +174,7 @@ impl Profile {
                 e_get_rate: 25.0,
                 e_list_clients: 1,
                 e_list_limit: 10,
+                f: f(20, 10, 20.0, 5, 2.0),
                 loopback_bytes: 256 << 20,
             }),
             "default" => Ok(Profile {
@@ -179,6 +195,8 @@ impl Profile {
                 e_get_rate: 100.0,
                 e_list_clients: 2,
                 e_list_limit: 100,
+                // 10,000 watchers, 20 status writes and 1 spec write per second.
+                f: f(10_000, 100, 21.0, 21, 10.0),
                 loopback_bytes: 2 << 30,
             }),
             other => anyhow::bail!("unknown profile {other:?} (smoke, default)"),
@@ -257,6 +275,7 @@ pub struct Run {
     pub c: Vec<Row<ListResult>>,
     pub d: Vec<Row<GetResult>>,
     pub e: Vec<Row<MixedResult>>,
+    pub f: Vec<Row<FieldsResult>>,
     pub checks: Vec<Check>,
 }
 
@@ -390,6 +409,9 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     if let Some(v) = args.clients {
         p.b_clients = v;
     }
+    if let Some(v) = args.field_watchers {
+        p.f.watchers = v;
+    }
     if let Some(v) = args.list_objects {
         p.c_objects = v;
     }
@@ -472,7 +494,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             }
         }
     }
-    let (a, b, c, d, e, c_create_rate) = result?;
+    let (a, b, c, d, e, f, c_create_rate) = result?;
 
     let mut run = Run {
         date: report::utc_now(),
@@ -487,6 +509,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         c,
         d,
         e,
+        f,
         checks: Vec::new(),
     };
     run.checks = report::checks(&run);
@@ -508,7 +531,7 @@ async fn run(args: Args) -> anyhow::Result<bool> {
 }
 
 /// The namespaces the driver seeds (and, on an existing cluster, deletes at the end).
-const SEEDED: [&str; 4] = ["lt-a", "lt-b", "lt-c", "lt-d"];
+const SEEDED: [&str; 5] = ["lt-a", "lt-b", "lt-c", "lt-d", "lt-f"];
 
 /// Where the reports go: `--out`; with `--publish` the checked-in `loadtest/results/`; else
 /// `$XDG_CACHE_HOME/kube-cache-proxy/loadtest`, or `$HOME/.cache/kube-cache-proxy/loadtest`
@@ -543,6 +566,7 @@ type AllResults = (
     Vec<Row<ListResult>>,
     Vec<Row<GetResult>>,
     Vec<Row<MixedResult>>,
+    Vec<Row<FieldsResult>>,
     Option<f64>,
 );
 
@@ -560,7 +584,8 @@ async fn scenarios_all(
     create_configmaps(d, "lt-b", "b", p.b_objects, 512, 64).await?;
     create_configmaps(d, "lt-d", "d", p.d_objects, 512, 64).await?;
 
-    let (mut a, mut b, mut c, mut dd, mut e) = (vec![], vec![], vec![], vec![], vec![]);
+    let (mut a, mut b, mut c, mut dd, mut e, mut f) =
+        (vec![], vec![], vec![], vec![], vec![], vec![]);
     if want("a") {
         for via_proxy in [false, true] {
             say!("a. watch fan-out via {}", side(via_proxy));
@@ -720,6 +745,38 @@ async fn scenarios_all(
             }
         }
     }
+    if want("f") {
+        fields::create_deployments(d, &env.admin, &p.f.namespace, p.f.objects).await?;
+        // The apiserver (no watcher can filter there), the proxy without filters, the proxy
+        // with every second watcher filtered on `spec`.
+        for (via_proxy, half) in [(false, false), (true, false), (true, true)] {
+            say!(
+                "f. watch-field filtering via {} ({} filtered)",
+                side(via_proxy),
+                if half { "half" } else { "none" }
+            );
+            let proxy = if via_proxy {
+                Some(env.start_proxy().await?)
+            } else {
+                None
+            };
+            let t = proxy.as_ref().map_or(d, |p| &p.target);
+            let (result, usage) = env
+                .measure(
+                    proxy.as_ref(),
+                    fields::watch_fields(t, d, &env.admin, &p.f, half),
+                )
+                .await?;
+            f.push(Row {
+                side: side(via_proxy),
+                result,
+                usage,
+            });
+            if let Some(px) = proxy {
+                px.stop().await;
+            }
+        }
+    }
     let mut c_create_rate = None;
     if want("c") {
         say!("c. creating {} ConfigMaps ...", p.c_objects);
@@ -758,7 +815,7 @@ async fn scenarios_all(
             }
         }
     }
-    Ok((a, b, c, dd, e, c_create_rate))
+    Ok((a, b, c, dd, e, f, c_create_rate))
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
+use crate::fields::FieldsResult;
 use crate::scenarios::{FanoutResult, StartMode};
 use crate::stats::Summary;
 use crate::{Check, Machine, Row, Run, Usage};
@@ -142,6 +143,9 @@ pub fn checks(run: &Run) -> Vec<Check> {
             format!("{} of {} failed", r.result.errors, r.result.requests),
         ));
     }
+    for r in &run.f {
+        fields_checks(r, &mut out);
+    }
     for r in &run.e {
         fanout_checks("e", r.side, &r.result.watch, &mut out);
         let m = &r.result;
@@ -225,6 +229,53 @@ fn fanout_table(md: &mut String, rows: &[(&str, &FanoutResult)]) {
             r.duplicated,
             r.rewatches
         );
+    }
+}
+
+fn fields_checks(r: &Row<FieldsResult>, out: &mut Vec<Check>) {
+    let x = &r.result;
+    let scope = format!("f {} (filters: {})", r.side, x.filters);
+    out.push(check(
+        format!("{scope}: writes made"),
+        x.writes > 0 && x.spec_writes > 0 && x.write_errors == 0,
+        format!(
+            "{} writes ({} spec), {} failed",
+            x.writes, x.spec_writes, x.write_errors
+        ),
+    ));
+    let u = &x.unfiltered;
+    out.push(check(
+        format!("{scope}: unfiltered watchers got every write exactly once"),
+        u.missed == 0 && u.duplicated == 0 && u.watch_errors == 0,
+        format!(
+            "{} watchers: {} missed, {} duplicated, {} errors",
+            u.watchers, u.missed, u.duplicated, u.watch_errors
+        ),
+    ));
+    if x.filters == "half" {
+        let f = &x.filtered;
+        out.push(check(
+            format!(
+                "{scope}: filtered watchers got every spec write once and no status-only write"
+            ),
+            f.watchers > 0
+                && f.missed == 0
+                && f.duplicated == 0
+                && f.unexpected == 0
+                && f.watch_errors == 0,
+            format!(
+                "{} watchers: {} missed, {} duplicated, {} status-only delivered, {} errors",
+                f.watchers, f.missed, f.duplicated, f.unexpected, f.watch_errors
+            ),
+        ));
+        out.push(check(
+            format!("{scope}: every filtered watch was filtered and its resourceVersion reached the last write"),
+            f.applied == f.watchers && f.behind == 0 && u.behind == 0,
+            format!(
+                "{} of {} said applied; {} filtered and {} unfiltered watchers behind the last write",
+                f.applied, f.watchers, f.behind, u.behind
+            ),
+        ));
     }
 }
 
@@ -404,6 +455,65 @@ pub fn markdown(run: &Run, svg_name: &str) -> String {
         }
     }
 
+    if !run.f.is_empty() {
+        let o = &p.f;
+        let _ = writeln!(
+            md,
+            "\n## f. Watch-field filtering (the proxy's opt-in extension)\n\n{} watchers on the Deployments of one namespace ({} objects), {} HTTP/2 streams per connection, while {:.0} writes/s go straight to the apiserver for {:.0} s: every {}th write (the first included) changes `spec` (a pod-template annotation), the others only `status` (`deployments/status`, a new `observedGeneration`). Phases: the apiserver (nothing can filter there), the proxy with no watcher filtering, the proxy with every second watcher sending `X-Kube-Cache-Proxy-Watch-Fields: spec`. Bytes are the watch lines the watchers read (bookmarks included). Proxy CPU per write is the proxy's CPU seconds over the phase divided by the writes (it includes opening the watches). Latency is of spec writes, which both groups receive.\n",
+            o.watchers, o.objects, o.streams_per_conn, o.rate, o.duration_s, o.spec_every
+        );
+        md.push_str("| side | filters | writes (spec) | group | watchers | deliveries | bookmarks | MB read | spec latency p50 / p99 / max (ms) | missed | status-only delivered | behind |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n");
+        for r in &run.f {
+            let x = &r.result;
+            for (name, g) in [
+                ("unfiltered", &x.unfiltered),
+                ("filtered: spec", &x.filtered),
+            ] {
+                if g.watchers == 0 {
+                    continue;
+                }
+                let _ = writeln!(
+                    md,
+                    "| {} | {} | {} ({}) | {name} | {} | {} | {} | {:.1} | {} | {} | {} | {} |",
+                    r.side,
+                    x.filters,
+                    x.writes,
+                    x.spec_writes,
+                    g.watchers,
+                    g.deliveries,
+                    g.bookmarks,
+                    g.bytes as f64 / 1e6,
+                    lat(&g.spec_latency),
+                    g.missed,
+                    g.unexpected,
+                    g.behind
+                );
+            }
+        }
+        md.push_str("\n| side | filters | deliveries (all watchers) | MB read | proxy CPU (s) | proxy CPU per write (ms) | kube-apiserver CPU (s) | driver CPU (s) |\n|---|---|---|---|---|---|---|---|\n");
+        for r in &run.f {
+            let x = &r.result;
+            let cpu = |n: &str| proc(&r.usage, n).map(|p| p.cpu_s);
+            let per_write = cpu("proxy")
+                .filter(|_| x.writes > 0)
+                .map_or("-".to_string(), |c| {
+                    format!("{:.1}", c * 1000.0 / x.writes as f64)
+                });
+            let show = |c: Option<f64>| c.map_or("-".to_string(), |c| format!("{c:.1}"));
+            let _ = writeln!(
+                md,
+                "| {} | {} | {} | {:.1} | {} | {per_write} | {} | {} |",
+                r.side,
+                x.filters,
+                x.deliveries(),
+                x.bytes() as f64 / 1e6,
+                show(cpu("proxy")),
+                show(cpu("kube-apiserver")),
+                show(cpu("driver"))
+            );
+        }
+    }
+
     md.push_str("\n## CPU, memory and apiserver requests per phase\n\nCPU seconds during the phase (percent of one core over the phase), peak RSS. Requests: the apiserver's `apiserver_request_total` for configmaps during the phase by verb (WATCH is counted when a watch ends), access reviews (the proxy authorizes each cache-served read with a SelfSubjectAccessReview, remembered per caller, verb, namespace and name), and requests over all resources (also the proxy's start-up lists of its other cached resources).\n\n| scenario | side | wall (s) | proxy | kube-apiserver | etcd | driver | configmaps requests | access reviews | all requests |\n|---|---|---|---|---|---|---|---|---|---|\n");
     fn rows<T>(md: &mut String, s: &str, v: &[Row<T>]) {
         for r in v {
@@ -419,6 +529,14 @@ pub fn markdown(run: &Run, svg_name: &str) -> String {
         usage_row(&mut md, &format!("d {}", r.result.kind), r.side, &r.usage);
     }
     rows(&mut md, "e", &run.e);
+    for r in &run.f {
+        usage_row(
+            &mut md,
+            &format!("f filters {}", r.result.filters),
+            r.side,
+            &r.usage,
+        );
+    }
     md
 }
 

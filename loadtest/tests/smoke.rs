@@ -88,6 +88,46 @@ fn smoke_profile_runs_every_scenario_on_both_sides_and_passes_its_checks() {
     assert_eq!(counts(&storm("proxy", "Legacy")), (1, 1));
     assert_eq!(counts(&storm("proxy", "WatchList")), (0, 0));
 
+    // f: the apiserver and the unfiltered proxy deliver every write to every watcher; with half
+    // the watchers filtered on `spec`, those get exactly the spec writes, the others everything.
+    let f: Vec<&Value> = run["f"].as_array().unwrap().iter().collect();
+    let phases: Vec<(String, String)> = f
+        .iter()
+        .map(|r| {
+            (
+                r["side"].as_str().unwrap().to_string(),
+                r["result"]["filters"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        phases,
+        [("apiserver", "none"), ("proxy", "none"), ("proxy", "half")]
+            .map(|(a, b)| (a.to_string(), b.to_string()))
+    );
+    for r in &f {
+        let x = &r["result"];
+        let writes = x["writes"].as_u64().unwrap();
+        let spec = x["spec_writes"].as_u64().unwrap();
+        assert!(writes > spec && spec > 0, "{x}");
+        let u = &x["unfiltered"];
+        assert_eq!(
+            u["deliveries"].as_u64().unwrap(),
+            writes * u["watchers"].as_u64().unwrap(),
+            "{x}"
+        );
+        let g = &x["filtered"];
+        if x["filters"] == "half" {
+            let n = g["watchers"].as_u64().unwrap();
+            assert!(n > 0 && u["watchers"].as_u64().unwrap() > 0, "{x}");
+            assert_eq!(g["deliveries"].as_u64().unwrap(), spec * n, "{x}");
+            assert_eq!(g["applied"].as_u64().unwrap(), n, "{x}");
+            assert_eq!(g["behind"], 0, "{x}");
+        } else {
+            assert_eq!(g["watchers"], 0, "{x}");
+        }
+    }
+
     // Process usage was sampled for the proxy child, the apiserver and etcd.
     let procs: Vec<&str> = run["a"][1]["usage"]["procs"]
         .as_array()

@@ -400,6 +400,13 @@ pub struct CacheConfig {
     /// events are suppressed, so a resume never starts far behind.
     #[serde(with = "duration")]
     pub filtered_bookmark_interval: Duration,
+    /// When the proxy must relist a resource (its upstream watch expired after compaction,
+    /// or the apiserver restarted), keep downstream watches open and send them the
+    /// difference between the old and the new state as ordinary ADDED/MODIFIED/DELETED
+    /// events and a bookmark at the new list's resourceVersion, so informers behind the
+    /// proxy need no relist of their own. `false`: close them; they come back, get 410
+    /// Expired and relist, as behind a kube-apiserver whose watch cache relisted.
+    pub absorb_relists: bool,
     /// Items per page of the proxy's own upstream LISTs when `paging.adaptUpstream` is off.
     pub upstream_page_size: u32,
     /// A cached decision that a caller may read something lasts this long (kube-apiserver's
@@ -446,6 +453,7 @@ impl Default for CacheConfig {
             dispatch_budget: Duration::from_millis(100),
             bookmark_interval: Duration::from_secs(60),
             filtered_bookmark_interval: Duration::from_secs(5),
+            absorb_relists: true,
             upstream_page_size: 500,
             authorization_allow_ttl: Duration::from_secs(300),
             authorization_deny_ttl: Duration::from_secs(30),

@@ -109,6 +109,7 @@ pub fn build_state(
         snapshot_max: config.lists.snapshot_max,
         snapshot_max_age: config.lists.snapshot_max_age,
         snapshot_max_bytes: config.lists.snapshot_max_bytes,
+        absorb_relists: c.absorb_relists,
     };
     let paging = crate::paging::Paging::new(config.paging.clone(), c.upstream_page_size);
     let reflector = crate::cache::reflector::ReflectorConfig {

@@ -49,6 +49,8 @@ impl Collector for CacheCollector {
         let expired = Family::<ReasonLabels, Counter>::default();
         let events_sent = Family::<ResourceLabels, Counter>::default();
         let relists = Family::<ReasonLabels, Counter>::default();
+        let absorbed = Family::<ResourceLabels, Counter>::default();
+        let absorbed_events = Family::<ResourceLabels, Counter>::default();
         let terminated = Family::<ReasonLabels, Counter>::default();
         let lists = Family::<ServedByLabels, Counter>::default();
         let pages = Family::<ResourceLabels, Counter>::default();
@@ -94,6 +96,12 @@ impl Collector for CacheCollector {
                     })
                     .inc_by(snap.lists(reason));
             }
+            absorbed
+                .get_or_create(&l)
+                .inc_by(e.cache.absorbed_total.load(Relaxed));
+            absorbed_events
+                .get_or_create(&l)
+                .inc_by(e.cache.absorbed_events.load(Relaxed));
             let ls = &e.cache.list_stats;
             for (by, n) in [
                 ("cache", ls.from_cache.load(Relaxed)),
@@ -205,6 +213,18 @@ impl Collector for CacheCollector {
             "kube_cache_proxy_upstream_relists",
             "Upstream LISTs by reason (initial, expired, ...)",
             &relists,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_relists_absorbed",
+            "Relists told to open downstream watchers as the difference from the old state (cache.absorbRelists): the watchers stayed open",
+            &absorbed,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_relist_difference_events",
+            "Events of those differences (ADDED, MODIFIED, DELETED), before per-watcher selection",
+            &absorbed_events,
         )?;
         emit(
             &mut enc,

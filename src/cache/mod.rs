@@ -9,6 +9,7 @@ pub mod event;
 pub mod hub;
 pub mod object;
 pub mod reflector;
+pub mod relist;
 
 pub use crate::k8s::Resource;
 pub use object::{CachedObject, ObjectKey};

@@ -18,6 +18,9 @@ use super::event::{Delivery, Event};
 use super::{CachedObject, EventKind, ObjectKey, ReflectorSink, Resource};
 use crate::cache::hub::{CloseReason, Filter, Hub, Subscription};
 
+/// Absorbed relists remembered per resource (for tests and diagnostics).
+const ABSORBED_KEPT: usize = 16;
+
 /// History and fan-out limits of one resource's cache.
 #[derive(Debug, Clone)]
 pub struct StoreConfig {
@@ -41,6 +44,10 @@ pub struct StoreConfig {
     /// Object bytes retained snapshots may keep alive (the [`ResourceCache::retained_bytes`]
     /// estimate); beyond it the oldest snapshots go first.
     pub snapshot_max_bytes: usize,
+    /// After a relist, keep downstream watches open and send them the difference between
+    /// the old and the new state ([`super::relist`]); `false` closes them (they come back,
+    /// get 410 Expired and relist themselves).
+    pub absorb_relists: bool,
 }
 
 impl Default for StoreConfig {
@@ -60,6 +67,7 @@ impl Default for StoreConfig {
             snapshot_max: 256,
             snapshot_max_age: Duration::from_secs(600),
             snapshot_max_bytes: 512 << 20,
+            absorb_relists: true,
         }
     }
 }
@@ -183,6 +191,13 @@ pub struct ResourceCache {
     ready_tx: watch::Sender<Readiness>,
     unhealthy: Mutex<Option<String>>,
     relists: std::sync::atomic::AtomicU64,
+    /// The last relists told to watchers as events: (the state's resourceVersion before,
+    /// the new list's), most recent last, at most [`ABSORBED_KEPT`].
+    absorbed: Mutex<VecDeque<(u64, u64)>>,
+    /// Relists told to open watchers as a difference, and the events of those differences
+    /// (read by the metrics collector).
+    pub absorbed_total: std::sync::atomic::AtomicU64,
+    pub absorbed_events: std::sync::atomic::AtomicU64,
     /// Snapshots served to paginated lists, by resourceVersion.
     retained: Mutex<VecDeque<Retained>>,
     pub list_stats: ListStats,
@@ -297,6 +312,9 @@ impl ResourceCache {
             ready_tx: watch::channel(Readiness::Pending).0,
             unhealthy: Mutex::new(Some("not synced yet".into())),
             relists: Default::default(),
+            absorbed: Default::default(),
+            absorbed_total: Default::default(),
+            absorbed_events: Default::default(),
             retained: Mutex::new(VecDeque::new()),
             list_stats: ListStats::default(),
             watch_stats: WatchStats::default(),
@@ -362,6 +380,13 @@ impl ResourceCache {
 
     pub fn relists(&self) -> u64 {
         self.relists.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The last relists whose difference watchers were sent as events: (resourceVersion
+    /// before, the new list's). Between the two, a watcher sees the difference, not the
+    /// individual writes (as after a relist of its own).
+    pub fn absorbed_relists(&self) -> Vec<(u64, u64)> {
+        self.absorbed.lock().iter().copied().collect()
     }
 
     fn read(&self) -> RwLockReadGuard<'_, State> {
@@ -591,24 +616,85 @@ impl ResourceCache {
     }
 }
 
+impl ResourceCache {
+    /// Applies one change under the write lock; `false` when it was already reflected.
+    fn apply_locked(&self, s: &mut State, kind: EventKind, object: Arc<CachedObject>) -> bool {
+        if object.meta.resource_version <= s.rv {
+            // Already reflected (e.g. replayed after a re-watch): keep history strictly
+            // increasing.
+            return false;
+        }
+        let key = object.key();
+        let prev = match kind {
+            EventKind::Deleted => s.objects.remove(&key),
+            _ => s.objects.insert(key.clone(), object.clone()),
+        };
+        if kind != EventKind::Deleted {
+            s.bytes += object.body.len();
+        }
+        if let Some(p) = &prev {
+            s.bytes = s.bytes.saturating_sub(p.body.len());
+        }
+        if let Some(ix) = s.index.as_mut() {
+            let now = (kind != EventKind::Deleted).then_some(&*object);
+            ix.update(&key, prev.as_deref(), now);
+        }
+        let ev = Arc::new(Event::new(kind, object, prev));
+        self.record_locked(s, ev);
+        true
+    }
+}
+
 impl ReflectorSink for ResourceCache {
     fn replace(&self, items: Vec<CachedObject>, rv: u64) {
         let first = !self.is_ready();
         {
             let mut s = self.write();
+            let new: Objects = items.into_iter().map(|o| (o.key(), Arc::new(o))).collect();
             if !first {
-                // The history was broken (the upstream watch expired): watchers end cleanly
-                // and come back with their last resourceVersion, which now gets 410 Expired,
-                // so they relist from this fresh state — no replayed or skipped events. They
-                // are closed before the new resourceVersion can reach the dispatcher: a
-                // bookmark must never carry an old watcher across the gap.
                 self.relists
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let changes = self
+                    .cfg
+                    .absorb_relists
+                    .then(|| super::relist::difference(&s.objects, s.rv, &new, rv))
+                    .flatten();
+                if let Some(changes) = changes {
+                    // Watchers stay open and learn the new state as events, then a bookmark
+                    // at the list's resourceVersion; the history goes on, so a watch resumed
+                    // from before the relist gets the same events.
+                    let n = changes.len();
+                    {
+                        let mut w = self.absorbed.lock();
+                        if w.len() == ABSORBED_KEPT {
+                            w.pop_front();
+                        }
+                        w.push_back((s.rv, rv));
+                    }
+                    use std::sync::atomic::Ordering::Relaxed;
+                    self.absorbed_total.fetch_add(1, Relaxed);
+                    self.absorbed_events.fetch_add(n as u64, Relaxed);
+                    for (kind, object, _) in changes {
+                        self.apply_locked(&mut s, kind, object);
+                    }
+                    s.rv = rv;
+                    let _ = self.dispatch.send(Dispatch::Progress(rv));
+                    drop(s);
+                    self.rv_tx.send_replace(rv);
+                    tracing::info!(resource = %self.resource.label(), rv, objects = self.len(), events = n, "cache relisted; watchers were sent the difference");
+                    return;
+                }
+                // The history was broken and no difference leads across (or absorbing is
+                // off): watchers end cleanly and come back with their last
+                // resourceVersion, which now gets 410 Expired, so they relist from this
+                // fresh state — no replayed or skipped events. They are closed before the
+                // new resourceVersion can reach the dispatcher: a bookmark must never carry
+                // an old watcher across the gap.
                 self.hub.close_all(CloseReason::Relist);
             }
-            s.bytes = items.iter().map(|o| o.body.len()).sum();
+            s.bytes = new.values().map(|o| o.body.len()).sum();
             s.relist_rv = (!first).then_some(rv);
-            s.objects = items.into_iter().map(|o| (o.key(), Arc::new(o))).collect();
+            s.objects = new;
             s.index = FieldIndex::for_resource(&self.resource).map(|mut ix| {
                 for (k, o) in s.objects.iter() {
                     ix.update(k, None, Some(o));
@@ -628,32 +714,9 @@ impl ReflectorSink for ResourceCache {
     fn apply(&self, kind: EventKind, object: CachedObject) {
         let object = Arc::new(object);
         let rv = object.meta.resource_version;
-        {
-            let mut s = self.write();
-            if rv <= s.rv {
-                // Already reflected (e.g. replayed after a re-watch): keep history strictly
-                // increasing.
-                return;
-            }
-            let key = object.key();
-            let prev = match kind {
-                EventKind::Deleted => s.objects.remove(&key),
-                _ => s.objects.insert(key.clone(), object.clone()),
-            };
-            if kind != EventKind::Deleted {
-                s.bytes += object.body.len();
-            }
-            if let Some(p) = &prev {
-                s.bytes = s.bytes.saturating_sub(p.body.len());
-            }
-            if let Some(ix) = s.index.as_mut() {
-                let now = (kind != EventKind::Deleted).then_some(&*object);
-                ix.update(&key, prev.as_deref(), now);
-            }
-            let ev = Arc::new(Event::new(kind, object, prev));
-            self.record_locked(&mut s, ev);
+        if self.apply_locked(&mut self.write(), kind, object) {
+            self.rv_tx.send_replace(rv);
         }
-        self.rv_tx.send_replace(rv);
     }
 
     fn bookmark(&self, rv: u64) {
@@ -749,6 +812,7 @@ mod tests {
         use std::sync::atomic::Ordering::Relaxed;
         let cfg = StoreConfig {
             history_max_events: 2,
+            absorb_relists: false,
             ..StoreConfig::default()
         };
         let cache = ResourceCache::new(Resource::core("pods", "Pod", true), cfg);
@@ -779,6 +843,98 @@ mod tests {
         );
         assert_eq!(stats(&cache), (2, 1));
         assert!(!expired(&cache, 23));
+    }
+
+    /// A relist keeps watchers open: they get the difference as events, then a bookmark at the
+    /// list's resourceVersion; a watch resumed from before the relist gets the same events.
+    /// A list that no history explains (older than the state) still closes them.
+    #[tokio::test]
+    async fn a_relist_reaches_open_watchers_as_the_difference() {
+        let cache = ResourceCache::new(Resource::core("pods", "Pod", true), StoreConfig::default());
+        cache.replace(
+            vec![pod("a", "p", Some("n1"), 10), pod("a", "q", None, 11)],
+            12,
+        );
+        let mut all = cache
+            .watch(Start::After(12), Arc::new(Filter::default()))
+            .unwrap();
+        let on_n1 = Filter {
+            fields: crate::k8s::selector::FieldSelector::parse("spec.nodeName=n1").unwrap(),
+            ..Filter::default()
+        };
+        let mut n1 = cache
+            .watch(Start::After(12), Arc::new(on_n1.clone()))
+            .unwrap();
+        // While the proxy's watch was down: p moved to n2 (at 14), q was deleted, r created.
+        cache.replace(
+            vec![pod("a", "p", Some("n2"), 14), pod("a", "r", Some("n1"), 15)],
+            20,
+        );
+        assert_eq!(cache.relists(), 1);
+        assert_eq!(cache.absorbed_relists(), [(12, 20)]);
+        async fn got(sub: &mut Subscription, n: usize) -> Vec<(&'static str, String, u64)> {
+            let mut v = Vec::new();
+            for _ in 0..n {
+                let (e, d) = sub.rx.recv().await.expect("an event");
+                let ty = match d {
+                    Delivery::AsIs => e.kind.as_str(),
+                    Delivery::Entered => "ADDED",
+                    Delivery::Left => "DELETED",
+                };
+                v.push((ty, e.object.meta.name.to_string(), e.rv));
+            }
+            v
+        }
+        // q's deletion takes the first revision after the old state that no listed object
+        // holds.
+        let want_all = [
+            ("DELETED", "q".to_string(), 13),
+            ("MODIFIED", "p".to_string(), 14),
+            ("ADDED", "r".to_string(), 15),
+        ];
+        assert_eq!(got(&mut all.sub, 3).await, want_all);
+        assert_eq!(
+            got(&mut n1.sub, 2).await,
+            [
+                ("DELETED", "p".to_string(), 14),
+                ("ADDED", "r".to_string(), 15)
+            ],
+            "a watcher's selector sees the difference as it sees any change"
+        );
+        assert_eq!(cache.rv(), 20);
+        // Resumed from before the relist: the same events, from the history.
+        let resumed = cache
+            .watch(Start::After(12), Arc::new(Filter::default()))
+            .unwrap();
+        let replayed: Vec<_> = resumed
+            .initial
+            .iter()
+            .map(|(o, e, _)| {
+                (
+                    e.as_ref().unwrap().kind.as_str(),
+                    o.meta.name.to_string(),
+                    o.meta.resource_version,
+                )
+            })
+            .collect();
+        assert_eq!(replayed, want_all);
+        assert!(
+            std::str::from_utf8(&resumed.initial[0].0.body)
+                .unwrap()
+                .contains(r#""resourceVersion":"13""#)
+        );
+
+        // An older list: no history leads there, so watchers are closed (they relist).
+        cache.replace(vec![pod("a", "p", Some("n2"), 14)], 18);
+        assert_eq!(cache.absorbed_relists(), [(12, 20)]);
+        assert!(matches!(
+            cache.watch(Start::After(15), Arc::new(Filter::default())),
+            Err(WatchError::Expired { .. })
+        ));
+        assert!(
+            all.sub.rx.recv().await.is_none(),
+            "the open watcher was closed"
+        );
     }
 
     proptest! {

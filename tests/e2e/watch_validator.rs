@@ -410,6 +410,7 @@ async fn watchers_through_the_proxy_see_exactly_the_apiservers_history() {
         base_rv,
         base,
         events: Vec::new(),
+        absorbed: Vec::new(),
     };
     for (typ, o) in reference_history(&admin, base_rv, end_rv).await {
         truth.push(rv_of(&o), &typ, o);

@@ -97,9 +97,14 @@ fn rv_param(r: &LoggedRequest) -> String {
 }
 
 async fn start_proxy(fake: &FakeApiServer) -> TestProxy {
+    start_proxy_absorbing(fake, true).await
+}
+
+async fn start_proxy_absorbing(fake: &FakeApiServer, absorb_relists: bool) -> TestProxy {
     let proxy = TestProxy::start(&fake.url(), |c| {
         c.cache.resources = vec!["configmaps".into(), "pods".into()];
         c.cache.bookmark_interval = Duration::from_millis(400);
+        c.cache.absorb_relists = absorb_relists;
     })
     .await;
     wait_synced(&proxy).await;
@@ -121,8 +126,21 @@ async fn metrics(proxy: &TestProxy) -> String {
     proxy.admin_get("/metrics").await.1
 }
 
+/// The proxy's forced relist reaches its watchers as the difference between the old and the
+/// new state (the default): no watcher gets 410 or relists, and every stream stays valid.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watchers_through_the_cache_see_exactly_the_real_history_across_faults() {
+    faulted_run(true).await;
+}
+
+/// With `cache.absorbRelists: false`, the forced relist closes the watchers: their re-watch
+/// gets 410 Expired and they relist, as behind an apiserver whose watch cache relisted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn watchers_relist_after_the_proxys_relist_when_it_does_not_absorb_it() {
+    faulted_run(false).await;
+}
+
+async fn faulted_run(absorb: bool) {
     let t_start = Instant::now();
     let fake = FakeApiServer::start().await;
     for ns in NAMESPACES {
@@ -135,7 +153,7 @@ async fn watchers_through_the_cache_see_exactly_the_real_history_across_faults()
         n += 1;
         random_write(&fake, &mut rng, n).await;
     }
-    let proxy = start_proxy(&fake).await;
+    let proxy = start_proxy_absorbing(&fake, absorb).await;
     let cache = proxy
         .running
         .as_ref()
@@ -299,6 +317,7 @@ async fn watchers_through_the_cache_see_exactly_the_real_history_across_faults()
 
     let mut truth = truth;
     truth.horizon = fake.current_rv();
+    truth.absorbed = cache.absorbed_relists();
     let rules = Rules {
         expired_from_epoch: Some(2),
         strict_consistency: false,
@@ -356,9 +375,10 @@ async fn watchers_through_the_cache_see_exactly_the_real_history_across_faults()
     println!("{}", report.summary());
     println!(
         "proxy: WATCH served_by=cache {cache_watches}, served_by=upstream {passthrough_watches}; \
-         cache relists {}; fake saw {upstream_watches} upstream watches from the proxy, \
+         cache relists {} (absorbed {:?}); fake saw {upstream_watches} upstream watches from the proxy, \
          client watches passed through {client_watches:?}, {reviews} access reviews",
-        cache.relists()
+        cache.relists(),
+        truth.absorbed
     );
     for v in report.violations.iter().take(40) {
         println!("VIOLATION {v}");
@@ -372,10 +392,22 @@ async fn watchers_through_the_cache_see_exactly_the_real_history_across_faults()
         report.events_checked > 10 * WATCHERS,
         "too few events checked"
     );
-    assert!(
-        report.expired_410 > 0,
-        "the forced relist never reached a watcher as 410"
-    );
+    if absorb {
+        assert!(
+            !truth.absorbed.is_empty(),
+            "the forced relist was not told as a difference"
+        );
+        assert_eq!(
+            report.expired_410, 0,
+            "a watcher got 410 although the relist was absorbed"
+        );
+    } else {
+        assert!(truth.absorbed.is_empty());
+        assert!(
+            report.expired_410 > 0,
+            "the forced relist never reached a watcher as 410"
+        );
+    }
     assert!(report.initial_end_bookmarks > 0);
     assert!(
         cache_watches >= WATCHERS as f64,
@@ -487,7 +519,7 @@ fn the_validator_catches_gaps_duplicates_early_bookmarks_and_wrong_objects() {
         object: obj,
     };
     let left = cm("x", "a", 3); // the old state at the event's resourceVersion
-    let run = |items: Vec<Obs>, final_state: &[Value]| {
+    let run = |truth: &Truth, items: Vec<Obs>, final_state: &[Value]| {
         let mut log = WatchLog::new(0, scope.clone(), true);
         log.sessions.push(Session {
             start: Start::Resume(0),
@@ -500,7 +532,7 @@ fn the_validator_catches_gaps_duplicates_early_bookmarks_and_wrong_objects() {
             log.state
                 .insert(support::watch_validator::key_of(o), o.clone());
         }
-        validate(&truth, &log, Rules::default(), true).violations
+        validate(truth, &log, Rules::default(), true).violations
     };
     let good = vec![
         ev("ADDED", cm("x", "a", 1)),
@@ -511,17 +543,20 @@ fn the_validator_catches_gaps_duplicates_early_bookmarks_and_wrong_objects() {
         },
         ev("ADDED", cm("y", "a", 4)),
     ];
-    assert_eq!(run(good.clone(), &[cm("y", "a", 4)]), Vec::<String>::new());
+    assert_eq!(
+        run(&truth, good.clone(), &[cm("y", "a", 4)]),
+        Vec::<String>::new()
+    );
     let gap = vec![ev("ADDED", cm("x", "a", 1)), ev("ADDED", cm("y", "a", 4))];
     assert!(
-        run(gap, &[cm("y", "a", 4)])
+        run(&truth, gap, &[cm("y", "a", 4)])
             .iter()
             .any(|v| v.contains("missing"))
     );
     let mut dup = good.clone();
     dup.insert(1, ev("ADDED", cm("x", "a", 1)));
     assert!(
-        run(dup, &[cm("y", "a", 4)])
+        run(&truth, dup, &[cm("y", "a", 4)])
             .iter()
             .any(|v| v.contains("ordered"))
     );
@@ -533,16 +568,69 @@ fn the_validator_catches_gaps_duplicates_early_bookmarks_and_wrong_objects() {
         },
         ev("DELETED", left),
     ];
-    assert!(run(early, &[]).iter().any(|v| v.contains("bookmarkable")));
+    assert!(
+        run(&truth, early, &[])
+            .iter()
+            .any(|v| v.contains("bookmarkable"))
+    );
     let wrong = vec![
         ev("ADDED", cm("x", "c", 1)),
         ev("DELETED", cm("x", "a", 3)),
         ev("ADDED", cm("y", "a", 4)),
     ];
     assert!(
-        run(wrong, &[cm("y", "a", 4)])
+        run(&truth, wrong, &[cm("y", "a", 4)])
             .iter()
             .any(|v| v.contains("differs"))
     );
-    assert!(run(good, &[]).iter().any(|v| v.contains("final view")));
+    assert!(
+        run(&truth, good, &[])
+            .iter()
+            .any(|v| v.contains("final view"))
+    );
+
+    // An absorbed relist over (1, 4]: the difference from the state at 1 ({x}) to the state
+    // at 4 ({y}) is valid (x's deletion at a revision of the window no listed object holds),
+    // and so is the real history; a difference that leaves x behind, or carries an object
+    // that is not the state at 4, is not.
+    truth.absorbed = vec![(1, 4)];
+    let at = |o: Value, rv: u64| {
+        let mut o = o;
+        o["metadata"]["resourceVersion"] = json!(rv.to_string());
+        o
+    };
+    let difference = vec![
+        ev("ADDED", cm("x", "a", 1)),
+        ev("DELETED", at(cm("x", "a", 1), 2)),
+        ev("ADDED", cm("y", "a", 4)),
+    ];
+    assert_eq!(
+        run(&truth, difference, &[cm("y", "a", 4)]),
+        Vec::<String>::new()
+    );
+    let history = vec![
+        ev("ADDED", cm("x", "a", 1)),
+        ev("DELETED", cm("x", "a", 3)),
+        ev("ADDED", cm("y", "a", 4)),
+    ];
+    assert_eq!(
+        run(&truth, history, &[cm("y", "a", 4)]),
+        Vec::<String>::new()
+    );
+    let incomplete = vec![ev("ADDED", cm("x", "a", 1)), ev("ADDED", cm("y", "a", 4))];
+    assert!(
+        run(&truth, incomplete, &[cm("y", "a", 4)])
+            .iter()
+            .any(|v| v.contains("relist difference") && v.contains("leads to"))
+    );
+    let stale = vec![
+        ev("ADDED", cm("x", "a", 1)),
+        ev("DELETED", at(cm("x", "a", 1), 2)),
+        ev("ADDED", cm("y", "b", 4)),
+    ];
+    assert!(
+        run(&truth, stale, &[cm("y", "a", 4)])
+            .iter()
+            .any(|v| v.contains("is not the state at 4"))
+    );
 }

@@ -192,6 +192,10 @@ pub struct Truth {
     pub base_rv: u64,
     pub base: BTreeMap<Key, Value>,
     pub events: Vec<TruthEvent>,
+    /// Relists the proxy told its watchers as a difference (`(before, after]`, from
+    /// `ResourceCache::absorbed_relists`): inside one, a watcher sees the difference between
+    /// the states at its ends, not the individual writes.
+    pub absorbed: Vec<(u64, u64)>,
 }
 
 /// An event as a watcher with some scope must see it.
@@ -317,6 +321,7 @@ impl Truth {
             base_rv: self.base_rv,
             base,
             events,
+            absorbed: self.absorbed.clone(),
         }
     }
 }
@@ -327,6 +332,7 @@ pub struct Filtered {
     pub base_rv: u64,
     pub base: BTreeMap<Key, Value>,
     pub events: Vec<Expected>,
+    pub absorbed: Vec<(u64, u64)>,
 }
 
 impl Filtered {
@@ -706,9 +712,102 @@ fn check_live(
             Obs::Error { .. } => {}
         }
     }
-    let want = f.between(from, progress);
-    compare(want, &got, v);
+    // Outside absorbed relists, the events are the history; inside one, they are a
+    // difference, checked as such.
+    let inside = |rv: u64| {
+        f.absorbed
+            .iter()
+            .find(|(a, b)| rv > *a && rv <= *b)
+            .copied()
+    };
+    let want: Vec<Expected> = f
+        .between(from, progress)
+        .iter()
+        .filter(|e| inside(e.rv).is_none())
+        .cloned()
+        .collect();
+    let outside: Vec<_> = got
+        .iter()
+        .filter(|g| inside(g.1).is_none())
+        .cloned()
+        .collect();
+    compare(&want, &outside, v);
+    for &(a, b) in &f.absorbed {
+        if a >= progress || b <= from {
+            continue;
+        }
+        let part: Vec<_> = got
+            .iter()
+            .filter(|g| g.1 > a && g.1 <= b)
+            .cloned()
+            .collect();
+        // A watch the apiserver answered (passed through) sees the real history there.
+        let mut exact = Vec::new();
+        compare(f.between(a.max(from), b.min(progress)), &part, &mut exact);
+        if !exact.is_empty() {
+            check_difference(f, (a, b), from <= a && progress >= b, &part, v);
+        }
+    }
     got.len()
+}
+
+/// The events of one absorbed relist `(a, b]` a session saw. Each ADDED or MODIFIED object
+/// is the real object at `b`, each DELETED key is gone at `b` (or re-created). When the
+/// session saw the whole window, applying them to the state at `a` gives the state at `b`
+/// (nothing missed, nothing extra), with no change to an absent key and no addition of a
+/// present one.
+fn check_difference(
+    f: &Filtered,
+    (a, b): (u64, u64),
+    whole: bool,
+    got: &[(&str, u64, &Key, &Value)],
+    v: &mut Vec<String>,
+) {
+    let end = f.state_at(b);
+    let uid = |o: &Value| o["metadata"]["uid"].clone();
+    for (typ, rv, key, object) in got {
+        let ok = match *typ {
+            "DELETED" => end.get(*key).is_none_or(|o| uid(o) != uid(object)),
+            _ => end
+                .get(*key)
+                .is_some_and(|o| comparable(o) == comparable(object)),
+        };
+        if !ok {
+            v.push(format!(
+                "relist difference ({a}, {b}]: {typ} {key} at {rv} is not the state at {b}"
+            ));
+        }
+    }
+    if !whole {
+        return;
+    }
+    let mut st = f.state_at(a);
+    for (typ, rv, key, object) in got {
+        let held = st.contains_key(*key);
+        let fits = match *typ {
+            "ADDED" => !held,
+            _ => held,
+        };
+        if !fits {
+            v.push(format!(
+                "relist difference ({a}, {b}]: {typ} {key} at {rv} for a key {} in the watcher's view",
+                if held { "already" } else { "not" }
+            ));
+        }
+        if *typ == "DELETED" {
+            st.remove(*key);
+        } else {
+            st.insert((*key).clone(), (*object).clone());
+        }
+    }
+    let keys = |m: &BTreeMap<Key, Value>| m.keys().cloned().collect::<Vec<_>>();
+    if keys(&st) != keys(&end) {
+        v.push(format!(
+            "relist difference ({a}, {b}]: leads to {:?}, the state at {b} is {:?}",
+            keys(&st),
+            keys(&end)
+        ));
+    }
 }
 
 /// Compares delivered events with the expected ones, merged by resourceVersion.

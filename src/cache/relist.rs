@@ -28,8 +28,11 @@ use std::cmp::Ordering;
 use std::sync::Arc;
 
 use super::event::with_resource_version;
-use super::store::Objects;
-use super::{CachedObject, EventKind};
+use super::{CachedObject, EventKind, ObjectKey};
+
+/// A state of one resource: the objects by key (`store::Objects`, named here so the store
+/// can use this module without a cycle).
+pub type Objects = imbl::OrdMap<ObjectKey, Arc<CachedObject>>;
 
 /// One event of a relist's difference: the kind, the new state (for `Deleted`, the last
 /// known state at its assigned resourceVersion) and the previous state.

@@ -171,6 +171,8 @@ pub struct ControlPlane {
     client_ca: Issuer<'static, KeyPair>,
     /// Started children, in start order (etcd first).
     children: Vec<(&'static str, Child)>,
+    /// kube-apiserver's arguments, for [`ControlPlane::kill_and_restart_apiserver`].
+    api_args: Vec<String>,
     /// Whether `dir` is ours to remove.
     remove_dir: bool,
 }
@@ -246,6 +248,7 @@ impl ControlPlane {
             client_ca_key_pem: pki.client_ca_key.serialize_pem(),
             client_ca: pki.client_ca,
             children: Vec::new(),
+            api_args: Vec::new(),
             remove_dir,
         };
         // From here on `cp`'s Drop kills whatever was started if a step fails.
@@ -298,19 +301,9 @@ impl ControlPlane {
             .chain(opts.apiserver_args.iter().cloned())
             .collect();
         cp.spawn("kube-apiserver", &api_args).await?;
+        cp.api_args = api_args;
         let client = cp.client_for_token(cp.admin_token()).await?;
-        cp.wait_ready("kube-apiserver", APISERVER_READY_TIMEOUT, || {
-            let client = client.clone();
-            async move {
-                let req = http::Request::get("/readyz").body(Vec::new())?;
-                client
-                    .request_text(req)
-                    .await
-                    .map(|_| ())
-                    .map_err(ProbeError::Apiserver)
-            }
-        })
-        .await?;
+        cp.wait_apiserver_ready(&client).await?;
         if opts.controller_manager {
             cp.start_controller_manager(&pki_dir, &client).await?;
         }
@@ -323,6 +316,51 @@ impl ControlPlane {
             "local control plane ready"
         );
         Ok(cp)
+    }
+
+    async fn wait_apiserver_ready(&mut self, client: &kube::Client) -> Result<(), DevClusterError> {
+        self.wait_ready("kube-apiserver", APISERVER_READY_TIMEOUT, || {
+            let client = client.clone();
+            async move {
+                let req = http::Request::get("/readyz").body(Vec::new())?;
+                client
+                    .request_text(req)
+                    .await
+                    .map(|_| ())
+                    .map_err(ProbeError::Apiserver)
+            }
+        })
+        .await
+    }
+
+    /// Kills kube-apiserver (SIGKILL: no graceful shutdown, its watches break mid-stream),
+    /// starts it again with the same arguments, port and certificates, and waits until it is
+    /// ready. etcd keeps running, so the data and the resourceVersions go on; the new
+    /// apiserver's watch cache starts empty. Fault tests use it.
+    ///
+    /// # Errors
+    /// The new process does not start or become ready in time.
+    pub async fn kill_and_restart_apiserver(&mut self) -> Result<(), DevClusterError> {
+        let Some(i) = self
+            .children
+            .iter()
+            .position(|(n, _)| *n == "kube-apiserver")
+        else {
+            return Err(DevClusterError::Io {
+                context: "restarting kube-apiserver: it is not running".into(),
+                source: std::io::Error::from(std::io::ErrorKind::NotFound),
+            });
+        };
+        let old = &mut self.children[i].1;
+        let _ = old.start_kill();
+        let _ = old.wait().await;
+        let args = self.api_args.clone();
+        self.spawn("kube-apiserver", &args).await?;
+        // In place, so `pids()` keeps its order (etcd, kube-apiserver, ...).
+        let new = self.children.pop().expect("just started");
+        self.children[i] = new;
+        let client = self.client_for_token(self.admin_token()).await?;
+        self.wait_apiserver_ready(&client).await
     }
 
     /// Starts kube-controller-manager with the admin's credentials and waits for the

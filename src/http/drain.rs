@@ -27,6 +27,7 @@ pin_project_lite::pin_project! {
         at_boundary: bool,
         draining: bool,
         done: bool,
+        end_on_error: bool,
     }
 }
 
@@ -39,7 +40,18 @@ impl<B> DrainBody<B> {
             at_boundary: true,
             draining: false,
             done: false,
+            end_on_error: false,
         }
+    }
+
+    /// A failure of the inner body (the upstream connection lost) ends this one cleanly
+    /// instead of resetting the client's stream. For watches: a direct client sees the
+    /// apiserver's connection drop as an EOF and re-watches from its last resourceVersion;
+    /// an HTTP/2 stream reset (INTERNAL_ERROR) is a decode error to client-go, which then
+    /// relists.
+    pub fn ending_cleanly_on_error(mut self) -> Self {
+        self.end_on_error = true;
+        self
     }
 }
 
@@ -68,6 +80,12 @@ where
         }
         let frame = match ready!(this.inner.poll_frame(cx)) {
             None => {
+                *this.done = true;
+                return Poll::Ready(None);
+            }
+            Some(Err(e)) if *this.end_on_error => {
+                let e: BoxError = e.into();
+                tracing::debug!(error = %e, "upstream stream failed; ending the client's stream cleanly");
                 *this.done = true;
                 return Poll::Ready(None);
             }
@@ -264,6 +282,24 @@ mod tests {
         let token = CancellationToken::new();
         let b = DrainBody::new(frames(&["x\n", "y", "z\n"]), token, true);
         assert_eq!(b.collect().await.unwrap().to_bytes(), "x\nyz\n");
+    }
+
+    /// An upstream failure mid-stream: an error to the client (its stream is reset) unless
+    /// the body ends cleanly on errors (passed-through watches), then a clean end after what
+    /// arrived.
+    #[tokio::test]
+    async fn an_upstream_failure_ends_a_watch_cleanly() {
+        let failing = || {
+            StreamBody::new(stream::iter(vec![
+                Ok::<_, BoxError>(Frame::data(Bytes::from_static(b"{\"a\":1}\n"))),
+                Err::<Frame<Bytes>, BoxError>("connection lost".into()),
+            ]))
+        };
+        let plain = DrainBody::new(failing(), CancellationToken::new(), true);
+        assert!(plain.collect().await.is_err());
+        let clean =
+            DrainBody::new(failing(), CancellationToken::new(), true).ending_cleanly_on_error();
+        assert_eq!(clean.collect().await.unwrap().to_bytes(), "{\"a\":1}\n");
     }
 
     #[tokio::test]

@@ -9,9 +9,10 @@
 //	           sendInitialEvents=true, ended by the "k8s.io/initial-events-end" bookmark
 //	metadata   metadatainformer (PartialObjectMetadata); WatchListClient OFF unless --watch-list=true
 //
-// --accept=json (metadata mode) drops the protobuf clauses from every Accept header the
-// informer sends, so its LIST and WATCH ask for JSON PartialObjectMetadata(List) only (the
-// metadata client always puts protobuf first, which the proxy hands to the apiserver).
+// --accept=json (any mode) drops the protobuf clauses from every Accept header the
+// informer sends, so its LIST and WATCH ask for JSON only (the kind's, or
+// PartialObjectMetadata(List) in metadata mode): typed clients and the metadata client put
+// protobuf first, which the proxy hands to the apiserver.
 //
 // --watch-fields=<spec> adds the proxy's opt-in X-Kube-Cache-Proxy-Watch-Fields header to every
 // request (a transport wrapper, as a controller would; lists ignore it), and logs the

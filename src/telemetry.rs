@@ -28,7 +28,7 @@ use bytes::Bytes;
 use http::{HeaderMap, HeaderValue, Request, Response};
 use opentelemetry::propagation::TextMapPropagator;
 use opentelemetry::trace::{
-    FutureExt as _, SpanKind, TraceContextExt as _, Tracer as _, TracerProvider as _,
+    FutureExt as _, TraceContextExt as _, Tracer as _, TracerProvider as _,
 };
 use opentelemetry::{Context, KeyValue};
 use opentelemetry_http::{HeaderExtractor, HeaderInjector, HttpClient, HttpError};
@@ -39,6 +39,7 @@ use opentelemetry_sdk::trace::{Sampler, SdkTracer, SdkTracerProvider};
 use crate::config::TracingConfig;
 
 pub use opentelemetry::KeyValue as Attr;
+pub use opentelemetry::trace::SpanKind;
 
 /// How many proxies in this process have tracing on: the hooks' fast path when none has.
 static ON: AtomicUsize = AtomicUsize::new(0);
@@ -180,6 +181,27 @@ impl Telemetry {
         ))
     }
 
+    /// Runs `fut` in a new trace of the proxy's own ([`Telemetry::root_span`]), or just runs
+    /// it when tracing is off.
+    pub async fn in_root_span<F: Future>(
+        &self,
+        name: impl FnOnce() -> String,
+        attrs: impl FnOnce() -> Vec<KeyValue>,
+        fut: F,
+    ) -> F::Output {
+        if self.inner.is_none() {
+            return fut.await;
+        }
+        match self.root_span(name(), attrs()) {
+            Some(t) => {
+                let out = t.run(fut).await;
+                t.0.span().end();
+                out
+            }
+            None => fut.await,
+        }
+    }
+
     /// Exports what is queued now (tests; [`Telemetry::shutdown`] does it too).
     pub async fn flush(&self) {
         if let Some(inner) = self.inner.clone() {
@@ -234,7 +256,7 @@ impl Traced {
 }
 
 /// A child of the current span, when a traced request is running (`None` otherwise).
-pub fn child(name: &'static str, attrs: Vec<KeyValue>) -> Option<Traced> {
+pub fn child(name: &'static str, kind: SpanKind, attrs: Vec<KeyValue>) -> Option<Traced> {
     if !any_on() {
         return None;
     }
@@ -244,6 +266,7 @@ pub fn child(name: &'static str, attrs: Vec<KeyValue>) -> Option<Traced> {
             .0
             .tracer
             .span_builder(name)
+            .with_kind(kind)
             .with_attributes(attrs)
             .start_with_context(&t.0.tracer, cx);
         Some(Traced(cx.with_span(span)))
@@ -253,7 +276,12 @@ pub fn child(name: &'static str, attrs: Vec<KeyValue>) -> Option<Traced> {
 /// Runs `fut` in a child span `name` of the current span when a traced request is running;
 /// otherwise just runs it.
 pub async fn in_span<F: Future>(name: &'static str, fut: F) -> F::Output {
-    match child(name, Vec::new()) {
+    in_span_of(name, SpanKind::Internal, fut).await
+}
+
+/// [`in_span`] of a given kind (`Client`: a request to the apiserver).
+pub async fn in_span_of<F: Future>(name: &'static str, kind: SpanKind, fut: F) -> F::Output {
+    match child(name, kind, Vec::new()) {
         Some(t) => {
             let out = t.run(fut).await;
             t.0.span().end();
@@ -261,6 +289,11 @@ pub async fn in_span<F: Future>(name: &'static str, fut: F) -> F::Output {
         }
         None => fut.await,
     }
+}
+
+/// The HTTP status code of the current span's request (a `Client` span's answer).
+pub fn set_status_code(code: u16) {
+    set_current(|| KeyValue::new("http.response.status_code", i64::from(code)));
 }
 
 /// Sets an attribute on the current span, if a traced request is running.
@@ -489,7 +522,7 @@ mod tests {
         // A child span becomes the parent of what is sent inside it.
         let child_tp = s
             .run(async {
-                let c = child("authorize", vec![]).unwrap();
+                let c = child("authorize", SpanKind::Internal, vec![]).unwrap();
                 let mut h = HeaderMap::new();
                 c.run(async { inject(&mut h) }).await;
                 h.get("traceparent").unwrap().to_str().unwrap().to_string()
@@ -501,7 +534,7 @@ mod tests {
         let mut untouched = headers(&[("traceparent", PARENT)]);
         inject(&mut untouched);
         assert_eq!(untouched.get("traceparent").unwrap(), PARENT);
-        assert!(child("x", vec![]).is_none());
+        assert!(child("x", SpanKind::Internal, vec![]).is_none());
         t.shutdown().await;
     }
 

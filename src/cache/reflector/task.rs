@@ -267,8 +267,25 @@ impl Reflector {
             .expect("a GET with a valid URI is a valid request");
         ReflectorStats::inc(&self.stats.watch_starts);
         let timeout = self.cfg.request_timeout;
+        // A span until the watch is established (its headers): the cache's own trace.
+        let send = async {
+            let r = tokio::time::timeout(timeout, self.upstream.send(req, As::Proxy, true)).await;
+            if let Ok(Ok(resp)) = &r {
+                crate::telemetry::set_status_code(resp.status().as_u16());
+            }
+            r
+        };
+        let sent = self
+            .upstream
+            .telemetry()
+            .in_root_span(
+                || format!("WATCH {}", self.resource.label()),
+                || super::span_attrs(&self.resource, &pq),
+                send,
+            )
+            .await;
         let resp =
-            match tokio::time::timeout(timeout, self.upstream.send(req, As::Proxy, true)).await {
+            match sent {
                 Err(_) => {
                     return WatchEnd::Refused(ReflectorError::Timeout {
                         what: WHAT,
@@ -369,3 +386,4 @@ impl Reflector {
 /// How long an established watch must go without an ERROR event (when it carries nothing
 /// else) before the reflector reports the cache healthy (at most half the stall timeout).
 pub(super) const WATCH_HEALTHY_GRACE: Duration = Duration::from_millis(500);
+

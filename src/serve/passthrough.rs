@@ -86,8 +86,7 @@ pub async fn forward(
         r
     };
     let sent =
-        crate::telemetry::in_span_of("passthrough", crate::telemetry::SpanKind::Client, send)
-            .await;
+        crate::telemetry::in_span_of("passthrough", crate::telemetry::SpanKind::Client, send).await;
     let verb = info.metrics_verb(&method, None, upgrade.is_some());
     let count = |code: &str| {
         state

@@ -733,57 +733,56 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
     // not the largest of them (it was 6.8 KB for every request, watches included, and a burst
     // of thousands of watch requests held that many at once).
     let work = async {
-    match Box::pin(impersonation_gate(state, conn, &mut caller, &req)).await
-    {
-        Err(refused) => (refused, "proxy"),
-        Ok(Some(as_target)) => {
-            Box::pin(forward_within_quota(
-                state,
-                conn,
-                &caller,
-                &as_target,
-                req,
-                &info,
-                long_running,
-            ))
-            .await
-        }
-        Ok(None) => match Box::pin(serve_from_cache(
-            state,
-            conn,
-            &mut caller,
-            &req,
-            &info,
-            query.as_deref(),
-            watch_fields.clone(),
-        ))
-        .await
-        {
-            Ok(r) => (r, "cache"),
-            // A refusal decided on the cache path (401, 403, 429, 400 for a bad continue
-            // token, ...): the only place the pipeline turns a `Status` into a response.
-            Err(NotServed::Refuse(status)) => {
-                refused = true;
-                (status.into_response(), "cache")
-            }
-            Err(NotServed::Delegate(why)) => {
-                if info.is_resource_request && info.verb != "create" {
-                    tracing::trace!(reason = why, path = %path, "passthrough");
-                }
-                let (resp, by) = Box::pin(forward_within_quota(
+        match Box::pin(impersonation_gate(state, conn, &mut caller, &req)).await {
+            Err(refused) => (refused, "proxy"),
+            Ok(Some(as_target)) => {
+                Box::pin(forward_within_quota(
                     state,
                     conn,
                     &caller,
-                    conn,
+                    &as_target,
                     req,
                     &info,
                     long_running,
                 ))
-                .await;
-                (Box::pin(read_your_writes(state, &info, resp)).await, by)
+                .await
             }
-        },
-    }
+            Ok(None) => match Box::pin(serve_from_cache(
+                state,
+                conn,
+                &mut caller,
+                &req,
+                &info,
+                query.as_deref(),
+                watch_fields.clone(),
+            ))
+            .await
+            {
+                Ok(r) => (r, "cache"),
+                // A refusal decided on the cache path (401, 403, 429, 400 for a bad continue
+                // token, ...): the only place the pipeline turns a `Status` into a response.
+                Err(NotServed::Refuse(status)) => {
+                    refused = true;
+                    (status.into_response(), "cache")
+                }
+                Err(NotServed::Delegate(why)) => {
+                    if info.is_resource_request && info.verb != "create" {
+                        tracing::trace!(reason = why, path = %path, "passthrough");
+                    }
+                    let (resp, by) = Box::pin(forward_within_quota(
+                        state,
+                        conn,
+                        &caller,
+                        conn,
+                        req,
+                        &info,
+                        long_running,
+                    ))
+                    .await;
+                    (Box::pin(read_your_writes(state, &info, resp)).await, by)
+                }
+            },
+        }
     };
     let (resp, served_by) = match &traced {
         Some(t) => t.run(work).await,

@@ -33,10 +33,7 @@ async fn get(proxy: &TestProxy, path: &str, headers: &[(&str, &str)]) -> u16 {
     r.status().as_u16()
 }
 
-async fn setup(
-    receiver: Option<&OtlpReceiver>,
-    ratio: f64,
-) -> (FakeApiServer, TestProxy) {
+async fn setup(receiver: Option<&OtlpReceiver>, ratio: f64) -> (FakeApiServer, TestProxy) {
     let fake = FakeApiServer::start().await;
     fake.create("/api/v1/namespaces", json!({"metadata": {"name": "a"}}))
         .await;
@@ -187,10 +184,20 @@ async fn a_malformed_traceparent_is_ignored_not_refused() {
     ];
     for (i, tp) in bad.iter().enumerate() {
         let path = format!("/api/v1/namespaces/a/secrets/s{i}");
-        let code = get(&proxy, &path, &[("traceparent", tp), ("tracestate", "=,=,,")]).await;
+        let code = get(
+            &proxy,
+            &path,
+            &[("traceparent", tp), ("tracestate", "=,=,,")],
+        )
+        .await;
         // The fake's 404 for a secret that does not exist: the request went through.
         assert_eq!(code, 404, "{tp}");
-        let cached = get(&proxy, "/api/v1/namespaces/a/configmaps", &[("traceparent", tp)]).await;
+        let cached = get(
+            &proxy,
+            "/api/v1/namespaces/a/configmaps",
+            &[("traceparent", tp)],
+        )
+        .await;
         assert_eq!(cached, 200, "{tp}");
         // A fresh trace goes upstream, well-formed, not the caller's.
         let up = upstream_traceparents(&fake, &path);
@@ -218,7 +225,8 @@ async fn the_caches_own_list_and_watch_are_traced() {
     let receiver = OtlpReceiver::start().await;
     let (fake, proxy) = setup(Some(&receiver), 1.0).await;
     let spans = spans_until(&receiver, &proxy, "the reflector's spans", |s| {
-        s.iter().any(|s| s.name == "LIST configmaps") && s.iter().any(|s| s.name == "WATCH configmaps")
+        s.iter().any(|s| s.name == "LIST configmaps")
+            && s.iter().any(|s| s.name == "WATCH configmaps")
     })
     .await;
     let list = spans.iter().find(|s| s.name == "LIST configmaps").unwrap();
@@ -261,7 +269,15 @@ async fn with_tracing_off_the_callers_trace_context_reaches_the_apiserver_unchan
     )
     .await;
     assert_eq!(code, 200);
-    assert_eq!(get(&proxy, "/api/v1/namespaces/a/configmaps", &[("traceparent", &tp)]).await, 200);
+    assert_eq!(
+        get(
+            &proxy,
+            "/api/v1/namespaces/a/configmaps",
+            &[("traceparent", &tp)]
+        )
+        .await,
+        200
+    );
     let got: Vec<LoggedRequest> = fake
         .requests()
         .into_iter()
@@ -271,7 +287,8 @@ async fn with_tracing_off_the_callers_trace_context_reaches_the_apiserver_unchan
     assert_eq!(got[0].headers.get("traceparent").unwrap(), tp.as_str());
     assert_eq!(got[0].headers.get("tracestate").unwrap(), "vendor=opaque");
     // The proxy's own requests carry none.
-    let reviews = upstream_traceparents(&fake, "/apis/authorization.k8s.io/v1/subjectaccessreviews");
+    let reviews =
+        upstream_traceparents(&fake, "/apis/authorization.k8s.io/v1/subjectaccessreviews");
     assert!(reviews.is_empty(), "{reviews:?}");
     proxy.shutdown().await;
     // Nothing was exported: the receiver was never told about, and heard nothing.

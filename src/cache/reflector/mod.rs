@@ -69,10 +69,7 @@ pub use task::{Reflector, ReflectorHandle};
 pub use watch::{WatchItem, parse_event_line};
 
 /// The attributes of a span of the cache's own upstream request.
-fn span_attrs(
-    resource: &crate::k8s::resource::Resource,
-    pq: &str,
-) -> Vec<crate::telemetry::Attr> {
+fn span_attrs(resource: &crate::k8s::resource::Resource, pq: &str) -> Vec<crate::telemetry::Attr> {
     use crate::telemetry::Attr;
     vec![
         Attr::new("http.request.method", "GET"),

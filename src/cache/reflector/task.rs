@@ -284,19 +284,18 @@ impl Reflector {
                 send,
             )
             .await;
-        let resp =
-            match sent {
-                Err(_) => {
-                    return WatchEnd::Refused(ReflectorError::Timeout {
-                        what: WHAT,
-                        timeout,
-                    });
-                }
-                Ok(Err(source)) => {
-                    return WatchEnd::Refused(ReflectorError::Transport { what: WHAT, source });
-                }
-                Ok(Ok(resp)) => resp,
-            };
+        let resp = match sent {
+            Err(_) => {
+                return WatchEnd::Refused(ReflectorError::Timeout {
+                    what: WHAT,
+                    timeout,
+                });
+            }
+            Ok(Err(source)) => {
+                return WatchEnd::Refused(ReflectorError::Transport { what: WHAT, source });
+            }
+            Ok(Ok(resp)) => resp,
+        };
         if !resp.status().is_success() {
             let err = tokio::time::timeout(timeout, error_response(WHAT, resp))
                 .await
@@ -386,4 +385,3 @@ impl Reflector {
 /// How long an established watch must go without an ERROR event (when it carries nothing
 /// else) before the reflector reports the cache healthy (at most half the stall timeout).
 pub(super) const WATCH_HEALTHY_GRACE: Duration = Duration::from_millis(500);
-

@@ -718,11 +718,17 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
 
     // The request's span (`telemetry`; `None` when tracing is off), a child of the caller's
     // when its `traceparent` is valid. It ends when the response body does.
-    let traced = state.upstream.telemetry().server_span(
-        req.headers(),
-        span_name(&method, &info),
-        span_attrs(&req, &method, &info, &verb),
-    );
+    let telemetry = state.upstream.telemetry();
+    let traced = telemetry
+        .is_on()
+        .then(|| {
+            telemetry.server_span(
+                req.headers(),
+                span_name(&method, &info),
+                span_attrs(&req, &method, &info, &verb),
+            )
+        })
+        .flatten();
 
     // Authenticated at most once, by whichever step needs it first.
     let mut caller = Caller::default();

@@ -4,7 +4,11 @@
 //! recorded and queued to the export thread; the exporter points at a closed port, so
 //! batches fail and the full queue drops spans, as with a collector that is down).
 //!
-//! Run: `cargo bench --bench tracing`. Figures are in the commit that added this file.
+//! Run: `cargo bench --bench tracing`. Measured on the 2-core dev machine (Dec 2026, shared,
+//! load average ~7), median of 50 samples: the harness alone 1.5 ns; off 93 ns per request
+//! (four hooks, each one relaxed atomic load, plus this benchmark's empty `HeaderMap` and
+//! future nesting); on and sampled 6.3 µs per request (four spans built, recorded and queued,
+//! one `traceparent` formatted). A first run under the same load: off 119 ns, on 7.4 µs.
 
 use std::hint::black_box;
 use std::time::Duration;
@@ -54,8 +58,11 @@ fn bench(c: &mut Criterion) {
         HeaderValue::from_static("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
     );
     let mut g = c.benchmark_group("tracing_hooks_per_request");
+    // The harness alone (one `block_on` per iteration), to subtract.
+    g.bench_function("baseline_empty", |b| b.to_async(&rt).iter(|| async {}));
     g.bench_function("off", |b| {
-        b.to_async(&rt).iter(|| one_request(&off, black_box(&headers)))
+        b.to_async(&rt)
+            .iter(|| one_request(&off, black_box(&headers)))
     });
     // Started only now: while no proxy in the process has tracing on, the hooks are one
     // atomic load each ("off" above).
@@ -69,7 +76,8 @@ fn bench(c: &mut Criterion) {
     })
     .unwrap();
     g.bench_function("on_sampled", |b| {
-        b.to_async(&rt).iter(|| one_request(&on, black_box(&headers)))
+        b.to_async(&rt)
+            .iter(|| one_request(&on, black_box(&headers)))
     });
     g.finish();
 }

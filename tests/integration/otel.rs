@@ -294,3 +294,29 @@ async fn with_tracing_off_the_callers_trace_context_reaches_the_apiserver_unchan
     // Nothing was exported: the receiver was never told about, and heard nothing.
     assert_eq!(receiver.posts(), 0);
 }
+
+#[tokio::test]
+async fn spans_queued_at_shutdown_are_flushed_before_the_proxy_stops() {
+    let receiver = OtlpReceiver::start().await;
+    let (_fake, proxy) = setup(Some(&receiver), 0.0).await;
+    let tp = traceparent(TRACE, CLIENT_SPAN);
+    assert_eq!(
+        get(
+            &proxy,
+            "/api/v1/namespaces/a/configmaps",
+            &[("traceparent", &tp)]
+        )
+        .await,
+        200
+    );
+    // No flush asked: the batch would wait its 5 s schedule. The graceful shutdown (as on
+    // SIGTERM) sends what is queued once the drain is over, before it returns.
+    proxy.shutdown().await;
+    let spans = receiver.spans();
+    assert!(
+        spans
+            .iter()
+            .any(|s| s.kind == 2 && s.trace_id == TRACE && s.parent_span_id == CLIENT_SPAN),
+        "{spans:#?}"
+    );
+}

@@ -36,6 +36,8 @@ pub struct Config {
     /// Tenants: who belongs to which, their namespaces and quotas (see [`TenantConfig`]).
     /// Callers no tenant matches belong to the unnamed tenant `""`, without quotas.
     pub tenants: Vec<TenantConfig>,
+    /// OpenTelemetry spans (off unless an OTLP endpoint is set; see `docs/tracing.md`).
+    pub tracing: TracingConfig,
 }
 
 impl Default for Config {
@@ -55,8 +57,97 @@ impl Default for Config {
             paging: PagingConfig::default(),
             authentication: AuthenticationConfig::default(),
             tenants: Vec::new(),
+            tracing: TracingConfig::default(),
         }
     }
+}
+
+/// OpenTelemetry tracing: spans per request and per upstream call, exported over OTLP, and
+/// W3C trace context (`traceparent`, `tracestate`) honoured from callers and sent upstream.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct TracingConfig {
+    pub otlp: OtlpConfig,
+    /// The fraction of new traces recorded, 0 to 1, for requests that arrive without a
+    /// sampled parent. Parent-based as kube-apiserver's: a caller's `traceparent` decides for
+    /// its own requests (sampled flag set: recorded; clear: not). Default 0, kube-apiserver's
+    /// `samplingRatePerMillion` default: only traces a caller started are recorded.
+    pub sampling_ratio: f64,
+    /// `service.name` of the spans.
+    pub service_name: String,
+}
+
+impl Default for TracingConfig {
+    fn default() -> Self {
+        TracingConfig {
+            otlp: OtlpConfig::default(),
+            sampling_ratio: 0.0,
+            service_name: "kube-cache-proxy".into(),
+        }
+    }
+}
+
+/// Where spans go.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct OtlpConfig {
+    /// The collector's base URL, `http://` or `https://` (e.g. `http://otel-collector:4318`);
+    /// spans are posted to its `/v1/traces`, as the OTLP exporter specification's
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT`. Empty (the default): `OTEL_EXPORTER_OTLP_ENDPOINT` if
+    /// set, else tracing is off (no exporter, no spans; `traceparent` passes through as any
+    /// other header).
+    pub endpoint: String,
+    /// The OTLP transport: `http/protobuf` (the only one built in: it reuses the proxy's
+    /// hyper + rustls client, where gRPC would bring a second HTTP stack).
+    pub protocol: OtlpProtocol,
+}
+
+/// An OTLP transport.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq, Default)]
+pub enum OtlpProtocol {
+    #[default]
+    #[serde(rename = "http/protobuf")]
+    HttpProtobuf,
+}
+
+impl TracingConfig {
+    /// The collector's base URL: `otlp.endpoint`, else `OTEL_EXPORTER_OTLP_ENDPOINT` from
+    /// `env`. `None`: tracing is off.
+    pub fn endpoint(&self, env: impl Fn(&str) -> Option<String>) -> Option<String> {
+        Some(self.otlp.endpoint.trim().to_string())
+            .filter(|e| !e.is_empty())
+            .or_else(|| env("OTEL_EXPORTER_OTLP_ENDPOINT").filter(|e| !e.trim().is_empty()))
+    }
+
+    fn validate_into(&self, err: &mut impl FnMut(&str, String)) {
+        if !(0.0..=1.0).contains(&self.sampling_ratio) {
+            err("tracing.samplingRatio", "must be between 0 and 1".into());
+        }
+        if self.service_name.trim().is_empty() {
+            err("tracing.serviceName", "must not be empty".into());
+        }
+        let e = self.otlp.endpoint.trim();
+        if !e.is_empty()
+            && let Err(why) = check_endpoint(e)
+        {
+            err("tracing.otlp.endpoint", why);
+        }
+    }
+}
+
+/// An OTLP endpoint is an absolute `http` or `https` URL with a host, no query.
+pub fn check_endpoint(e: &str) -> Result<(), String> {
+    let uri: http::Uri = e.parse().map_err(|x| format!("invalid URL {e:?}: {x}"))?;
+    if !matches!(uri.scheme_str(), Some("http" | "https")) {
+        return Err(format!("{e:?}: must start with http:// or https://"));
+    }
+    if uri.host().is_none_or(str::is_empty) {
+        return Err(format!("{e:?}: has no host"));
+    }
+    if uri.query().is_some() {
+        return Err(format!("{e:?}: must not have a query"));
+    }
+    Ok(())
 }
 
 /// How callers of cache-served requests are authenticated (see `authn`). Passthrough requests
@@ -1168,6 +1259,7 @@ impl Config {
         if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
             err("log.level", format!("invalid filter: {e}"));
         }
+        self.tracing.validate_into(&mut err);
         if errs.is_empty() {
             Ok(())
         } else {
@@ -1203,6 +1295,64 @@ mod tests {
             Config::from_yaml("# only a comment\n").unwrap(),
             Config::default()
         );
+    }
+
+    #[test]
+    fn tracing_is_off_by_default_and_its_fields_are_validated() {
+        let c = Config::default();
+        assert_eq!(c.tracing.endpoint(|_| None), None);
+        // The standard variable turns it on when the file names no endpoint...
+        let env = |k: &str| (k == "OTEL_EXPORTER_OTLP_ENDPOINT").then(|| "http://c:4318".into());
+        assert_eq!(c.tracing.endpoint(env).as_deref(), Some("http://c:4318"));
+        // ...and the file wins over it.
+        let c = Config::from_yaml(
+            "tracing:\n  otlp:\n    endpoint: https://otel:4318\n    protocol: http/protobuf\n  \
+             samplingRatio: 0.25\n  serviceName: kcp\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.tracing.endpoint(env).as_deref(),
+            Some("https://otel:4318")
+        );
+        assert_eq!(c.tracing.sampling_ratio, 0.25);
+        assert_eq!(c.tracing.service_name, "kcp");
+        // gRPC is not built in: refused when the file is read, with the field's path.
+        let e = Config::from_yaml("tracing:\n  otlp:\n    protocol: grpc\n").unwrap_err();
+        assert!(e.to_string().contains("tracing.otlp.protocol"), "{e}");
+
+        let mut c = Config::default();
+        c.tracing.sampling_ratio = 1.5;
+        c.tracing.service_name = " ".into();
+        c.tracing.otlp.endpoint = "otel-collector:4318".into();
+        let ConfigError::Invalid(errs) = c.validate().unwrap_err() else {
+            panic!()
+        };
+        let paths: Vec<&str> = errs
+            .iter()
+            .map(|e| e.path.as_str())
+            .filter(|p| p.starts_with("tracing."))
+            .collect();
+        assert_eq!(
+            paths,
+            [
+                "tracing.samplingRatio",
+                "tracing.serviceName",
+                "tracing.otlp.endpoint"
+            ]
+        );
+        for bad in [
+            "http://",
+            "ftp://otel:21",
+            "http://otel:4318/?x=1",
+            "http://a b",
+        ] {
+            assert!(check_endpoint(bad).is_err(), "{bad}");
+        }
+        for good in ["http://otel:4318", "https://10.0.0.1:4318/prefix/"] {
+            check_endpoint(good).unwrap();
+        }
+        c.tracing.sampling_ratio = f64::NAN;
+        assert!(c.validate().is_err());
     }
 
     #[test]

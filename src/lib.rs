@@ -27,6 +27,9 @@
 //!   scanner. Pure.
 //! - [`http`]: the transport: listeners, TLS, HTTP/1.1 + HTTP/2 connections, write
 //!   coalescing, a connection's streams in its own task, bodies and drain.
+//! - [`telemetry`]: OpenTelemetry spans (OTLP export, off by default) and W3C trace context
+//!   in and out; the current span travels with the running future, so any module opens a
+//!   child span or sends `traceparent` upstream without being handed anything.
 //! - [`config`], [`metrics`]: leaves that import nothing of the crate.
 
 #![forbid(unsafe_code)]
@@ -41,5 +44,6 @@ pub mod metrics;
 pub mod paging;
 pub mod read;
 pub mod serve;
+pub mod telemetry;
 pub mod tenancy;
 pub mod upstream;

@@ -206,6 +206,8 @@ pub enum StartError {
     #[error(transparent)]
     Tls(#[from] crate::http::tls::TlsError),
     #[error(transparent)]
+    Telemetry(#[from] crate::telemetry::TelemetryError),
+    #[error(transparent)]
     Authn(#[from] crate::auth::authn::AuthnError),
     #[error("binding {addr}: {source}")]
     Bind {
@@ -251,7 +253,10 @@ impl Running {
 pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, StartError> {
     validate(&config)?;
     crate::http::tls::install_crypto_provider();
-    let upstream = Upstream::new(kube, &config.upstream)?;
+    // Tracing (off without an OTLP endpoint): the upstream clients carry it to the cache's
+    // reflectors; the pipeline opens its request spans from it.
+    let telemetry = crate::telemetry::Telemetry::start(&config.tracing)?;
+    let upstream = Upstream::new(kube, &config.upstream)?.with_telemetry(telemetry);
     let bind = async |addr: SocketAddr| {
         TcpListener::bind(addr)
             .await
@@ -314,6 +319,7 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
             let admin = Arc::new(crate::serve::admin::Admin {
                 state: state.clone(),
             });
+            let telemetry = state.upstream.telemetry().clone();
             tokio::join!(
                 run(
                     state,
@@ -323,6 +329,8 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
                 ),
                 run(admin, &config, admin_listeners, stop.cancelled_owned()),
             );
+            // Drained: the last requests' spans are queued; send them before exiting.
+            telemetry.shutdown().await;
         })
     };
     if let Some(a) = tls_addr {

@@ -382,6 +382,10 @@ impl Authorizer {
     /// The apiserver's decision on `id` doing `a`, from the cache when known; concurrent
     /// identical questions wait for the one review in flight.
     pub async fn authorize(&self, id: &Identity, a: &Attributes) -> Decision {
+        crate::telemetry::in_span("authorize", self.authorize_untraced(id, a)).await
+    }
+
+    async fn authorize_untraced(&self, id: &Identity, a: &Attributes) -> Decision {
         let key = self.key(id, a);
         // Set only by the call whose review runs (the flight's leader).
         let led = std::sync::atomic::AtomicBool::new(false);
@@ -401,6 +405,17 @@ impl Authorizer {
         } else {
             self.stats.cache_hits.fetch_add(1, Relaxed);
         }
+        crate::telemetry::set_current(|| {
+            let d = match &r {
+                Ok(Decision::Allow) => "allow",
+                Ok(_) => "deny",
+                Err(_) => "error",
+            };
+            crate::telemetry::Attr::new("kcp.authz.decision", d)
+        });
+        crate::telemetry::set_current(|| {
+            crate::telemetry::Attr::new("kcp.authz.cached", !led.load(Relaxed))
+        });
         match r {
             Ok(Decision::Allow) => {
                 self.stats.allowed.fetch_add(1, Relaxed);

@@ -29,10 +29,11 @@ impl Caller {
         headers: &HeaderMap,
     ) -> &Outcome {
         if self.outcome.is_none() {
-            let o = state
-                .authn
-                .authenticate(conn.cert.as_deref(), headers)
-                .await;
+            let o = crate::telemetry::in_span(
+                "authenticate",
+                state.authn.authenticate(conn.cert.as_deref(), headers),
+            )
+            .await;
             self.outcome = Some(o);
         }
         self.outcome.get_or_insert(Outcome::Unauthorized)

@@ -73,10 +73,20 @@ pub async fn forward(
 
     // Untimed: callers' requests (even those sent with the proxy's identity for client
     // certificates) are not the proxy's own upstream latency that adaptive paging reads.
-    let sent = state
-        .upstream
-        .send_untimed(up, caller.upstream_as(), upgrade.is_some() || long_running)
-        .await;
+    // The upstream request's span (`telemetry`): its `traceparent` replaces the caller's
+    // (with tracing off the caller's passes through with the other headers).
+    let send = async {
+        let r = state
+            .upstream
+            .send_untimed(up, caller.upstream_as(), upgrade.is_some() || long_running)
+            .await;
+        if let Ok(resp) = &r {
+            crate::telemetry::set_status_code(resp.status().as_u16());
+        }
+        r
+    };
+    let sent =
+        crate::telemetry::in_span_of("passthrough", crate::telemetry::SpanKind::Client, send).await;
     let verb = info.metrics_verb(&method, None, upgrade.is_some());
     let count = |code: &str| {
         state

@@ -104,13 +104,16 @@ async fn serve_from_cache(
             }
             filter.namespaces = view.clone();
             filter.changes = watch_fields;
-            let resp = crate::read::watch::serve(
-                cache,
-                params,
-                filter,
-                enc,
-                &state.watch,
-                state.drain.clone(),
+            let resp = crate::telemetry::in_span(
+                "cache.watch",
+                crate::read::watch::serve(
+                    cache,
+                    params,
+                    filter,
+                    enc,
+                    &state.watch,
+                    state.drain.clone(),
+                ),
             )
             .await?;
             // The tenant's watch slot is held as long as the stream.
@@ -142,7 +145,10 @@ async fn serve_from_cache(
                 }
                 _ => cache.current(),
             };
-            crate::read::list::get(&cache, &snap, &info.namespace, &info.name, enc)
+            crate::telemetry::in_span("cache.get", async {
+                crate::read::list::get(&cache, &snap, &info.namespace, &info.name, enc)
+            })
+            .await
         }
         Route::List {
             cache,
@@ -179,7 +185,11 @@ async fn serve_from_cache(
                 page_cap: state.paging.downstream_cap().map(|c| c as u64),
                 compaction: Some(&state.consistency),
             };
-            crate::read::list::list(&cache, &filter, enc, &params, &cx, latest).await
+            crate::telemetry::in_span(
+                "cache.list",
+                crate::read::list::list(&cache, &filter, enc, &params, &cx, latest),
+            )
+            .await
         }
     }
 }
@@ -509,6 +519,81 @@ fn stamp_apiserver_headers(audit_id: Option<&http::HeaderValue>, h: &mut http::H
         .or_insert(http::HeaderValue::from_static("no-cache, private"));
 }
 
+/// A request span's name, as kube-apiserver's (`GET /api/v1/namespaces/{:namespace}/pods`):
+/// the route with names left out, so names do not multiply span names; the method alone
+/// for a non-resource request.
+fn span_name(method: &Method, info: &RequestInfo) -> String {
+    if !info.is_resource_request {
+        return method.to_string();
+    }
+    let mut s = format!("{method} ");
+    if info.api_group.is_empty() {
+        s.push_str("/api");
+    } else {
+        s.push_str("/apis/");
+        s.push_str(&info.api_group);
+    }
+    s.push('/');
+    s.push_str(&info.api_version);
+    if !info.namespace.is_empty() {
+        s.push_str("/namespaces/{:namespace}");
+    }
+    s.push('/');
+    s.push_str(&info.resource);
+    if !info.name.is_empty() {
+        s.push_str("/{:name}");
+    }
+    if !info.subresource.is_empty() {
+        s.push('/');
+        s.push_str(&info.subresource);
+    }
+    s
+}
+
+/// A request span's attributes: what kube-apiserver's span records (method, target, user
+/// agent) and the request's Kubernetes attributes. No credentials, no user names.
+fn span_attrs(
+    req: &Request<Incoming>,
+    method: &Method,
+    info: &RequestInfo,
+    verb: &str,
+) -> Vec<crate::telemetry::Attr> {
+    use crate::telemetry::Attr;
+    let mut a = vec![
+        Attr::new("http.request.method", method.to_string()),
+        Attr::new(
+            "http.target",
+            req.uri()
+                .path_and_query()
+                .map_or_else(|| req.uri().path().to_string(), |pq| pq.to_string()),
+        ),
+        Attr::new("kcp.verb", verb.to_string()),
+    ];
+    if let Some(ua) = req
+        .headers()
+        .get(header::USER_AGENT)
+        .and_then(|v| v.to_str().ok())
+    {
+        a.push(Attr::new("user_agent.original", ua.to_string()));
+    }
+    if info.is_resource_request {
+        a.push(Attr::new("http.route", span_name(method, info)));
+        let resource = if info.subresource.is_empty() {
+            info.resource.clone()
+        } else {
+            format!("{}/{}", info.resource, info.subresource)
+        };
+        a.push(Attr::new("kcp.resource", resource));
+        if !info.api_group.is_empty() {
+            a.push(Attr::new("kcp.group", info.api_group.clone()));
+        }
+        if !info.namespace.is_empty() {
+            a.push(Attr::new("k8s.namespace.name", info.namespace.clone()));
+        }
+    }
+    a
+}
+
 /// Sum of header name and value lengths, as Go's `MaxHeaderBytes` roughly counts them.
 fn header_bytes(req: &Request<Incoming>) -> usize {
     req.headers()
@@ -631,6 +716,20 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         .clone();
     inflight.inc();
 
+    // The request's span (`telemetry`; `None` when tracing is off), a child of the caller's
+    // when its `traceparent` is valid. It ends when the response body does.
+    let telemetry = state.upstream.telemetry();
+    let traced = telemetry
+        .is_on()
+        .then(|| {
+            telemetry.server_span(
+                req.headers(),
+                span_name(&method, &info),
+                span_attrs(&req, &method, &info, &verb),
+            )
+        })
+        .flatten();
+
     // Authenticated at most once, by whichever step needs it first.
     let mut caller = Caller::default();
     // A refusal the proxy wrote on the cache path (the access log's `served_by=proxy`; the
@@ -639,56 +738,61 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
     // Each branch's future is boxed: this future then holds only the one a request takes,
     // not the largest of them (it was 6.8 KB for every request, watches included, and a burst
     // of thousands of watch requests held that many at once).
-    let (resp, served_by) = match Box::pin(impersonation_gate(state, conn, &mut caller, &req)).await
-    {
-        Err(refused) => (refused, "proxy"),
-        Ok(Some(as_target)) => {
-            Box::pin(forward_within_quota(
-                state,
-                conn,
-                &caller,
-                &as_target,
-                req,
-                &info,
-                long_running,
-            ))
-            .await
-        }
-        Ok(None) => match Box::pin(serve_from_cache(
-            state,
-            conn,
-            &mut caller,
-            &req,
-            &info,
-            query.as_deref(),
-            watch_fields.clone(),
-        ))
-        .await
-        {
-            Ok(r) => (r, "cache"),
-            // A refusal decided on the cache path (401, 403, 429, 400 for a bad continue
-            // token, ...): the only place the pipeline turns a `Status` into a response.
-            Err(NotServed::Refuse(status)) => {
-                refused = true;
-                (status.into_response(), "cache")
-            }
-            Err(NotServed::Delegate(why)) => {
-                if info.is_resource_request && info.verb != "create" {
-                    tracing::trace!(reason = why, path = %path, "passthrough");
-                }
-                let (resp, by) = Box::pin(forward_within_quota(
+    let work = async {
+        match Box::pin(impersonation_gate(state, conn, &mut caller, &req)).await {
+            Err(refused) => (refused, "proxy"),
+            Ok(Some(as_target)) => {
+                Box::pin(forward_within_quota(
                     state,
                     conn,
                     &caller,
-                    conn,
+                    &as_target,
                     req,
                     &info,
                     long_running,
                 ))
-                .await;
-                (Box::pin(read_your_writes(state, &info, resp)).await, by)
+                .await
             }
-        },
+            Ok(None) => match Box::pin(serve_from_cache(
+                state,
+                conn,
+                &mut caller,
+                &req,
+                &info,
+                query.as_deref(),
+                watch_fields.clone(),
+            ))
+            .await
+            {
+                Ok(r) => (r, "cache"),
+                // A refusal decided on the cache path (401, 403, 429, 400 for a bad continue
+                // token, ...): the only place the pipeline turns a `Status` into a response.
+                Err(NotServed::Refuse(status)) => {
+                    refused = true;
+                    (status.into_response(), "cache")
+                }
+                Err(NotServed::Delegate(why)) => {
+                    if info.is_resource_request && info.verb != "create" {
+                        tracing::trace!(reason = why, path = %path, "passthrough");
+                    }
+                    let (resp, by) = Box::pin(forward_within_quota(
+                        state,
+                        conn,
+                        &caller,
+                        conn,
+                        req,
+                        &info,
+                        long_running,
+                    ))
+                    .await;
+                    (Box::pin(read_your_writes(state, &info, resp)).await, by)
+                }
+            },
+        }
+    };
+    let (resp, served_by) = match &traced {
+        Some(t) => t.run(work).await,
+        None => work.await,
     };
 
     // What the apiserver's filter chain puts on every response it writes itself
@@ -778,7 +882,20 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
     } else {
         b
     };
+    if let Some(t) = &traced {
+        t.set(crate::telemetry::Attr::new(
+            "kcp.served_by",
+            match served_by {
+                "cache" if refused => "proxy",
+                "upstream" => "apiserver",
+                other => other,
+            },
+        ));
+    }
     let b = Tracked::new(b, start, move |start| {
+        if let Some(t) = traced {
+            t.end_with_status(code.as_u16());
+        }
         hist.observe(start.elapsed().as_secs_f64());
         if let Some(p) = &paging {
             p.record_list(start.elapsed());

@@ -75,6 +75,8 @@ pub struct Upstream {
     proxy_h1: HttpService,
     /// Latency of the proxy's own non-long-running requests, for adaptive paging.
     latency: std::sync::Arc<crate::metrics::window::LatencyWindow>,
+    /// Spans of the proxy's own upstream work (the cache's LIST and WATCH); off by default.
+    telemetry: crate::telemetry::Telemetry,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -256,6 +258,7 @@ impl Upstream {
             proxy: build(proxy_tls.clone(), true, auth()?),
             proxy_h1: build(proxy_tls, false, auth()?),
             latency: Default::default(),
+            telemetry: Default::default(),
         })
     }
 
@@ -267,6 +270,16 @@ impl Upstream {
         let pq = format!("{prefix}{path_and_query}");
         parts.path_and_query = pq.parse().ok();
         Uri::from_parts(parts).unwrap_or_else(|_| self.base.clone())
+    }
+
+    /// These pools with `telemetry` for the spans of the proxy's own upstream work.
+    pub fn with_telemetry(mut self, telemetry: crate::telemetry::Telemetry) -> Upstream {
+        self.telemetry = telemetry;
+        self
+    }
+
+    pub fn telemetry(&self) -> &crate::telemetry::Telemetry {
+        &self.telemetry
     }
 
     pub fn base(&self) -> &Uri {
@@ -302,6 +315,8 @@ impl Upstream {
     /// [`Upstream::send`] without latency accounting. The proxy's own requests
     /// (`As::Proxy`) without a `User-Agent` carry [`USER_AGENT`], so the apiserver's audit
     /// log and metrics name them; a caller's request (impersonated or not) keeps its own.
+    /// Sent while a traced request runs, it carries a `traceparent` naming the current span
+    /// (replacing a caller's: [`crate::telemetry::inject`]).
     pub fn send_untimed(
         &self,
         mut req: Request<Body>,
@@ -313,6 +328,7 @@ impl Upstream {
                 .entry(http::header::USER_AGENT)
                 .or_insert(http::HeaderValue::from_static(USER_AGENT));
         }
+        crate::telemetry::inject(req.headers_mut());
         let svc = match (who, http1) {
             (As::Caller, false) => &self.caller,
             (As::Caller, true) => &self.caller_h1,

@@ -887,6 +887,28 @@ fn the_chart_checks_its_values_against_its_schema() {
 }
 
 #[test]
+fn the_chart_turns_tracing_on_only_with_an_endpoint() {
+    // Off by default: no `tracing` section, so the proxy's defaults (off) apply.
+    let (text, cfg) = proxy_config(&docs(&helm_template(&[])));
+    assert!(!text.contains("tracing"), "{text}");
+    assert_eq!(cfg.tracing.endpoint(|_| None), None);
+    let (text, cfg) = proxy_config(&docs(&helm_template(&[
+        "tracing.endpoint=http://otel-collector.observability:4318",
+        "tracing.samplingRatio=1",
+    ])));
+    assert_eq!(
+        cfg.tracing.endpoint(|_| None).as_deref(),
+        Some("http://otel-collector.observability:4318")
+    );
+    assert_eq!(cfg.tracing.sampling_ratio, 1.0);
+    check_config(&text);
+    // A URL without a scheme is refused by the schema before anything renders.
+    let out = helm_template_output(&[], &["tracing.endpoint=otel-collector:4318"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("tracing/endpoint"));
+}
+
+#[test]
 fn the_chart_renders_digest_env_args_volumes_and_the_grafana_dashboard() {
     let digest = format!("sha256:{}", "ab".repeat(32));
     let docs = docs(&helm_template(&[

@@ -13,6 +13,7 @@ mod dev;
 mod fake_apiserver;
 mod lists;
 mod ops;
+mod otel;
 mod paging;
 mod passthrough;
 mod reflector;

@@ -9,5 +9,6 @@ pub mod differential;
 pub mod e2e;
 pub mod eventually;
 pub mod fake_apiserver;
+pub mod otlp;
 pub mod proxy;
 pub mod watch_validator;

@@ -173,6 +173,7 @@ impl Pager<'_> {
                 .send(req, As::Proxy, false)
                 .await
                 .map_err(|source| ReflectorError::Transport { what: WHAT, source })?;
+            crate::telemetry::set_status_code(resp.status().as_u16());
             if !resp.status().is_success() {
                 return Err(error_response(WHAT, resp).await);
             }
@@ -186,12 +187,23 @@ impl Pager<'_> {
                 })
         };
         let timeout = self.cfg.request_timeout;
-        tokio::time::timeout(timeout, fetch)
+        let timed = async {
+            tokio::time::timeout(timeout, fetch)
+                .await
+                .unwrap_or(Err(ReflectorError::Timeout {
+                    what: WHAT,
+                    timeout,
+                }))
+        };
+        // A span per page: the cache's own trace (`telemetry`), its `traceparent` upstream.
+        self.upstream
+            .telemetry()
+            .in_root_span(
+                || format!("LIST {}", self.resource.label()),
+                || super::span_attrs(self.resource, pq),
+                timed,
+            )
             .await
-            .unwrap_or(Err(ReflectorError::Timeout {
-                what: WHAT,
-                timeout,
-            }))
     }
 }
 

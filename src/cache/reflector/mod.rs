@@ -67,3 +67,13 @@ pub use state::{Next, State, WatchEnd, WatchOutcome, after_list_error, after_wat
 pub use stats::{ReflectorStats, ReflectorStatus, RelistReason, StatsSnapshot};
 pub use task::{Reflector, ReflectorHandle};
 pub use watch::{WatchItem, parse_event_line};
+
+/// The attributes of a span of the cache's own upstream request.
+fn span_attrs(resource: &crate::k8s::resource::Resource, pq: &str) -> Vec<crate::telemetry::Attr> {
+    use crate::telemetry::Attr;
+    vec![
+        Attr::new("http.request.method", "GET"),
+        Attr::new("http.target", pq.to_string()),
+        Attr::new("kcp.resource", resource.label()),
+    ]
+}

@@ -267,19 +267,35 @@ impl Reflector {
             .expect("a GET with a valid URI is a valid request");
         ReflectorStats::inc(&self.stats.watch_starts);
         let timeout = self.cfg.request_timeout;
-        let resp =
-            match tokio::time::timeout(timeout, self.upstream.send(req, As::Proxy, true)).await {
-                Err(_) => {
-                    return WatchEnd::Refused(ReflectorError::Timeout {
-                        what: WHAT,
-                        timeout,
-                    });
-                }
-                Ok(Err(source)) => {
-                    return WatchEnd::Refused(ReflectorError::Transport { what: WHAT, source });
-                }
-                Ok(Ok(resp)) => resp,
-            };
+        // A span until the watch is established (its headers): the cache's own trace.
+        let send = async {
+            let r = tokio::time::timeout(timeout, self.upstream.send(req, As::Proxy, true)).await;
+            if let Ok(Ok(resp)) = &r {
+                crate::telemetry::set_status_code(resp.status().as_u16());
+            }
+            r
+        };
+        let sent = self
+            .upstream
+            .telemetry()
+            .in_root_span(
+                || format!("WATCH {}", self.resource.label()),
+                || super::span_attrs(&self.resource, &pq),
+                send,
+            )
+            .await;
+        let resp = match sent {
+            Err(_) => {
+                return WatchEnd::Refused(ReflectorError::Timeout {
+                    what: WHAT,
+                    timeout,
+                });
+            }
+            Ok(Err(source)) => {
+                return WatchEnd::Refused(ReflectorError::Transport { what: WHAT, source });
+            }
+            Ok(Ok(resp)) => resp,
+        };
         if !resp.status().is_success() {
             let err = tokio::time::timeout(timeout, error_response(WHAT, resp))
                 .await

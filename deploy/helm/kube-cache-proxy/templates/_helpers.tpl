@@ -74,6 +74,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if .Values.tenants -}}
 {{- $_ := set $cfg "tenants" .Values.tenants -}}
 {{- end -}}
+{{- if .Values.tracing.endpoint -}}
+{{- $_ := set $cfg "tracing" (dict "otlp" (dict "endpoint" .Values.tracing.endpoint) "samplingRatio" .Values.tracing.samplingRatio) -}}
+{{- end -}}
 {{- $_ := set $cfg "tokens" (dict "keyFile" (printf "/etc/kube-cache-proxy/tokens/%s" .Values.tokens.keyFile)) -}}
 {{- $cfg = mergeOverwrite $cfg (deepCopy .Values.config) -}}
 {{- toYaml $cfg -}}

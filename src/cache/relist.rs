@@ -19,6 +19,13 @@
 //! before the re-creation, so deletions are given the smallest free revisions in order of
 //! their bounds (earliest deadline first, which succeeds whenever any assignment does).
 //!
+//! Inside the window the cache's history is this difference, not the real writes, so no
+//! watch can resume exactly from a resourceVersion strictly between `old_rv` and `new_rv`
+//! (one the difference carried, or a real one a client got from the apiserver): a deletion
+//! told at one revision may really have happened at another. The store answers such a
+//! resume 410 Expired (the client relists) and serves no snapshot there; resumes from
+//! `old_rv` or earlier, and from `new_rv` on, are exact.
+//!
 //! When the two states cannot come from one history (the new list is older, or an object
 //! changed without its resourceVersion moving past `old_rv`: an etcd restored from a
 //! backup, another cluster behind the same address), there is no valid difference: the

@@ -382,6 +382,16 @@ impl ResourceCache {
         self.relists.load(std::sync::atomic::Ordering::Relaxed)
     }
 
+    /// Whether `rv` lies strictly inside an absorbed relist `(a, b)`. The cache's history
+    /// there is a difference, not the real writes: a state at such a resourceVersion never
+    /// existed in the cache, and a client holding one (from the difference, or a real one
+    /// from the apiserver) cannot be resumed from it exactly, since a deletion told at one
+    /// revision may really have happened at another. Such a watch gets 410 Expired (the
+    /// client relists), such a snapshot is not served.
+    fn inside_absorbed(&self, rv: u64) -> bool {
+        self.absorbed.lock().iter().any(|(a, b)| rv > *a && rv < *b)
+    }
+
     /// The last relists whose difference watchers were sent as events: (resourceVersion
     /// before, the new list's). Between the two, a watcher sees the difference, not the
     /// individual writes (as after a relist of its own).
@@ -486,7 +496,7 @@ impl ResourceCache {
         }
         let (mut objects, mut index, undo) = {
             let s = self.read();
-            if rv > s.rv || rv < s.oldest_rv {
+            if rv > s.rv || rv < s.oldest_rv || self.inside_absorbed(rv) {
                 return None;
             }
             let from = s.history.partition_point(|e| e.rv <= rv);
@@ -523,7 +533,7 @@ impl ResourceCache {
     /// when the history no longer reaches back to `rv` (a relist cleared it).
     pub fn changes_since(&self, rv: u64) -> Result<(Vec<Arc<Event>>, u64), WatchError> {
         let s = self.read();
-        if rv < s.oldest_rv {
+        if rv < s.oldest_rv || self.inside_absorbed(rv) {
             return Err(WatchError::Expired {
                 requested: rv,
                 oldest: s.oldest_rv + 1,
@@ -565,8 +575,8 @@ impl ResourceCache {
                 };
                 (items, s.rv)
             }
-            Start::After(n) if n < s.oldest_rv => {
-                let counter = if s.relist_rv == Some(s.oldest_rv) {
+            Start::After(n) if n < s.oldest_rv || self.inside_absorbed(n) => {
+                let counter = if s.relist_rv == Some(s.oldest_rv) || n >= s.oldest_rv {
                     &self.watch_stats.expired_relist
                 } else {
                     &self.watch_stats.expired_too_old
@@ -918,6 +928,20 @@ mod tests {
             })
             .collect();
         assert_eq!(replayed, want_all);
+        // From inside the window (a revision of the difference, or a real one the apiserver
+        // gave): no exact resume is possible, so 410; no snapshot either.
+        for inside in [13, 14, 19] {
+            assert!(matches!(
+                cache.watch(Start::After(inside), Arc::new(Filter::default())),
+                Err(WatchError::Expired { .. })
+            ));
+            assert!(cache.snapshot_at(inside).is_none());
+        }
+        assert!(
+            cache
+                .watch(Start::After(20), Arc::new(Filter::default()))
+                .is_ok()
+        );
         assert!(
             std::str::from_utf8(&resumed.initial[0].0.body)
                 .unwrap()

@@ -209,8 +209,12 @@ pub fn watch_start(p: &WatchParams, cache_rv: u64) -> (Start, Option<u64>) {
             Some(n) => (Start::After(n), Some(n)),
             None => (Start::After(cache_rv), None),
         },
+        // Changes after N, once the cache has reached N (as the apiserver's cacher waits for
+        // a fresh resourceVersion): a watcher never registers ahead of the cache's state,
+        // so a relist between its start and N cannot hide what it told as a difference
+        // (`cache::relist`).
         None => match n {
-            Some(n) => (Start::After(n), None),
+            Some(n) => (Start::After(n), Some(n)),
             None => (Start::Initial, None),
         },
     }
@@ -384,8 +388,8 @@ mod tests {
             // No RV: the initial state then changes.
             ("watch=1", 40, Start::Initial, None),
             ("watch=1&resourceVersion=0", 40, Start::Initial, None),
-            // N: changes after N (an N newer than the cache is waited for by the store).
-            ("watch=1&resourceVersion=12", 40, Start::After(12), None),
+            // N: changes after N, once the cache has reached N.
+            ("watch=1&resourceVersion=12", 40, Start::After(12), Some(12)),
             // WatchList: the initial state at least as new as N.
             (
                 "watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan",

@@ -275,6 +275,24 @@ pub struct ServerConfig {
     /// is reached; 1000 keeps even a large controller manager on one connection. (kube-apiserver
     /// itself allows 100 since its rapid-reset hardening.)
     pub http2_max_concurrent_streams: u32,
+    /// Bytes HTTP/2 buffers per stream while the client's flow-control window is open and its
+    /// socket is not (hyper's `max_send_buf_size`, default 400 KiB). Above a watch's initial
+    /// chunk (256 KiB) so a stream is never split into more writes than its window needs;
+    /// the connection's budget (`connectionBufferBytes`) bounds the sum over its streams.
+    pub http2_max_send_buffer_bytes: usize,
+    /// Bytes a connection's responses may have produced that its socket has not taken yet.
+    /// Beyond it the connection's response bodies wait until its client reads (watch events
+    /// queue in the watcher's queue, `cache.watcherQueueBytes`, and a watcher that overflows
+    /// it is closed as before). This, not the stream count, is what bounds the memory a
+    /// client that does not read can hold: 10 connections × 1,000 watch streams of a 250 KB
+    /// namespace held 2.5–3.8 GB without it. Default 4 MiB: above the TCP send buffer, so a
+    /// large LIST still streams at full speed.
+    pub connection_buffer_bytes: u64,
+    /// The same over all connections of the process. Once reached, connections holding more
+    /// than 256 KiB wait too (those holding less always proceed, so slow clients together
+    /// cannot stop the others). `kube_cache_proxy_downstream_buffered_bytes` is the sum now.
+    /// Default 256 MiB: 64 connections' full budgets.
+    pub downstream_buffer_bytes: u64,
     /// Server-initiated HTTP/2 PING interval; dead clients are dropped after the timeout.
     #[serde(with = "duration")]
     pub http2_keepalive_interval: Duration,
@@ -328,6 +346,9 @@ impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
             http2_max_concurrent_streams: 1000,
+            http2_max_send_buffer_bytes: 400 * 1024,
+            connection_buffer_bytes: 4 * 1024 * 1024,
+            downstream_buffer_bytes: 256 * 1024 * 1024,
             http2_keepalive_interval: Duration::from_secs(30),
             http2_keepalive_timeout: Duration::from_secs(20),
             http2_max_pending_accept_reset_streams: 20,
@@ -1065,6 +1086,24 @@ impl Config {
             err(
                 "server.http2MaxConcurrentStreams",
                 "must be at least 1".into(),
+            );
+        }
+        if self.server.http2_max_send_buffer_bytes < 16 * 1024 {
+            err(
+                "server.http2MaxSendBufferBytes",
+                "must be at least 16384 (one HTTP/2 frame)".into(),
+            );
+        }
+        if self.server.connection_buffer_bytes < 64 * 1024 {
+            err(
+                "server.connectionBufferBytes",
+                "must be at least 65536".into(),
+            );
+        }
+        if self.server.downstream_buffer_bytes < self.server.connection_buffer_bytes {
+            err(
+                "server.downstreamBufferBytes",
+                "must be at least server.connectionBufferBytes".into(),
             );
         }
         if self.server.max_header_bytes < 4096 {

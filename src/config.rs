@@ -273,12 +273,15 @@ pub struct ServerConfig {
     /// Concurrent streams per HTTP/2 connection. client-go multiplexes every request and
     /// watch of a process over one connection and opens another only when the server's limit
     /// is reached; 1000 keeps even a large controller manager on one connection. (kube-apiserver
-    /// itself allows 100 since its rapid-reset hardening.)
+    /// itself allows 100 since its rapid-reset hardening.) Memory is bounded by bytes
+    /// (`connectionBufferBytes`), not by this count: 10 × 1,000 watch streams that are never
+    /// read cost the proxy about 150 MB (docs/architecture.md, Memory bounds).
     pub http2_max_concurrent_streams: u32,
     /// Bytes HTTP/2 buffers per stream while the client's flow-control window is open and its
-    /// socket is not (hyper's `max_send_buf_size`, default 400 KiB). Above a watch's initial
-    /// chunk (256 KiB) so a stream is never split into more writes than its window needs;
-    /// the connection's budget (`connectionBufferBytes`) bounds the sum over its streams.
+    /// socket is not (hyper's `max_send_buf_size`, default 400 KiB, above a watch's initial
+    /// chunk of 256 KiB). The connection's budget (`connectionBufferBytes`) bounds the sum
+    /// over its streams; 64 KiB changed neither the memory of 10,000 non-reading streams nor
+    /// a 10 MB LIST's time (docs/architecture.md, Memory bounds), so hyper's default stays.
     pub http2_max_send_buffer_bytes: usize,
     /// Bytes a connection's responses may have produced that its socket has not taken yet.
     /// Beyond it the connection's response bodies wait until its client reads (watch events
@@ -1390,6 +1393,37 @@ mod tests {
             "{paths:?}"
         );
         assert!(paths.contains(&"log.level"), "{paths:?}");
+    }
+
+    #[test]
+    fn downstream_buffer_budgets_are_validated_with_their_paths() {
+        let cfg = Config::from_yaml(
+            "insecureListen: 127.0.0.1:8080\nserver:\n  http2MaxSendBufferBytes: 1024\n  \
+             connectionBufferBytes: 1000\n",
+        )
+        .unwrap();
+        let ConfigError::Invalid(errs) = cfg.validate().unwrap_err() else {
+            panic!()
+        };
+        let mut paths: Vec<_> = errs.iter().map(|e| e.path.as_str()).collect();
+        paths.sort();
+        assert_eq!(
+            paths,
+            [
+                "server.connectionBufferBytes",
+                "server.http2MaxSendBufferBytes"
+            ]
+        );
+        let cfg = Config::from_yaml(
+            "insecureListen: 127.0.0.1:8080\nserver:\n  connectionBufferBytes: 8388608\n  \
+             downstreamBufferBytes: 4194304\n",
+        )
+        .unwrap();
+        let ConfigError::Invalid(errs) = cfg.validate().unwrap_err() else {
+            panic!()
+        };
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(errs[0].path, "server.downstreamBufferBytes");
     }
 
     #[test]

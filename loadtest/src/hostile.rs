@@ -56,13 +56,15 @@ pub struct HostileResult {
     pub gets_during: GetResult,
     pub list: Option<Summary>,
     pub list_mb: f64,
-    /// The proxy's budget metrics and connection count while the streams are held and after
-    /// they closed (its admin `/metrics`; empty for the apiserver).
+    /// Open configmaps watches, and the proxy's budget metrics and connection count, while the
+    /// streams are held and after they closed (the apiserver's `/metrics`, the proxy's admin
+    /// `/metrics`).
     pub metrics_held: Vec<String>,
     pub metrics_after: Vec<String>,
 }
 
-/// The lines of the proxy's `/metrics` about its downstream buffers and connections.
+/// The lines of a target's `/metrics` about its open watches (both), downstream buffers and
+/// connections (the proxy's admin listener).
 async fn budget_metrics(admin: Option<&Target>) -> Vec<String> {
     let Some(admin) = admin else {
         return Vec::new();
@@ -77,6 +79,10 @@ async fn budget_metrics(admin: Option<&Target>) -> Vec<String> {
             .filter(|l| {
                 l.starts_with("kube_cache_proxy_downstream_buffer")
                     || l.starts_with("kube_cache_proxy_connections")
+                    || l.starts_with("kube_cache_proxy_inflight_requests{kind=\"watch\"}")
+                    || (l.starts_with("apiserver_longrunning_requests{")
+                        && l.contains("resource=\"configmaps\"")
+                        && l.contains("verb=\"WATCH\""))
             })
             .map(str::to_string)
             .collect(),
@@ -264,7 +270,7 @@ pub fn markdown(o: &HostileOpts, kb: usize, rows: &[HostileResult]) -> String {
         "## hostile-streams\n\n{} connections × {} watch streams (`resourceVersion=0`, {} KB of ConfigMaps, \
          client windows 2^31-1, socket never read), held {} s; RSS read {} s after closing. \
          Normal client: `resourceVersion=0` GETs at {}/s.\n\n\
-         | target | streams open | RSS before MB | RSS peak MB | RSS after close MB | GET p99 before ms | GET p99 during ms | GET errors during | LIST MB | LIST p50 ms | LIST max ms |\n\
+         | target | streams requested | RSS before MB | RSS peak MB | RSS after close MB | GET p99 before ms | GET p99 during ms | GET errors during | LIST MB | LIST p50 ms | LIST max ms |\n\
          |---|---|---|---|---|---|---|---|---|---|---|\n",
         o.conns, o.streams, kb, o.hold_s, o.after_s, o.get_rate
     );

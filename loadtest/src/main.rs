@@ -30,6 +30,11 @@ macro_rules! say {
 
 static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
 
+/// The allocator of the `kube-cache-proxy` binary (`src/main.rs`): the proxy child is this
+/// binary (`serve-proxy`), and must run as the real one does.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod client;
 mod hostile;
 mod proxy;
@@ -572,7 +577,7 @@ async fn hostile_main(env: &Env, args: &Args, out: &std::path::Path) -> anyhow::
     }
     let mut rows = Vec::new();
     say!("hostile-streams via apiserver");
-    rows.push(hostile::run(d, cp.pids()[1], &o, list_path, None).await?);
+    rows.push(hostile::run(d, cp.pids()[1], &o, list_path, Some(d)).await?);
     say!("hostile-streams via proxy");
     let px = env.start_proxy().await?;
     let pid = px.pid.context("proxy pid")?;

@@ -304,6 +304,7 @@ impl http_body::Body for Budgeted {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http_body::Body as _;
 
     fn downstream(limit: u64, conn_limit: u64) -> Arc<Downstream> {
         Arc::new(Downstream::new(

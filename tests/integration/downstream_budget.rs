@@ -63,6 +63,40 @@ impl AsyncWrite for NeverReads {
     }
 }
 
+/// Opens `streams` watches from `resourceVersion=0` of `ns` on one h2c connection with the
+/// largest windows HTTP/2 allows, and never reads. Abort the task to close the connection.
+async fn never_reading(
+    proxy: &TestProxy,
+    ns: &str,
+    streams: usize,
+) -> (tokio::task::JoinHandle<()>, Vec<h2::client::ResponseFuture>) {
+    let tcp = tokio::net::TcpStream::connect(proxy.insecure_addr)
+        .await
+        .unwrap();
+    let (mut send, conn) = h2::client::Builder::new()
+        .initial_window_size((1 << 31) - 1)
+        .initial_connection_window_size((1 << 31) - 1)
+        .handshake::<_, Bytes>(NeverReads(tcp))
+        .await
+        .unwrap();
+    let conn_task = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    let mut held = Vec::new();
+    for _ in 0..streams {
+        let req = Request::get(format!(
+            "http://127.0.0.1:{}/api/v1/namespaces/{ns}/configmaps?watch=true&resourceVersion=0",
+            proxy.insecure_addr.port()
+        ))
+        .header("authorization", "Bearer hostile")
+        .body(())
+        .unwrap();
+        send = send.ready().await.unwrap();
+        held.push(send.send_request(req, true).unwrap().0);
+    }
+    (conn_task, held)
+}
+
 async fn seeded(ns: &str) -> FakeApiServer {
     let fake = FakeApiServer::start().await;
     fake.create("/api/v1/namespaces", json!({"metadata": {"name": ns}}))
@@ -158,30 +192,7 @@ async fn a_connection_that_never_reads_holds_at_most_its_budget() {
         })
         .clone();
 
-    let tcp = tokio::net::TcpStream::connect(proxy.insecure_addr)
-        .await
-        .unwrap();
-    let (mut send, conn) = h2::client::Builder::new()
-        .initial_window_size((1 << 31) - 1)
-        .initial_connection_window_size((1 << 31) - 1)
-        .handshake::<_, Bytes>(NeverReads(tcp))
-        .await
-        .unwrap();
-    let conn_task = tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    let mut held = Vec::new();
-    for _ in 0..100 {
-        let req = Request::get(format!(
-            "http://127.0.0.1:{}/api/v1/namespaces/hostile/configmaps?watch=true&resourceVersion=0",
-            proxy.insecure_addr.port()
-        ))
-        .header("authorization", "Bearer hostile")
-        .body(())
-        .unwrap();
-        send = send.ready().await.unwrap();
-        held.push(send.send_request(req, true).unwrap());
-    }
+    let (conn_task, held) = never_reading(&proxy, "hostile", 100).await;
 
     // The proxy's socket fills; then the bodies wait.
     let bound = budget + CHUNK;
@@ -230,7 +241,7 @@ async fn a_connection_that_never_reads_holds_at_most_its_budget() {
 
     // Closing the connection releases what it held.
     conn_task.abort();
-    drop((held, send));
+    drop(held);
     fast.abort();
     eventually("the buffered bytes to return to 0", GUARD, async || {
         let b = metrics.downstream_buffered.get();
@@ -302,6 +313,82 @@ async fn a_stream_blocked_by_its_window_does_not_starve_its_neighbours() {
     assert_eq!(first["type"], "ADDED");
     fast.abort();
     drop((r, client));
+    eventually("the buffered bytes to return to 0", GUARD, async || {
+        let b = metrics.downstream_buffered.get();
+        ok_if(b == 0, b)
+    })
+    .await;
+    proxy.shutdown().await;
+}
+
+/// With a process budget of two connection budgets, three connections that never read hold
+/// at most that budget plus, for each, what it may always hold (256 KiB) and one chunk; a
+/// connection that reads (holding little) is never stopped and gets every event; closing
+/// them releases everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_process_budget_stops_connections_that_hold_the_most() {
+    let conn_budget: u64 = 1 << 20;
+    let process_budget: u64 = 2 << 20;
+    let fake = seeded("process").await;
+    let proxy = TestProxy::start(&fake.url(), |c| {
+        c.cache.resources = vec!["configmaps".into()];
+        c.server.connection_buffer_bytes = conn_budget;
+        c.server.downstream_buffer_bytes = process_budget;
+    })
+    .await;
+    synced(&proxy).await;
+    let metrics = &proxy.running.as_ref().unwrap().state.metrics;
+    let waits = metrics
+        .downstream_waits
+        .get_or_create(&kube_cache_proxy::metrics::BudgetLabels {
+            budget: "process".into(),
+        })
+        .clone();
+    let mut hostile = Vec::new();
+    for _ in 0..3 {
+        hostile.push(never_reading(&proxy, "process", 100).await);
+    }
+    let floor = kube_cache_proxy::http::budget::PROCESS_FLOOR;
+    let bound = process_budget + 3 * (floor + CHUNK);
+    eventually(
+        "the process budget to stop a connection",
+        GUARD,
+        async || {
+            let buffered = metrics.downstream_buffered.get() as u64;
+            assert!(
+                buffered <= bound,
+                "{buffered} bytes buffered, bound {bound}"
+            );
+            ok_if(waits.get() > 0, buffered)
+        },
+    )
+    .await;
+
+    let rv = fake.current_rv();
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let fast = fast_watcher(
+        h2c(),
+        proxy.http(&format!(
+            "/api/v1/namespaces/process/configmaps?watch=true&resourceVersion={rv}"
+        )),
+        seen.clone(),
+    );
+    let want = write_events(&fake, "process", 30).await;
+    eventually(
+        "the reading connection's watcher to get every event",
+        GUARD,
+        async || {
+            let got = seen.lock().unwrap().clone();
+            ok_if(got == want, (got.len(), want.len()))
+        },
+    )
+    .await;
+
+    for (task, held) in hostile {
+        task.abort();
+        drop(held);
+    }
+    fast.abort();
     eventually("the buffered bytes to return to 0", GUARD, async || {
         let b = metrics.downstream_buffered.get();
         ok_if(b == 0, b)

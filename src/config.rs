@@ -364,8 +364,29 @@ pub struct ServerConfig {
     /// Concurrent streams per HTTP/2 connection. client-go multiplexes every request and
     /// watch of a process over one connection and opens another only when the server's limit
     /// is reached; 1000 keeps even a large controller manager on one connection. (kube-apiserver
-    /// itself allows 100 since its rapid-reset hardening.)
+    /// itself allows 100 since its rapid-reset hardening.) Memory is bounded by bytes
+    /// (`connectionBufferBytes`), not by this count: 10 × 1,000 watch streams that are never
+    /// read cost the proxy about 150 MB (docs/architecture.md, Memory bounds).
     pub http2_max_concurrent_streams: u32,
+    /// Bytes HTTP/2 buffers per stream while the client's flow-control window is open and its
+    /// socket is not (hyper's `max_send_buf_size`, default 400 KiB, above a watch's initial
+    /// chunk of 256 KiB). The connection's budget (`connectionBufferBytes`) bounds the sum
+    /// over its streams; 64 KiB changed neither the memory of 10,000 non-reading streams nor
+    /// a 10 MB LIST's time (docs/architecture.md, Memory bounds), so hyper's default stays.
+    pub http2_max_send_buffer_bytes: usize,
+    /// Bytes a connection's responses may have produced that its socket has not taken yet.
+    /// Beyond it the connection's response bodies wait until its client reads (watch events
+    /// queue in the watcher's queue, `cache.watcherQueueBytes`, and a watcher that overflows
+    /// it is closed as before). This, not the stream count, is what bounds the memory a
+    /// client that does not read can hold: 10 connections × 1,000 watch streams of a 250 KB
+    /// namespace held 2.5–3.8 GB without it. Default 4 MiB: above the TCP send buffer, so a
+    /// large LIST still streams at full speed.
+    pub connection_buffer_bytes: u64,
+    /// The same over all connections of the process. Once reached, connections holding more
+    /// than 256 KiB wait too (those holding less always proceed, so slow clients together
+    /// cannot stop the others). `kube_cache_proxy_downstream_buffered_bytes` is the sum now.
+    /// Default 256 MiB: 64 connections' full budgets.
+    pub downstream_buffer_bytes: u64,
     /// Server-initiated HTTP/2 PING interval; dead clients are dropped after the timeout.
     #[serde(with = "duration")]
     pub http2_keepalive_interval: Duration,
@@ -419,6 +440,9 @@ impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
             http2_max_concurrent_streams: 1000,
+            http2_max_send_buffer_bytes: 400 * 1024,
+            connection_buffer_bytes: 4 * 1024 * 1024,
+            downstream_buffer_bytes: 256 * 1024 * 1024,
             http2_keepalive_interval: Duration::from_secs(30),
             http2_keepalive_timeout: Duration::from_secs(20),
             http2_max_pending_accept_reset_streams: 20,
@@ -1166,6 +1190,24 @@ impl Config {
                 "must be at least 1".into(),
             );
         }
+        if self.server.http2_max_send_buffer_bytes < 16 * 1024 {
+            err(
+                "server.http2MaxSendBufferBytes",
+                "must be at least 16384 (one HTTP/2 frame)".into(),
+            );
+        }
+        if self.server.connection_buffer_bytes < 64 * 1024 {
+            err(
+                "server.connectionBufferBytes",
+                "must be at least 65536".into(),
+            );
+        }
+        if self.server.downstream_buffer_bytes < self.server.connection_buffer_bytes {
+            err(
+                "server.downstreamBufferBytes",
+                "must be at least server.connectionBufferBytes".into(),
+            );
+        }
         if self.server.max_header_bytes < 4096 {
             err(
                 "server.maxHeaderBytes",
@@ -1509,6 +1551,37 @@ mod tests {
             "{paths:?}"
         );
         assert!(paths.contains(&"log.level"), "{paths:?}");
+    }
+
+    #[test]
+    fn downstream_buffer_budgets_are_validated_with_their_paths() {
+        let cfg = Config::from_yaml(
+            "insecureListen: 127.0.0.1:8080\nserver:\n  http2MaxSendBufferBytes: 1024\n  \
+             connectionBufferBytes: 1000\n",
+        )
+        .unwrap();
+        let ConfigError::Invalid(errs) = cfg.validate().unwrap_err() else {
+            panic!()
+        };
+        let mut paths: Vec<_> = errs.iter().map(|e| e.path.as_str()).collect();
+        paths.sort();
+        assert_eq!(
+            paths,
+            [
+                "server.connectionBufferBytes",
+                "server.http2MaxSendBufferBytes"
+            ]
+        );
+        let cfg = Config::from_yaml(
+            "insecureListen: 127.0.0.1:8080\nserver:\n  connectionBufferBytes: 8388608\n  \
+             downstreamBufferBytes: 4194304\n",
+        )
+        .unwrap();
+        let ConfigError::Invalid(errs) = cfg.validate().unwrap_err() else {
+            panic!()
+        };
+        assert_eq!(errs.len(), 1, "{errs:?}");
+        assert_eq!(errs[0].path, "server.downstreamBufferBytes");
     }
 
     #[test]

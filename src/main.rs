@@ -3,6 +3,12 @@
 use clap::Parser;
 use kube_cache_proxy::app::cli::{self, Cli, Command};
 
+/// mimalloc returns freed memory to the system within milliseconds; glibc's malloc kept
+/// about 1 GB of a burst of slow clients' buffers after they closed (the load driver's
+/// `hostile-streams` scenario, docs/architecture.md, Memory bounds).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[tokio::main]
 async fn main() {
     let cli = Cli::parse();

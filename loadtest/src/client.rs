@@ -123,6 +123,16 @@ impl Target {
         ))
     }
 
+    /// Opens one TLS connection (ALPN h2), for a client of its own.
+    pub async fn connect_tls(&self) -> anyhow::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        let tcp = TcpStream::connect(self.addr)
+            .await
+            .with_context(|| format!("connecting to {} at {}", self.side, self.addr))?;
+        tcp.set_nodelay(true)?;
+        let name = ServerName::try_from(self.host.to_string())?;
+        Ok(self.tls.connect(name, tcp).await?)
+    }
+
     /// Opens one TLS + HTTP/2 connection.
     pub async fn connect(&self) -> anyhow::Result<Conn> {
         let tcp = TcpStream::connect(self.addr)

@@ -30,8 +30,14 @@ macro_rules! say {
 
 static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
 
+/// The allocator of the `kube-cache-proxy` binary (`src/main.rs`): the proxy child is this
+/// binary (`serve-proxy`), and must run as the real one does.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 mod client;
 mod fields;
+mod hostile;
 mod proxy;
 mod report;
 mod scenarios;
@@ -108,6 +114,28 @@ struct Args {
     /// Override: scenario c objects.
     #[arg(long)]
     list_objects: Option<usize>,
+    /// Scenario hostile-streams (run alone: `--only hostile-streams`): connections...
+    #[arg(long, default_value_t = 10)]
+    hs_conns: usize,
+    /// ...watch streams per connection (a server allowing fewer gets what it allows)...
+    #[arg(long, default_value_t = 1000)]
+    hs_streams: usize,
+    /// ...KB of ConfigMaps in the watched namespace (5 KB objects)...
+    #[arg(long, default_value_t = 250)]
+    hs_kb: usize,
+    /// ...seconds the streams are held (the normal client's GETs run meanwhile)...
+    #[arg(long, default_value_t = 15.0)]
+    hs_hold: f64,
+    /// ...seconds after closing them that RSS is read...
+    #[arg(long, default_value_t = 10.0)]
+    hs_after: f64,
+    /// ...and MB of one LIST page timed afterwards (0: none).
+    #[arg(long, default_value_t = 10)]
+    hs_list_mb: usize,
+    /// YAML appended to the proxy child's configuration file (e.g. `server: {...}`), to
+    /// compare settings in one run.
+    #[arg(long)]
+    proxy_extra_config: Option<String>,
 }
 
 /// Sizes of one profile.
@@ -464,7 +492,11 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             let token = cp.admin_token().to_string();
             let direct = Target::new("apiserver", api_addr, &cp.ca_pem, &token);
             let admin = direct.connect().await?;
-            let files = ProxyFiles::write(&work, &cp.admin_kubeconfig_yaml())?;
+            let files = ProxyFiles::write(
+                &work,
+                &cp.admin_kubeconfig_yaml(),
+                args.proxy_extra_config.as_deref(),
+            )?;
             Env {
                 cluster: Cluster::Local {
                     cp,
@@ -477,6 +509,14 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             }
         }
     };
+    if args.only.iter().any(|o| o == "hostile-streams") {
+        let r = hostile_main(&env, &args, &out).await;
+        if let Cluster::Local { cp, .. } = env.cluster {
+            cp.stop().await;
+            let _ = std::fs::remove_dir_all(&work);
+        }
+        return r.map(|()| true);
+    }
     let result = scenarios_all(&env, &p, &want).await;
     match env.cluster {
         Cluster::Local { cp, .. } => {
@@ -528,6 +568,66 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         say!("CHECK FAILED: {}: {}", c.name, c.detail);
     }
     Ok(failed.is_empty())
+}
+
+/// Scenario hostile-streams (`hostile.rs`), apiserver then proxy, with its own report.
+async fn hostile_main(env: &Env, args: &Args, out: &std::path::Path) -> anyhow::Result<()> {
+    let d = &env.direct;
+    let Cluster::Local { cp, .. } = &env.cluster else {
+        anyhow::bail!("hostile-streams reads the RSS of local processes: not with --kubeconfig");
+    };
+    let o = hostile::HostileOpts {
+        namespace: "lt-h".into(),
+        conns: args.hs_conns,
+        streams: args.hs_streams,
+        hold_s: args.hs_hold,
+        after_s: args.hs_after,
+        get_rate: 50.0,
+        objects: (args.hs_kb / 5).max(1),
+    };
+    say!(
+        "seeding lt-h ({} KB) and lt-l ({} MB) ...",
+        args.hs_kb,
+        args.hs_list_mb
+    );
+    create_namespace(d, &env.admin, "lt-h").await?;
+    create_configmaps(d, "lt-h", "d", o.objects, 5000, 32).await?;
+    let list_path =
+        (args.hs_list_mb > 0).then_some("/api/v1/namespaces/lt-l/configmaps?resourceVersion=0");
+    if args.hs_list_mb > 0 {
+        create_namespace(d, &env.admin, "lt-l").await?;
+        create_configmaps(d, "lt-l", "l", args.hs_list_mb * 100, 10_000, 64).await?;
+    }
+    let mut rows = Vec::new();
+    say!("hostile-streams via apiserver");
+    rows.push(hostile::run(d, cp.pids()[1], &o, list_path, Some(d)).await?);
+    say!("hostile-streams via proxy");
+    let px = env.start_proxy().await?;
+    let pid = px.pid.context("proxy pid")?;
+    let r = hostile::run(&px.target, pid, &o, list_path, px.admin.as_ref()).await;
+    px.stop().await;
+    rows.push(r?);
+    let mut md = hostile::markdown(&o, args.hs_kb, &rows);
+    if let Some(extra) = &args.proxy_extra_config {
+        md.push_str(&format!("\nProxy configuration added: `{extra}`\n"));
+    }
+    md.push_str(&format!(
+        "\n{} on {} CPUs, commit {}.\n",
+        report::utc_now(),
+        report::machine().cpus,
+        report::commit(&PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+    ));
+    let stem = format!(
+        "hostile-streams-{}",
+        report::utc_now().replace([':', '-'], "")
+    );
+    std::fs::write(out.join(format!("{stem}.md")), &md)?;
+    std::fs::write(
+        out.join(format!("{stem}.json")),
+        serde_json::to_string_pretty(&rows)?,
+    )?;
+    println!("{md}");
+    Ok(())
 }
 
 /// The namespaces the driver seeds (and, on an existing cluster, deletes at the end).

@@ -50,7 +50,12 @@ pub struct ProxyFiles {
 }
 
 impl ProxyFiles {
-    pub fn write(dir: &Path, upstream_kubeconfig: &str) -> anyhow::Result<ProxyFiles> {
+    /// `extra`: YAML appended to the proxy's configuration (`--proxy-extra-config`).
+    pub fn write(
+        dir: &Path,
+        upstream_kubeconfig: &str,
+        extra: Option<&str>,
+    ) -> anyhow::Result<ProxyFiles> {
         let (ca_pem, cert, key) =
             kube_cache_proxy::http::tls::generate_serving_pair(&["127.0.0.1", "localhost"])?;
         let f = ProxyFiles {
@@ -66,7 +71,12 @@ impl ProxyFiles {
         // serving, and scenario b checks that the proxy's initial sync is ONE upstream LIST
         // request per resource; adaptive upstream pages (tests/integration/paging.rs) would split
         // it into a varying number of page requests.
-        std::fs::write(&f.config, "paging:\n  adaptUpstream: false\n")?;
+        let mut config = "paging:\n  adaptUpstream: false\n".to_string();
+        if let Some(extra) = extra {
+            config.push_str(extra);
+            config.push('\n');
+        }
+        std::fs::write(&f.config, config)?;
         std::fs::write(&f.cert, cert)?;
         std::fs::write(&f.key, key)?;
         Ok(f)
@@ -79,6 +89,8 @@ pub struct ProxyChild {
     child: Option<tokio::process::Child>,
     pub pid: Option<u32>,
     pub target: Target,
+    /// Its admin listener (`/metrics`), when the driver started it.
+    pub admin: Option<Target>,
 }
 
 impl ProxyChild {
@@ -146,6 +158,7 @@ impl ProxyChild {
             child: Some(child),
             pid: Some(pid),
             target,
+            admin: Some(admin.clone()),
         };
         let deadline = Instant::now() + Duration::from_secs(180);
         loop {
@@ -181,6 +194,7 @@ impl ProxyChild {
             child: None,
             pid: None,
             target,
+            admin: None,
         }
     }
 

@@ -60,7 +60,7 @@ fn cpu_ticks(pid: u32) -> Option<u64> {
 }
 
 /// VmRSS of `pid` in KiB.
-fn rss_kb(pid: u32) -> Option<u64> {
+pub fn rss_kb(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
     s.lines()
         .find(|l| l.starts_with("VmRSS:"))?

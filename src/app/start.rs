@@ -179,6 +179,13 @@ pub fn build_state(
         tenancy: tenancy.clone(),
     }));
     metrics.register_collector(Box::new(crate::paging::PagingCollector(paging.clone())));
+    let downstream = Arc::new(crate::http::budget::Downstream::new(
+        config.server.downstream_buffer_bytes,
+        config.server.connection_buffer_bytes,
+        metrics.downstream_buffered.clone(),
+        budget_waits(&metrics, "connection"),
+        budget_waits(&metrics, "process"),
+    ));
     Arc::new(State {
         config,
         upstream,
@@ -194,7 +201,17 @@ pub fn build_state(
         consistency,
         paging,
         drain,
+        downstream,
     })
+}
+
+fn budget_waits(metrics: &Metrics, budget: &str) -> prometheus_client::metrics::counter::Counter {
+    metrics
+        .downstream_waits
+        .get_or_create(&crate::metrics::BudgetLabels {
+            budget: budget.into(),
+        })
+        .clone()
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -40,6 +40,8 @@ use std::task::{Context, Poll, ready};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+use crate::http::budget::Conn;
+
 /// Writes handed to connections' sockets by this process (each one system call), for the
 /// fan-out bench's writes-per-delivery figure.
 static SOCKET_WRITES: AtomicU64 = AtomicU64::new(0);
@@ -86,11 +88,22 @@ struct Shared<S> {
     pending_at_yield: usize,
     /// A write error met while flushing after a poll, for the protocol to see.
     failed: Option<io::ErrorKind>,
+    /// Told of every byte the socket takes ([`crate::http::budget`]).
+    budget: Option<Arc<Conn>>,
 }
 
 impl<S: AsyncWrite + Unpin> Shared<S> {
     fn pending(&self) -> usize {
         self.buf.len() - self.sent
+    }
+
+    /// Counts a write the socket accepted (`n` bytes).
+    fn wrote(&self, r: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
+        let r = counted(r);
+        if let (Poll::Ready(Ok(n)), Some(b)) = (&r, &self.budget) {
+            b.written(*n);
+        }
+        r
     }
 
     fn take_error(&mut self) -> io::Result<()> {
@@ -103,9 +116,8 @@ impl<S: AsyncWrite + Unpin> Shared<S> {
     /// Writes the buffer out; releases its memory once it is empty.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         while self.sent < self.buf.len() {
-            let n = ready!(counted(
-                Pin::new(&mut self.io).poll_write(cx, &self.buf[self.sent..])
-            ))?;
+            let r = Pin::new(&mut self.io).poll_write(cx, &self.buf[self.sent..]);
+            let n = ready!(self.wrote(r))?;
             if n == 0 {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
             }
@@ -156,6 +168,11 @@ impl<F: Future + Unpin, S> Unpin for Driven<F, S> {}
 /// Wraps `io`; the connection future built over the returned IO must be run through
 /// [`Coalescing::drive`].
 pub fn coalesce<S>(io: S) -> (CoalescedIo<S>, Coalescing<S>) {
+    coalesce_counted(io, None)
+}
+
+/// [`coalesce`], telling `budget` of every byte the socket takes and when the writer is idle.
+pub fn coalesce_counted<S>(io: S, budget: Option<Arc<Conn>>) -> (CoalescedIo<S>, Coalescing<S>) {
     let shared = Arc::new(Mutex::new(Shared {
         io,
         buf: Vec::new(),
@@ -165,6 +182,7 @@ pub fn coalesce<S>(io: S) -> (CoalescedIo<S>, Coalescing<S>) {
         yields: 0,
         pending_at_yield: 0,
         failed: None,
+        budget,
     }));
     (CoalescedIo(shared.clone()), Coalescing(shared))
 }
@@ -239,6 +257,15 @@ impl<F: Future + Unpin + Batching, S: AsyncWrite + Unpin> Future for Driven<F, S
             } else if g.flush_wanted {
                 g.write_out_after_poll(cx);
             }
+            if g.pending() == 0
+                && !g.flush_wanted
+                && g.failed.is_none()
+                && let Some(b) = &g.budget
+            {
+                // Everything the protocol wrote reached the socket: what the connection's
+                // budget still counts is held by flow control.
+                b.writer_idle();
+            }
             return Poll::Pending;
         }
         g.yields = 0;
@@ -286,7 +313,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for CoalescedIo<S> {
     ) -> Poll<io::Result<usize>> {
         let mut g = lock(&self.0);
         if ready!(Self::poll_room(&mut g, cx, data.len()))? {
-            return counted(Pin::new(&mut g.io).poll_write(cx, data));
+            let r = Pin::new(&mut g.io).poll_write(cx, data);
+            return g.wrote(r);
         }
         g.buf.extend_from_slice(data);
         Poll::Ready(Ok(data.len()))
@@ -300,7 +328,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for CoalescedIo<S> {
         let total = bufs.iter().map(|b| b.len()).sum::<usize>();
         let mut g = lock(&self.0);
         if ready!(Self::poll_room(&mut g, cx, total))? {
-            return counted(Pin::new(&mut g.io).poll_write_vectored(cx, bufs));
+            let r = Pin::new(&mut g.io).poll_write_vectored(cx, bufs);
+            return g.wrote(r);
         }
         for b in bufs {
             g.buf.extend_from_slice(b);

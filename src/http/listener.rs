@@ -26,6 +26,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::config::Config;
 use crate::http::body::Body;
+use crate::http::budget::{self, Downstream};
 use crate::http::local_streams::LocalExec;
 use crate::metrics::{KindLabels, Metrics};
 
@@ -44,6 +45,9 @@ pub trait Service: Send + Sync + 'static {
     ) -> Pin<Box<dyn Future<Output = Response<Body>> + Send>>;
     /// Connection counts and refusals.
     fn metrics(&self) -> &Metrics;
+    /// The process-wide budget of bytes produced for clients and not yet taken by their
+    /// sockets ([`crate::http::budget`]), shared by every listener.
+    fn downstream(&self) -> &Arc<Downstream>;
     /// Shutdown began: readiness fails from now on, while listeners still accept.
     fn begin_shutdown(&self);
     /// Listeners are closed: long-running responses (watches) end at an event boundary.
@@ -72,6 +76,9 @@ fn connection_builder(cfg: &Config) -> auto::Builder<LocalExec> {
     b.http2()
         .timer(TokioTimer::new())
         .max_concurrent_streams(s.http2_max_concurrent_streams)
+        // Per stream: what h2 buffers while the client's window is open and its socket is
+        // not (the connection's byte budget bounds the sum over its streams).
+        .max_send_buf_size(s.http2_max_send_buffer_bytes)
         .keep_alive_interval(s.http2_keepalive_interval)
         .keep_alive_timeout(s.http2_keepalive_timeout)
         .max_pending_accept_reset_streams(s.http2_max_pending_accept_reset_streams)
@@ -236,7 +243,8 @@ async fn serve_io<S: Service, IO>(
 ) where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let (io, coalescing) = crate::http::coalesce::coalesce(stream);
+    let budget = Arc::new(budget::Conn::new(state.downstream().clone()));
+    let (io, coalescing) = crate::http::coalesce::coalesce_counted(stream, Some(budget.clone()));
     let io = TokioIo::new(io);
     let conn = Arc::new(conn);
     // `call` returns a boxed future: an HTTP/2 stream holds the service future inline until
@@ -244,10 +252,11 @@ async fn serve_io<S: Service, IO>(
     // pipeline's future is several KB, which every idle watch stream would carry.
     let svc = service_fn(move |req| {
         use futures_util::FutureExt;
+        let budget = budget.clone();
         state
             .clone()
             .call(conn.clone(), req)
-            .map(Ok::<_, Infallible>)
+            .map(move |r| Ok::<_, Infallible>(r.map(|b| budget::Budgeted::wrap(b, budget))))
     });
     let c = builder.serve_connection_with_upgrades(io, svc);
     type BoxError = Box<dyn std::error::Error + Send + Sync>;

@@ -74,6 +74,16 @@ pub struct Metrics {
     /// succeeded (a 2xx within the timeout), 0 otherwise and before the first probe
     /// (`serve::state::State::spawn_upstream_probe`, every `upstream.healthCheckInterval`).
     pub upstream_up: Gauge,
+    /// Bytes responses have produced for clients and their sockets have not taken yet, over
+    /// all connections (`http::budget`).
+    pub downstream_buffered: Gauge,
+    /// Response bodies that waited for a budget (`budget`: `connection` or `process`).
+    pub downstream_waits: Family<BudgetLabels, Counter>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BudgetLabels {
+    pub budget: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -110,6 +120,18 @@ impl Metrics {
         let connections = Family::<KindLabels, Gauge>::default();
         let rejected = Family::<ReasonLabels, Counter>::default();
         let upstream_up = Gauge::default();
+        let downstream_buffered = Gauge::default();
+        let downstream_waits = Family::<BudgetLabels, Counter>::default();
+        registry.register(
+            "kube_cache_proxy_downstream_buffered_bytes",
+            "Bytes responses produced for clients that their sockets have not taken yet (server.connectionBufferBytes, server.downstreamBufferBytes bound it)",
+            downstream_buffered.clone(),
+        );
+        registry.register(
+            "kube_cache_proxy_downstream_buffer_waits",
+            "Response bodies that waited because their connection's (connection) or the process's (process) buffered bytes reached the budget",
+            downstream_waits.clone(),
+        );
         let build_info = Family::<BuildLabels, Gauge>::default();
         build_info
             .get_or_create(&BuildLabels {
@@ -167,6 +189,8 @@ impl Metrics {
             connections,
             rejected,
             upstream_up,
+            downstream_buffered,
+            downstream_waits,
         }
     }
 

@@ -54,6 +54,10 @@ impl crate::http::listener::Service for Admin {
         &self.state.metrics
     }
 
+    fn downstream(&self) -> &Arc<crate::http::budget::Downstream> {
+        &self.state.downstream
+    }
+
     fn begin_shutdown(&self) {
         self.state.health.begin_shutdown();
     }

@@ -50,6 +50,10 @@ impl crate::http::listener::Service for State {
         &self.metrics
     }
 
+    fn downstream(&self) -> &Arc<crate::http::budget::Downstream> {
+        &self.downstream
+    }
+
     fn begin_shutdown(&self) {
         self.health.begin_shutdown();
     }

@@ -44,6 +44,9 @@ pub struct State {
     pub paging: Arc<crate::paging::Paging>,
     /// Cancelled when draining starts: long-running responses end cleanly.
     pub drain: CancellationToken,
+    /// Bytes produced for clients and not yet taken by their sockets, over all connections
+    /// of both listeners (`server.downstreamBufferBytes`).
+    pub downstream: Arc<crate::http::budget::Downstream>,
 }
 
 impl State {

@@ -10,6 +10,7 @@ mod authn;
 mod check_config;
 mod crd;
 mod dev;
+mod downstream_budget;
 mod fake_apiserver;
 mod lists;
 mod ops;

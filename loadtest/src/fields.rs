@@ -25,6 +25,7 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, Semaphore, watch};
 
 use crate::client::{Conn, LineReader, Target, expect_ok, fetch, send, unix_nanos};
+use crate::scenarios::{Until, join_watchers};
 use crate::stats::{Summary, summarize};
 
 /// The request header that asks the proxy to filter a watch.
@@ -158,13 +159,6 @@ pub async fn create_deployments(
         }
     }
     Ok(())
-}
-
-#[derive(Debug, Clone, Copy)]
-enum Until {
-    Running,
-    Rv(u64),
-    Stop,
 }
 
 struct Log {
@@ -384,22 +378,7 @@ pub async fn watch_fields(
     // Every watcher should reach the last write (a filtered one through a bookmark, which the
     // proxy sends every `cache.filteredBookmarkInterval`); those that do not within the
     // deadline are stopped and counted.
-    let mut logs = Vec::with_capacity(o.watchers);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    loop {
-        match tokio::time::timeout_at(deadline, watchers.join_next()).await {
-            Ok(Some(Ok(l))) => logs.push(l),
-            Ok(Some(Err(e))) => bail!("watcher task: {e}"),
-            Ok(None) => break,
-            Err(_) => {
-                let _ = until_tx.send(Until::Stop);
-                while let Some(l) = watchers.join_next().await {
-                    logs.push(l?);
-                }
-                break;
-            }
-        }
-    }
+    let logs = join_watchers(&mut watchers, &until_tx, Duration::from_secs(120)).await?;
     drop(conns);
 
     let all: HashSet<u64> = written.keys().copied().collect();

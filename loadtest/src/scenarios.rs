@@ -184,10 +184,36 @@ pub struct FanoutResult {
 /// When a watcher stops: not yet known, at a resourceVersion (the last write), or now (the
 /// drain deadline passed; what it has not received by then counts as missed).
 #[derive(Debug, Clone, Copy)]
-enum Until {
+pub enum Until {
     Running,
     Rv(u64),
     Stop,
+}
+
+/// Joins every watcher task; those still running `within` from now are told to stop (what
+/// they have not received by then counts as missed) and joined too.
+pub async fn join_watchers<T: 'static>(
+    watchers: &mut tokio::task::JoinSet<T>,
+    until: &watch::Sender<Until>,
+    within: Duration,
+) -> anyhow::Result<Vec<T>> {
+    let mut logs = Vec::with_capacity(watchers.len());
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match tokio::time::timeout_at(deadline, watchers.join_next()).await {
+            Ok(Some(Ok(l))) => logs.push(l),
+            Ok(Some(Err(e))) => bail!("watcher task: {e}"),
+            Ok(None) => break,
+            Err(_) => {
+                let _ = until.send(Until::Stop);
+                while let Some(l) = watchers.join_next().await {
+                    logs.push(l?);
+                }
+                break;
+            }
+        }
+    }
+    Ok(logs)
 }
 
 struct WatcherLog {
@@ -374,22 +400,7 @@ pub async fn watch_fanout(
 
     // Every watcher should reach the last write; those that do not within 60 s are stopped and
     // their missing events counted.
-    let mut logs = Vec::with_capacity(o.watchers);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        match tokio::time::timeout_at(deadline, watchers.join_next()).await {
-            Ok(Some(Ok(l))) => logs.push(l),
-            Ok(Some(Err(e))) => bail!("watcher task: {e}"),
-            Ok(None) => break,
-            Err(_) => {
-                let _ = until_tx.send(Until::Stop);
-                while let Some(l) = watchers.join_next().await {
-                    logs.push(l?);
-                }
-                break;
-            }
-        }
-    }
+    let logs = join_watchers(&mut watchers, &until_tx, Duration::from_secs(60)).await?;
     drop(conns);
 
     let expected: std::collections::HashSet<u64> = written.iter().copied().collect();

@@ -357,15 +357,7 @@ async fn client_go_informers_behind_the_proxy_do_not_relist_when_the_apiserver_r
     for (_, _, _, ic) in informers.iter_mut() {
         ic.wait(before);
     }
-    let cache = env
-        .proxy
-        .running
-        .as_ref()
-        .unwrap()
-        .state
-        .caches
-        .get("", "v1", "configmaps")
-        .unwrap();
+    let cache = env.proxy.cache("", "v1", "configmaps").unwrap();
     let relists_before = cache.relists();
 
     let t = std::time::Instant::now();
@@ -704,12 +696,7 @@ async fn a_hundred_watchers_cost_the_apiserver_one_watch() {
     eventually("the configmaps cache to sync", BOUND, async || {
         let synced = env
             .proxy
-            .running
-            .as_ref()
-            .unwrap()
-            .state
-            .caches
-            .get("", "v1", "configmaps")
+            .cache("", "v1", "configmaps")
             .is_some_and(|c| c.is_ready());
         ok_if(synced, "not synced")
     })

@@ -505,14 +505,7 @@ async fn selectable_fields_of_a_crd_are_served_from_the_cache() {
 
     // The CRD declares another field: the cache is rebuilt with it (its watchers end cleanly
     // and re-watch), and the new field is served from memory.
-    let old = proxy
-        .running
-        .as_ref()
-        .unwrap()
-        .state
-        .caches
-        .get("example.com", "v1", "widgets")
-        .unwrap();
+    let old = proxy.cache("example.com", "v1", "widgets").unwrap();
     // spec.weight comes, spec.on goes.
     let mut crd = fake.get(&format!("{CRDS}/{WIDGETS_CRD}")).unwrap();
     crd["spec"]["versions"][0]["selectableFields"] = crd_with_fields(&[

@@ -154,14 +154,7 @@ async fn faulted_run(absorb: bool) {
         random_write(&fake, &mut rng, n).await;
     }
     let proxy = start_proxy_absorbing(&fake, absorb).await;
-    let cache = proxy
-        .running
-        .as_ref()
-        .unwrap()
-        .state
-        .caches
-        .get("", "v1", "configmaps")
-        .unwrap();
+    let cache = proxy.cache("", "v1", "configmaps").unwrap();
     // The proxy's history starts at its initial list: a client resuming from an older
     // resourceVersion gets 410 Expired by contract (as from an apiserver past its window), so
     // resuming clients start from a resourceVersion they could have got from this proxy.

@@ -72,6 +72,20 @@ pub fn client_cert(
 }
 
 impl TestProxy {
+    /// The running proxy's cache of a resource (`None`: not cached, or not yet discovered).
+    pub fn cache(
+        &self,
+        group: &str,
+        version: &str,
+        resource: &str,
+    ) -> Option<std::sync::Arc<kube_cache_proxy::cache::ResourceCache>> {
+        self.running
+            .as_ref()?
+            .state
+            .caches
+            .get(group, version, resource)
+    }
+
     /// Starts the proxy in front of `upstream_url` (a plain-HTTP fake apiserver), with the
     /// proxy's own credential `Bearer proxy-token`, TLS + mTLS on one port and plain HTTP on
     /// another. `tweak` adjusts the config first.

@@ -439,6 +439,20 @@ pub struct CacheConfig {
     /// proxy need no relist of their own. `false`: close them; they come back, get 410
     /// Expired and relist, as behind a kube-apiserver whose watch cache relisted.
     pub absorb_relists: bool,
+    /// Warm restart: a directory (the Deployment mounts an `emptyDir`, which survives
+    /// container restarts) where each cache's state — objects, resourceVersion, event
+    /// history — is written at shutdown and read back at start, so the restarted proxy
+    /// resumes its upstream watches without a LIST and clients resume their watches without
+    /// 410 or relist. Files are checksummed and bound to the upstream and resource; with
+    /// `tokens.keyFile` they are encrypted (ChaCha20-Poly1305), without it Secrets are not
+    /// written. Unset: off (a restart lists every resource again).
+    pub state_dir: Option<std::path::PathBuf>,
+    /// A saved state written longer ago than this is ignored: twice kube-apiserver's default
+    /// etcd compaction interval (5 minutes), past which resuming from it would most likely
+    /// be refused as compacted, while `resourceVersion=0` reads would be served from a state
+    /// that old until the upstream watch caught up.
+    #[serde(with = "duration")]
+    pub state_max_age: Duration,
     /// Items per page of the proxy's own upstream LISTs when `paging.adaptUpstream` is off.
     pub upstream_page_size: u32,
     /// A cached decision that a caller may read something lasts this long (kube-apiserver's
@@ -486,6 +500,8 @@ impl Default for CacheConfig {
             bookmark_interval: Duration::from_secs(60),
             filtered_bookmark_interval: Duration::from_secs(5),
             absorb_relists: true,
+            state_dir: None,
+            state_max_age: Duration::from_secs(600),
             upstream_page_size: 500,
             authorization_allow_ttl: Duration::from_secs(300),
             authorization_deny_ttl: Duration::from_secs(30),

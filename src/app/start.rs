@@ -124,6 +124,27 @@ pub fn build_state(
     if c.authorization_follow_rbac {
         pinned.extend(crate::auth::authz::rbac_resources());
     }
+    let keys = crate::read::token::Keys::load(config.tokens.key_file.as_deref(), config.tokens.ttl)
+        .unwrap_or_else(|e| {
+            // `check-config` and startup validation refuse a bad key file; this only
+            // happens if it broke in between.
+            tracing::error!(error = %e, "continue-token keys: using a random key");
+            crate::read::token::Keys::load(None, config.tokens.ttl).expect("generated keys")
+        });
+    let persist = c
+        .state_dir
+        .as_ref()
+        .map(|dir| crate::cache::persist::Persist {
+            dir: dir.clone(),
+            upstream: upstream.base().to_string(),
+            max_age: c.state_max_age,
+            // Sealed with a key derived from the token keys only when those are the shared,
+            // persistent ones (a generated key dies with the process).
+            keys: match config.tokens.key_file {
+                Some(_) => keys.current().derive("kube-cache-proxy/cache-state/v1"),
+                None => Vec::new(),
+            },
+        });
     let caches = crate::cache::registry::Caches::start(
         c.resources.clone(),
         c.exclude.clone(),
@@ -131,6 +152,7 @@ pub fn build_state(
         upstream.clone(),
         store,
         reflector,
+        persist,
         drain.clone(),
     );
     let authz = Arc::new(crate::auth::authz::Authorizer::new(
@@ -156,13 +178,6 @@ pub fn build_state(
         compaction_check_after: l.compaction_check_after,
         ..Default::default()
     };
-    let keys = crate::read::token::Keys::load(config.tokens.key_file.as_deref(), config.tokens.ttl)
-        .unwrap_or_else(|e| {
-            // `check-config` and startup validation refuse a bad key file; this only
-            // happens if it broke in between.
-            tracing::error!(error = %e, "continue-token keys: using a random key");
-            crate::read::token::Keys::load(None, config.tokens.ttl).expect("generated keys")
-        });
     keys.spawn_reloader(config.tokens.reload_interval);
     let consistency =
         crate::read::consistency::Consistency::new(upstream.clone(), l.consistency_timeout);
@@ -337,6 +352,7 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
                 state: state.clone(),
             });
             let telemetry = state.upstream.telemetry().clone();
+            let caches = state.caches.clone();
             tokio::join!(
                 run(
                     state,
@@ -346,7 +362,9 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
                 ),
                 run(admin, &config, admin_listeners, stop.cancelled_owned()),
             );
-            // Drained: the last requests' spans are queued; send them before exiting.
+            // Drained, and the reflectors stopped with it: each cache's state is final.
+            caches.save_all().await;
+            // The last requests' spans are queued; send them before exiting.
             telemetry.shutdown().await;
         })
     };

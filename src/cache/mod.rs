@@ -3,11 +3,13 @@
 //! Layout: [`object`] (an object's bytes + parsed metadata), [`store`] (current state,
 //! history window, readiness), [`hub`] fans events out, [`reflector`] feeds the store from the apiserver, [`discovery`] (which
 //! resources to cache: configuration, discovery, CRDs), [`registry`] (the caches and
-//! reflectors of those resources, added and removed as CRDs come and go).
+//! reflectors of those resources, added and removed as CRDs come and go), [`persist`] (their
+//! state saved at shutdown and loaded at start: warm restart).
 
 pub mod event;
 pub mod hub;
 pub mod object;
+pub mod persist;
 pub mod reflector;
 pub mod relist;
 

@@ -28,6 +28,7 @@ use serde::Deserialize;
 use tokio_util::sync::CancellationToken;
 
 use super::discovery::{self, Crd, Discovery, Plan, Selection};
+use super::persist::{Persist, PersistError};
 use super::{ReflectorSink, Resource, ResourceCache, StoreConfig};
 use crate::cache::reflector::{Reflector, ReflectorConfig, ReflectorHandle, ReflectorStatus};
 use crate::http::body;
@@ -83,6 +84,11 @@ pub struct Caches {
     /// decision invalidation), cached whether or not `cache.resources` selects them; when it
     /// does, the served cache is this one (one upstream watch per resource).
     pinned: Vec<Arc<CacheEntry>>,
+    /// Warm restart (`cache.stateDir`): states are loaded when caches start and saved by
+    /// [`Caches::save_all`].
+    persist: Option<Arc<Persist>>,
+    /// Every entry started, for [`Caches::save_all`] (the CRD watch's own cache is in no map).
+    spawned: parking_lot::Mutex<Vec<std::sync::Weak<CacheEntry>>>,
 }
 
 impl std::fmt::Debug for Caches {
@@ -135,6 +141,7 @@ impl Caches {
     /// `shutdown` fires (see the module docs). `pinned` are followed from the start and for
     /// good, for the proxy's own use ([`Caches::pinned`]); they are served (and count for
     /// readiness) only while the plan selects them.
+    #[allow(clippy::too_many_arguments)]
     pub fn start(
         resources: Vec<String>,
         exclude: Vec<String>,
@@ -142,17 +149,18 @@ impl Caches {
         upstream: Upstream,
         store: StoreConfig,
         reflector: ReflectorConfig,
+        persist: Option<Persist>,
         shutdown: CancellationToken,
     ) -> Arc<Caches> {
-        let caches = Arc::new(Caches {
-            pinned: pinned
-                .into_iter()
-                .map(|r| {
-                    Caches::spawn_entry(r, String::new(), &upstream, &store, &reflector, &shutdown)
-                })
-                .collect(),
+        let mut caches = Caches {
+            persist: persist.map(Arc::new),
             ..Caches::default()
-        });
+        };
+        caches.pinned = pinned
+            .into_iter()
+            .map(|r| caches.spawn_entry(r, String::new(), &upstream, &store, &reflector, &shutdown))
+            .collect();
+        let caches = Arc::new(caches);
         let sel = Selection::new(&resources, &exclude);
         let initial = discovery::plan(&sel, None, None, &HashSet::new());
         for (name, why) in initial.missing {
@@ -175,8 +183,10 @@ impl Caches {
         caches
     }
 
-    /// Starts a cache and its reflector for `resource`.
+    /// Starts a cache and its reflector for `resource`: from its saved state when there is
+    /// a usable one (the reflector then resumes with a WATCH), else with a LIST.
     fn spawn_entry(
+        &self,
         resource: Resource,
         uid: String,
         upstream: &Upstream,
@@ -186,19 +196,88 @@ impl Caches {
     ) -> Arc<CacheEntry> {
         let stop = shutdown.child_token();
         let cache = ResourceCache::new(resource.clone(), store.clone());
-        let handle = Reflector::spawn(
+        let from = {
+            let (persist, cache, uid) = (self.persist.clone(), cache.clone(), uid.clone());
+            async move {
+                let p = persist?;
+                tokio::task::spawn_blocking(move || restore(&p, &cache, &uid))
+                    .await
+                    .ok()
+                    .flatten()
+            }
+        };
+        let handle = Reflector::spawn_from(
             resource,
             upstream.clone(),
             cache.clone() as Arc<dyn ReflectorSink>,
             reflector.clone(),
             stop.clone(),
+            from,
         );
-        Arc::new(CacheEntry {
+        let entry = Arc::new(CacheEntry {
             cache,
             reflector: handle,
             stop,
             uid,
-        })
+        });
+        let mut spawned = self.spawned.lock();
+        spawned.retain(|w| w.strong_count() > 0);
+        spawned.push(Arc::downgrade(&entry));
+        entry
+    }
+
+    /// Writes the state of every synced cache to `cache.stateDir` (at shutdown, after the
+    /// reflectors stopped, so each state is final), one blocking task per resource. Returns
+    /// the number of states written; failures are logged.
+    pub async fn save_all(&self) -> usize {
+        let Some(p) = self.persist.clone() else {
+            return 0;
+        };
+        let entries: Vec<Arc<CacheEntry>> = self
+            .spawned
+            .lock()
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect();
+        let mut tasks = Vec::new();
+        for e in entries {
+            if !p.may_save(&e.cache.resource) {
+                continue;
+            }
+            // The reflector's last sink call has returned (it stops at the drain).
+            let mut status = e.reflector.status();
+            let stopped = status.wait_for(|s| matches!(s, ReflectorStatus::Stopped));
+            if tokio::time::timeout(Duration::from_secs(5), stopped)
+                .await
+                .is_err()
+            {
+                tracing::warn!(resource = %e.cache.resource.label(), "reflector still running; its state is not saved");
+                continue;
+            }
+            let p = p.clone();
+            tasks.push(tokio::task::spawn_blocking(move || {
+                let started = std::time::Instant::now();
+                let r = &e.cache.resource;
+                let Some(image) = e.cache.image() else {
+                    return false;
+                };
+                match p.save(r, &e.uid, &image) {
+                    Ok(s) => {
+                        tracing::info!(resource = %r.label(), rv = image.rv, objects = s.objects, events = s.events, bytes = s.bytes, took = ?started.elapsed(), "cache state saved");
+                        true
+                    }
+                    Err(err) => {
+                        tracing::warn!(resource = %r.label(), error = %err, "cache state not saved");
+                        false
+                    }
+                }
+            }));
+        }
+        let mut saved = 0;
+        for t in tasks {
+            saved += usize::from(t.await.unwrap_or(false));
+        }
+        saved
     }
 
     /// Makes the caches match `plan`. `keep` are entries never stopped here (the CRD
@@ -261,6 +340,37 @@ impl Caches {
     }
 }
 
+/// Loads `cache`'s saved state, if there is a usable one: the resourceVersion to resume the
+/// upstream watch from. Anything unusable is logged and ignored (the cache lists).
+fn restore(p: &Persist, cache: &ResourceCache, uid: &str) -> Option<u64> {
+    let r = &cache.resource;
+    let started = std::time::Instant::now();
+    let image = match p.load(r, uid) {
+        Ok(Some(image)) => image,
+        Ok(None) => return None,
+        Err(e) => {
+            let level_warn = !matches!(e, PersistError::Stale { .. });
+            if level_warn {
+                tracing::warn!(resource = %r.label(), error = %e, "saved cache state ignored; listing");
+            } else {
+                tracing::info!(resource = %r.label(), error = %e, "saved cache state ignored; listing");
+            }
+            return None;
+        }
+    };
+    let rv = image.rv;
+    match cache.restore(image) {
+        Ok(()) => {
+            tracing::info!(resource = %r.label(), rv, took = ?started.elapsed(), "warm start from the saved state");
+            Some(rv)
+        }
+        Err(e) => {
+            tracing::warn!(resource = %r.label(), error = %e, "saved cache state ignored; listing");
+            None
+        }
+    }
+}
+
 /// The background task that keeps the caches in step with the plan.
 struct Manager {
     caches: Arc<Caches>,
@@ -279,7 +389,7 @@ struct Manager {
 impl Manager {
     async fn run(mut self) {
         if self.sel.needs_crds() {
-            self.crds = Some(Caches::spawn_entry(
+            self.crds = Some(self.caches.spawn_entry(
                 discovery::crd_resource(),
                 String::new(),
                 &self.upstream,
@@ -362,11 +472,12 @@ impl Manager {
                 .collect();
             let (up, store, refl, sd) =
                 (&self.upstream, &self.store, &self.reflector, &self.shutdown);
+            let caches = &self.caches;
             self.caches.apply(
                 plan,
                 |r, uid| match keep.iter().find(|e| e.cache.resource == *r) {
                     Some(e) => e.clone(),
-                    None => Caches::spawn_entry(r.clone(), uid.to_string(), up, store, refl, sd),
+                    None => caches.spawn_entry(r.clone(), uid.to_string(), up, store, refl, sd),
                 },
                 &keep,
             );

@@ -267,6 +267,20 @@ impl KeySet {
         }
     }
 
+    /// A 32-byte key per key of the set for another use (`purpose` separates uses), the
+    /// current key's first: HMAC-SHA256(secret, purpose). A key derived this way reveals
+    /// nothing of the signing key.
+    pub fn derive(&self, purpose: &str) -> Vec<(String, [u8; 32])> {
+        std::iter::once(&self.current)
+            .chain(&self.previous)
+            .map(|k| {
+                let mut m = k.mac();
+                m.update(purpose.as_bytes());
+                (k.id.clone(), m.finalize().into_bytes().into())
+            })
+            .collect()
+    }
+
     fn find(&self, id: &str) -> Option<&Key> {
         std::iter::once(&self.current)
             .chain(&self.previous)

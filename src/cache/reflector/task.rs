@@ -89,6 +89,20 @@ impl Reflector {
         cfg: ReflectorConfig,
         shutdown: CancellationToken,
     ) -> ReflectorHandle {
+        Reflector::spawn_from(resource, upstream, sink, cfg, shutdown, async { None })
+    }
+
+    /// As [`Reflector::spawn`], but first awaits `from`: `Some(rv)` when the sink was given
+    /// a state at `rv` some other way (a warm restart loaded it), so the reflector starts
+    /// with a WATCH from `rv` instead of a LIST (a 410 there relists as usual).
+    pub fn spawn_from(
+        resource: Resource,
+        upstream: Upstream,
+        sink: Arc<dyn ReflectorSink>,
+        cfg: ReflectorConfig,
+        shutdown: CancellationToken,
+        from: impl std::future::Future<Output = Option<u64>> + Send + 'static,
+    ) -> ReflectorHandle {
         let label = resource.label();
         let initial = RelistReason::Initial;
         let (status_tx, status_rx) = watch::channel(ReflectorStatus::Listing { reason: initial });
@@ -109,7 +123,7 @@ impl Reflector {
             listed_rv: None,
         };
         let span = tracing::info_span!("reflector", resource = %label);
-        let task = tokio::spawn(r.run(shutdown).instrument(span));
+        let task = tokio::spawn(r.run(shutdown, from).instrument(span));
         ReflectorHandle {
             task,
             status: status_rx,
@@ -117,10 +131,27 @@ impl Reflector {
         }
     }
 
-    async fn run(mut self, shutdown: CancellationToken) {
-        let mut state = State::List {
-            reason: RelistReason::Initial,
-            paged: true,
+    async fn run(
+        mut self,
+        shutdown: CancellationToken,
+        from: impl std::future::Future<Output = Option<u64>>,
+    ) {
+        let from = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => None,
+            from = from => from,
+        };
+        let mut state = match from {
+            _ if shutdown.is_cancelled() => State::Stopped,
+            Some(rv) => {
+                info!(rv, "reflector resuming from a saved state");
+                self.stats.last_rv.store(rv, Ordering::Relaxed);
+                State::Watch { rv, too_large: 0 }
+            }
+            None => State::List {
+                reason: RelistReason::Initial,
+                paged: true,
+            },
         };
         info!("reflector starting");
         while state != State::Stopped {

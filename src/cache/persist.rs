@@ -1,0 +1,583 @@
+//! Warm restart: each cache's state (its objects, resourceVersion and event history) written
+//! to a local directory when the proxy stops and read back when it starts, so the restarted
+//! proxy resumes its upstream watches from where it stopped (no upstream LIST while etcd has
+//! not compacted that far) and its clients resume their watches from it (no 410 Expired, no
+//! relist). The Deployment mounts an `emptyDir` there, which survives container restarts.
+//!
+//! One file per resource, `<group|core>_<version>_<resource>.state`, written under a
+//! temporary name, synced and renamed, so a reader sees a whole file or none:
+//!
+//! ```text
+//! "KCPSTATE" | u32 format | u32 header length | header (JSON) | u64 payload length | payload
+//!   | SHA-256 of everything before (32 bytes)
+//! payload:  u64 objects | per object of the state at the history's start: u32 length, body
+//!           u64 events  | per event: u8 kind, u64 age in ms, u32 length, body
+//! ```
+//!
+//! All integers are little endian. The header names where the state came from (the
+//! upstream's URL, the resource, a custom resource's CRD uid), its resourceVersions and when
+//! it was written. A file that is partial or corrupt (checksum), of another format, from
+//! another upstream, resource or CRD, or older than `cache.stateMaxAge` is ignored with a log
+//! line and never served; the cache then lists as on a cold start.
+//!
+//! Sealing: when the continue-token key file is configured (`tokens.keyFile`, shared by the
+//! replicas and kept in a Secret), the payload is encrypted and authenticated with
+//! ChaCha20-Poly1305 under a key derived from it (the header is the associated data), so the
+//! node's disk never holds the objects in clear. Without a key file, files are plain and
+//! Secrets are not saved (their cache lists again after a restart).
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::{CachedObject, EventKind, Resource};
+
+const MAGIC: &[u8; 8] = b"KCPSTATE";
+/// The file layout's version; a file of another is ignored.
+pub const FORMAT: u32 = 1;
+/// A header longer than this is not one of ours.
+const MAX_HEADER: usize = 1 << 20;
+
+/// A cache's state as a warm restart needs it ([`super::ResourceCache::image`],
+/// [`super::ResourceCache::restore`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Image {
+    /// The cache's resourceVersion.
+    pub rv: u64,
+    /// The history holds every event after this.
+    pub oldest_rv: u64,
+    /// The last relist after the first sync, if the history starts there.
+    pub relist_rv: Option<u64>,
+    /// Absorbed relists: (resourceVersion before, the new list's).
+    pub absorbed: Vec<(u64, u64)>,
+    /// The objects at `oldest_rv`.
+    pub base: Vec<Arc<CachedObject>>,
+    /// The history after `oldest_rv`, oldest first, with each event's age.
+    pub events: Vec<(EventKind, Duration, Arc<CachedObject>)>,
+}
+
+/// Where and how caches are saved (`cache.stateDir`).
+#[derive(Clone)]
+pub struct Persist {
+    pub dir: PathBuf,
+    /// The upstream the state comes from (its URL): a file from another is foreign.
+    pub upstream: String,
+    /// A file written longer ago than this is ignored.
+    pub max_age: Duration,
+    /// Sealing keys, (id, key): the first seals, any opens. Empty: files are plain and
+    /// Secrets are not saved.
+    pub keys: Vec<(String, [u8; 32])>,
+}
+
+impl std::fmt::Debug for Persist {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Persist")
+            .field("dir", &self.dir)
+            .field("upstream", &self.upstream)
+            .field("max_age", &self.max_age)
+            .field("sealed", &!self.keys.is_empty())
+            .finish()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PersistError {
+    #[error("{path}: {source}")]
+    Io {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("not a saved state of this resource and upstream: {0}")]
+    Foreign(String),
+    #[error("corrupt or partial: {0}")]
+    Corrupt(&'static str),
+    #[error("written {age:?} ago, more than cache.stateMaxAge")]
+    Stale { age: Duration },
+}
+
+/// What one save wrote.
+#[derive(Debug, Clone, Copy)]
+pub struct Saved {
+    pub bytes: u64,
+    pub objects: usize,
+    pub events: usize,
+}
+
+#[derive(Debug, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+struct Identity {
+    upstream: String,
+    group: String,
+    version: String,
+    resource: String,
+    kind: String,
+    /// A custom resource's CRD uid (a re-created CRD is another resource), else empty.
+    uid: String,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct Header {
+    identity: Identity,
+    rv: u64,
+    oldest_rv: u64,
+    relist_rv: Option<u64>,
+    absorbed: Vec<(u64, u64)>,
+    saved_at_unix_ms: u64,
+    /// The proxy version that wrote it (for diagnostics; the format decides).
+    writer: String,
+    /// The sealing key's id and the nonce (hex), when sealed.
+    sealed: Option<(String, String)>,
+}
+
+fn kind_byte(k: EventKind) -> u8 {
+    match k {
+        EventKind::Added => 1,
+        EventKind::Modified => 2,
+        EventKind::Deleted => 3,
+    }
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+impl Persist {
+    /// The state file of `r`.
+    pub fn path(&self, r: &Resource) -> PathBuf {
+        let group = if r.group.is_empty() { "core" } else { &r.group };
+        self.dir
+            .join(format!("{group}_{}_{}.state", r.version, r.resource))
+    }
+
+    /// Whether `r`'s state may be written: everything when files are sealed; not Secrets in
+    /// clear.
+    pub fn may_save(&self, r: &Resource) -> bool {
+        !(self.keys.is_empty() && r.group.is_empty() && r.resource == "secrets")
+    }
+
+    fn identity(&self, r: &Resource, uid: &str) -> Identity {
+        Identity {
+            upstream: self.upstream.clone(),
+            group: r.group.clone(),
+            version: r.version.clone(),
+            resource: r.resource.clone(),
+            kind: r.kind.clone(),
+            uid: uid.to_string(),
+        }
+    }
+
+    /// Writes `image` as `r`'s state file (atomically: a temporary file, synced, renamed).
+    pub fn save(&self, r: &Resource, uid: &str, image: &Image) -> Result<Saved, PersistError> {
+        let io = |path: &Path| {
+            let path = path.to_path_buf();
+            move |source| PersistError::Io { path, source }
+        };
+        std::fs::create_dir_all(&self.dir).map_err(io(&self.dir))?;
+        let mut payload = Vec::with_capacity(
+            image.base.iter().map(|o| o.body.len() + 4).sum::<usize>()
+                + image
+                    .events
+                    .iter()
+                    .map(|(_, _, o)| o.body.len() + 13)
+                    .sum::<usize>()
+                + 16
+                + ring::aead::MAX_TAG_LEN,
+        );
+        let put_body = |p: &mut Vec<u8>, o: &CachedObject| {
+            p.extend_from_slice(
+                &u32::try_from(o.body.len())
+                    .unwrap_or(u32::MAX)
+                    .to_le_bytes(),
+            );
+            p.extend_from_slice(&o.body);
+        };
+        payload.extend_from_slice(&(image.base.len() as u64).to_le_bytes());
+        for o in &image.base {
+            put_body(&mut payload, o);
+        }
+        payload.extend_from_slice(&(image.events.len() as u64).to_le_bytes());
+        for (kind, age, o) in &image.events {
+            payload.push(kind_byte(*kind));
+            payload.extend_from_slice(
+                &u64::try_from(age.as_millis())
+                    .unwrap_or(u64::MAX)
+                    .to_le_bytes(),
+            );
+            put_body(&mut payload, o);
+        }
+        let mut header = Header {
+            identity: self.identity(r, uid),
+            rv: image.rv,
+            oldest_rv: image.oldest_rv,
+            relist_rv: image.relist_rv,
+            absorbed: image.absorbed.clone(),
+            saved_at_unix_ms: unix_ms(SystemTime::now()),
+            writer: env!("CARGO_PKG_VERSION").to_string(),
+            sealed: None,
+        };
+        let nonce = if let Some((id, _)) = self.keys.first() {
+            let mut n = [0u8; ring::aead::NONCE_LEN];
+            ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut n)
+                .map_err(|_| PersistError::Corrupt("the system random source failed"))?;
+            header.sealed = Some((id.clone(), hex(&n)));
+            Some(n)
+        } else {
+            None
+        };
+        let header_json = serde_json::to_vec(&header).expect("the header serializes");
+        if let (Some(n), Some((_, key))) = (nonce, self.keys.first()) {
+            seal_key(key)
+                .seal_in_place_append_tag(
+                    ring::aead::Nonce::assume_unique_for_key(n),
+                    ring::aead::Aad::from(&header_json[..]),
+                    &mut payload,
+                )
+                .map_err(|_| PersistError::Corrupt("sealing failed"))?;
+        }
+        let mut out = Vec::with_capacity(payload.len() + header_json.len() + 64);
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&FORMAT.to_le_bytes());
+        out.extend_from_slice(&(header_json.len() as u32).to_le_bytes());
+        out.extend_from_slice(&header_json);
+        out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        drop(header_json);
+        out.extend_from_slice(&payload);
+        drop(payload);
+        let sum = Sha256::digest(&out);
+        out.extend_from_slice(&sum);
+
+        let path = self.path(r);
+        let tmp = path.with_extension("state.tmp");
+        {
+            let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+            f.write_all(&out).map_err(io(&tmp))?;
+            f.sync_all().map_err(io(&tmp))?;
+        }
+        std::fs::rename(&tmp, &path).map_err(io(&path))?;
+        if let Ok(d) = std::fs::File::open(&self.dir) {
+            let _ = d.sync_all();
+        }
+        Ok(Saved {
+            bytes: out.len() as u64,
+            objects: image.base.len(),
+            events: image.events.len(),
+        })
+    }
+
+    /// Reads `r`'s state file: `Ok(None)` when there is none; an error (to be logged, the
+    /// file ignored) when it is not a whole, current, matching state of `r` from this
+    /// upstream.
+    pub fn load(&self, r: &Resource, uid: &str) -> Result<Option<Image>, PersistError> {
+        let path = self.path(r);
+        let file = match std::fs::read(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => return Err(PersistError::Io { path, source }),
+        };
+        self.decode(r, uid, &file, SystemTime::now()).map(Some)
+    }
+
+    fn decode(
+        &self,
+        r: &Resource,
+        uid: &str,
+        file: &[u8],
+        now: SystemTime,
+    ) -> Result<Image, PersistError> {
+        if file.len() < MAGIC.len() + 4 || &file[..MAGIC.len()] != MAGIC {
+            return Err(PersistError::Foreign("not a state file".into()));
+        }
+        let mut rd = Reader(&file[MAGIC.len()..]);
+        let format = rd.u32()?;
+        if format != FORMAT {
+            return Err(PersistError::Foreign(format!(
+                "format {format}, this proxy reads {FORMAT}"
+            )));
+        }
+        if file.len() < 32 + MAGIC.len() + 8 {
+            return Err(PersistError::Corrupt("too short"));
+        }
+        let (content, sum) = file.split_at(file.len() - 32);
+        if Sha256::digest(content)[..] != *sum {
+            return Err(PersistError::Corrupt("checksum mismatch"));
+        }
+        let mut rd = Reader(&content[MAGIC.len() + 4..]);
+        let hlen = rd.u32()? as usize;
+        if hlen > MAX_HEADER {
+            return Err(PersistError::Corrupt("header too long"));
+        }
+        let header_json = rd.take(hlen)?;
+        let header: Header =
+            serde_json::from_slice(header_json).map_err(|_| PersistError::Corrupt("header"))?;
+        let want = self.identity(r, uid);
+        if header.identity != want {
+            return Err(PersistError::Foreign(format!(
+                "saved from {:?}, this cache is {want:?}",
+                header.identity
+            )));
+        }
+        let saved_at = UNIX_EPOCH + Duration::from_millis(header.saved_at_unix_ms);
+        let age = now.duration_since(saved_at).unwrap_or_default();
+        if age > self.max_age {
+            return Err(PersistError::Stale { age });
+        }
+        let plen = usize::try_from(rd.u64()?).map_err(|_| PersistError::Corrupt("length"))?;
+        let raw = rd.take(plen)?;
+        if !rd.0.is_empty() {
+            return Err(PersistError::Corrupt("trailing bytes"));
+        }
+        let mut opened;
+        let payload: &[u8] = match &header.sealed {
+            None => raw,
+            Some((id, nonce)) => {
+                let Some((_, key)) = self.keys.iter().find(|(k, _)| k == id) else {
+                    return Err(PersistError::Foreign(format!(
+                        "sealed with key {id:?}, not in tokens.keyFile"
+                    )));
+                };
+                let n: [u8; ring::aead::NONCE_LEN] = unhex(nonce)
+                    .and_then(|v| v.try_into().ok())
+                    .ok_or(PersistError::Corrupt("nonce"))?;
+                opened = raw.to_vec();
+                &*seal_key(key)
+                    .open_in_place(
+                        ring::aead::Nonce::assume_unique_for_key(n),
+                        ring::aead::Aad::from(header_json),
+                        &mut opened,
+                    )
+                    .map_err(|_| PersistError::Corrupt("does not open with its key"))?
+            }
+        };
+        let mut rd = Reader(payload);
+        let object = |rd: &mut Reader<'_>| -> Result<Arc<CachedObject>, PersistError> {
+            let len = rd.u32()? as usize;
+            let body = Bytes::copy_from_slice(rd.take(len)?);
+            CachedObject::parse(body, r)
+                .map(Arc::new)
+                .map_err(|_| PersistError::Corrupt("an object does not parse"))
+        };
+        let n = rd.u64()?;
+        let mut base = Vec::with_capacity(usize::try_from(n.min(1 << 20)).unwrap_or(0));
+        for _ in 0..n {
+            base.push(object(&mut rd)?);
+        }
+        let n = rd.u64()?;
+        let mut events = Vec::with_capacity(usize::try_from(n.min(1 << 20)).unwrap_or(0));
+        for _ in 0..n {
+            let kind = match rd.take(1)?[0] {
+                1 => EventKind::Added,
+                2 => EventKind::Modified,
+                3 => EventKind::Deleted,
+                _ => return Err(PersistError::Corrupt("event kind")),
+            };
+            let age = Duration::from_millis(rd.u64()?) + age;
+            events.push((kind, age, object(&mut rd)?));
+        }
+        if !rd.0.is_empty() {
+            return Err(PersistError::Corrupt("trailing payload"));
+        }
+        Ok(Image {
+            rv: header.rv,
+            oldest_rv: header.oldest_rv,
+            relist_rv: header.relist_rv,
+            absorbed: header.absorbed,
+            base,
+            events,
+        })
+    }
+}
+
+/// The ChaCha20-Poly1305 key of a 32-byte secret.
+fn seal_key(key: &[u8; 32]) -> ring::aead::LessSafeKey {
+    ring::aead::LessSafeKey::new(
+        ring::aead::UnboundKey::new(&ring::aead::CHACHA20_POLY1305, key)
+            .expect("a 32-byte ChaCha20-Poly1305 key"),
+    )
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+/// Bounds-checked reads of the file's fields.
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], PersistError> {
+        if self.0.len() < n {
+            return Err(PersistError::Corrupt("truncated"));
+        }
+        let (a, b) = self.0.split_at(n);
+        self.0 = b;
+        Ok(a)
+    }
+
+    fn u32(&mut self) -> Result<u32, PersistError> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+
+    fn u64(&mut self) -> Result<u64, PersistError> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cm(name: &str, rv: u64) -> Arc<CachedObject> {
+        let raw = format!(
+            r#"{{"metadata":{{"name":"{name}","namespace":"ns","resourceVersion":"{rv}","uid":"u-{name}"}},"data":{{"k":"v"}}}}"#
+        );
+        Arc::new(CachedObject::parse(Bytes::from(raw), &configmaps()).unwrap())
+    }
+
+    fn configmaps() -> Resource {
+        Resource::core("configmaps", "ConfigMap", true)
+    }
+
+    fn image() -> Image {
+        Image {
+            rv: 20,
+            oldest_rv: 10,
+            relist_rv: Some(10),
+            absorbed: vec![(3, 7)],
+            base: vec![cm("a", 5), cm("b", 9)],
+            events: vec![
+                (EventKind::Modified, Duration::from_secs(3), cm("a", 12)),
+                (EventKind::Deleted, Duration::from_secs(2), cm("b", 15)),
+                (EventKind::Added, Duration::from_secs(1), cm("c", 18)),
+            ],
+        }
+    }
+
+    fn persist(dir: &Path, keys: Vec<(String, [u8; 32])>) -> Persist {
+        Persist {
+            dir: dir.to_path_buf(),
+            upstream: "https://10.0.0.1:6443".into(),
+            max_age: Duration::from_secs(3600),
+            keys,
+        }
+    }
+
+    fn without_ages(mut i: Image) -> Image {
+        for e in &mut i.events {
+            e.1 = Duration::ZERO;
+        }
+        i
+    }
+
+    /// What is saved loads back the same, plain and sealed; the ages grow by the time the
+    /// file lay on disk (at least, never less).
+    #[test]
+    fn an_image_round_trips_plain_and_sealed() {
+        for keys in [vec![], vec![("k1".to_string(), [7u8; 32])]] {
+            let dir = tempfile::tempdir().unwrap();
+            let p = persist(dir.path(), keys.clone());
+            let saved = p.save(&configmaps(), "", &image()).unwrap();
+            assert_eq!((saved.objects, saved.events), (2, 3));
+            let got = p.load(&configmaps(), "").unwrap().expect("a file");
+            for (a, b) in got.events.iter().zip(&image().events) {
+                assert!(a.1 >= b.1);
+            }
+            assert_eq!(without_ages(got), without_ages(image()));
+            let file = std::fs::read(p.path(&configmaps())).unwrap();
+            let clear = file.windows(5).any(|w| w == b"\"u-a\"");
+            assert_eq!(
+                clear,
+                keys.is_empty(),
+                "sealed files hold no object in clear"
+            );
+        }
+    }
+
+    /// Every flipped byte, every truncation and every foreign origin is refused; no file is
+    /// "none".
+    #[test]
+    fn damaged_foreign_or_stale_files_are_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = vec![("k1".to_string(), [7u8; 32])];
+        let p = persist(dir.path(), key.clone());
+        let r = configmaps();
+        assert!(p.load(&r, "").unwrap().is_none());
+        p.save(&r, "", &image()).unwrap();
+        let file = std::fs::read(p.path(&r)).unwrap();
+        let now = SystemTime::now();
+        for i in (0..file.len()).step_by(7) {
+            let mut bad = file.clone();
+            bad[i] ^= 0x40;
+            assert!(p.decode(&r, "", &bad, now).is_err(), "flipped byte {i}");
+        }
+        for cut in [0, 5, 12, file.len() / 2, file.len() - 1] {
+            assert!(p.decode(&r, "", &file[..cut], now).is_err(), "cut at {cut}");
+        }
+        let other = |f: &dyn Fn(&mut Persist)| {
+            let mut q = persist(dir.path(), key.clone());
+            f(&mut q);
+            q
+        };
+        let cases: [(&str, Persist, &str); 4] = [
+            (
+                "another upstream",
+                other(&|q| q.upstream = "https://x".into()),
+                "",
+            ),
+            ("another CRD uid", other(&|_| ()), "uid-2"),
+            (
+                "an unknown key",
+                other(&|q| q.keys = vec![("k2".into(), [7u8; 32])]),
+                "",
+            ),
+            (
+                "a wrong key",
+                other(&|q| q.keys = vec![("k1".into(), [8u8; 32])]),
+                "",
+            ),
+        ];
+        for (what, q, uid) in cases {
+            assert!(q.decode(&r, uid, &file, now).is_err(), "{what}");
+        }
+        let pods = Resource::core("pods", "Pod", true);
+        assert!(p.decode(&pods, "", &file, now).is_err(), "another resource");
+        let later = now + Duration::from_secs(7200);
+        assert!(matches!(
+            p.decode(&r, "", &file, later),
+            Err(PersistError::Stale { .. })
+        ));
+        // A rotated key file still opens it while the old key is listed.
+        let rotated = other(&|q| q.keys.insert(0, ("k2".into(), [9u8; 32])));
+        assert!(rotated.decode(&r, "", &file, now).is_ok());
+    }
+
+    /// Secrets are written only sealed.
+    #[test]
+    fn secrets_are_saved_only_sealed() {
+        let dir = tempfile::tempdir().unwrap();
+        let secrets = Resource::core("secrets", "Secret", true);
+        assert!(!persist(dir.path(), vec![]).may_save(&secrets));
+        assert!(persist(dir.path(), vec![("k".into(), [1; 32])]).may_save(&secrets));
+        assert!(persist(dir.path(), vec![]).may_save(&configmaps()));
+    }
+}

@@ -20,4 +20,5 @@ mod passthrough;
 mod reflector;
 mod slow_consumer;
 mod tenancy;
+mod warm_restart;
 mod watch_validator;

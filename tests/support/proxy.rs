@@ -27,6 +27,8 @@ pub struct TestProxy {
     pub ca_pem: String,
     pub dir: tempfile::TempDir,
     pub client_ca: rcgen::Issuer<'static, rcgen::KeyPair>,
+    /// What it was started with, for [`TestProxy::restart`].
+    started: (Config, kube::Config),
 }
 
 /// A client CA for mTLS tests: (PEM certificate, issuer).
@@ -167,8 +169,10 @@ impl TestProxy {
         // credentials; those that are set `kubernetes`.
         cfg.server.admin_auth = kube_cache_proxy::config::AdminAuth::None;
         tweak(&mut cfg);
+        let started = (cfg.clone(), kube.clone());
         let running = server::start(cfg, &kube).await.expect("proxy starts");
         TestProxy {
+            started,
             tls_addr: running.tls_addr.unwrap(),
             insecure_addr: running.insecure_addr.unwrap(),
             admin_addr: running.admin_addr.unwrap(),
@@ -257,6 +261,21 @@ impl TestProxy {
         let mut cb = Client::builder(TokioExecutor::new());
         cb.http2_only(h2);
         TestClient(cb.build(conn))
+    }
+
+    /// Stops the proxy gracefully (as SIGTERM does) and starts it again with the same
+    /// configuration, serving certificate and addresses, as a restarted container would be:
+    /// clients reconnect to the same URL.
+    pub async fn restart(&mut self, tweak: impl FnOnce(&mut Config)) {
+        if let Some(r) = self.running.take() {
+            r.shutdown().await;
+        }
+        let (mut cfg, kube) = self.started.clone();
+        cfg.listen = self.tls_addr;
+        cfg.insecure_listen = Some(self.insecure_addr);
+        cfg.server.admin_listen = Some(self.admin_addr);
+        tweak(&mut cfg);
+        self.running = Some(server::start(cfg, &kube).await.expect("proxy restarts"));
     }
 
     pub async fn shutdown(mut self) {

@@ -51,6 +51,7 @@ impl Collector for CacheCollector {
         let relists = Family::<ReasonLabels, Counter>::default();
         let absorbed = Family::<ResourceLabels, Counter>::default();
         let absorbed_events = Family::<ResourceLabels, Counter>::default();
+        let warm = Family::<ResourceLabels, Gauge>::default();
         let terminated = Family::<ReasonLabels, Counter>::default();
         let lists = Family::<ServedByLabels, Counter>::default();
         let pages = Family::<ResourceLabels, Counter>::default();
@@ -102,6 +103,8 @@ impl Collector for CacheCollector {
             absorbed_events
                 .get_or_create(&l)
                 .inc_by(e.cache.absorbed_events.load(Relaxed));
+            warm.get_or_create(&l)
+                .set(i64::from(e.cache.restored_from.load(Relaxed) > 0));
             let ls = &e.cache.list_stats;
             for (by, n) in [
                 ("cache", ls.from_cache.load(Relaxed)),
@@ -219,6 +222,12 @@ impl Collector for CacheCollector {
             "kube_cache_proxy_relists_absorbed",
             "Relists told to open downstream watchers as the difference from the old state (cache.absorbRelists): the watchers stayed open",
             &absorbed,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_cache_warm_start",
+            "1 when the cache started from its saved state (cache.stateDir) and resumed its upstream watch without a LIST, 0 after a cold start",
+            &warm,
         )?;
         emit(
             &mut enc,

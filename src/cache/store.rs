@@ -199,6 +199,9 @@ pub struct ResourceCache {
     /// (read by the metrics collector).
     pub absorbed_total: std::sync::atomic::AtomicU64,
     pub absorbed_events: std::sync::atomic::AtomicU64,
+    /// The resourceVersion of the saved state this cache started from (warm restart), 0 for
+    /// a cold start (read by the metrics collector).
+    pub restored_from: std::sync::atomic::AtomicU64,
     /// Snapshots served to paginated lists, by resourceVersion.
     retained: Mutex<VecDeque<Retained>>,
     pub list_stats: ListStats,
@@ -316,6 +319,7 @@ impl ResourceCache {
             absorbed: Default::default(),
             absorbed_total: Default::default(),
             absorbed_events: Default::default(),
+            restored_from: Default::default(),
             retained: Mutex::new(VecDeque::new()),
             list_stats: ListStats::default(),
             watch_stats: WatchStats::default(),
@@ -706,6 +710,8 @@ impl ResourceCache {
             w.clear();
             w.extend(absorbed.into_iter().rev().take(ABSORBED_KEPT).rev());
         }
+        self.restored_from
+            .store(rv, std::sync::atomic::Ordering::Relaxed);
         *self.unhealthy.lock() = Some(format!(
             "restored at resourceVersion {rv}; upstream watch not confirmed yet"
         ));

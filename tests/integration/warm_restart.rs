@@ -179,6 +179,13 @@ async fn a_restarted_proxy_resumes_from_its_saved_state_without_a_list_or_a_clie
     // Upstream: no LIST of configmaps at all, one watch from the saved resourceVersion.
     let (lists, watches) = upstream_reads(&fake.requests());
     assert_eq!(lists, 0, "no upstream LIST after a warm restart");
+    let metrics = proxy.admin_get("/metrics").await.1;
+    let warm = metrics
+        .lines()
+        .find(|l| l.starts_with("kube_cache_proxy_cache_warm_start{"))
+        .unwrap_or_default()
+        .to_string();
+    assert!(warm.ends_with(" 1"), "{warm}");
     assert_eq!(
         watches.first().map(String::as_str),
         Some(&*last.to_string())
@@ -243,6 +250,11 @@ async fn a_damaged_state_file_is_ignored_and_the_cache_lists() {
     wait_ready(&proxy).await;
     let (lists, _) = upstream_reads(&fake.requests());
     assert_eq!(lists, 1, "the cache listed");
+    let metrics = proxy.admin_get("/metrics").await.1;
+    assert!(
+        metrics.contains("kube_cache_proxy_cache_warm_start{resource=\"configmaps\"} 0"),
+        "a cold start"
+    );
     let cache = proxy.cache("", "v1", "configmaps").unwrap();
     let mut cached: Vec<(String, String)> = cache
         .current()

@@ -8,9 +8,11 @@
 //! temporary name, synced and renamed, so a reader sees a whole file or none:
 //!
 //! ```text
-//! "KCPSTATE" | u32 format | u32 header length | header (JSON) | u64 payload length | payload
+//! "KCPSTATE" | u32 format | u32 header length | header (JSON) | chunks
 //!   | SHA-256 of everything before (32 bytes)
-//! payload:  u64 objects | per object of the state at the history's start: u32 length, body
+//! chunk:    u8 last (0 or 1) | u32 length | bytes (sealed: ciphertext and tag)
+//! payload (the chunks' bytes, opened, in order):
+//!           u64 objects | per object of the state at the history's start: u32 length, body
 //!           u64 events  | per event: u8 kind, u64 age in ms, u32 length, body
 //! ```
 //!
@@ -22,11 +24,11 @@
 //!
 //! Sealing: when the continue-token key file is configured (`tokens.keyFile`, shared by the
 //! replicas and kept in a Secret), the payload is encrypted and authenticated with
-//! ChaCha20-Poly1305 under a key derived from it (the header is the associated data), so the
-//! node's disk never holds the objects in clear. Without a key file, files are plain and
+//! ChaCha20-Poly1305 under a key derived from it, chunk by chunk (the header, the chunk's
+//! index and whether it is the last are the associated data), so the node's disk never
+//! holds the objects in clear and no chunk can be dropped, moved or cut off. Without a key file, files are plain and
 //! Secrets are not saved (their cache lists again after a restart).
 
-use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -174,45 +176,15 @@ impl Persist {
         }
     }
 
-    /// Writes `image` as `r`'s state file (atomically: a temporary file, synced, renamed).
+    /// Writes `image` as `r`'s state file (atomically: a temporary file, synced, renamed),
+    /// streamed in chunks of about [`CHUNK`] bytes, so saving holds one chunk beyond the
+    /// cache itself.
     pub fn save(&self, r: &Resource, uid: &str, image: &Image) -> Result<Saved, PersistError> {
         let io = |path: &Path| {
             let path = path.to_path_buf();
             move |source| PersistError::Io { path, source }
         };
         std::fs::create_dir_all(&self.dir).map_err(io(&self.dir))?;
-        let mut payload = Vec::with_capacity(
-            image.base.iter().map(|o| o.body.len() + 4).sum::<usize>()
-                + image
-                    .events
-                    .iter()
-                    .map(|(_, _, o)| o.body.len() + 13)
-                    .sum::<usize>()
-                + 16
-                + ring::aead::MAX_TAG_LEN,
-        );
-        let put_body = |p: &mut Vec<u8>, o: &CachedObject| {
-            p.extend_from_slice(
-                &u32::try_from(o.body.len())
-                    .unwrap_or(u32::MAX)
-                    .to_le_bytes(),
-            );
-            p.extend_from_slice(&o.body);
-        };
-        payload.extend_from_slice(&(image.base.len() as u64).to_le_bytes());
-        for o in &image.base {
-            put_body(&mut payload, o);
-        }
-        payload.extend_from_slice(&(image.events.len() as u64).to_le_bytes());
-        for (kind, age, o) in &image.events {
-            payload.push(kind_byte(*kind));
-            payload.extend_from_slice(
-                &u64::try_from(age.as_millis())
-                    .unwrap_or(u64::MAX)
-                    .to_le_bytes(),
-            );
-            put_body(&mut payload, o);
-        }
         let mut header = Header {
             identity: self.identity(r, uid),
             rv: image.rv,
@@ -223,50 +195,60 @@ impl Persist {
             writer: env!("CARGO_PKG_VERSION").to_string(),
             sealed: None,
         };
-        let nonce = if let Some((id, _)) = self.keys.first() {
-            let mut n = [0u8; ring::aead::NONCE_LEN];
-            ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut n)
-                .map_err(|_| PersistError::Corrupt("the system random source failed"))?;
-            header.sealed = Some((id.clone(), hex(&n)));
-            Some(n)
-        } else {
-            None
+        let seal = match self.keys.first() {
+            Some((id, key)) => {
+                let mut n = [0u8; ring::aead::NONCE_LEN];
+                ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut n)
+                    .map_err(|_| PersistError::Corrupt("the system random source failed"))?;
+                header.sealed = Some((id.clone(), hex(&n)));
+                Some((seal_key(key), n))
+            }
+            None => None,
         };
         let header_json = serde_json::to_vec(&header).expect("the header serializes");
-        if let (Some(n), Some((_, key))) = (nonce, self.keys.first()) {
-            seal_key(key)
-                .seal_in_place_append_tag(
-                    ring::aead::Nonce::assume_unique_for_key(n),
-                    ring::aead::Aad::from(&header_json[..]),
-                    &mut payload,
-                )
-                .map_err(|_| PersistError::Corrupt("sealing failed"))?;
-        }
-        let mut out = Vec::with_capacity(payload.len() + header_json.len() + 64);
-        out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&FORMAT.to_le_bytes());
-        out.extend_from_slice(&(header_json.len() as u32).to_le_bytes());
-        out.extend_from_slice(&header_json);
-        out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
-        drop(header_json);
-        out.extend_from_slice(&payload);
-        drop(payload);
-        let sum = Sha256::digest(&out);
-        out.extend_from_slice(&sum);
 
         let path = self.path(r);
         let tmp = path.with_extension("state.tmp");
-        {
-            let mut f = std::fs::File::create(&tmp).map_err(io(&tmp))?;
-            f.write_all(&out).map_err(io(&tmp))?;
-            f.sync_all().map_err(io(&tmp))?;
+        let file = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+        let mut w = Chunks {
+            out: std::io::BufWriter::with_capacity(1 << 20, file),
+            sha: Sha256::new(),
+            written: 0,
+            buf: Vec::with_capacity(CHUNK + (64 << 10)),
+            seal,
+            aad: header_json.clone(),
+            index: 0,
+        };
+        let head = [
+            &MAGIC[..],
+            &FORMAT.to_le_bytes(),
+            &(header_json.len() as u32).to_le_bytes(),
+            &header_json,
+        ];
+        for part in head {
+            w.emit(part).map_err(io(&tmp))?;
         }
+        let put = |w: &mut Chunks<_>, b: &[u8]| w.put(b).map_err(io(&tmp));
+        put(&mut w, &(image.base.len() as u64).to_le_bytes())?;
+        for o in &image.base {
+            put(&mut w, &body_len(o))?;
+            put(&mut w, &o.body)?;
+        }
+        put(&mut w, &(image.events.len() as u64).to_le_bytes())?;
+        for (kind, age, o) in &image.events {
+            put(&mut w, &[kind_byte(*kind)])?;
+            let ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
+            put(&mut w, &ms.to_le_bytes())?;
+            put(&mut w, &body_len(o))?;
+            put(&mut w, &o.body)?;
+        }
+        let bytes = w.finish().map_err(io(&tmp))?;
         std::fs::rename(&tmp, &path).map_err(io(&path))?;
         if let Ok(d) = std::fs::File::open(&self.dir) {
             let _ = d.sync_all();
         }
         Ok(Saved {
-            bytes: out.len() as u64,
+            bytes,
             objects: image.base.len(),
             events: image.events.len(),
         })
@@ -329,14 +311,11 @@ impl Persist {
         if age > self.max_age {
             return Err(PersistError::Stale { age });
         }
-        let plen = usize::try_from(rd.u64()?).map_err(|_| PersistError::Corrupt("length"))?;
-        let raw = rd.take(plen)?;
-        if !rd.0.is_empty() {
-            return Err(PersistError::Corrupt("trailing bytes"));
-        }
-        let mut opened;
-        let payload: &[u8] = match &header.sealed {
-            None => raw,
+        // The chunks, opened when sealed: each under its own nonce, with its index and
+        // whether it is the last in the associated data (so none can be dropped, reordered
+        // or cut off).
+        let key = match &header.sealed {
+            None => None,
             Some((id, nonce)) => {
                 let Some((_, key)) = self.keys.iter().find(|(k, _)| k == id) else {
                     return Err(PersistError::Foreign(format!(
@@ -346,17 +325,44 @@ impl Persist {
                 let n: [u8; ring::aead::NONCE_LEN] = unhex(nonce)
                     .and_then(|v| v.try_into().ok())
                     .ok_or(PersistError::Corrupt("nonce"))?;
-                opened = raw.to_vec();
-                &*seal_key(key)
-                    .open_in_place(
-                        ring::aead::Nonce::assume_unique_for_key(n),
-                        ring::aead::Aad::from(header_json),
-                        &mut opened,
-                    )
-                    .map_err(|_| PersistError::Corrupt("does not open with its key"))?
+                Some((seal_key(key), n))
             }
         };
-        let mut rd = Reader(payload);
+        let mut payload = Vec::with_capacity(rd.0.len());
+        let mut index = 0u64;
+        loop {
+            let last = match rd.take(1)?[0] {
+                0 => false,
+                1 => true,
+                _ => return Err(PersistError::Corrupt("chunk flag")),
+            };
+            let len = rd.u32()? as usize;
+            let chunk = rd.take(len)?;
+            match &key {
+                None => payload.extend_from_slice(chunk),
+                Some((key, base)) => {
+                    let at = payload.len();
+                    payload.extend_from_slice(chunk);
+                    let plain = key
+                        .open_in_place(
+                            chunk_nonce(base, index),
+                            ring::aead::Aad::from(chunk_aad(header_json, index, last)),
+                            &mut payload[at..],
+                        )
+                        .map_err(|_| PersistError::Corrupt("does not open with its key"))?
+                        .len();
+                    payload.truncate(at + plain);
+                }
+            }
+            index += 1;
+            if last {
+                break;
+            }
+        }
+        if !rd.0.is_empty() {
+            return Err(PersistError::Corrupt("trailing bytes"));
+        }
+        let mut rd = Reader(&payload);
         let object = |rd: &mut Reader<'_>| -> Result<Arc<CachedObject>, PersistError> {
             let len = rd.u32()? as usize;
             let body = Bytes::copy_from_slice(rd.take(len)?);
@@ -392,6 +398,105 @@ impl Persist {
             base,
             events,
         })
+    }
+}
+
+/// Payload bytes per chunk (sealed and written one at a time).
+const CHUNK: usize = 4 << 20;
+
+fn body_len(o: &CachedObject) -> [u8; 4] {
+    u32::try_from(o.body.len())
+        .unwrap_or(u32::MAX)
+        .to_le_bytes()
+}
+
+/// The nonce of chunk `index`: the file's random nonce with the index in its last 8 bytes.
+fn chunk_nonce(base: &[u8; ring::aead::NONCE_LEN], index: u64) -> ring::aead::Nonce {
+    let mut n = *base;
+    for (b, i) in n[4..].iter_mut().zip(index.to_le_bytes()) {
+        *b ^= i;
+    }
+    ring::aead::Nonce::assume_unique_for_key(n)
+}
+
+fn chunk_aad(header: &[u8], index: u64, last: bool) -> Vec<u8> {
+    let mut a = Vec::with_capacity(header.len() + 9);
+    a.extend_from_slice(header);
+    a.extend_from_slice(&index.to_le_bytes());
+    a.push(u8::from(last));
+    a
+}
+
+/// The file as it is written: everything hashed; the payload in chunks (`u8 last`, `u32
+/// length`, bytes), each sealed when a key is set.
+struct Chunks<W: std::io::Write> {
+    out: W,
+    sha: Sha256,
+    written: u64,
+    buf: Vec<u8>,
+    seal: Option<(ring::aead::LessSafeKey, [u8; ring::aead::NONCE_LEN])>,
+    aad: Vec<u8>,
+    index: u64,
+}
+
+impl<W: std::io::Write> Chunks<W> {
+    fn emit(&mut self, b: &[u8]) -> std::io::Result<()> {
+        self.sha.update(b);
+        self.written += b.len() as u64;
+        self.out.write_all(b)
+    }
+
+    fn put(&mut self, b: &[u8]) -> std::io::Result<()> {
+        self.buf.extend_from_slice(b);
+        if self.buf.len() >= CHUNK {
+            self.chunk(false)?;
+        }
+        Ok(())
+    }
+
+    fn chunk(&mut self, last: bool) -> std::io::Result<()> {
+        let mut data = std::mem::take(&mut self.buf);
+        if let Some((key, base)) = &self.seal {
+            key.seal_in_place_append_tag(
+                chunk_nonce(base, self.index),
+                ring::aead::Aad::from(chunk_aad(&self.aad, self.index, last)),
+                &mut data,
+            )
+            .map_err(|_| std::io::Error::other("sealing failed"))?;
+        }
+        let len =
+            u32::try_from(data.len()).map_err(|_| std::io::Error::other("chunk too large"))?;
+        self.emit(&[u8::from(last)])?;
+        self.emit(&len.to_le_bytes())?;
+        self.emit(&data)?;
+        data.clear();
+        self.buf = data;
+        self.index += 1;
+        Ok(())
+    }
+
+    /// The last chunk, the checksum, then the file synced: the bytes written.
+    fn finish(mut self) -> std::io::Result<u64>
+    where
+        W: IntoFile,
+    {
+        self.chunk(true)?;
+        let sum = std::mem::take(&mut self.sha).finalize();
+        self.out.write_all(&sum)?;
+        self.out.into_file()?.sync_all()?;
+        Ok(self.written + 32)
+    }
+}
+
+/// The file under a buffered writer, flushed.
+trait IntoFile {
+    fn into_file(self) -> std::io::Result<std::fs::File>;
+}
+
+impl IntoFile for std::io::BufWriter<std::fs::File> {
+    fn into_file(self) -> std::io::Result<std::fs::File> {
+        self.into_inner()
+            .map_err(std::io::IntoInnerError::into_error)
     }
 }
 
@@ -510,6 +615,36 @@ mod tests {
                 keys.is_empty(),
                 "sealed files hold no object in clear"
             );
+        }
+    }
+
+    /// A state larger than a chunk goes in several, sealed one by one, and loads back whole.
+    #[test]
+    fn a_large_image_spans_chunks() {
+        let big = "x".repeat(5000);
+        let base: Vec<_> = (0..2000)
+            .map(|i| {
+                let raw = format!(
+                    r#"{{"metadata":{{"name":"c{i}","namespace":"ns","resourceVersion":"{}"}},"data":{{"k":"{big}"}}}}"#,
+                    i + 1
+                );
+                Arc::new(CachedObject::parse(Bytes::from(raw), &configmaps()).unwrap())
+            })
+            .collect();
+        let img = Image {
+            rv: 3000,
+            oldest_rv: 2000,
+            relist_rv: None,
+            absorbed: vec![],
+            base,
+            events: vec![],
+        };
+        for keys in [vec![], vec![("k1".to_string(), [7u8; 32])]] {
+            let dir = tempfile::tempdir().unwrap();
+            let p = persist(dir.path(), keys);
+            let saved = p.save(&configmaps(), "", &img).unwrap();
+            assert!(saved.bytes > 2 * CHUNK as u64);
+            assert_eq!(p.load(&configmaps(), "").unwrap().unwrap(), img);
         }
     }
 

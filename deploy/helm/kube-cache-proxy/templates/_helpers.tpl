@@ -71,6 +71,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   "cache" (dict "resources" .Values.cache.resources)
   "log" (dict "level" .Values.log.level "format" .Values.log.format)
 -}}
+{{- if .Values.cache.stateSizeLimit -}}
+{{- $_ := set $cfg.cache "stateDir" "/var/lib/kube-cache-proxy" -}}
+{{- end -}}
 {{- if .Values.tenants -}}
 {{- $_ := set $cfg "tenants" .Values.tenants -}}
 {{- end -}}

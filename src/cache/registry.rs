@@ -240,6 +240,8 @@ impl Caches {
             .filter_map(std::sync::Weak::upgrade)
             .collect();
         let mut tasks = Vec::new();
+        // One bound for all: the reflectors were all told to stop at the same moment.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
         for e in entries {
             if !p.may_save(&e.cache.resource) {
                 continue;
@@ -247,10 +249,7 @@ impl Caches {
             // The reflector's last sink call has returned (it stops at the drain).
             let mut status = e.reflector.status();
             let stopped = status.wait_for(|s| matches!(s, ReflectorStatus::Stopped));
-            if tokio::time::timeout(Duration::from_secs(5), stopped)
-                .await
-                .is_err()
-            {
+            if tokio::time::timeout_at(deadline, stopped).await.is_err() {
                 tracing::warn!(resource = %e.cache.resource.label(), "reflector still running; its state is not saved");
                 continue;
             }

@@ -42,6 +42,7 @@ mod proxy;
 mod report;
 mod scenarios;
 mod stats;
+mod warm;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -114,6 +115,9 @@ struct Args {
     /// Override: scenario c objects.
     #[arg(long)]
     list_objects: Option<usize>,
+    /// Scenario warm-restart (run alone: `--only warm-restart`): ConfigMaps seeded (1 KB).
+    #[arg(long, default_value_t = 100_000)]
+    warm_objects: usize,
     /// Scenario hostile-streams (run alone: `--only hostile-streams`): connections...
     #[arg(long, default_value_t = 10)]
     hs_conns: usize,
@@ -509,6 +513,14 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             }
         }
     };
+    if args.only.iter().any(|o| o == "warm-restart") {
+        let r = warm_main(&env, &args, &out, &work).await;
+        if let Cluster::Local { cp, .. } = env.cluster {
+            cp.stop().await;
+            let _ = std::fs::remove_dir_all(&work);
+        }
+        return r.map(|()| true);
+    }
     if args.only.iter().any(|o| o == "hostile-streams") {
         let r = hostile_main(&env, &args, &out).await;
         if let Cluster::Local { cp, .. } = env.cluster {
@@ -568,6 +580,65 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         say!("CHECK FAILED: {}: {}", c.name, c.detail);
     }
     Ok(failed.is_empty())
+}
+
+/// Scenario warm-restart (`warm.rs`): the proxy started cold, stopped, started from its
+/// saved state, with its own report.
+async fn warm_main(
+    env: &Env,
+    args: &Args,
+    out: &std::path::Path,
+    work: &std::path::Path,
+) -> anyhow::Result<()> {
+    let d = &env.direct;
+    let Cluster::Local {
+        files,
+        proxy_bin,
+        token,
+        ..
+    } = &env.cluster
+    else {
+        anyhow::bail!("warm-restart starts and stops the proxy itself: not with --kubeconfig");
+    };
+    say!(
+        "seeding lt-w ({} ConfigMaps of 1 KB) ...",
+        args.warm_objects
+    );
+    create_namespace(d, &env.admin, "lt-w").await?;
+    let t = std::time::Instant::now();
+    create_configmaps(d, "lt-w", "w", args.warm_objects, 1024, 64).await?;
+    say!(
+        "seeded in {:.0} s; cold start, stop, warm start",
+        t.elapsed().as_secs_f64()
+    );
+    let upstream = std::fs::read_to_string(&files.kubeconfig)?;
+    let r = warm::run(
+        work,
+        &upstream,
+        args.proxy_extra_config.as_deref(),
+        proxy_bin.as_deref(),
+        token,
+        d,
+        args.warm_objects,
+    )
+    .await?;
+    let mut md = warm::markdown(&r);
+    md.push_str(&format!(
+        "
+{} on {} CPUs, commit {}.
+",
+        report::utc_now(),
+        report::machine().cpus,
+        report::commit(&PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+    ));
+    let stem = format!("warm-restart-{}", report::utc_now().replace([':', '-'], ""));
+    std::fs::write(out.join(format!("{stem}.md")), &md)?;
+    std::fs::write(
+        out.join(format!("{stem}.json")),
+        serde_json::to_string_pretty(&r)?,
+    )?;
+    println!("{md}");
+    Ok(())
 }
 
 /// Scenario hostile-streams (`hostile.rs`), apiserver then proxy, with its own report.

@@ -184,7 +184,7 @@ impl ProxyChild {
                     files.log.display()
                 );
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            tokio::time::sleep(Duration::from_millis(25)).await;
         }
     }
 

@@ -19,19 +19,19 @@ use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use serde_json::json;
 
-const BOUND: Duration = Duration::from_secs(60);
+pub(crate) const BOUND: Duration = Duration::from_secs(60);
 
-struct Env {
-    cp: ControlPlane,
-    proxy: TestProxy,
+pub(crate) struct Env {
+    pub(crate) cp: ControlPlane,
+    pub(crate) proxy: TestProxy,
     /// Direct admin client to the apiserver (the judge).
-    admin: kube::Client,
-    proxy_kubeconfig: PathBuf,
-    direct_kubeconfig: PathBuf,
+    pub(crate) admin: kube::Client,
+    pub(crate) proxy_kubeconfig: PathBuf,
+    pub(crate) direct_kubeconfig: PathBuf,
     _dir: tempfile::TempDir,
 }
 
-async fn kube_config(yaml: &str) -> kube::Config {
+pub(crate) async fn kube_config(yaml: &str) -> kube::Config {
     let kc = kube::config::Kubeconfig::from_yaml(yaml).unwrap();
     kube::Config::from_custom_kubeconfig(kc, &Default::default())
         .await
@@ -42,7 +42,10 @@ async fn env(ns: &str) -> Env {
     env_with(ns, |_| {}).await
 }
 
-async fn env_with(ns: &str, configure: impl FnOnce(&mut kube_cache_proxy::config::Config)) -> Env {
+pub(crate) async fn env_with(
+    ns: &str,
+    configure: impl FnOnce(&mut kube_cache_proxy::config::Config),
+) -> Env {
     let cp = ControlPlane::start(ControlPlaneOptions::default())
         .await
         .expect("control plane starts");
@@ -72,7 +75,7 @@ impl Env {
     }
 
     /// The apiserver's view: name -> (uid, resourceVersion), and the list RV.
-    async fn truth(&self, ns: &str) -> (BTreeMap<String, (String, String)>, u64) {
+    pub(crate) async fn truth(&self, ns: &str) -> (BTreeMap<String, (String, String)>, u64) {
         let l = Api::<ConfigMap>::namespaced(self.admin.clone(), ns)
             .list(&ListParams::default())
             .await
@@ -96,7 +99,7 @@ impl Env {
 
     /// Creates, updates and deletes ConfigMaps directly on the apiserver; returns the RV of the
     /// last write.
-    async fn churn(&self, ns: &str, prefix: &str, n: usize) -> u64 {
+    pub(crate) async fn churn(&self, ns: &str, prefix: &str, n: usize) -> u64 {
         let api = Api::<ConfigMap>::namespaced(self.admin.clone(), ns);
         let mut last = 0;
         for i in 0..n {
@@ -156,7 +159,7 @@ fn rv(cm: &ConfigMap) -> u64 {
 
 /// A running `informer-check` (tests/e2e/go/cmd/informer-check): one client-go informer of
 /// ConfigMaps in a namespace.
-struct InformerCheck {
+pub(crate) struct InformerCheck {
     what: String,
     child: std::process::Child,
     stdin: Option<std::process::ChildStdin>,
@@ -165,7 +168,12 @@ struct InformerCheck {
 }
 
 impl InformerCheck {
-    fn spawn(bin: &std::path::Path, kubeconfig: &std::path::Path, ns: &str, args: &[&str]) -> Self {
+    pub(crate) fn spawn(
+        bin: &std::path::Path,
+        kubeconfig: &std::path::Path,
+        ns: &str,
+        args: &[&str],
+    ) -> Self {
         let mut child = Command::new(bin.join("informer-check"))
             .args([
                 "--kubeconfig",
@@ -204,7 +212,7 @@ impl InformerCheck {
     }
 
     /// The next stdout line starting with `prefix` (others are skipped).
-    fn next(&self, prefix: &str) -> String {
+    pub(crate) fn next(&self, prefix: &str) -> String {
         loop {
             let l = self
                 .lines
@@ -217,7 +225,7 @@ impl InformerCheck {
     }
 
     /// Waits until the informer has seen the write at `rv`; its cache: name -> (uid, RV).
-    fn wait(&mut self, rv: u64) -> BTreeMap<String, (String, String)> {
+    pub(crate) fn wait(&mut self, rv: u64) -> BTreeMap<String, (String, String)> {
         writeln!(self.stdin.as_mut().unwrap(), "WAIT {rv}").unwrap();
         let cache = self.next("CACHE ");
         let cache: Vec<serde_json::Value> = serde_json::from_str(&cache["CACHE ".len()..]).unwrap();
@@ -260,7 +268,7 @@ impl InformerCheck {
     }
 
     /// Ends the program (it must exit 0); its stderr lines.
-    fn finish(mut self) -> Vec<String> {
+    pub(crate) fn finish(mut self) -> Vec<String> {
         drop(self.stdin.take());
         let status = self.child.wait().unwrap();
         let errs = self.stderr.take().unwrap().join().unwrap();
@@ -879,7 +887,7 @@ async fn a_hundred_watchers_cost_the_apiserver_one_watch() {
 
 /// Counts of a finished informer-check's requests: (LISTs, WATCHes) of configmaps, and its
 /// watch and decode errors.
-fn informer_traffic(errs: &[String]) -> (usize, usize, Vec<&String>) {
+pub(crate) fn informer_traffic(errs: &[String]) -> (usize, usize, Vec<&String>) {
     let requests = errs
         .iter()
         .filter(|l| l.starts_with("REQUEST ") && l.contains("/configmaps"));

@@ -17,6 +17,7 @@ mod controlplane;
 mod crd;
 mod deploy;
 mod differential;
+mod ha;
 mod lists;
 mod paging;
 mod watch_validator;

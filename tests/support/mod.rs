@@ -5,6 +5,7 @@
 //! harness, so items unused by one binary are not dead code for the project as a whole.
 #![allow(dead_code)]
 
+pub mod balancer;
 pub mod differential;
 pub mod e2e;
 pub mod eventually;

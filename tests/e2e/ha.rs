@@ -1,0 +1,294 @@
+//! Two replicas behind one address, and a proxy whose upstream is another proxy, in front of
+//! a real kube-apiserver with real client-go informers.
+//!
+//! The replicas share what the deploy manifests share: the serving certificate (the
+//! balancer, `support::balancer`, passes TLS through as a Service does) and the
+//! continue-token key file; each has its own `cache.stateDir` (an `emptyDir` per pod).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+
+use crate::clients::{BOUND, Env, InformerCheck, env_with, informer_traffic, kube_config};
+use crate::support::balancer::Balancer;
+use crate::support::eventually::{eventually, ok_if};
+use crate::support::proxy::{TestProxy, body_json};
+use kube_cache_proxy::app::dev::ControlPlane;
+
+/// A continue-token key file (`tokens.keyFile`) with one random key.
+fn key_file(dir: &Path) -> PathBuf {
+    use base64::Engine as _;
+    let mut secret = [0u8; 32];
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut secret).unwrap();
+    let path = dir.join("keys");
+    let line = base64::engine::general_purpose::STANDARD.encode(secret);
+    std::fs::write(&path, format!("k1 {line}\n")).unwrap();
+    path
+}
+
+/// Replica A (the env's proxy) and replica B: the same serving certificate and token keys,
+/// each its own state directory.
+async fn two_replicas(ns: &str, dir: &Path) -> (Env, TestProxy) {
+    let keys = key_file(dir);
+    let (ka, sa, sb) = (keys.clone(), dir.join("state-a"), dir.join("state-b"));
+    let env = env_with(ns, |c| {
+        c.tokens.key_file = Some(ka);
+        c.cache.state_dir = Some(sa);
+    })
+    .await;
+    let (cert, key) = (env.proxy.cert_path(), env.proxy.key_path());
+    let upstream = kube_config(&env.cp.admin_kubeconfig_yaml()).await;
+    let b = TestProxy::start_with_kube(upstream, |c| {
+        c.tls.cert_file = Some(cert);
+        c.tls.key_file = Some(key);
+        c.tokens.key_file = Some(keys);
+        c.cache.state_dir = Some(sb);
+    })
+    .await;
+    (env, b)
+}
+
+async fn wait_ready(p: &TestProxy) {
+    eventually("the replica's configmaps cache", BOUND, async || {
+        ok_if(
+            p.cache("", "v1", "configmaps")
+                .is_some_and(|c| c.is_ready()),
+            "not ready",
+        )
+    })
+    .await;
+}
+
+/// A list started on one replica continues on the other: the continue token is signed with
+/// the shared key and names a snapshot the other replica rebuilds from its own history (the
+/// same upstream resourceVersions), so the pages join into exactly the apiserver's list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_list_started_on_one_replica_continues_on_the_other() {
+    let ns = "e2e-ha-pages";
+    let dir = tempfile::tempdir().unwrap();
+    let (env, b) = two_replicas(ns, dir.path()).await;
+    env.churn(ns, "p", 30).await;
+    let (truth, _) = env.truth(ns).await;
+    wait_ready(&env.proxy).await;
+    wait_ready(&b).await;
+    // Both replicas serve the same certificate: one client (trusting it) talks to either.
+    let client = env.proxy.client(None, true);
+    let token = env.cp.admin_token().to_string();
+    let at = |p: &TestProxy, path: &str| format!("https://localhost:{}{path}", p.tls_addr.port());
+    let continued = async |p: &TestProxy| {
+        let url = format!("https://localhost:{}/metrics", p.admin_addr.port());
+        let m = crate::support::proxy::body_string(client.get(&url, None).await).await;
+        m.lines()
+            .find(|l| {
+                l.starts_with("kube_cache_proxy_list_continued_pages_total{")
+                    && l.contains("resource=\"configmaps\"")
+            })
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let b_before = continued(&b).await;
+    let base = format!("/api/v1/namespaces/{ns}/configmaps?limit=7");
+    let mut names = Vec::new();
+    let mut cont = String::new();
+    let mut list_rv = None;
+    let mut pages = 0;
+    loop {
+        // Alternate replicas: A, B, A, B, ...
+        let p = if pages % 2 == 0 { &env.proxy } else { &b };
+        let path = if cont.is_empty() {
+            base.clone()
+        } else {
+            format!("{base}&continue={cont}")
+        };
+        let r = client.get(&at(p, &path), Some(&token)).await;
+        assert_eq!(r.status(), 200, "page {pages}");
+        let page = body_json(r).await;
+        let rv = page["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        assert_eq!(
+            *list_rv.get_or_insert(rv.clone()),
+            rv,
+            "every page at one resourceVersion"
+        );
+        for o in page["items"].as_array().unwrap() {
+            names.push(o["metadata"]["name"].as_str().unwrap().to_string());
+        }
+        pages += 1;
+        cont = page["metadata"]["continue"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        if cont.is_empty() {
+            break;
+        }
+    }
+    let want: Vec<String> = truth.keys().cloned().collect();
+    assert_eq!(
+        names, want,
+        "the pages of both replicas are the apiserver's list"
+    );
+    assert_eq!(pages, want.len().div_ceil(7), "pages of 7");
+    assert!(pages >= 3, "both replicas served a page");
+    assert!(
+        continued(&b).await > b_before,
+        "replica B served continued pages from its cache"
+    );
+    b.shutdown().await;
+    env.proxy.shutdown().await;
+    env.cp.stop().await;
+}
+
+/// Two replicas behind one address, restarted one at a time (each draining, saving its state
+/// and loading it again), while client-go informers (legacy, WatchList, metadata) watch
+/// through the address and writes go on: no informer relists, and each ends with exactly the
+/// apiserver's state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rolling_restart_of_two_replicas_costs_informers_no_relist() {
+    let ns = "e2e-ha-rolling";
+    let dir = tempfile::tempdir().unwrap();
+    let (mut env, mut b) = two_replicas(ns, dir.path()).await;
+    wait_ready(&env.proxy).await;
+    wait_ready(&b).await;
+    let lb = Balancer::start(vec![env.proxy.tls_addr, b.tls_addr]).await;
+    let kubeconfig = dir.path().join("lb.kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        ControlPlane::kubeconfig_yaml(
+            &format!("https://localhost:{}", lb.addr.port()),
+            Some(&env.proxy.ca_pem),
+            Some(env.cp.admin_token()),
+            None,
+        ),
+    )
+    .unwrap();
+    env.churn(ns, "pre", 6).await;
+    let bin = tokio::task::spawn_blocking(kube_cache_proxy::app::dev::ensure_client_binaries)
+        .await
+        .unwrap()
+        .unwrap();
+    let modes = [
+        "legacy",
+        "watchlist",
+        "metadata",
+        "legacy",
+        "watchlist",
+        "metadata",
+    ];
+    let mut informers: Vec<_> = modes
+        .iter()
+        .map(|mode| {
+            let ic =
+                InformerCheck::spawn(&bin, &kubeconfig, ns, &["--mode", mode, "--accept", "json"]);
+            ic.next("SYNCED");
+            (*mode, ic)
+        })
+        .collect();
+    let mut last = env.churn(ns, "before", 3).await;
+    for (_, ic) in informers.iter_mut() {
+        ic.wait(last);
+    }
+    for (i, step) in ["restart-a", "restart-b"].iter().enumerate() {
+        if i == 0 {
+            env.proxy.restart(|_| {}).await;
+            wait_ready(&env.proxy).await;
+        } else {
+            b.restart(|_| {}).await;
+            wait_ready(&b).await;
+        }
+        last = env.churn(ns, step, 3).await;
+        for (_, ic) in informers.iter_mut() {
+            ic.wait(last);
+        }
+    }
+    let last = env.churn(ns, "after", 4).await;
+    let (truth, _) = env.truth(ns).await;
+    for (mode, ic) in informers.iter_mut() {
+        assert_eq!(
+            ic.wait(last),
+            truth,
+            "{mode}: the informer differs from the apiserver"
+        );
+    }
+    for (mode, ic) in informers {
+        let errs = ic.finish();
+        let (lists, _, _) = informer_traffic(&errs);
+        let streamed = errs
+            .iter()
+            .filter(|l| {
+                l.starts_with("REQUEST ")
+                    && l.contains("/configmaps")
+                    && l.contains("sendInitialEvents=true")
+            })
+            .count();
+        if mode == "watchlist" {
+            assert_eq!((lists, streamed), (0, 1), "watchlist relisted: {errs:?}");
+        } else {
+            assert_eq!(lists, 1, "{mode} relisted: {errs:?}");
+        }
+    }
+    println!(
+        "connections the balancer handed to A and B: {:?}",
+        lb.handed
+            .iter()
+            .map(|n| n.load(Ordering::Relaxed))
+            .collect::<Vec<_>>()
+    );
+    b.shutdown().await;
+    env.proxy.shutdown().await;
+    env.cp.stop().await;
+}
+
+/// A proxy whose upstream is another proxy (a tier): its informers sync and converge, and the
+/// top proxy sees ONE watcher of configmaps for the lower proxy however many informers the
+/// lower one serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_in_front_of_a_proxy_keeps_one_upstream_watch_at_the_top() {
+    let ns = "e2e-tier";
+    let env = env_with(ns, |_| {}).await;
+    wait_ready(&env.proxy).await;
+    let top = env.proxy.cache("", "v1", "configmaps").unwrap();
+    let top_watchers = top.hub.len();
+    let upstream = kube_config(&env.proxy.kubeconfig_yaml(env.cp.admin_token())).await;
+    let lower = TestProxy::start_with_kube(upstream, |_| {}).await;
+    wait_ready(&lower).await;
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("lower.kubeconfig");
+    std::fs::write(&kubeconfig, lower.kubeconfig_yaml(env.cp.admin_token())).unwrap();
+    env.churn(ns, "pre", 6).await;
+    let bin = tokio::task::spawn_blocking(kube_cache_proxy::app::dev::ensure_client_binaries)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut informers: Vec<_> = ["legacy", "watchlist", "metadata"]
+        .iter()
+        .map(|mode| {
+            let ic =
+                InformerCheck::spawn(&bin, &kubeconfig, ns, &["--mode", mode, "--accept", "json"]);
+            ic.next("SYNCED");
+            (*mode, ic)
+        })
+        .collect();
+    let last = env.churn(ns, "tier", 5).await;
+    let (truth, _) = env.truth(ns).await;
+    for (mode, ic) in informers.iter_mut() {
+        assert_eq!(ic.wait(last), truth, "{mode} via two proxies");
+    }
+    let lower_cache = lower.cache("", "v1", "configmaps").unwrap();
+    assert_eq!(
+        lower_cache.hub.len(),
+        3,
+        "the three informers watch the lower proxy"
+    );
+    assert_eq!(
+        top.hub.len(),
+        top_watchers + 1,
+        "the top proxy serves one watch of configmaps for the lower proxy"
+    );
+    for (_, ic) in informers {
+        let _ = ic.finish();
+    }
+    lower.shutdown().await;
+    env.proxy.shutdown().await;
+    env.cp.stop().await;
+}

@@ -453,6 +453,14 @@ pub struct CacheConfig {
     /// that old until the upstream watch caught up.
     #[serde(with = "duration")]
     pub state_max_age: Duration,
+    /// Besides at shutdown, the caches that changed are saved this often, so a proxy that
+    /// crashed (OOM kill, a lost node's container restarted elsewhere in the pod) restarts
+    /// from a state at most this old and catches up with its upstream watch, and its clients
+    /// still resume without a relist while etcd has not compacted that far. A save costs
+    /// about one serialization of the cache (skipped while nothing changed). 0: only at
+    /// shutdown.
+    #[serde(with = "duration")]
+    pub state_save_interval: Duration,
     /// Items per page of the proxy's own upstream LISTs when `paging.adaptUpstream` is off.
     pub upstream_page_size: u32,
     /// A cached decision that a caller may read something lasts this long (kube-apiserver's
@@ -502,6 +510,7 @@ impl Default for CacheConfig {
             absorb_relists: true,
             state_dir: None,
             state_max_age: Duration::from_secs(600),
+            state_save_interval: Duration::from_secs(60),
             upstream_page_size: 500,
             authorization_allow_ttl: Duration::from_secs(300),
             authorization_deny_ttl: Duration::from_secs(30),

@@ -138,6 +138,7 @@ pub fn build_state(
             dir: dir.clone(),
             upstream: upstream.base().to_string(),
             max_age: c.state_max_age,
+            save_interval: c.state_save_interval,
             // Sealed with a key derived from the token keys only when those are the shared,
             // persistent ones (a generated key dies with the process).
             keys: match config.tokens.key_file {
@@ -261,6 +262,8 @@ pub struct Running {
     pub admin_tls: bool,
     stop: CancellationToken,
     task: tokio::task::JoinHandle<()>,
+    /// Cleared by [`Running::crash`]: no final save.
+    save_on_stop: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Running {
@@ -271,6 +274,15 @@ impl Running {
 
     /// Shuts down gracefully and waits for the drain to finish.
     pub async fn shutdown(self) {
+        self.stop.cancel();
+        let _ = self.task.await;
+    }
+
+    /// Stops as a crash would for what a restart finds: no final save of the caches' state,
+    /// only what the periodic saves wrote (tests; the streams still end as at a shutdown).
+    pub async fn crash(self) {
+        self.save_on_stop
+            .store(false, std::sync::atomic::Ordering::SeqCst);
         self.stop.cancel();
         let _ = self.task.await;
     }
@@ -341,9 +353,11 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
         .paging
         .spawn(state.upstream.clone(), state.drain.clone());
     let stop = CancellationToken::new();
+    let save_on_stop = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let task = {
         let state = state.clone();
         let stop = stop.clone();
+        let save_on_stop = save_on_stop.clone();
         tokio::spawn(async move {
             let config = state.config.clone();
             // Both listeners drain together: readiness fails on the admin listener while the
@@ -363,7 +377,9 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
                 run(admin, &config, admin_listeners, stop.cancelled_owned()),
             );
             // Drained, and the reflectors stopped with it: each cache's state is final.
-            caches.save_all().await;
+            if save_on_stop.load(std::sync::atomic::Ordering::SeqCst) {
+                caches.save_all(true).await;
+            }
             // The last requests' spans are queued; send them before exiting.
             telemetry.shutdown().await;
         })
@@ -390,5 +406,6 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
         admin_tls,
         stop,
         task,
+        save_on_stop,
     })
 }

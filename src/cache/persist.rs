@@ -74,7 +74,15 @@ pub struct Persist {
     /// Sealing keys, (id, key): the first seals, any opens. Empty: files are plain and
     /// Secrets are not saved.
     pub keys: Vec<(String, [u8; 32])>,
+    /// Besides at shutdown, states that changed are saved this often (a crash then loses at
+    /// most this much; the restarted proxy catches up with its upstream watch). Zero: only
+    /// at shutdown.
+    pub save_interval: Duration,
 }
+
+/// Saves never overlap (a periodic save still writing when the final one starts must not
+/// rename its older state over the final one).
+static SAVING: parking_lot::Mutex<()> = parking_lot::Mutex::new(());
 
 impl std::fmt::Debug for Persist {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -209,6 +217,7 @@ impl Persist {
 
         let path = self.path(r);
         let tmp = path.with_extension("state.tmp");
+        let _one_at_a_time = SAVING.lock();
         let file = std::fs::File::create(&tmp).map_err(io(&tmp))?;
         let mut w = Chunks {
             out: std::io::BufWriter::with_capacity(1 << 20, file),
@@ -584,6 +593,7 @@ mod tests {
             upstream: "https://10.0.0.1:6443".into(),
             max_age: Duration::from_secs(3600),
             keys,
+            save_interval: Duration::ZERO,
         }
     }
 

@@ -19,6 +19,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
 use dashmap::DashMap;
@@ -161,6 +162,24 @@ impl Caches {
             .map(|r| caches.spawn_entry(r, String::new(), &upstream, &store, &reflector, &shutdown))
             .collect();
         let caches = Arc::new(caches);
+        if let Some(every) = caches
+            .persist
+            .as_ref()
+            .map(|p| p.save_interval)
+            .filter(|d| !d.is_zero())
+        {
+            // Periodic saves until the drain (the final save follows it).
+            let (c, stop) = (caches.clone(), shutdown.clone());
+            tokio::spawn(async move {
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tokio::time::sleep(every) => {}
+                    }
+                    c.save_all(false).await;
+                }
+            });
+        }
         let sel = Selection::new(&resources, &exclude);
         let initial = discovery::plan(&sel, None, None, &HashSet::new());
         for (name, why) in initial.missing {
@@ -226,10 +245,11 @@ impl Caches {
         entry
     }
 
-    /// Writes the state of every synced cache to `cache.stateDir` (at shutdown, after the
-    /// reflectors stopped, so each state is final), one blocking task per resource. Returns
-    /// the number of states written; failures are logged.
-    pub async fn save_all(&self) -> usize {
+    /// Writes the state of every synced cache to `cache.stateDir`, one blocking task per
+    /// resource: at shutdown (`last`), after the reflectors stopped, so each state is final;
+    /// otherwise (the periodic save) only the caches that changed since their last save.
+    /// Returns the number of states written; failures are logged.
+    pub async fn save_all(&self, last: bool) -> usize {
         let Some(p) = self.persist.clone() else {
             return 0;
         };
@@ -246,10 +266,13 @@ impl Caches {
             if !p.may_save(&e.cache.resource) {
                 continue;
             }
+            if !last && e.cache.rv() == e.cache.saved_rv.load(Relaxed) {
+                continue;
+            }
             // The reflector's last sink call has returned (it stops at the drain).
             let mut status = e.reflector.status();
             let stopped = status.wait_for(|s| matches!(s, ReflectorStatus::Stopped));
-            if tokio::time::timeout_at(deadline, stopped).await.is_err() {
+            if last && tokio::time::timeout_at(deadline, stopped).await.is_err() {
                 tracing::warn!(resource = %e.cache.resource.label(), "reflector still running; its state is not saved");
                 continue;
             }
@@ -262,7 +285,8 @@ impl Caches {
                 };
                 match p.save(r, &e.uid, &image) {
                     Ok(s) => {
-                        tracing::info!(resource = %r.label(), rv = image.rv, objects = s.objects, events = s.events, bytes = s.bytes, took = ?started.elapsed(), "cache state saved");
+                        e.cache.saved_rv.store(image.rv, Relaxed);
+                        tracing::info!(resource = %r.label(), rv = image.rv, objects = s.objects, events = s.events, bytes = s.bytes, took = ?started.elapsed(), last, "cache state saved");
                         true
                     }
                     Err(err) => {

@@ -202,6 +202,8 @@ pub struct ResourceCache {
     /// The resourceVersion of the saved state this cache started from (warm restart), 0 for
     /// a cold start (read by the metrics collector).
     pub restored_from: std::sync::atomic::AtomicU64,
+    /// The resourceVersion of the last state saved (a periodic save skips an unchanged cache).
+    pub saved_rv: std::sync::atomic::AtomicU64,
     /// Snapshots served to paginated lists, by resourceVersion.
     retained: Mutex<VecDeque<Retained>>,
     pub list_stats: ListStats,
@@ -320,6 +322,7 @@ impl ResourceCache {
             absorbed_total: Default::default(),
             absorbed_events: Default::default(),
             restored_from: Default::default(),
+            saved_rv: Default::default(),
             retained: Mutex::new(VecDeque::new()),
             list_stats: ListStats::default(),
             watch_stats: WatchStats::default(),

@@ -228,6 +228,71 @@ async fn a_restarted_proxy_resumes_from_its_saved_state_without_a_list_or_a_clie
     proxy.shutdown().await;
 }
 
+/// A proxy that crashed (no drain, no final save) restarts from its last periodic save,
+/// which is older than what its clients saw: it resumes its upstream watch from the saved
+/// resourceVersion (no LIST), catches up, and a client resuming from its newer
+/// resourceVersion gets exactly the writes after it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crashed_proxy_restarts_from_its_last_periodic_save() {
+    let fake = FakeApiServer::start().await;
+    fake.create("/api/v1/namespaces", json!({"metadata": {"name": NS}}))
+        .await;
+    write_some(&fake, 0, 12).await;
+    let state = tempfile::tempdir().unwrap();
+    let dir = state.path().to_path_buf();
+    let mut proxy = TestProxy::start(&fake.url(), |c| {
+        c.cache.resources = vec!["configmaps".into()];
+        c.cache.state_dir = Some(dir);
+        // The periodic save is called by the test, not by a timer.
+        c.cache.state_save_interval = Duration::ZERO;
+    })
+    .await;
+    wait_ready(&proxy).await;
+    let client = proxy.client(None, true);
+    let base = proxy.https(&format!("/api/v1/namespaces/{NS}/configmaps"));
+    let from = proxy.cache("", "v1", "configmaps").unwrap().rv();
+    let watch = format!("{base}?watch=1&resourceVersion={from}");
+    let mut r = EventReader::new(client.get(&watch, Some("tok")).await);
+    write_some(&fake, 12, 5).await;
+    events(&mut r, 5).await;
+    // The last periodic save, then more writes the client sees.
+    let caches = proxy.running.as_ref().unwrap().state.caches.clone();
+    assert_eq!(caches.save_all(false).await, 1);
+    assert_eq!(
+        caches.save_all(false).await,
+        0,
+        "unchanged: not saved again"
+    );
+    let saved = proxy.cache("", "v1", "configmaps").unwrap().rv();
+    write_some(&fake, 17, 6).await;
+    let seen = events(&mut r, 6).await;
+    let last = seen.last().unwrap().2;
+    assert!(last > saved);
+    drop(caches);
+
+    proxy.running.take().unwrap().crash().await;
+    drop(r);
+    write_some(&fake, 23, 4).await;
+    fake.clear_requests();
+    proxy.restart(|_| {}).await;
+    wait_ready(&proxy).await;
+    let client = proxy.client(None, true);
+    let resume = format!("{base}?watch=1&resourceVersion={last}");
+    let resp = client.get(&resume, Some("tok")).await;
+    assert_eq!(resp.status(), 200);
+    let mut r = EventReader::new(resp);
+    let missed = writes_after(&fake, last);
+    assert_eq!(missed.len(), 4);
+    assert_eq!(events(&mut r, 4).await, missed);
+    let (lists, watches) = upstream_reads(&fake.requests());
+    assert_eq!(lists, 0, "no upstream LIST after the crash");
+    assert_eq!(
+        watches.first().map(String::as_str),
+        Some(&*saved.to_string())
+    );
+    proxy.shutdown().await;
+}
+
 /// A damaged state file is ignored: the cache lists as on a cold start and serves the
 /// apiserver's state, never the file's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

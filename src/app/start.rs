@@ -137,7 +137,8 @@ pub fn build_state(
         upstream.clone(),
         c.authorization_allow_ttl,
         c.authorization_deny_ttl,
-    ));
+    )
+    .with_stale_while_unreachable(config.authentication.stale_while_unreachable));
     if c.authorization_follow_rbac {
         authz.follow_rbac(&caches, drain.clone());
     }
@@ -179,6 +180,10 @@ pub fn build_state(
         tenancy: tenancy.clone(),
     }));
     metrics.register_collector(Box::new(crate::paging::PagingCollector(paging.clone())));
+    metrics.register_collector(Box::new(crate::app::collectors::UpstreamCollector {
+        upstream: upstream.clone(),
+        max_staleness: c.max_staleness,
+    }));
     let downstream = Arc::new(crate::http::budget::Downstream::new(
         config.server.downstream_buffer_bytes,
         config.server.connection_buffer_bytes,

@@ -243,6 +243,11 @@ impl Consistency {
         mode: Mode,
     ) -> Served<Snapshot> {
         use std::sync::atomic::Ordering::Relaxed;
+        // The apiserver alone knows the most recent state, and it cannot be reached: fail at
+        // once rather than wait for a probe or a passthrough that gets no answer.
+        if let Some(o) = self.upstream.reachability().outage() {
+            return Err(crate::read::unreachable(&o).into());
+        }
         let start = Instant::now();
         let ok = match mode {
             Mode::Bounded => {
@@ -288,7 +293,7 @@ impl Consistency {
             .observe(start.elapsed().as_secs_f64());
         if !ok {
             self.stats.fallbacks.fetch_add(1, Relaxed);
-            return delegate("consistent read not confirmed");
+            return delegate(crate::read::NOT_CONFIRMED);
         }
         Ok(cache.current())
     }

@@ -92,6 +92,26 @@ impl State {
             .collect()
     }
 
+    /// The `upstream` readiness check: while the apiserver is unreachable, degraded (passing,
+    /// with a note) for `cache.maxStaleness`, then failing; otherwise the last probe's result.
+    pub fn upstream_check(&self) -> CheckResult {
+        match self.upstream.reachability().outage() {
+            Some(o) => {
+                let (unreachable, max) = (o.duration(), self.config.cache.max_staleness);
+                if unreachable <= max {
+                    Ok(Some(format!(
+                        "degraded: the apiserver has been unreachable for {}s (cache.maxStaleness {}s)",
+                        unreachable.as_secs(),
+                        max.as_secs()
+                    )))
+                } else {
+                    Err(Unready::TooStale { unreachable, max })
+                }
+            }
+            None => self.health.upstream.get().map(|()| None),
+        }
+    }
+
     /// Probes the upstream's `/readyz` with the proxy's own identity until draining starts.
     pub fn spawn_upstream_probe(self: &Arc<Self>) {
         let this = self.clone();
@@ -104,6 +124,16 @@ impl State {
                     _ = tick.tick() => {}
                 }
                 let r = this.probe_upstream().await;
+                let reachability = this.upstream.reachability();
+                match &r {
+                    // No answer: an outage (the first report starts it).
+                    Err(e @ (UpstreamNotReady::TimedOut(_) | UpstreamNotReady::Send(_))) => {
+                        reachability.unreachable(e);
+                    }
+                    // An answer, even "not ready": reachable (only this probe ends an
+                    // outage, see `upstream::reachability`).
+                    _ => reachability.reachable(),
+                }
                 if let Err(e) = &r {
                     tracing::warn!(error = %e, "upstream apiserver is not ready");
                 }

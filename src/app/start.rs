@@ -133,12 +133,14 @@ pub fn build_state(
         reflector,
         drain.clone(),
     );
-    let authz = Arc::new(crate::auth::authz::Authorizer::new(
-        upstream.clone(),
-        c.authorization_allow_ttl,
-        c.authorization_deny_ttl,
-    )
-    .with_stale_while_unreachable(config.authentication.stale_while_unreachable));
+    let authz = Arc::new(
+        crate::auth::authz::Authorizer::new(
+            upstream.clone(),
+            c.authorization_allow_ttl,
+            c.authorization_deny_ttl,
+        )
+        .with_stale_while_unreachable(config.authentication.stale_while_unreachable),
+    );
     if c.authorization_follow_rbac {
         authz.follow_rbac(&caches, drain.clone());
     }

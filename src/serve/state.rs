@@ -124,21 +124,27 @@ impl State {
                     _ = tick.tick() => {}
                 }
                 let r = this.probe_upstream().await;
-                let reachability = this.upstream.reachability();
-                match &r {
-                    // No answer: an outage (the first report starts it).
-                    Err(e @ (UpstreamNotReady::TimedOut(_) | UpstreamNotReady::Send(_))) => {
-                        reachability.unreachable(e);
-                    }
-                    // An answer, even "not ready": reachable (only this probe ends an
-                    // outage, see `upstream::reachability`).
-                    _ => reachability.reachable(),
-                }
                 if let Err(e) = &r {
                     tracing::warn!(error = %e, "upstream apiserver is not ready");
                 }
                 this.metrics.upstream_up.set(i64::from(r.is_ok()));
+                let reachability = this.upstream.reachability();
+                let answered = !matches!(
+                    r,
+                    Err(UpstreamNotReady::TimedOut(_) | UpstreamNotReady::Send(_))
+                );
+                if !answered && let Err(e) = &r {
+                    // No answer: an outage (the first report starts it).
+                    reachability.unreachable(e);
+                }
+                // The check first, then the end of the outage: readiness never sees the old
+                // failure without the outage that keeps it degraded.
                 this.health.upstream.set(r.map_err(Unready::from));
+                if answered {
+                    // An answer, even "not ready": reachable (only this probe ends an
+                    // outage, see `upstream::reachability`).
+                    reachability.reachable();
+                }
             }
         });
     }

@@ -113,7 +113,11 @@ mod tests {
         r.unreachable("timed out");
         // Later reports keep the start and the first cause.
         assert_eq!(r.outage(), Some(first.clone()));
-        assert!(first.warning().starts_with("299 - \"the apiserver has been unreachable for "));
+        assert!(
+            first
+                .warning()
+                .starts_with("299 - \"the apiserver has been unreachable for ")
+        );
         assert!(first.warning().ends_with("may be stale\""));
         r.reachable();
         assert!(!r.is_unreachable());

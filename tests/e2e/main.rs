@@ -18,5 +18,6 @@ mod crd;
 mod deploy;
 mod differential;
 mod lists;
+mod outage;
 mod paging;
 mod watch_validator;

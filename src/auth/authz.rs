@@ -432,9 +432,8 @@ impl Authorizer {
                 if let Some(o) = reachability.outage() {
                     return Err(Failure {
                         message: format!(
-                            "access review not sent: the apiserver has been unreachable for {}s ({})",
-                            o.duration().as_secs(),
-                            o.cause
+                            "access review not sent: the apiserver has been unreachable for {}s",
+                            o.duration().as_secs()
                         ),
                         unreachable: true,
                     });
@@ -836,6 +835,64 @@ mod tests {
         let mut g = id("u");
         g.groups.push("system:masters".into());
         assert_ne!(z.key(&id("u"), &a), z.key(&g, &a));
+    }
+
+    /// An apiserver address nothing listens on: bound, then closed.
+    fn closed_port_upstream() -> Upstream {
+        crate::http::tls::install_crypto_provider();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let kube = kube::Config::new(format!("http://127.0.0.1:{port}").parse().unwrap());
+        Upstream::new(&kube, &crate::config::UpstreamConfig::default()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn allowed_decisions_are_served_stale_only_for_their_question_while_unreachable() {
+        let a = Attributes {
+            verb: "list".into(),
+            version: "v1".into(),
+            resource: "configmaps".into(),
+            ..Default::default()
+        };
+        let z = Authorizer::new(closed_port_upstream(), Duration::ZERO, Duration::ZERO)
+            .with_stale_while_unreachable(Duration::from_secs(300));
+        // As if the apiserver had allowed alice this list before.
+        let key = z.key(&id("alice"), &a);
+        z.stale.as_ref().unwrap().insert(key, ()).await;
+        // The review gets no answer (connection refused): the outage starts, and the
+        // decision obtained before is served stale.
+        assert_eq!(z.authorize(&id("alice"), &a).await, Decision::Allow);
+        assert!(z.upstream.reachability().is_unreachable());
+        assert_eq!(z.stats.stale.load(Relaxed), 1);
+        // Never for another identity or another question.
+        assert!(matches!(
+            z.authorize(&id("bob"), &a).await,
+            Decision::Error(_)
+        ));
+        let mut get = a.clone();
+        get.verb = "get".into();
+        assert!(matches!(
+            z.authorize(&id("alice"), &get).await,
+            Decision::Error(_)
+        ));
+        // Nor after an RBAC change voided the decisions of its scope.
+        z.invalidate(&Scope::Cluster);
+        assert!(matches!(
+            z.authorize(&id("alice"), &a).await,
+            Decision::Error(_)
+        ));
+        assert_eq!(z.stats.stale.load(Relaxed), 1);
+        // Off with zero.
+        let off = Authorizer::new(closed_port_upstream(), Duration::ZERO, Duration::ZERO)
+            .with_stale_while_unreachable(Duration::ZERO);
+        assert!(off.stale.is_none());
+        assert!(matches!(
+            off.authorize(&id("alice"), &a).await,
+            Decision::Error(_)
+        ));
     }
 
     fn authorizer() -> Authorizer {

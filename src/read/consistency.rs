@@ -201,6 +201,11 @@ impl Consistency {
         if rv <= self.compacted_floor.load(Relaxed) {
             return true;
         }
+        if self.upstream.reachability().is_unreachable() {
+            // No answer would come: as a failed probe, "not compacted" (the snapshot is
+            // consistent).
+            return false;
+        }
         let collection = cache.resource.collection_path(None);
         let listable = self
             .listable
@@ -211,10 +216,15 @@ impl Consistency {
                 *req.uri_mut() = self.upstream.uri(&path);
                 req.headers_mut()
                     .insert(header::ACCEPT, HeaderValue::from_static("application/json"));
-                match self.upstream.send(req, As::Proxy, false).await {
-                    Ok(r) => r.status() != http::StatusCode::GONE,
-                    Err(e) => {
+                let sent = self.upstream.send(req, As::Proxy, false);
+                match tokio::time::timeout(self.timeout, sent).await {
+                    Ok(Ok(r)) => r.status() != http::StatusCode::GONE,
+                    Ok(Err(e)) => {
                         tracing::debug!(error = %e, rv, "compaction probe failed");
+                        true
+                    }
+                    Err(_) => {
+                        tracing::debug!(rv, "compaction probe timed out");
                         true
                     }
                 }

@@ -649,6 +649,79 @@ mod tests {
         }
     }
 
+    #[tokio::test]
+    async fn verdicts_are_served_stale_only_for_their_token_while_unreachable() {
+        crate::http::tls::install_crypto_provider();
+        // An apiserver address nothing listens on: every TokenReview is refused.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let kube = kube::Config::new(format!("http://127.0.0.1:{port}").parse().unwrap());
+        let authenticator = |stale| {
+            let up = Upstream::new(&kube, &crate::config::UpstreamConfig::default()).unwrap();
+            let cfg = AuthenticationConfig {
+                service_account_jwt: false,
+                cache_ttl: Duration::ZERO,
+                stale_while_unreachable: stale,
+                ..AuthenticationConfig::default()
+            };
+            Authenticator::new(cfg, |_: &Identity| String::new(), up).unwrap()
+        };
+        let a = authenticator(Duration::from_secs(300));
+        // As if a TokenReview had vouched for `t1` before.
+        let (id, m) = a.finish(
+            Identity {
+                user: "alice".into(),
+                ..Identity::anonymous()
+            },
+            AuthnMethod::TokenReview,
+        );
+        let vouched = Cached {
+            outcome: Ok((id, m)),
+            until: None,
+            reviewed: None,
+            secret: None,
+        };
+        let stale = a.stale.as_ref().unwrap();
+        stale.insert(sha256(b"t1"), vouched.clone()).await;
+        let Outcome::Authenticated(id, m) = a.authenticate(None, &headers(Some("Bearer t1"))).await
+        else {
+            panic!("not served stale");
+        };
+        assert_eq!((id.user.as_str(), m), ("alice", AuthnMethod::TokenReview));
+        assert_eq!(a.stats.stale.load(Relaxed), 1);
+        assert!(a.upstream.reachability().is_unreachable());
+        // Another token: no verdict to serve, 503.
+        assert!(matches!(
+            a.authenticate(None, &headers(Some("Bearer t2"))).await,
+            Outcome::Unavailable(_)
+        ));
+        // Past the token's `exp`: gone.
+        stale
+            .insert(
+                sha256(b"t3"),
+                Cached {
+                    until: Some(super::super::verdict::now_unix().saturating_sub(1)),
+                    ..vouched
+                },
+            )
+            .await;
+        assert!(matches!(
+            a.authenticate(None, &headers(Some("Bearer t3"))).await,
+            Outcome::Unavailable(_)
+        ));
+        assert_eq!(a.stats.stale.load(Relaxed), 1);
+        // Off with zero.
+        let off = authenticator(Duration::ZERO);
+        assert!(off.stale.is_none());
+        assert!(matches!(
+            off.authenticate(None, &headers(Some("Bearer t1"))).await,
+            Outcome::Unavailable(_)
+        ));
+    }
+
     fn offline_authenticator(cfg: AuthenticationConfig) -> Authenticator {
         crate::http::tls::install_crypto_provider();
         // Never contacted: these paths need no upstream.

@@ -28,7 +28,7 @@ pub enum ReviewError {
     Decode(#[source] serde_json::Error),
     /// Not asked: the apiserver is known to be unreachable (waiting for the review's timeout
     /// on every request would only hold the caller up).
-    #[error("token review not sent: the apiserver has been unreachable for {}s ({})", .0.duration().as_secs(), .0.cause)]
+    #[error("token review not sent: the apiserver has been unreachable for {}s", .0.duration().as_secs())]
     Unreachable(crate::upstream::reachability::Outage),
 }
 

@@ -251,6 +251,32 @@ async fn callers_decided_before_an_outage_keep_reading_the_cache_with_a_warning(
         assert!(a.warnings.is_empty(), "{what}: {:?}", a.warnings);
     }
 
+    // Passthrough requests are the apiserver's: with the connection refused, the proxy's own
+    // 503 Status with Retry-After, as before.
+    let write = proxy
+        .client(None, true)
+        .send(
+            http::Request::post(proxy.https(CMS))
+                .header("authorization", "Bearer alice")
+                .header("content-type", "application/json")
+                .body(http_body_util::Full::from(
+                    json!({"metadata": {"name": "cm-during"}}).to_string(),
+                ))
+                .unwrap(),
+        )
+        .await;
+    assert_eq!(write.status(), 503);
+    assert_eq!(
+        write
+            .headers()
+            .get(header::RETRY_AFTER)
+            .map(|v| v.to_str().unwrap()),
+        Some("1")
+    );
+    assert!(write.headers().get(header::WARNING).is_none());
+    let status: Value = serde_json::from_str(&body_string(write).await).unwrap();
+    assert_eq!(status["reason"], "ServiceUnavailable", "{status}");
+
     // Visible in the metrics.
     assert_eq!(metric(&proxy, "kube_cache_proxy_degraded").await, Some(1.0));
     assert!(metric(&proxy, "kube_cache_proxy_upstream_unreachable_seconds").await > Some(0.0));

@@ -34,14 +34,16 @@ pub enum Unready {
     /// The last probe of the apiserver's `/readyz` failed.
     #[error(transparent)]
     Upstream(Arc<UpstreamNotReady>),
-    /// The apiserver has been unreachable for longer than `cache.maxStaleness`.
+    /// The apiserver has been unreachable for longer than `cache.maxStaleness`; `cause` is
+    /// the request that found the outage (address and error, for `/readyz/upstream`).
     #[error(
-        "the apiserver has been unreachable for {}s, longer than cache.maxStaleness ({max:?})",
+        "the apiserver has been unreachable for {}s, longer than cache.maxStaleness ({max:?}): {cause}",
         unreachable.as_secs()
     )]
     TooStale {
         unreachable: std::time::Duration,
         max: std::time::Duration,
+        cause: String,
     },
     /// A cached resource before its first sync; the reason is the cache's.
     #[error("not synced yet: {0}")]
@@ -458,6 +460,7 @@ mod tests {
         let stale = Unready::TooStale {
             unreachable: std::time::Duration::from_secs(61),
             max: std::time::Duration::from_secs(60),
+            cause: "GET /readyz timed out after 5s".to_string(),
         };
         let r = h
             .respond_with("/readyz/upstream", None, Some(Err(stale)), Vec::new())
@@ -467,7 +470,7 @@ mod tests {
         assert_eq!(
             String::from_utf8(b.to_vec()).unwrap(),
             "internal server error: the apiserver has been unreachable for 61s, longer than \
-             cache.maxStaleness (60s)\n"
+             cache.maxStaleness (60s): GET /readyz timed out after 5s\n"
         );
     }
 

@@ -105,7 +105,11 @@ impl State {
                         max.as_secs()
                     )))
                 } else {
-                    Err(Unready::TooStale { unreachable, max })
+                    Err(Unready::TooStale {
+                        unreachable,
+                        max,
+                        cause: o.cause,
+                    })
                 }
             }
             None => self.health.upstream.get().map(|()| None),

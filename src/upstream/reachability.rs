@@ -82,24 +82,6 @@ impl Reachability {
     }
 }
 
-/// Whether an error of a request to the apiserver means it could not be reached (no answer:
-/// connect refused, reset, TLS or HTTP/2 failure, hyper's errors), as opposed to an answer
-/// that could not be read as expected.
-pub fn is_transport_error(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cur = Some(e);
-    while let Some(err) = cur {
-        if err.is::<hyper::Error>()
-            || err.is::<hyper_util::client::legacy::Error>()
-            || err.is::<std::io::Error>()
-            || err.is::<super::SendError>()
-        {
-            return true;
-        }
-        cur = err.source();
-    }
-    false
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,18 +105,5 @@ mod tests {
         assert!(!r.is_unreachable());
         r.unreachable("again");
         assert_eq!(r.outage().map(|o| o.cause), Some("again".to_string()));
-    }
-
-    #[test]
-    fn transport_errors_are_told_from_other_errors() {
-        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
-        assert!(is_transport_error(&io));
-        let send = super::super::SendError {
-            target: "127.0.0.1:1".into(),
-            source: Box::new(io),
-        };
-        assert!(is_transport_error(&send));
-        let json = serde_json::from_str::<u8>("x").unwrap_err();
-        assert!(!is_transport_error(&json));
     }
 }

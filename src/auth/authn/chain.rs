@@ -659,9 +659,13 @@ mod tests {
             .unwrap()
             .port();
         let kube = kube::Config::new(format!("http://127.0.0.1:{port}").parse().unwrap());
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("tokens.csv");
+        std::fs::write(&file, "tok-1,carol,uid-3\n").unwrap();
         let authenticator = |stale| {
             let up = Upstream::new(&kube, &crate::config::UpstreamConfig::default()).unwrap();
             let cfg = AuthenticationConfig {
+                token_auth_file: Some(file.clone()),
                 service_account_jwt: false,
                 cache_ttl: Duration::ZERO,
                 stale_while_unreachable: stale,
@@ -712,6 +716,14 @@ mod tests {
             a.authenticate(None, &headers(Some("Bearer t3"))).await,
             Outcome::Unavailable(_)
         ));
+        assert_eq!(a.stats.stale.load(Relaxed), 1);
+        // A token the proxy verifies itself keeps verifying, nothing stale about it.
+        let Outcome::Authenticated(id, m) =
+            a.authenticate(None, &headers(Some("Bearer tok-1"))).await
+        else {
+            panic!("a token-file token refused while the apiserver is unreachable");
+        };
+        assert_eq!((id.user.as_str(), m), ("carol", AuthnMethod::StaticToken));
         assert_eq!(a.stats.stale.load(Relaxed), 1);
         // Off with zero.
         let off = authenticator(Duration::ZERO);

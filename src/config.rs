@@ -117,6 +117,20 @@ pub struct AuthenticationConfig {
     /// tokens to one review per token per interval.
     #[serde(with = "duration")]
     pub failure_cache_ttl: Duration,
+    /// While the apiserver is unreachable (no answer at all: refused, reset, timed out), a
+    /// caller it authenticated before, and a request it authorized before, keep being
+    /// accepted from the decisions at hand for this long past their TTLs (`cacheTtl`,
+    /// `cache.authorizationAllowTtl`), so reads the cache can answer go on through an outage
+    /// (see `docs/architecture.md`). Only positive decisions the apiserver actually made, for
+    /// the same token or the same identity and request; a refusal obtained since voids them,
+    /// and a token is never accepted past its `exp`. Tokens the proxy verifies itself (the
+    /// token file, ServiceAccount JWTs without a revocation check) keep verifying regardless.
+    /// 5 minutes: longer than an apiserver restart or a control-plane upgrade takes, and no
+    /// more than kube-apiserver's webhook authorizer already lets an allowed decision stand
+    /// (5 minutes); a permission revoked during an outage the proxy cannot learn anyway. 0:
+    /// off (the caller gets 503 once the decision's TTL is over, as before).
+    #[serde(with = "duration")]
+    pub stale_while_unreachable: Duration,
 }
 
 impl Default for AuthenticationConfig {
@@ -134,6 +148,7 @@ impl Default for AuthenticationConfig {
             token_review: true,
             cache_ttl: Duration::from_secs(10),
             failure_cache_ttl: Duration::from_secs(2),
+            stale_while_unreachable: Duration::from_secs(300),
         }
     }
 }
@@ -477,6 +492,17 @@ pub struct CacheConfig {
     /// (which still bound decisions of other authorizers, e.g. a webhook). Needs list and
     /// watch on those four resources.
     pub authorization_follow_rbac: bool,
+    /// While the apiserver is unreachable, the proxy stays ready (`/readyz` of the admin
+    /// listener, `[+]upstream ok: degraded ...` in `?verbose`) for this long, serving reads
+    /// that accept any state from memory (with a `Warning`); after that its caches are too
+    /// old to be worth the traffic and it leaves the Service. Every replica loses the same
+    /// apiserver at once, so failing readiness at the first missed probe took them all out
+    /// together, with nothing better to send the traffic to. 60 s: longer than an apiserver
+    /// restart takes to answer again, short enough that controllers do not act on minute-old
+    /// state for long without their operators seeing the proxy unready. 0: leave at once, as
+    /// before.
+    #[serde(with = "duration")]
+    pub max_staleness: Duration,
 }
 
 impl Default for CacheConfig {
@@ -515,6 +541,7 @@ impl Default for CacheConfig {
             authorization_allow_ttl: Duration::from_secs(300),
             authorization_deny_ttl: Duration::from_secs(30),
             authorization_follow_rbac: true,
+            max_staleness: Duration::from_secs(60),
         }
     }
 }

@@ -141,6 +141,22 @@ impl prometheus_client::collector::Collector for AuthCollector {
             "Authorization decision cache lookups (hit ratio = hit / (hit + miss))",
             &lookups,
         )?;
+        for (name, help, n) in [
+            (
+                "kube_cache_proxy_authentication_stale_verdicts",
+                "Token authentications served from a verdict past its TTL because the apiserver was unreachable (authentication.staleWhileUnreachable; also counted as successes)",
+                a.stale.load(Relaxed),
+            ),
+            (
+                "kube_cache_proxy_authorization_stale_decisions",
+                "Allowed decisions served past their TTL because the apiserver was unreachable (authentication.staleWhileUnreachable; also counted as allowed)",
+                z.stale.load(Relaxed),
+            ),
+        ] {
+            let c = Counter::<u64>::default();
+            c.inc_by(n);
+            emit(&mut enc, name, help, &c)?;
+        }
         let invalidations = Counter::<u64>::default();
         invalidations.inc_by(z.rbac_invalidations.load(Relaxed));
         emit(
@@ -171,6 +187,40 @@ impl prometheus_client::collector::Collector for AuthCollector {
             "kube_cache_proxy_quota_rejections",
             "Requests (cache-served, and passthrough lists/watches of identified callers) refused with 429 by tenant quota",
             &quota,
+        )
+    }
+}
+
+/// The apiserver's reachability as the caches see it: how long it has been unreachable, and
+/// whether the proxy is serving degraded (unreachable, within `cache.maxStaleness`).
+#[derive(Debug)]
+pub struct UpstreamCollector {
+    pub upstream: crate::upstream::Upstream,
+    pub max_staleness: std::time::Duration,
+}
+
+impl prometheus_client::collector::Collector for UpstreamCollector {
+    fn encode(&self, mut enc: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
+        use prometheus_client::metrics::gauge::Gauge;
+        let outage = self.upstream.reachability().outage();
+        let unreachable = outage.as_ref().map(|o| o.duration());
+        let seconds = Gauge::<f64, std::sync::atomic::AtomicU64>::default();
+        seconds.set(unreachable.map_or(0.0, |d| d.as_secs_f64()));
+        emit(
+            &mut enc,
+            "kube_cache_proxy_upstream_unreachable_seconds",
+            "How long the apiserver has been unreachable (no answer to the proxy's requests), 0 while reachable: the age of what the caches serve",
+            &seconds,
+        )?;
+        let degraded = Gauge::<i64>::default();
+        degraded.set(i64::from(
+            unreachable.is_some_and(|d| d <= self.max_staleness),
+        ));
+        emit(
+            &mut enc,
+            "kube_cache_proxy_degraded",
+            "1 while the apiserver is unreachable and the proxy stays ready serving from its caches (for up to cache.maxStaleness), else 0",
+            &degraded,
         )
     }
 }

@@ -333,6 +333,27 @@ impl ControlPlane {
         .await
     }
 
+    /// Stops kube-apiserver with SIGSTOP, as a hung or descheduled process: connections are
+    /// still accepted by the kernel, nothing is answered, open watches go silent. It runs
+    /// again when the returned guard is dropped (also when a test fails) or
+    /// [`FrozenApiserver::thaw`] is called. Fault tests use it.
+    ///
+    /// # Errors
+    /// kube-apiserver is not running, or `kill -STOP` failed.
+    pub fn freeze_apiserver(&self) -> Result<FrozenApiserver, DevClusterError> {
+        let pid = self
+            .children
+            .iter()
+            .find(|(n, _)| *n == "kube-apiserver")
+            .and_then(|(_, c)| c.id())
+            .ok_or_else(|| DevClusterError::Io {
+                context: "freezing kube-apiserver: it is not running".into(),
+                source: std::io::Error::from(std::io::ErrorKind::NotFound),
+            })?;
+        signal(pid, "STOP")?;
+        Ok(FrozenApiserver { pid, thawed: false })
+    }
+
     /// Kills kube-apiserver (SIGKILL: no graceful shutdown, its watches break mid-stream),
     /// starts it again with the same arguments, port and certificates, and waits until it is
     /// ready. etcd keeps running, so the data and the resourceVersions go on; the new
@@ -646,6 +667,54 @@ impl ControlPlane {
             let _ = tokio::fs::remove_dir_all(&self.dir).await;
             self.remove_dir = false;
         }
+    }
+}
+
+/// kube-apiserver stopped by [`ControlPlane::freeze_apiserver`]; it runs again (SIGCONT) when
+/// this is dropped or thawed.
+#[derive(Debug)]
+pub struct FrozenApiserver {
+    pid: u32,
+    thawed: bool,
+}
+
+impl FrozenApiserver {
+    /// Lets kube-apiserver run again (SIGCONT).
+    ///
+    /// # Errors
+    /// `kill -CONT` failed.
+    pub fn thaw(mut self) -> Result<(), DevClusterError> {
+        self.thawed = true;
+        signal(self.pid, "CONT")
+    }
+}
+
+impl Drop for FrozenApiserver {
+    fn drop(&mut self) {
+        if !self.thawed {
+            let _ = signal(self.pid, "CONT");
+        }
+    }
+}
+
+/// Sends `SIG<sig>` to `pid` with kill(1) (the crate has no `unsafe`, so no libc).
+fn signal(pid: u32, sig: &str) -> Result<(), DevClusterError> {
+    let context = || format!("kill -{sig} {pid}");
+    let status = std::process::Command::new("kill")
+        .arg(format!("-{sig}"))
+        .arg(pid.to_string())
+        .status()
+        .map_err(|source| DevClusterError::Io {
+            context: context(),
+            source,
+        })?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(DevClusterError::Io {
+            context: context(),
+            source: std::io::Error::other(format!("exited with {status}")),
+        })
     }
 }
 

@@ -156,11 +156,14 @@ pub fn build_state(
         persist,
         drain.clone(),
     );
-    let authz = Arc::new(crate::auth::authz::Authorizer::new(
-        upstream.clone(),
-        c.authorization_allow_ttl,
-        c.authorization_deny_ttl,
-    ));
+    let authz = Arc::new(
+        crate::auth::authz::Authorizer::new(
+            upstream.clone(),
+            c.authorization_allow_ttl,
+            c.authorization_deny_ttl,
+        )
+        .with_stale_while_unreachable(config.authentication.stale_while_unreachable),
+    );
     if c.authorization_follow_rbac {
         authz.follow_rbac(&caches, drain.clone());
     }
@@ -195,6 +198,10 @@ pub fn build_state(
         tenancy: tenancy.clone(),
     }));
     metrics.register_collector(Box::new(crate::paging::PagingCollector(paging.clone())));
+    metrics.register_collector(Box::new(crate::app::collectors::UpstreamCollector {
+        upstream: upstream.clone(),
+        max_staleness: c.max_staleness,
+    }));
     let downstream = Arc::new(crate::http::budget::Downstream::new(
         config.server.downstream_buffer_bytes,
         config.server.connection_buffer_bytes,

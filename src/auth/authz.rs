@@ -20,6 +20,12 @@
 //! cancelled, a waiter takes over; an error is shared by the waiters of that flight and not
 //! cached.
 //!
+//! While the apiserver is unreachable (no answer at all, see
+//! [`crate::upstream::reachability`]), no review is sent, and an allowed decision obtained
+//! before for the same identity and attributes (and the same RBAC generations) is served
+//! stale for up to `authentication.staleWhileUnreachable` past its TTL; a denial obtained
+//! since voids it. Anything else still fails closed with 503.
+//!
 //! Client-certificate callers asking to impersonate (`Impersonate-*`) are authorized here
 //! too ([`Authorizer::impersonate`]), as the apiserver's impersonation filter does: the
 //! proxy's own credentials carry their requests, so the apiserver cannot check them.
@@ -71,6 +77,14 @@ pub enum Decision {
     Error(String),
 }
 
+/// Why a review gave no decision (shared by the waiters of one flight, never cached).
+#[derive(Debug)]
+struct Failure {
+    message: String,
+    /// The apiserver gave no answer at all (see [`crate::upstream::reachability`]).
+    unreachable: bool,
+}
+
 /// Counters for the metrics layer.
 #[derive(Debug, Default)]
 pub struct AuthzStats {
@@ -79,6 +93,9 @@ pub struct AuthzStats {
     pub errors: AtomicU64,
     pub cache_hits: AtomicU64,
     pub cache_misses: AtomicU64,
+    /// Allowed decisions served past their TTL because the apiserver was unreachable (also
+    /// counted in `allowed`).
+    pub stale: AtomicU64,
     /// Times cached decisions were forgotten because RBAC objects changed (per scope: the
     /// cluster, or one namespace).
     pub rbac_invalidations: AtomicU64,
@@ -130,9 +147,13 @@ pub struct Authorizer {
     upstream: Upstream,
     /// Allow and Deny decisions, each kept for its own TTL ([`DecisionTtl`]); never errors.
     decisions: moka::future::Cache<[u8; 32], Decision>,
+    /// Keys of allowed decisions, kept `staleWhileUnreachable` past the allow TTL, served
+    /// only while the apiserver cannot be reached; a denial removes its key. `None`: off.
+    stale: Option<moka::future::Cache<[u8; 32], ()>>,
     generations: Generations,
     timeout: Duration,
     pub stats: AuthzStats,
+    allow_ttl: Duration,
 }
 
 impl std::fmt::Debug for Authorizer {
@@ -346,10 +367,24 @@ impl Authorizer {
                     deny: deny_ttl.max(Duration::from_millis(1)),
                 })
                 .build(),
+            stale: None,
             generations: Generations::default(),
             timeout: Duration::from_secs(5),
             stats: AuthzStats::default(),
+            allow_ttl,
         }
+    }
+
+    /// Serves allowed decisions up to `stale` past their TTL while the apiserver is
+    /// unreachable (`authentication.staleWhileUnreachable`; zero: never).
+    pub fn with_stale_while_unreachable(mut self, stale: Duration) -> Authorizer {
+        self.stale = (!stale.is_zero()).then(|| {
+            moka::future::Cache::builder()
+                .max_capacity(200_000)
+                .time_to_live(self.allow_ttl.saturating_add(stale))
+                .build()
+        });
+        self
     }
 
     fn key(&self, id: &Identity, a: &Attributes) -> [u8; 32] {
@@ -393,13 +428,48 @@ impl Authorizer {
             .decisions
             .try_get_with(key, async {
                 led.store(true, Relaxed);
-                match tokio::time::timeout(self.timeout, self.review(id, a)).await {
-                    Ok(Decision::Error(e)) => Err(e),
-                    Ok(d) => Ok(d),
-                    Err(_) => Err("access review timed out".to_string()),
+                let reachability = self.upstream.reachability();
+                if let Some(o) = reachability.outage() {
+                    return Err(Failure {
+                        message: format!(
+                            "access review not sent: the apiserver has been unreachable for {}s",
+                            o.duration().as_secs()
+                        ),
+                        unreachable: true,
+                    });
                 }
+                let r = match tokio::time::timeout(self.timeout, self.review(id, a)).await {
+                    Ok(r) => r,
+                    Err(_) => Err(Failure {
+                        message: "access review timed out".to_string(),
+                        unreachable: true,
+                    }),
+                };
+                match &r {
+                    Err(f) if f.unreachable => reachability.unreachable(&f.message),
+                    Err(_) => {}
+                    Ok(d) => {
+                        if let Some(stale) = &self.stale {
+                            if *d == Decision::Allow {
+                                stale.insert(key, ()).await;
+                            } else {
+                                // A denial voids what was remembered of this question.
+                                stale.invalidate(&key).await;
+                            }
+                        }
+                    }
+                }
+                r
             })
             .await;
+        let r = match r {
+            Err(e) if e.unreachable && self.stale_allowed(&key).await => {
+                self.stats.stale.fetch_add(1, Relaxed);
+                tracing::debug!(user = %id.user, "apiserver unreachable; allowed decision served stale");
+                Ok(Decision::Allow)
+            }
+            r => r,
+        };
         if led.load(Relaxed) {
             self.stats.cache_misses.fetch_add(1, Relaxed);
         } else {
@@ -427,11 +497,20 @@ impl Authorizer {
             }
             Err(e) => {
                 self.stats.errors.fetch_add(1, Relaxed);
-                if led.load(Relaxed) {
-                    tracing::warn!(error = %e, "access review failed; request refused (fail closed)");
+                // An outage is logged once, where it is found (`upstream::reachability`).
+                if led.load(Relaxed) && !e.unreachable {
+                    tracing::warn!(error = %e.message, "access review failed; request refused (fail closed)");
                 }
-                Decision::Error(e.to_string())
+                Decision::Error(e.message.clone())
             }
+        }
+    }
+
+    /// Whether an allowed decision for `key` is remembered beyond its TTL.
+    async fn stale_allowed(&self, key: &[u8; 32]) -> bool {
+        match &self.stale {
+            Some(s) => s.get(key).await.is_some(),
+            None => false,
         }
     }
 
@@ -474,7 +553,16 @@ impl Authorizer {
         }
     }
 
-    async fn review(&self, id: &Identity, a: &Attributes) -> Decision {
+    async fn review(&self, id: &Identity, a: &Attributes) -> Result<Decision, Failure> {
+        // No answer at all (the apiserver may have answered before: a stale decision may do).
+        let unreachable = |message| Failure {
+            message,
+            unreachable: true,
+        };
+        let failed = |message| Failure {
+            message,
+            unreachable: false,
+        };
         let body = review_body(id, a);
         let mut req = Request::new(body::full(body.to_string()));
         *req.method_mut() = Method::POST;
@@ -489,28 +577,28 @@ impl Authorizer {
             .insert(header::ACCEPT, HeaderValue::from_static("application/json"));
         let resp = match self.upstream.send(req, As::Proxy, false).await {
             Ok(r) => r,
-            Err(e) => return Decision::Error(format!("access review: {e}")),
+            Err(e) => return Err(unreachable(format!("access review: {e}"))),
         };
         let status = resp.status();
         let bytes = match resp.into_body().collect().await {
             Ok(b) => b.to_bytes(),
-            Err(e) => return Decision::Error(format!("access review: {e}")),
+            Err(e) => return Err(unreachable(format!("access review: {e}"))),
         };
         if !status.is_success() {
-            return Decision::Error(format!("access review returned {status}"));
+            return Err(failed(format!("access review returned {status}")));
         }
         match serde_json::from_slice::<Review>(&bytes) {
             Ok(Review {
                 status: Some(s), ..
-            }) if s.allowed => Decision::Allow,
+            }) if s.allowed => Ok(Decision::Allow),
             Ok(Review { status: Some(s) }) => {
                 if !s.evaluation_error.is_empty() {
                     tracing::debug!(error = %s.evaluation_error, "access review evaluation error");
                 }
-                Decision::Deny(Arc::from(s.reason))
+                Ok(Decision::Deny(Arc::from(s.reason)))
             }
-            Ok(Review { status: None }) => Decision::Deny(Arc::from("")),
-            Err(e) => Decision::Error(format!("access review: {e}")),
+            Ok(Review { status: None }) => Ok(Decision::Deny(Arc::from(""))),
+            Err(e) => Err(failed(format!("access review: {e}"))),
         }
     }
 
@@ -747,6 +835,64 @@ mod tests {
         let mut g = id("u");
         g.groups.push("system:masters".into());
         assert_ne!(z.key(&id("u"), &a), z.key(&g, &a));
+    }
+
+    /// An apiserver address nothing listens on: bound, then closed.
+    fn closed_port_upstream() -> Upstream {
+        crate::http::tls::install_crypto_provider();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let kube = kube::Config::new(format!("http://127.0.0.1:{port}").parse().unwrap());
+        Upstream::new(&kube, &crate::config::UpstreamConfig::default()).unwrap()
+    }
+
+    #[tokio::test]
+    async fn allowed_decisions_are_served_stale_only_for_their_question_while_unreachable() {
+        let a = Attributes {
+            verb: "list".into(),
+            version: "v1".into(),
+            resource: "configmaps".into(),
+            ..Default::default()
+        };
+        let z = Authorizer::new(closed_port_upstream(), Duration::ZERO, Duration::ZERO)
+            .with_stale_while_unreachable(Duration::from_secs(300));
+        // As if the apiserver had allowed alice this list before.
+        let key = z.key(&id("alice"), &a);
+        z.stale.as_ref().unwrap().insert(key, ()).await;
+        // The review gets no answer (connection refused): the outage starts, and the
+        // decision obtained before is served stale.
+        assert_eq!(z.authorize(&id("alice"), &a).await, Decision::Allow);
+        assert!(z.upstream.reachability().is_unreachable());
+        assert_eq!(z.stats.stale.load(Relaxed), 1);
+        // Never for another identity or another question.
+        assert!(matches!(
+            z.authorize(&id("bob"), &a).await,
+            Decision::Error(_)
+        ));
+        let mut get = a.clone();
+        get.verb = "get".into();
+        assert!(matches!(
+            z.authorize(&id("alice"), &get).await,
+            Decision::Error(_)
+        ));
+        // Nor after an RBAC change voided the decisions of its scope.
+        z.invalidate(&Scope::Cluster);
+        assert!(matches!(
+            z.authorize(&id("alice"), &a).await,
+            Decision::Error(_)
+        ));
+        assert_eq!(z.stats.stale.load(Relaxed), 1);
+        // Off with zero.
+        let off = Authorizer::new(closed_port_upstream(), Duration::ZERO, Duration::ZERO)
+            .with_stale_while_unreachable(Duration::ZERO);
+        assert!(off.stale.is_none());
+        assert!(matches!(
+            off.authorize(&id("alice"), &a).await,
+            Decision::Error(_)
+        ));
     }
 
     fn authorizer() -> Authorizer {

@@ -79,6 +79,8 @@ pub struct Metrics {
     pub downstream_buffered: Gauge,
     /// Response bodies that waited for a budget (`budget`: `connection` or `process`).
     pub downstream_waits: Family<BudgetLabels, Counter>,
+    /// Reads answered from the cache with a `Warning` because the apiserver was unreachable.
+    pub degraded_reads: Counter,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -122,6 +124,12 @@ impl Metrics {
         let upstream_up = Gauge::default();
         let downstream_buffered = Gauge::default();
         let downstream_waits = Family::<BudgetLabels, Counter>::default();
+        let degraded_reads = Counter::default();
+        registry.register(
+            "kube_cache_proxy_degraded_reads",
+            "Reads answered from the cache, with a Warning header, while the apiserver was unreachable",
+            degraded_reads.clone(),
+        );
         registry.register(
             "kube_cache_proxy_downstream_buffered_bytes",
             "Bytes responses produced for clients that their sockets have not taken yet (server.connectionBufferBytes, server.downstreamBufferBytes bound it)",
@@ -191,6 +199,7 @@ impl Metrics {
             upstream_up,
             downstream_buffered,
             downstream_waits,
+            degraded_reads,
         }
     }
 

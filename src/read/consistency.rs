@@ -201,6 +201,11 @@ impl Consistency {
         if rv <= self.compacted_floor.load(Relaxed) {
             return true;
         }
+        if self.upstream.reachability().is_unreachable() {
+            // No answer would come: as a failed probe, "not compacted" (the snapshot is
+            // consistent).
+            return false;
+        }
         let collection = cache.resource.collection_path(None);
         let listable = self
             .listable
@@ -211,10 +216,15 @@ impl Consistency {
                 *req.uri_mut() = self.upstream.uri(&path);
                 req.headers_mut()
                     .insert(header::ACCEPT, HeaderValue::from_static("application/json"));
-                match self.upstream.send(req, As::Proxy, false).await {
-                    Ok(r) => r.status() != http::StatusCode::GONE,
-                    Err(e) => {
+                let sent = self.upstream.send(req, As::Proxy, false);
+                match tokio::time::timeout(self.timeout, sent).await {
+                    Ok(Ok(r)) => r.status() != http::StatusCode::GONE,
+                    Ok(Err(e)) => {
                         tracing::debug!(error = %e, rv, "compaction probe failed");
+                        true
+                    }
+                    Err(_) => {
+                        tracing::debug!(rv, "compaction probe timed out");
                         true
                     }
                 }
@@ -243,6 +253,11 @@ impl Consistency {
         mode: Mode,
     ) -> Served<Snapshot> {
         use std::sync::atomic::Ordering::Relaxed;
+        // The apiserver alone knows the most recent state, and it cannot be reached: fail at
+        // once rather than wait for a probe or a passthrough that gets no answer.
+        if let Some(o) = self.upstream.reachability().outage() {
+            return Err(crate::read::unreachable(&o).into());
+        }
         let start = Instant::now();
         let ok = match mode {
             Mode::Bounded => {
@@ -288,7 +303,7 @@ impl Consistency {
             .observe(start.elapsed().as_secs_f64());
         if !ok {
             self.stats.fallbacks.fetch_add(1, Relaxed);
-            return delegate("consistent read not confirmed");
+            return delegate(crate::read::NOT_CONFIRMED);
         }
         Ok(cache.current())
     }

@@ -444,7 +444,7 @@ async fn list_inner(
             let snap = match at {
                 ReadAt::Exact(n) => {
                     if cache.rv() < n && !cache.wait_for_rv(n, cx.cfg.wait_for_rv).await {
-                        return delegate("resourceVersion not reached");
+                        return delegate(crate::read::NOT_REACHED);
                     }
                     let Some(snap) = cache.snapshot_at(n) else {
                         return delegate("snapshot older than the history");
@@ -453,7 +453,7 @@ async fn list_inner(
                 }
                 ReadAt::NotOlderThan(n) => {
                     if cache.rv() < n && !cache.wait_for_rv(n, cx.cfg.wait_for_rv).await {
-                        return delegate("resourceVersion not reached");
+                        return delegate(crate::read::NOT_REACHED);
                     }
                     cache.current()
                 }

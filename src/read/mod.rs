@@ -55,3 +55,30 @@ pub type Served<T = Response<Body>> = Result<T, NotServed>;
 pub fn delegate<T>(why: &'static str) -> Served<T> {
     Err(NotServed::Delegate(why))
 }
+
+/// Why a read at a resourceVersion the cache has not reached goes to the apiserver.
+pub const NOT_REACHED: &str = "resourceVersion not reached";
+
+/// Why a read of the most recent state goes to the apiserver.
+pub const NOT_CONFIRMED: &str = "consistent read not confirmed";
+
+/// Whether a read handed to the apiserver for `why` needs state newer than the cache holds:
+/// while the apiserver is unreachable, only it could answer, so the read fails at once
+/// ([`unreachable`]) instead of waiting for a connection that does not come.
+pub fn needs_newer_state(why: &str) -> bool {
+    why == NOT_REACHED || why == NOT_CONFIRMED
+}
+
+/// The answer to a read that needs the apiserver while it is unreachable: 503 with
+/// `Retry-After`, what a client of an apiserver that cannot serve a request gets (client-go
+/// retries it after the delay).
+pub fn unreachable(outage: &crate::upstream::reachability::Outage) -> Status {
+    Status::service_unavailable(
+        format!(
+            "the apiserver has been unreachable for {}s: this read needs state newer than the \
+             proxy's cache holds (reads with resourceVersion=0 are served from the cache)",
+            outage.duration().as_secs()
+        ),
+        1,
+    )
+}

@@ -67,7 +67,7 @@ pub async fn serve(
         && n > cache.rv()
         && !cache.wait_for_rv(n, cfg.wait_for_rv).await
     {
-        return delegate("resourceVersion not reached");
+        return delegate(crate::read::NOT_REACHED);
     }
     let bookmark_interval = if filter.changes.is_some() {
         cfg.bookmark_interval.min(cfg.filtered_bookmark_interval)

@@ -96,7 +96,12 @@ pub async fn handle<B>(state: &State, conn: &ConnInfo, req: Request<B>) -> Respo
         // the listing, as the apiserver does).
         return state
             .health
-            .respond_with(path, query, state.cache_checks())
+            .respond_with(
+                path,
+                query,
+                Some(state.upstream_check()),
+                state.cache_checks(),
+            )
             .unwrap_or_else(not_found);
     }
     if state.config.server.admin_auth == AdminAuth::Kubernetes {

@@ -8,6 +8,11 @@
 //! apiserver ...`): what keeps a replica unready is then visible where the operator looks,
 //! and it names only configuration, no address or credential.
 //! `/readyz/<name>` runs one check; `?exclude=name` skips one (repeatable).
+//!
+//! While the apiserver is unreachable, `upstream` passes for `cache.maxStaleness` with a note
+//! (`[+]upstream ok: degraded: the apiserver has been unreachable for 12s`): the caches still
+//! answer what they can, and every replica losing the same apiserver must not leave the
+//! Service at once. After that it fails ([`Unready::TooStale`]).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -29,6 +34,17 @@ pub enum Unready {
     /// The last probe of the apiserver's `/readyz` failed.
     #[error(transparent)]
     Upstream(Arc<UpstreamNotReady>),
+    /// The apiserver has been unreachable for longer than `cache.maxStaleness`; `cause` is
+    /// the request that found the outage (address and error, for `/readyz/upstream`).
+    #[error(
+        "the apiserver has been unreachable for {}s, longer than cache.maxStaleness ({max:?}): {cause}",
+        unreachable.as_secs()
+    )]
+    TooStale {
+        unreachable: std::time::Duration,
+        max: std::time::Duration,
+        cause: String,
+    },
     /// A cached resource before its first sync; the reason is the cache's.
     #[error("not synced yet: {0}")]
     NotSynced(String),
@@ -173,23 +189,32 @@ impl Health {
 
     /// Answers a health request. `path` is e.g. `/readyz` or `/readyz/upstream`.
     pub fn respond(&self, path: &str, query: Option<&str>) -> Option<Response<Body>> {
-        self.respond_with(path, query, Vec::new())
+        self.respond_with(path, query, None, Vec::new())
     }
 
-    /// As [`Self::respond`], with `extra` readiness checks (one per cached resource). An
-    /// `Ok(Some(note))` check passes and shows its note in the verbose listing (a resource
-    /// that does not gate readiness but is not synced).
+    /// As [`Self::respond`], with the `upstream` check's result given (`Some`: it replaces
+    /// the last probe's, e.g. degraded during an outage) and `extra` readiness checks (one
+    /// per cached resource). An `Ok(Some(note))` check passes and shows its note in the
+    /// verbose listing (a resource that does not gate readiness but is not synced; the
+    /// upstream while degraded).
     pub fn respond_with(
         &self,
         path: &str,
         query: Option<&str>,
+        upstream: Option<CheckResult>,
         extra: Vec<(String, CheckResult)>,
     ) -> Option<Response<Body>> {
         let (ep, single) = Endpoint::from_path(path)?;
         let mut checks: Vec<(String, CheckResult)> = self
             .checks(ep)
             .into_iter()
-            .map(|c| (c.name().to_string(), c.get().map(|()| None)))
+            .map(|c| {
+                let r = match &upstream {
+                    Some(r) if c.name() == self.upstream.name() => r.clone(),
+                    _ => c.get().map(|()| None),
+                };
+                (c.name().to_string(), r)
+            })
             .collect();
         // The first `own` are the proxy's built-in checks (reasons withheld).
         let own = checks.len();
@@ -375,7 +400,9 @@ mod tests {
                 )),
             ),
         ];
-        let r = h.respond_with("/readyz", Some("verbose"), extra).unwrap();
+        let r = h
+            .respond_with("/readyz", Some("verbose"), None, extra)
+            .unwrap();
         assert_eq!(r.status(), 500);
         let b = r.into_body().collect().await.unwrap().to_bytes();
         assert_eq!(
@@ -410,6 +437,41 @@ mod tests {
         assert_eq!(get(&h, "/readyz/shutdown", None).await.0, 500);
         assert_eq!(get(&h, "/livez", None).await.0, 200);
         assert_eq!(get(&h, "/healthz", None).await.0, 200);
+    }
+
+    #[tokio::test]
+    async fn a_degraded_upstream_passes_with_its_note_and_a_stale_one_fails() {
+        let h = Health::new();
+        h.upstream.set(Err(
+            UpstreamNotReady::Send("connection refused".into()).into()
+        ));
+        let note = "degraded: the apiserver has been unreachable for 12s".to_string();
+        let r = h
+            .respond_with("/readyz", Some("verbose"), Some(Ok(Some(note))), Vec::new())
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let b = r.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(
+            String::from_utf8(b.to_vec()).unwrap(),
+            "[+]ping ok\n[+]shutdown ok\n\
+             [+]upstream ok: degraded: the apiserver has been unreachable for 12s\n\
+             readyz check passed\n"
+        );
+        let stale = Unready::TooStale {
+            unreachable: std::time::Duration::from_secs(61),
+            max: std::time::Duration::from_secs(60),
+            cause: "GET /readyz timed out after 5s".to_string(),
+        };
+        let r = h
+            .respond_with("/readyz/upstream", None, Some(Err(stale)), Vec::new())
+            .unwrap();
+        assert_eq!(r.status(), 500);
+        let b = r.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(
+            String::from_utf8(b.to_vec()).unwrap(),
+            "internal server error: the apiserver has been unreachable for 61s, longer than \
+             cache.maxStaleness (60s): GET /readyz timed out after 5s\n"
+        );
     }
 
     #[tokio::test]

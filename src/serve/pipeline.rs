@@ -775,6 +775,14 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
                     refused = true;
                     (status.into_response(), "cache")
                 }
+                Err(NotServed::Delegate(why))
+                    if crate::read::needs_newer_state(why)
+                        && let Some(o) = state.upstream.reachability().outage() =>
+                {
+                    // Only the apiserver has what this read needs, and it cannot be reached.
+                    refused = true;
+                    (crate::read::unreachable(&o).into_response(), "cache")
+                }
                 Err(NotServed::Delegate(why)) => {
                     if info.is_resource_request && info.verb != "create" {
                         tracing::trace!(reason = why, path = %path, "passthrough");
@@ -804,6 +812,16 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
     let mut resp = resp;
     if served_by != "upstream" {
         stamp_apiserver_headers(audit_id.as_ref(), resp.headers_mut());
+    }
+    // Served from memory while the apiserver cannot be reached: say so, as the apiserver
+    // says what a client should know about its answer (client-go logs warnings).
+    if served_by == "cache"
+        && resp.status().is_success()
+        && let Some(o) = state.upstream.reachability().outage()
+        && let Ok(v) = http::HeaderValue::from_str(&o.warning())
+    {
+        resp.headers_mut().append(header::WARNING, v);
+        state.metrics.degraded_reads.inc();
     }
     if watch_fields.is_some() && resp.status().is_success() {
         let applied = if served_by == "cache" {

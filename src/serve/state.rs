@@ -92,6 +92,30 @@ impl State {
             .collect()
     }
 
+    /// The `upstream` readiness check: while the apiserver is unreachable, degraded (passing,
+    /// with a note) for `cache.maxStaleness`, then failing; otherwise the last probe's result.
+    pub fn upstream_check(&self) -> CheckResult {
+        match self.upstream.reachability().outage() {
+            Some(o) => {
+                let (unreachable, max) = (o.duration(), self.config.cache.max_staleness);
+                if unreachable <= max {
+                    Ok(Some(format!(
+                        "degraded: the apiserver has been unreachable for {}s (cache.maxStaleness {}s)",
+                        unreachable.as_secs(),
+                        max.as_secs()
+                    )))
+                } else {
+                    Err(Unready::TooStale {
+                        unreachable,
+                        max,
+                        cause: o.cause,
+                    })
+                }
+            }
+            None => self.health.upstream.get().map(|()| None),
+        }
+    }
+
     /// Probes the upstream's `/readyz` with the proxy's own identity until draining starts.
     pub fn spawn_upstream_probe(self: &Arc<Self>) {
         let this = self.clone();
@@ -108,7 +132,23 @@ impl State {
                     tracing::warn!(error = %e, "upstream apiserver is not ready");
                 }
                 this.metrics.upstream_up.set(i64::from(r.is_ok()));
+                let reachability = this.upstream.reachability();
+                let answered = !matches!(
+                    r,
+                    Err(UpstreamNotReady::TimedOut(_) | UpstreamNotReady::Send(_))
+                );
+                if !answered && let Err(e) = &r {
+                    // No answer: an outage (the first report starts it).
+                    reachability.unreachable(e);
+                }
+                // The check first, then the end of the outage: readiness never sees the old
+                // failure without the outage that keeps it degraded.
                 this.health.upstream.set(r.map_err(Unready::from));
+                if answered {
+                    // An answer, even "not ready": reachable (only this probe ends an
+                    // outage, see `upstream::reachability`).
+                    reachability.reachable();
+                }
             }
         });
     }

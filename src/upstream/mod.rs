@@ -18,6 +18,9 @@
 //! never take one of those slots or the 101st watch would hang. Redirects are never followed: hyper's client does not follow them,
 //! and the proxy relays a 3xx to its caller as it came.
 
+pub mod reachability;
+
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Request, Response, Uri};
@@ -77,6 +80,8 @@ pub struct Upstream {
     latency: std::sync::Arc<crate::metrics::window::LatencyWindow>,
     /// Spans of the proxy's own upstream work (the cache's LIST and WATCH); off by default.
     telemetry: crate::telemetry::Telemetry,
+    /// Whether the apiserver can be reached, shared by every clone.
+    reachability: Arc<reachability::Reachability>,
 }
 
 impl std::fmt::Debug for Upstream {
@@ -259,6 +264,7 @@ impl Upstream {
             proxy_h1: build(proxy_tls, false, auth()?),
             latency: Default::default(),
             telemetry: Default::default(),
+            reachability: Default::default(),
         })
     }
 
@@ -280,6 +286,11 @@ impl Upstream {
 
     pub fn telemetry(&self) -> &crate::telemetry::Telemetry {
         &self.telemetry
+    }
+
+    /// Whether the apiserver can be reached (see [`reachability`]).
+    pub fn reachability(&self) -> &reachability::Reachability {
+        &self.reachability
     }
 
     pub fn base(&self) -> &Uri {

@@ -19,5 +19,6 @@ mod deploy;
 mod differential;
 mod ha;
 mod lists;
+mod outage;
 mod paging;
 mod watch_validator;

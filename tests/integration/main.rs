@@ -15,6 +15,7 @@ mod fake_apiserver;
 mod lists;
 mod ops;
 mod otel;
+mod outage;
 mod paging;
 mod passthrough;
 mod reflector;

@@ -483,7 +483,11 @@ async fn an_unreachable_apiserver_is_named_with_address_and_cause() {
         .local_addr()
         .unwrap()
         .port();
-    let proxy = TestProxy::start(&format!("http://127.0.0.1:{port}"), |_| {}).await;
+    // Not ready at once (no degraded time), so `/readyz/upstream` names why.
+    let proxy = TestProxy::start(&format!("http://127.0.0.1:{port}"), |c| {
+        c.cache.max_staleness = std::time::Duration::ZERO;
+    })
+    .await;
     let addr = format!("127.0.0.1:{port}");
     let body = eventually("a failed upstream probe", BOUND, async || {
         let (code, body) = proxy.admin_get("/readyz/upstream").await;

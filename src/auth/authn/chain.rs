@@ -36,6 +36,17 @@ struct Verification {
     reviewed: bool,
     /// The Secret an offline-verified token is bound to (name, uid).
     secret: Option<Arc<(String, String)>>,
+    /// For [`Outcome::Unavailable`]: the apiserver gave no answer at all (see
+    /// [`ReviewError::is_unreachable`]).
+    unreachable: bool,
+}
+
+/// Why a token could not be judged (shared by the waiters of one flight).
+#[derive(Debug)]
+struct Unavailable {
+    message: String,
+    /// The apiserver gave no answer: a verdict it gave before may be served stale.
+    unreachable: bool,
 }
 
 /// The result of authenticating one request.
@@ -66,6 +77,10 @@ pub struct Authenticator {
     /// Offline-only JWT verdicts for [`Authenticator::identify_offline`] (no revocation check,
     /// so never mixed with `verdicts`); a signature check costs ~0.3 ms.
     offline: Verdicts,
+    /// Successful verdicts kept `staleWhileUnreachable` past `cacheTtl` (never past the
+    /// token's `exp`), served only while the apiserver cannot be reached and only for the
+    /// token they were given for; a refusal of the token removes its entry. `None`: off.
+    stale: Option<Verdicts>,
     /// Bounds each TokenReview (and each JWKS fetch).
     timeout: Duration,
     /// The caches the ServiceAccount lookup reads (`serviceAccountLookup`; see `liveness`).
@@ -124,6 +139,12 @@ impl Authenticator {
         Ok(Authenticator {
             verdicts: verdicts(cfg.cache_ttl, cfg.failure_cache_ttl),
             offline: verdicts(cfg.cache_ttl, cfg.failure_cache_ttl),
+            stale: (!cfg.stale_while_unreachable.is_zero()).then(|| {
+                verdicts(
+                    cfg.cache_ttl.saturating_add(cfg.stale_while_unreachable),
+                    Duration::ZERO,
+                )
+            }),
             jwks: Jwks::new(
                 upstream.clone(),
                 cfg.jwks_refresh_interval,
@@ -255,11 +276,35 @@ impl Authenticator {
             Ok(Cached {
                 outcome: Err(m), ..
             }) => (Outcome::Unauthorized, m),
-            Err(e) => (
-                Outcome::Unavailable(e.to_string()),
-                Some(AuthnMethod::TokenReview),
-            ),
+            Err(e) => {
+                if e.unreachable
+                    && let Some((id, m)) = self.stale_verdict(&key).await
+                {
+                    self.stats.stale.fetch_add(1, Relaxed);
+                    tracing::debug!(user = %id.user, "apiserver unreachable; verdict served stale");
+                    return (Outcome::Authenticated(id, m), None);
+                }
+                (
+                    Outcome::Unavailable(e.message.clone()),
+                    Some(AuthnMethod::TokenReview),
+                )
+            }
         }
+    }
+
+    /// A success remembered for the token `key` beyond its TTL (`staleWhileUnreachable`),
+    /// unless the proxy's copy of the ServiceAccounts doubts it (an account deleted or
+    /// re-created since the verdict: a revocation the proxy did see).
+    async fn stale_verdict(&self, key: &[u8; 32]) -> Option<(Arc<Identity>, AuthnMethod)> {
+        let c = self.stale.as_ref()?.get(key).await?;
+        let Ok((id, m)) = c.outcome else {
+            return None;
+        };
+        if let Live::Doubt(what) = self.live(&id, m, c.secret.as_deref()) {
+            tracing::debug!(user = %id.user, missing = what, "stale verdict in doubt; not served");
+            return None;
+        }
+        Some((id, m))
     }
 
     /// The caller of a passthrough request, for tenant quotas, without asking the apiserver
@@ -314,7 +359,11 @@ impl Authenticator {
 
     /// The verdict on `token` (hash `key`), from the cache or by running the chain; `true`
     /// when this call ran it (the flight's leader).
-    async fn verdict(&self, key: [u8; 32], token: &str) -> (Result<Cached, Arc<String>>, bool) {
+    async fn verdict(
+        &self,
+        key: [u8; 32],
+        token: &str,
+    ) -> (Result<Cached, Arc<Unavailable>>, bool) {
         let led = std::sync::atomic::AtomicBool::new(false);
         let r = self
             .verdicts
@@ -323,19 +372,34 @@ impl Authenticator {
                 let v = self.authenticate_token(token).await;
                 let reviewed = v.reviewed.then(std::time::Instant::now);
                 match v.outcome {
-                    Outcome::Authenticated(id, m) => Ok(Cached {
-                        outcome: Ok((id, m)),
-                        until: v.until,
-                        reviewed,
-                        secret: v.secret,
+                    Outcome::Authenticated(id, m) => {
+                        let c = Cached {
+                            outcome: Ok((id, m)),
+                            until: v.until,
+                            reviewed,
+                            secret: v.secret,
+                        };
+                        if let Some(stale) = &self.stale {
+                            stale.insert(key, c.clone()).await;
+                        }
+                        Ok(c)
+                    }
+                    Outcome::Unauthorized => {
+                        // A refusal voids what was remembered of the token.
+                        if let Some(stale) = &self.stale {
+                            stale.invalidate(&key).await;
+                        }
+                        Ok(Cached {
+                            outcome: Err(v.refused_by),
+                            until: None,
+                            reviewed,
+                            secret: None,
+                        })
+                    }
+                    Outcome::Unavailable(message) => Err(Unavailable {
+                        message,
+                        unreachable: v.unreachable,
                     }),
-                    Outcome::Unauthorized => Ok(Cached {
-                        outcome: Err(v.refused_by),
-                        until: None,
-                        reviewed,
-                        secret: None,
-                    }),
-                    Outcome::Unavailable(e) => Err(e),
                 }
             })
             .await;
@@ -363,6 +427,7 @@ impl Authenticator {
             refused_by,
             reviewed,
             secret: None,
+            unreachable: false,
         };
         if let Some(u) = self.static_tokens.get(&sha256(token.as_bytes())) {
             let (id, m) = self.static_identity(u);
@@ -409,12 +474,10 @@ impl Authenticator {
                                 );
                             }
                             Err(e) => {
-                                return done(
-                                    Outcome::Unavailable(e.to_string()),
-                                    None,
-                                    None,
-                                    false,
-                                );
+                                return Verification {
+                                    unreachable: e.is_unreachable(),
+                                    ..done(Outcome::Unavailable(e.to_string()), None, None, false)
+                                };
                             }
                         }
                     }
@@ -445,7 +508,10 @@ impl Authenticator {
                 Some(AuthnMethod::TokenReview),
                 true,
             ),
-            Err(e) => done(Outcome::Unavailable(e.to_string()), None, None, false),
+            Err(e) => Verification {
+                unreachable: e.is_unreachable(),
+                ..done(Outcome::Unavailable(e.to_string()), None, None, false)
+            },
         }
     }
 
@@ -581,6 +647,91 @@ mod tests {
             }
             assert_eq!(a.stats.cache_hits.load(Relaxed), hits, "ttl {ttl:?}");
         }
+    }
+
+    #[tokio::test]
+    async fn verdicts_are_served_stale_only_for_their_token_while_unreachable() {
+        crate::http::tls::install_crypto_provider();
+        // An apiserver address nothing listens on: every TokenReview is refused.
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let kube = kube::Config::new(format!("http://127.0.0.1:{port}").parse().unwrap());
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("tokens.csv");
+        std::fs::write(&file, "tok-1,carol,uid-3\n").unwrap();
+        let authenticator = |stale| {
+            let up = Upstream::new(&kube, &crate::config::UpstreamConfig::default()).unwrap();
+            let cfg = AuthenticationConfig {
+                token_auth_file: Some(file.clone()),
+                service_account_jwt: false,
+                cache_ttl: Duration::ZERO,
+                stale_while_unreachable: stale,
+                ..AuthenticationConfig::default()
+            };
+            Authenticator::new(cfg, |_: &Identity| String::new(), up).unwrap()
+        };
+        let a = authenticator(Duration::from_secs(300));
+        // As if a TokenReview had vouched for `t1` before.
+        let (id, m) = a.finish(
+            Identity {
+                user: "alice".into(),
+                ..Identity::anonymous()
+            },
+            AuthnMethod::TokenReview,
+        );
+        let vouched = Cached {
+            outcome: Ok((id, m)),
+            until: None,
+            reviewed: None,
+            secret: None,
+        };
+        let stale = a.stale.as_ref().unwrap();
+        stale.insert(sha256(b"t1"), vouched.clone()).await;
+        let Outcome::Authenticated(id, m) = a.authenticate(None, &headers(Some("Bearer t1"))).await
+        else {
+            panic!("not served stale");
+        };
+        assert_eq!((id.user.as_str(), m), ("alice", AuthnMethod::TokenReview));
+        assert_eq!(a.stats.stale.load(Relaxed), 1);
+        assert!(a.upstream.reachability().is_unreachable());
+        // Another token: no verdict to serve, 503.
+        assert!(matches!(
+            a.authenticate(None, &headers(Some("Bearer t2"))).await,
+            Outcome::Unavailable(_)
+        ));
+        // Past the token's `exp`: gone.
+        stale
+            .insert(
+                sha256(b"t3"),
+                Cached {
+                    until: Some(super::super::verdict::now_unix().saturating_sub(1)),
+                    ..vouched
+                },
+            )
+            .await;
+        assert!(matches!(
+            a.authenticate(None, &headers(Some("Bearer t3"))).await,
+            Outcome::Unavailable(_)
+        ));
+        assert_eq!(a.stats.stale.load(Relaxed), 1);
+        // A token the proxy verifies itself keeps verifying, nothing stale about it.
+        let Outcome::Authenticated(id, m) =
+            a.authenticate(None, &headers(Some("Bearer tok-1"))).await
+        else {
+            panic!("a token-file token refused while the apiserver is unreachable");
+        };
+        assert_eq!((id.user.as_str(), m), ("carol", AuthnMethod::StaticToken));
+        assert_eq!(a.stats.stale.load(Relaxed), 1);
+        // Off with zero.
+        let off = authenticator(Duration::ZERO);
+        assert!(off.stale.is_none());
+        assert!(matches!(
+            off.authenticate(None, &headers(Some("Bearer t1"))).await,
+            Outcome::Unavailable(_)
+        ));
     }
 
     fn offline_authenticator(cfg: AuthenticationConfig) -> Authenticator {

@@ -19,7 +19,11 @@
 //! requests with the same token share one verification (single flight, moka's
 //! `try_get_with`): a thousand watchers starting at once cost one TokenReview. An apiserver
 //! that cannot answer a TokenReview is not a failure of the caller: it is not cached (the
-//! waiters of that one flight share it) and the request fails closed with 503.
+//! waiters of that one flight share it) and the request fails closed with 503. While the
+//! apiserver is unreachable (no answer at all, [`crate::upstream::reachability`]), no
+//! TokenReview is sent, and a success verified before for the same token is served stale for
+//! `staleWhileUnreachable` past its TTL (never past the token's `exp`, never when the
+//! ServiceAccount lookup doubts it; a refusal of the token since removes it).
 //!
 //! Failures are counted by the method that refused the credential (`none` for a request
 //! without usable credentials). The JWKS is refreshed in the background every

@@ -26,6 +26,24 @@ pub enum ReviewError {
     Status(StatusCode),
     #[error("token review: {0}")]
     Decode(#[source] serde_json::Error),
+    /// Not asked: the apiserver is known to be unreachable (waiting for the review's timeout
+    /// on every request would only hold the caller up).
+    #[error("token review not sent: the apiserver has been unreachable for {}s", .0.duration().as_secs())]
+    Unreachable(crate::upstream::reachability::Outage),
+}
+
+impl ReviewError {
+    /// The apiserver gave no answer (as opposed to an answer the proxy could not use): a
+    /// verdict it gave before may then be served stale (`staleWhileUnreachable`).
+    pub fn is_unreachable(&self) -> bool {
+        matches!(
+            self,
+            ReviewError::Timeout
+                | ReviewError::Send(_)
+                | ReviewError::Body(_)
+                | ReviewError::Unreachable(_)
+        )
+    }
 }
 
 /// A TokenReview with the proxy's credentials: `Ok(None)` when the apiserver says the
@@ -71,17 +89,23 @@ pub(super) async fn token_review(
     );
     req.headers_mut()
         .insert(header::ACCEPT, HeaderValue::from_static("application/json"));
+    if let Some(o) = upstream.reachability().outage() {
+        return Err(ReviewError::Unreachable(o));
+    }
+    let unreachable = |e: ReviewError| {
+        upstream.reachability().unreachable(&e);
+        e
+    };
     let fut = upstream.send(req, As::Proxy, false);
     let resp = tokio::time::timeout(timeout, fut)
         .await
-        .map_err(|_| ReviewError::Timeout)?
-        .map_err(ReviewError::Send)?;
+        .map_err(|_| unreachable(ReviewError::Timeout))?
+        .map_err(|e| unreachable(ReviewError::Send(e)))?;
     let status = resp.status();
-    let b = resp
-        .into_body()
-        .collect()
+    let b = tokio::time::timeout(timeout, resp.into_body().collect())
         .await
-        .map_err(ReviewError::Body)?
+        .map_err(|_| unreachable(ReviewError::Timeout))?
+        .map_err(|e| unreachable(ReviewError::Body(e)))?
         .to_bytes();
     if !status.is_success() {
         return Err(ReviewError::Status(status));

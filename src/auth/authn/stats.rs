@@ -35,6 +35,9 @@ pub struct AuthnStats {
     pub unauthorized: [AtomicU64; 6],
     /// TokenReviews the apiserver could not answer (503).
     pub unavailable: AtomicU64,
+    /// Successes served from a verdict past its TTL because the apiserver was unreachable
+    /// (`authentication.staleWhileUnreachable`); also counted in `ok`.
+    pub stale: AtomicU64,
     pub cache_hits: AtomicU64,
     pub jwks_fetches: AtomicU64,
     pub jwks_fetch_failures: AtomicU64,

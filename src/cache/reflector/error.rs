@@ -170,6 +170,17 @@ pub enum ReflectorError {
 }
 
 impl ReflectorError {
+    /// The apiserver gave no answer (the request could not be sent, or nothing came back in
+    /// time): reported to [`crate::upstream::reachability`].
+    pub fn is_unreachable(&self) -> bool {
+        matches!(
+            self,
+            ReflectorError::Transport { .. } | ReflectorError::Timeout { .. }
+        )
+    }
+}
+
+impl ReflectorError {
     pub(super) fn status(&self) -> Option<&ApiStatus> {
         match self {
             ReflectorError::Status { status, .. } => Some(status),

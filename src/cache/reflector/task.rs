@@ -186,6 +186,9 @@ impl Reflector {
                     }
                     Err((err, on_continue)) => {
                         ReflectorStats::inc(&self.stats.list_errors);
+                        if err.is_unreachable() {
+                            self.upstream.reachability().unreachable(&err);
+                        }
                         warn!(error = %err, reason = reason.as_str(), "list failed");
                         after_list_error(
                             &err,
@@ -217,6 +220,9 @@ impl Reflector {
                     }
                     WatchEnd::Refused(e) | WatchEnd::Broken(e) => {
                         ReflectorStats::inc(&self.stats.watch_errors);
+                        if matches!(out.end, WatchEnd::Refused(_)) && e.is_unreachable() {
+                            self.upstream.reachability().unreachable(e);
+                        }
                         warn!(from = rv, last_rv = out.last_rv, error = %e, "watch failed");
                     }
                     WatchEnd::ErrorEvent(s) => {

@@ -125,6 +125,8 @@ struct Shared {
     review_delay: Mutex<Duration>,
     /// While set, access and token reviews answer 500 (see [`Faults::fail_reviews`]).
     fail_reviews: AtomicBool,
+    /// While true, requests are accepted and never answered (see [`Faults::set_freeze`]).
+    frozen: tokio::sync::watch::Sender<bool>,
     /// The ServiceAccount issuer and JWKS served (see [`Faults::set_jwks`]).
     jwks: Mutex<Option<(String, String)>>,
     /// The `/metrics` text for the n-th scrape (see [`Faults::set_metrics`]), and scrapes so far.
@@ -165,6 +167,7 @@ impl FakeApiServer {
             only_in: Mutex::new(std::collections::HashMap::new()),
             review_delay: Mutex::new(Duration::ZERO),
             fail_reviews: AtomicBool::new(false),
+            frozen: tokio::sync::watch::channel(false).0,
             jwks: Mutex::new(None),
             metrics: Mutex::new((Arc::new(|_| String::new()), 0)),
             shutdown: CancellationToken::new(),
@@ -346,6 +349,15 @@ impl Faults {
     /// Delays every response (including injected failures and watch headers) by `d`.
     pub fn set_delay(&self, d: Duration) {
         *lock(&self.shared.delay) = d;
+    }
+
+    /// While on, the fake is as a kube-apiserver stopped with SIGSTOP: connections are
+    /// accepted (the kernel still completes the handshake) and requests arrive, but nothing is
+    /// answered and open watches deliver nothing; off, the waiting requests are answered and
+    /// the held watch events delivered, in order.
+    pub fn set_freeze(&self, on: bool) {
+        self.shared.store().hold_events(on);
+        self.shared.frozen.send_replace(on);
     }
 
     /// While on, new connections are closed right after accept, and requests arriving on

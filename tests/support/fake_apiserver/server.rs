@@ -59,6 +59,8 @@ pub(super) async fn handle(
     if shared.refuse.load(Ordering::SeqCst) {
         return Err("connection refused by fault injection".into());
     }
+    // Frozen (`Faults::set_freeze`): no answer until thawed.
+    let _ = shared.frozen.subscribe().wait_for(|frozen| !*frozen).await;
     let injected = {
         let mut fail = lock(&shared.fail_next);
         if fail.0 > 0 {

@@ -62,7 +62,9 @@ const WORKLOAD: Workload = Workload {
 const DEFAULT_RUNS: usize = 200;
 /// Runs of the ignored long variant.
 const LONG_RUNS: usize = 1000;
-/// Runs at a time: a run mostly waits (backoffs, pacing), so a few overlap on two cores.
+/// Runs at a time (`KCP_FAULT_CONCURRENCY` overrides): a run waits much of its time
+/// (backoffs, pacing), so a few overlap on two cores; more only load the machine (200 runs
+/// took 86 s 4 at a time, 92 s 8 at a time), which is a test of its own.
 const CONCURRENCY: usize = 4;
 /// Guard against hangs only; the outcome does not depend on it.
 const GUARD: Duration = Duration::from_secs(60);
@@ -223,6 +225,8 @@ struct Outcome {
     watcher_relists: usize,
     proxy_relists: u64,
     absorbed: usize,
+    /// Watchers the proxy closed as slow.
+    closed_slow: u64,
     /// The run failed before validation (a guard ran out, a panic).
     failure: Option<String>,
     took: Duration,
@@ -422,6 +426,7 @@ async fn faulted_run(seed: u64) -> Outcome {
 
     let mut hostile = Hostile::default();
     let mut proxy_relists = 0;
+    let mut closed_slow = 0;
     let mut absorbed = Vec::new();
     let mut steps = plan.steps.iter().peekable();
     let mut written = 0;
@@ -505,6 +510,7 @@ async fn faulted_run(seed: u64) -> Outcome {
                 Fault::ProxyRestart => {
                     let e = epochs.bump(true);
                     proxy_relists += cache.relists();
+                    closed_slow += cache.hub.stats.closed_slow.load(Ordering::Relaxed);
                     absorbed.extend(cache.absorbed_relists());
                     hostile = Hostile::default();
                     proxy = proxy.restart(&fake.url(), tweak).await;
@@ -545,6 +551,7 @@ async fn faulted_run(seed: u64) -> Outcome {
     }
     drop(hostile);
     proxy_relists += cache.relists();
+    closed_slow += cache.hub.stats.closed_slow.load(Ordering::Relaxed);
     absorbed.extend(cache.absorbed_relists());
 
     let mut truth = truth;
@@ -577,6 +584,7 @@ async fn faulted_run(seed: u64) -> Outcome {
         out.report.merge(r);
     }
     out.proxy_relists = proxy_relists;
+    out.closed_slow = closed_slow;
     out.absorbed = truth.absorbed.len();
     proxy.shutdown().await;
     out.took = t0.elapsed();
@@ -603,6 +611,7 @@ struct Totals {
     watcher_relists: usize,
     proxy_relists: u64,
     absorbed: usize,
+    closed_slow: u64,
     failed: Vec<(u64, String, Vec<String>)>,
     slowest: Duration,
 }
@@ -616,6 +625,7 @@ impl Totals {
         self.watcher_relists += o.watcher_relists;
         self.proxy_relists += o.proxy_relists;
         self.absorbed += o.absorbed;
+        self.closed_slow += o.closed_slow;
         self.slowest = self.slowest.max(o.took);
         let mut problems = o.report.violations.clone();
         problems.extend(o.failure.clone());
@@ -626,15 +636,16 @@ impl Totals {
     }
 }
 
-/// Runs `runs` faulted runs with seeds from `base`, `CONCURRENCY` at a time.
+/// Runs a faulted run per seed, [`CONCURRENCY`] at a time.
 async fn drive(seeds: Vec<u64>) -> Totals {
     let t0 = Instant::now();
+    let concurrency = env_u64("KCP_FAULT_CONCURRENCY").map_or(CONCURRENCY, |n| n.max(1) as usize);
     let mut totals = Totals::default();
     let mut seeds = seeds.into_iter();
     let mut running = tokio::task::JoinSet::new();
     let mut by_task = BTreeMap::new();
     loop {
-        while running.len() < CONCURRENCY {
+        while running.len() < concurrency {
             let Some(seed) = seeds.next() else { break };
             let id = running.spawn(faulted_run(seed)).id();
             by_task.insert(id, seed);
@@ -657,7 +668,7 @@ async fn drive(seeds: Vec<u64>) -> Totals {
     }
     let r = &totals.report;
     println!(
-        "fault tier: {} runs in {:?} ({CONCURRENCY} at a time, slowest run {:?})",
+        "fault tier: {} runs in {:?} ({concurrency} at a time, slowest run {:?})",
         totals.runs,
         t0.elapsed(),
         totals.slowest
@@ -665,8 +676,9 @@ async fn drive(seeds: Vec<u64>) -> Totals {
     println!("faults injected: {:?}", totals.faults);
     println!(
         "watchers: {} sessions {} events checked {} bookmarks {}; watcher relists {} \
-         (410 Expired {}, of which inside absorbed relists {}); transient errors {}; \
-         proxy relists {} (absorbed {}); violations {}",
+         (410 Expired {}, of which inside absorbed relists {}; partial initial states {}); \
+         transient errors {}; \
+         proxy relists {} (absorbed {}); watchers closed as slow {}; violations {}",
         r.watchers,
         r.sessions,
         r.events_checked,
@@ -674,9 +686,11 @@ async fn drive(seeds: Vec<u64>) -> Totals {
         totals.watcher_relists,
         r.expired_410 + r.expired_inside_absorbed,
         r.expired_inside_absorbed,
+        r.partial_initial,
         r.transient_errors,
         totals.proxy_relists,
         totals.absorbed,
+        totals.closed_slow,
         r.violations.len()
     );
     for (seed, schedule, problems) in &totals.failed {

@@ -500,6 +500,9 @@ pub struct Report {
     /// Requests that failed (HTTP 429/5xx, or no response) while a fault the run declared
     /// transient (`Rules::transient_epochs`) was on.
     pub transient_errors: usize,
+    /// Initial starts whose stream ended before their state was told complete, holding a
+    /// correct part of it (the client started over).
+    pub partial_initial: usize,
     /// Streams that ended with an error (e.g. a passthrough watch whose upstream broke).
     pub broken: usize,
     /// Consistent (RV unset) starts whose state was older than the real latest
@@ -521,6 +524,7 @@ impl Report {
         self.expired_inside_absorbed += o.expired_inside_absorbed;
         self.clean_ends += o.clean_ends;
         self.transient_errors += o.transient_errors;
+        self.partial_initial += o.partial_initial;
         self.broken += o.broken;
         self.stale_consistent_starts += o.stale_consistent_starts;
         self.max_staleness = self.max_staleness.max(o.max_staleness);
@@ -536,7 +540,7 @@ impl Report {
         format!(
             "watchers={} sessions={} events_checked={} (per watcher min={min} max={max} mean={}) \
              bookmarks={} initial_end_bookmarks={} expired_410={} (inside absorbed relists {}) clean_ends={} \
-             transient_errors={} broken={} stale_consistent_starts={} max_staleness={} violations={}",
+             transient_errors={} partial_initial={} broken={} stale_consistent_starts={} max_staleness={} violations={}",
             self.watchers,
             self.sessions,
             self.events_checked,
@@ -547,6 +551,7 @@ impl Report {
             self.expired_inside_absorbed,
             self.clean_ends,
             self.transient_errors,
+            self.partial_initial,
             self.broken,
             self.stale_consistent_starts,
             self.max_staleness,
@@ -998,11 +1003,46 @@ fn check_initial(
             first_failure = Some(w);
         }
     }
+    // A stream that the server ended before anything told the initial state complete (only
+    // ADDED events, no bookmark) may hold part of it: every object must still be the real
+    // one; the client starts over (see `run_watcher`).
+    if s.end != End::Stopped
+        && added_prefix == items.len()
+        && partial_initial_fits(f, items, &mut Vec::new())
+    {
+        r.partial_initial += 1;
+        return added_prefix;
+    }
     v.extend(first_failure.unwrap_or_default());
     items
         .iter()
         .filter(|o| matches!(o, Obs::Event { .. }))
         .count()
+}
+
+/// Whether ADDED events (no bookmark) are part of the real state at some resourceVersion:
+/// each is the real object at the newest of their resourceVersions (an object of a state at
+/// S did not change between its own resourceVersion and S).
+fn partial_initial_fits(f: &Filtered, items: &[Obs], v: &mut Vec<String>) -> bool {
+    let max_rv = items
+        .iter()
+        .filter_map(|o| match o {
+            Obs::Event { rv, .. } => Some(*rv),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(f.base_rv);
+    let at = f.state_at(max_rv);
+    for o in items {
+        if let Obs::Event { key, object, .. } = o
+            && at
+                .get(key)
+                .is_none_or(|r| comparable(r) != comparable(object))
+        {
+            v.push(format!("{key} is not in the real state at {max_rv}"));
+        }
+    }
+    v.is_empty()
 }
 
 /// Checks the session with `k` initial events; returns (events compared, S if one fits).
@@ -1227,6 +1267,9 @@ pub async fn run_watcher<C>(
         };
         let mut reader = EventReader::new(resp);
         let mut expired = false;
+        // Whether an initial start's state is known to be complete: the initial-events-end
+        // bookmark (sendInitialEvents), else any bookmark or non-ADDED event.
+        let mut complete = !start.is_initial();
         let end = loop {
             if let Some(p) = &mut pause {
                 tokio::select! {
@@ -1256,6 +1299,7 @@ pub async fn run_watcher<C>(
                         l.state.insert(key.clone(), obj.clone());
                     }
                     last_rv = Some(last_rv.unwrap_or(0).max(rv));
+                    complete |= typ != "ADDED" && !matches!(start, Start::SendInitial(_));
                     l.sessions[idx].items.push(Obs::Event {
                         typ,
                         rv,
@@ -1268,6 +1312,7 @@ pub async fn run_watcher<C>(
                     let initial_end =
                         obj["metadata"]["annotations"]["k8s.io/initial-events-end"] == "true";
                     last_rv = Some(last_rv.unwrap_or(0).max(rv));
+                    complete |= initial_end || !matches!(start, Start::SendInitial(_));
                     l.sessions[idx]
                         .items
                         .push(Obs::Bookmark { rv, initial_end });
@@ -1289,7 +1334,10 @@ pub async fn run_watcher<C>(
         if stopped {
             return;
         }
-        start = if expired {
+        // A stream that ended before its initial state was known to be complete (the proxy
+        // drained mid-state) cannot be resumed: the client starts over, as client-go's
+        // watch-list does without the initial-events-end bookmark.
+        start = if expired || !complete {
             last_rv = None;
             spec.relist
         } else {

@@ -447,8 +447,12 @@ async fn faulted_run(seed: u64) -> Outcome {
             let faults = fake.faults();
             match step.fault {
                 Fault::UpstreamDisconnect => {
-                    epochs.bump(false);
+                    // A passed-through request whose upstream connection closes before its
+                    // response (an HTTP/1.1 watch aborted before its head) gets 503, as a
+                    // direct client would get an error (seed 711 of the long tier).
+                    epochs.bump(true);
                     faults.drop_watches();
+                    epochs.bump(false);
                 }
                 Fault::UpstreamCleanEnd => {
                     epochs.bump(false);
@@ -465,8 +469,11 @@ async fn faulted_run(seed: u64) -> Outcome {
                     let at = fake.current_rv();
                     fake.compact(at);
                     epochs.rules.expired_below.push((e, at));
+                    // The disconnect, as in UpstreamDisconnect.
+                    epochs.bump(true);
                     faults.drop_watches();
                     faults.release_watch_events();
+                    epochs.bump(false);
                 }
                 Fault::ApiserverRestart => {
                     epochs.bump(true);

@@ -429,7 +429,12 @@ impl Authorizer {
             .try_get_with(key, async {
                 led.store(true, Relaxed);
                 let reachability = self.upstream.reachability();
-                if let Some(o) = reachability.outage() {
+                // During an outage a question answered before is not asked again (its
+                // stale answer serves, below); a new one is asked, as the apiserver may be
+                // back before the next probe says so.
+                if let Some(o) = reachability.outage()
+                    && self.stale_allowed(&key).await
+                {
                     return Err(Failure {
                         message: format!(
                             "access review not sent: the apiserver has been unreachable for {}s",

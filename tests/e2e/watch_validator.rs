@@ -343,6 +343,7 @@ async fn watchers_through_the_proxy_see_exactly_the_apiservers_history() {
             first,
             relist,
             timeout_secs,
+            pause: None,
         };
         let client = match i % 3 {
             0 => client_h2a.clone(),

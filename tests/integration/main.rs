@@ -12,6 +12,7 @@ mod crd;
 mod dev;
 mod downstream_budget;
 mod fake_apiserver;
+mod fault_tier;
 mod lists;
 mod ops;
 mod otel;

@@ -17,7 +17,7 @@ use crate::support::eventually::{eventually, ok_if, poll_within};
 use crate::support::fake_apiserver::{FakeApiServer, LoggedRequest};
 use crate::support::proxy::{TestProxy, body_string, client_cert};
 use crate::support::watch_validator::{
-    Control, Req, Rng, Rules, SELECTORS, Scope, Start, Truth, WatchLog, WatcherSpec, random_labels,
+    Control, Req, Rng, Rules, SELECTORS, Scope, Start, Truth, WatchLog, WatcherSpec, Workload,
     run_watcher, sum_metric,
 };
 use serde_json::{Value, json};
@@ -34,41 +34,14 @@ const WRITE_PACE: Duration = Duration::from_millis(6);
 /// Guard against hangs only; the outcome does not depend on it.
 const GUARD: Duration = Duration::from_secs(30);
 
-fn configmap(ns: &str, name: &str, labels: Value, n: u64) -> Value {
-    json!({
-        "apiVersion": "v1", "kind": "ConfigMap",
-        "metadata": {"name": name, "namespace": ns, "labels": labels},
-        "data": {"n": n.to_string()},
-    })
-}
+const WORKLOAD: Workload = Workload {
+    namespaces: &NAMESPACES,
+    names: NAMES_PER_NAMESPACE,
+    max_pad: 0,
+};
 
-/// One random write: create a missing object, else update it (often moving it across
-/// selectors by its labels) or delete it.
 async fn random_write(fake: &FakeApiServer, rng: &mut Rng, n: u64) {
-    let ns = *rng.pick(&NAMESPACES);
-    let name = format!("cm-{}", rng.below(NAMES_PER_NAMESPACE));
-    let item = format!("/api/v1/namespaces/{ns}/configmaps/{name}");
-    match fake.get(&item) {
-        None => {
-            let labels = random_labels(rng);
-            fake.create(
-                &format!("/api/v1/namespaces/{ns}/configmaps"),
-                configmap(ns, &name, labels, n),
-            )
-            .await;
-        }
-        Some(cur) if rng.chance(75) => {
-            let labels = if rng.chance(50) {
-                random_labels(rng)
-            } else {
-                cur["metadata"]["labels"].clone()
-            };
-            fake.update(&item, configmap(ns, &name, labels, n)).await;
-        }
-        Some(_) => {
-            fake.delete(&item).await;
-        }
-    }
+    WORKLOAD.write(fake, rng, n).await;
 }
 
 fn is_watch(r: &LoggedRequest) -> bool {
@@ -219,6 +192,7 @@ async fn faulted_run(absorb: bool) {
             first,
             relist,
             timeout_secs,
+            pause: None,
         };
         let ctl = ctl.clone();
         let task = match i % 5 {
@@ -313,13 +287,13 @@ async fn faulted_run(absorb: bool) {
     truth.absorbed = cache.absorbed_relists();
     let rules = Rules {
         expired_from_epoch: Some(2),
-        strict_consistency: false,
+        ..Rules::default()
     };
     let mut report = support::watch_validator::Report::default();
     for (i, l) in logs.iter().enumerate() {
         let rules = Rules {
             strict_consistency: i >= WATCHERS,
-            ..rules
+            ..rules.clone()
         };
         report.merge(support::watch_validator::validate(
             &truth,
@@ -428,7 +402,7 @@ async fn denied_callers_are_not_served_from_the_cache_and_get_the_apiservers_403
     let fake = FakeApiServer::start().await;
     fake.create(
         "/api/v1/namespaces/default/configmaps",
-        configmap("default", "one", json!({}), 1),
+        support::watch_validator::configmap("default", "one", json!({}), 1, 0),
     )
     .await;
     fake.faults().deny("bad-token");
@@ -518,6 +492,7 @@ fn the_validator_catches_gaps_duplicates_early_bookmarks_and_wrong_objects() {
             start: Start::Resume(0),
             truth_rv_at_request: None,
             epoch: 0,
+            end_epoch: 0,
             items,
             end: End::Clean,
         });

@@ -46,19 +46,81 @@ pub async fn poll_within<T, O>(
     limit: Duration,
     mut poll: impl AsyncFnMut() -> Result<T, O>,
 ) -> Result<T, O> {
-    let deadline = Instant::now() + limit;
-    let mut pause = FIRST_PAUSE;
+    let mut pace = Pace::new(limit);
     loop {
         let polled_at = Instant::now();
         let last = match poll().await {
             Ok(value) => return Ok(value),
             Err(observed) => observed,
         };
-        if polled_at >= deadline {
+        if !pace.again(polled_at).await {
             return Err(last);
         }
-        tokio::time::sleep(pause.min(deadline - Instant::now().min(deadline))).await;
-        pause = (pause * 2).min(MAX_PAUSE);
+    }
+}
+
+/// [`eventually`] with a synchronous poll. Its future holds no borrow across an await of a
+/// future the poll made, so it can run in a spawned task whose other locals are borrowed by
+/// the poll (an async closure borrowing them makes such a task's future not `Send`, a
+/// limitation of rustc's higher-ranked `Send` inference).
+pub async fn eventually_sync<T, O: Debug>(
+    what: &str,
+    limit: Duration,
+    poll: impl FnMut() -> Result<T, O>,
+) -> T {
+    match poll_within_sync(limit, poll).await {
+        Ok(value) => value,
+        Err(last) => {
+            panic!("timed out after {limit:?} waiting for {what}; last observed: {last:?}")
+        }
+    }
+}
+
+/// [`poll_within`] with a synchronous poll (see [`eventually_sync`]).
+pub async fn poll_within_sync<T, O>(
+    limit: Duration,
+    mut poll: impl FnMut() -> Result<T, O>,
+) -> Result<T, O> {
+    let mut pace = Pace::new(limit);
+    loop {
+        let polled_at = Instant::now();
+        let last = match poll() {
+            Ok(value) => return Ok(value),
+            Err(observed) => observed,
+        };
+        if !pace.again(polled_at).await {
+            return Err(last);
+        }
+    }
+}
+
+/// The pauses between polls, up to a deadline.
+struct Pace {
+    deadline: Instant,
+    pause: Duration,
+}
+
+impl Pace {
+    fn new(limit: Duration) -> Pace {
+        Pace {
+            deadline: Instant::now() + limit,
+            pause: FIRST_PAUSE,
+        }
+    }
+
+    /// After a failed poll made at `polled_at`: false once that poll was at or after the
+    /// deadline, else pauses and returns true.
+    async fn again(&mut self, polled_at: Instant) -> bool {
+        if polled_at >= self.deadline {
+            return false;
+        }
+        tokio::time::sleep(
+            self.pause
+                .min(self.deadline - Instant::now().min(self.deadline)),
+        )
+        .await;
+        self.pause = (self.pause * 2).min(MAX_PAUSE);
+        true
     }
 }
 

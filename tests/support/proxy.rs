@@ -100,17 +100,27 @@ impl TestProxy {
     /// `Faults::set_jwks`), and so are the caches the proxy keeps for itself (ServiceAccounts
     /// for the token lookup, RBAC objects for decisions), which would add upstream requests.
     pub async fn start(upstream_url: &str, tweak: impl FnOnce(&mut Config)) -> TestProxy {
-        let mut kube = kube::Config::new(upstream_url.parse().unwrap());
-        kube.auth_info.token = Some("proxy-token".to_string().into());
-        Self::start_with_kube(kube, |c| {
-            c.cache.resources.clear();
-            c.paging.interval = std::time::Duration::from_secs(3600);
-            c.authentication.service_account_jwt = false;
-            c.authentication.service_account_lookup = false;
-            c.cache.authorization_follow_rbac = false;
+        Self::start_with_kube(Self::fake_kube(upstream_url), |c| {
+            Self::fake_defaults(c);
             tweak(c)
         })
         .await
+    }
+
+    /// The proxy's connection to a plain-HTTP fake apiserver, with its own credential.
+    fn fake_kube(upstream_url: &str) -> kube::Config {
+        let mut kube = kube::Config::new(upstream_url.parse().unwrap());
+        kube.auth_info.token = Some("proxy-token".to_string().into());
+        kube
+    }
+
+    /// What [`Self::start`] turns off in front of the fake apiserver (see there).
+    fn fake_defaults(c: &mut Config) {
+        c.cache.resources.clear();
+        c.paging.interval = std::time::Duration::from_secs(3600);
+        c.authentication.service_account_jwt = false;
+        c.authentication.service_account_lookup = false;
+        c.cache.authorization_follow_rbac = false;
     }
 
     /// Starts the proxy in front of a real control plane, with the admin's credentials as
@@ -153,22 +163,7 @@ impl TestProxy {
         std::fs::write(dir.path().join("tls.key"), key).unwrap();
         let (client_ca_pem, client_ca) = client_ca();
         std::fs::write(dir.path().join("client-ca.crt"), client_ca_pem).unwrap();
-        let mut cfg = Config {
-            listen: "127.0.0.1:0".parse().unwrap(),
-            insecure_listen: Some("127.0.0.1:0".parse().unwrap()),
-            ..Config::default()
-        };
-        cfg.tls.cert_file = Some(dir.path().join("tls.crt"));
-        cfg.tls.key_file = Some(dir.path().join("tls.key"));
-        cfg.tls.client_ca_file = Some(dir.path().join("client-ca.crt"));
-        cfg.tls.reload_interval = std::time::Duration::from_millis(100);
-        cfg.upstream.health_check_interval = std::time::Duration::from_millis(200);
-        cfg.shutdown.drain_timeout = std::time::Duration::from_secs(10);
-        cfg.server.admin_listen = Some("127.0.0.1:0".parse().unwrap());
-        // Tests that are not about the admin listener's access control read it without
-        // credentials; those that are set `kubernetes`.
-        cfg.server.admin_auth = kube_cache_proxy::config::AdminAuth::None;
-        tweak(&mut cfg);
+        let cfg = config_in(dir.path(), tweak);
         let started = (cfg.clone(), kube.clone());
         let running = server::start(cfg, &kube).await.expect("proxy starts");
         TestProxy {
@@ -266,6 +261,10 @@ impl TestProxy {
     /// Stops the proxy gracefully (as SIGTERM does) and starts it again with the same
     /// configuration, serving certificate and addresses, as a restarted container would be:
     /// clients reconnect to the same URL.
+    ///
+    /// # Panics
+    /// If the new proxy cannot bind the old addresses (another socket took one meanwhile)
+    /// after a few tries.
     pub async fn restart(&mut self, tweak: impl FnOnce(&mut Config)) {
         if let Some(r) = self.running.take() {
             r.shutdown().await;
@@ -275,7 +274,20 @@ impl TestProxy {
         cfg.insecure_listen = Some(self.insecure_addr);
         cfg.server.admin_listen = Some(self.admin_addr);
         tweak(&mut cfg);
-        self.running = Some(server::start(cfg, &kube).await.expect("proxy restarts"));
+        let mut last_error = None;
+        // A closed listener's port can be taken by an outgoing connection's ephemeral port
+        // before it is bound again; rare, and a retry with a pause gets past it.
+        for _ in 0..20 {
+            match server::start(cfg.clone(), &kube).await {
+                Ok(running) => {
+                    self.running = Some(running);
+                    return;
+                }
+                Err(e) => last_error = Some(e.to_string()),
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        panic!("the restarted proxy could not start: {last_error:?}");
     }
 
     pub async fn shutdown(mut self) {
@@ -283,6 +295,27 @@ impl TestProxy {
             r.shutdown().await;
         }
     }
+}
+
+/// The tests' proxy configuration with the TLS material in `dir`, on port 0.
+fn config_in(dir: &std::path::Path, tweak: impl FnOnce(&mut Config)) -> Config {
+    let mut cfg = Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        insecure_listen: Some("127.0.0.1:0".parse().unwrap()),
+        ..Config::default()
+    };
+    cfg.tls.cert_file = Some(dir.join("tls.crt"));
+    cfg.tls.key_file = Some(dir.join("tls.key"));
+    cfg.tls.client_ca_file = Some(dir.join("client-ca.crt"));
+    cfg.tls.reload_interval = std::time::Duration::from_millis(100);
+    cfg.upstream.health_check_interval = std::time::Duration::from_millis(200);
+    cfg.shutdown.drain_timeout = std::time::Duration::from_secs(10);
+    cfg.server.admin_listen = Some("127.0.0.1:0".parse().unwrap());
+    // Tests that are not about the admin listener's access control read it without
+    // credentials; those that are set `kubernetes`.
+    cfg.server.admin_auth = kube_cache_proxy::config::AdminAuth::None;
+    tweak(&mut cfg);
+    cfg
 }
 
 pub struct TestClient(pub Client<hyper_rustls::HttpsConnector<HttpConnector>, Full<Bytes>>);

@@ -38,7 +38,7 @@ use hyper_util::client::legacy::connect::Connect;
 use serde_json::Value;
 use tokio_util::sync::CancellationToken;
 
-use super::fake_apiserver::Write;
+use super::fake_apiserver::{FakeApiServer, Write};
 use super::proxy::EventReader;
 
 /// `namespace/name`.
@@ -439,6 +439,8 @@ pub struct Session {
     /// The test's fault epoch when the request was sent (410s are legitimate only after a
     /// forced relist).
     pub epoch: u64,
+    /// The fault epoch when the session ended (or was recorded, if it never started).
+    pub end_epoch: u64,
     pub items: Vec<Obs>,
     pub end: End,
 }
@@ -495,6 +497,12 @@ pub struct Report {
     /// 410s for resumes from inside an absorbed relist (`Truth::absorbed`).
     pub expired_inside_absorbed: usize,
     pub clean_ends: usize,
+    /// Requests that failed (HTTP 429/5xx, or no response) while a fault the run declared
+    /// transient (`Rules::transient_epochs`) was on.
+    pub transient_errors: usize,
+    /// Initial starts whose stream ended before their state was told complete, holding a
+    /// correct part of it (the client started over).
+    pub partial_initial: usize,
     /// Streams that ended with an error (e.g. a passthrough watch whose upstream broke).
     pub broken: usize,
     /// Consistent (RV unset) starts whose state was older than the real latest
@@ -515,6 +523,8 @@ impl Report {
         self.expired_410 += o.expired_410;
         self.expired_inside_absorbed += o.expired_inside_absorbed;
         self.clean_ends += o.clean_ends;
+        self.transient_errors += o.transient_errors;
+        self.partial_initial += o.partial_initial;
         self.broken += o.broken;
         self.stale_consistent_starts += o.stale_consistent_starts;
         self.max_staleness = self.max_staleness.max(o.max_staleness);
@@ -530,7 +540,7 @@ impl Report {
         format!(
             "watchers={} sessions={} events_checked={} (per watcher min={min} max={max} mean={}) \
              bookmarks={} initial_end_bookmarks={} expired_410={} (inside absorbed relists {}) clean_ends={} \
-             broken={} stale_consistent_starts={} max_staleness={} violations={}",
+             transient_errors={} partial_initial={} broken={} stale_consistent_starts={} max_staleness={} violations={}",
             self.watchers,
             self.sessions,
             self.events_checked,
@@ -540,6 +550,8 @@ impl Report {
             self.expired_410,
             self.expired_inside_absorbed,
             self.clean_ends,
+            self.transient_errors,
+            self.partial_initial,
             self.broken,
             self.stale_consistent_starts,
             self.max_staleness,
@@ -549,13 +561,30 @@ impl Report {
 }
 
 /// Options of [`validate`].
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Rules {
     /// Sessions sent at this fault epoch or later may get 410 Expired (the proxy relisted).
     pub expired_from_epoch: Option<u64>,
     /// Treat a consistent start older than the request time as a violation (strict mode),
     /// in the watcher's first session.
     pub strict_consistency: bool,
+    /// `(epoch, rv)`: from this fault epoch on, a resume from below `rv` may get 410 Expired
+    /// (etcd compacted at `rv`, or a restarted proxy whose history starts at `rv`). A session
+    /// counts if it ended at that epoch or later.
+    pub expired_below: Vec<(u64, u64)>,
+    /// Fault epochs during which requests may fail (the apiserver refusing connections, 5xx
+    /// answers, the proxy restarting): a session whose lifetime overlaps one may end with HTTP
+    /// 429/5xx or without a response (counted in `Report::transient_errors`); the client
+    /// retries, as client-go's reflector does.
+    pub transient_epochs: Vec<u64>,
+}
+
+impl Rules {
+    fn transient(&self, s: &Session) -> bool {
+        self.transient_epochs
+            .iter()
+            .any(|e| (s.epoch..=s.end_epoch).contains(e))
+    }
 }
 
 /// Checks one watcher's log against the truth, and its final view against `final_state`
@@ -578,9 +607,9 @@ pub fn validate(truth: &Truth, log: &WatchLog, rules: Rules, check_final: bool) 
         // `stale_consistent_starts`, until consistent reads from the cache land.
         let rules = Rules {
             strict_consistency: rules.strict_consistency && i == 0,
-            ..rules
+            ..rules.clone()
         };
-        checked += check_session(&f, horizon, s, rules, &mut r, &mut v);
+        checked += check_session(&f, horizon, s, &rules, &mut r, &mut v);
         for msg in v {
             r.violations
                 .push(format!("{who} session {i} ({:?}): {msg}", s.start));
@@ -613,7 +642,7 @@ fn check_session(
     f: &Filtered,
     truth_last: u64,
     s: &Session,
-    rules: Rules,
+    rules: &Rules,
     r: &mut Report,
     v: &mut Vec<String>,
 ) -> usize {
@@ -622,8 +651,16 @@ fn check_session(
         End::Stopped => {}
         // A passthrough watch relays the apiserver's connection loss; the client resumes.
         End::Broken(_) => r.broken += 1,
+        End::Http(code, _) if (*code == 429 || *code >= 500) && rules.transient(s) => {
+            r.transient_errors += 1;
+        }
+        End::Request(_) if rules.transient(s) => r.transient_errors += 1,
         End::Http(code, body) => v.push(format!("HTTP {code}: {body}")),
         End::Request(e) => v.push(format!("request failed: {e}")),
+    }
+    if matches!(s.end, End::Http(..) | End::Request(_)) {
+        // No stream: nothing was delivered.
+        return 0;
     }
     // A 410 ERROR event ends the session; it must be the only thing the server said.
     let mut items: &[Obs] = &s.items;
@@ -637,7 +674,9 @@ fn check_session(
                 r.expired_inside_absorbed += 1;
             } else if *code == 410 {
                 r.expired_410 += 1;
-                let allowed = rules.expired_from_epoch.is_some_and(|e| s.epoch >= e);
+                let below_floor = matches!(s.start, Start::Resume(n)
+                    if rules.expired_below.iter().any(|(e, rv)| s.end_epoch >= *e && n < *rv));
+                let allowed = below_floor || rules.expired_from_epoch.is_some_and(|e| s.epoch >= e);
                 if !allowed {
                     v.push(format!("unexpected 410 Expired: {message}"));
                 }
@@ -888,7 +927,7 @@ fn check_initial(
     s: &Session,
     start: Start,
     items: &[Obs],
-    rules: Rules,
+    rules: &Rules,
     r: &mut Report,
     v: &mut Vec<String>,
 ) -> usize {
@@ -964,11 +1003,46 @@ fn check_initial(
             first_failure = Some(w);
         }
     }
+    // A stream that the server ended before anything told the initial state complete (only
+    // ADDED events, no bookmark) may hold part of it: every object must still be the real
+    // one; the client starts over (see `run_watcher`).
+    if s.end != End::Stopped
+        && added_prefix == items.len()
+        && partial_initial_fits(f, items, &mut Vec::new())
+    {
+        r.partial_initial += 1;
+        return added_prefix;
+    }
     v.extend(first_failure.unwrap_or_default());
     items
         .iter()
         .filter(|o| matches!(o, Obs::Event { .. }))
         .count()
+}
+
+/// Whether ADDED events (no bookmark) are part of the real state at some resourceVersion:
+/// each is the real object at the newest of their resourceVersions (an object of a state at
+/// S did not change between its own resourceVersion and S).
+fn partial_initial_fits(f: &Filtered, items: &[Obs], v: &mut Vec<String>) -> bool {
+    let max_rv = items
+        .iter()
+        .filter_map(|o| match o {
+            Obs::Event { rv, .. } => Some(*rv),
+            _ => None,
+        })
+        .max()
+        .unwrap_or(f.base_rv);
+    let at = f.state_at(max_rv);
+    for o in items {
+        if let Obs::Event { key, object, .. } = o
+            && at
+                .get(key)
+                .is_none_or(|r| comparable(r) != comparable(object))
+        {
+            v.push(format!("{key} is not in the real state at {max_rv}"));
+        }
+    }
+    v.is_empty()
 }
 
 /// Checks the session with `k` initial events; returns (events compared, S if one fits).
@@ -1006,6 +1080,16 @@ fn check_initial_at(
         Obs::Event { rv, .. } => Some(rv.saturating_sub(1)),
         Obs::Bookmark { rv, .. } => Some(*rv),
         Obs::Error { .. } => None,
+    });
+    // A first event inside an absorbed relist `(a, b]` after an initial state no newer than
+    // `a` is part of the difference, whose revisions are not the real writes': the state was
+    // served at `a` at the latest. (A later state with such an event came from another
+    // proxy, which told the real writes there.)
+    let first_live = first_live.map(|up| {
+        f.absorbed
+            .iter()
+            .find(|(a, b)| up + 1 > *a && up < *b && max_rv <= *a)
+            .map_or(up, |(a, _)| up.min(*a))
     });
     let pinned = match (marker, first_live) {
         (Some(m), _) => match &items[m] {
@@ -1089,6 +1173,9 @@ pub struct WatcherSpec {
     /// How it starts over after a 410 (client-go relists with RV unset or "0").
     pub relist: Start,
     pub timeout_secs: Option<u64>,
+    /// While this holds `true` the watcher stops reading its stream (a slow consumer): the
+    /// proxy may close it as slow; it resumes as client-go would once it reads again.
+    pub pause: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 fn encode(s: &str) -> String {
@@ -1110,6 +1197,8 @@ pub async fn run_watcher<C>(
     };
     let mut start = spec.first;
     let mut last_rv: Option<u64> = None;
+    let mut pause = spec.pause.clone();
+    let epoch = || ctl.epoch.load(Ordering::SeqCst);
     while !ctl.stop.is_cancelled() {
         let mut q = "watch=1".to_string();
         let sel = scope.label_selector();
@@ -1132,7 +1221,8 @@ pub async fn run_watcher<C>(
         let mut session = Session {
             start,
             truth_rv_at_request: (ctl.truth_rv)(),
-            epoch: ctl.epoch.load(Ordering::SeqCst),
+            epoch: epoch(),
+            end_epoch: 0,
             items: Vec::new(),
             end: End::Stopped,
         };
@@ -1141,6 +1231,7 @@ pub async fn run_watcher<C>(
         }
         let resp = tokio::select! {
             _ = ctl.stop.cancelled() => {
+                session.end_epoch = epoch();
                 log.lock().unwrap().sessions.push(session);
                 return;
             }
@@ -1150,6 +1241,7 @@ pub async fn run_watcher<C>(
             Ok(r) => r,
             Err(e) => {
                 session.end = End::Request(e.to_string());
+                session.end_epoch = epoch();
                 log.lock().unwrap().sessions.push(session);
                 tokio::time::sleep(Duration::from_millis(100)).await;
                 continue;
@@ -1159,6 +1251,7 @@ pub async fn run_watcher<C>(
             let code = resp.status().as_u16();
             let body = super::proxy::body_string(resp).await;
             session.end = End::Http(code, body);
+            session.end_epoch = epoch();
             log.lock().unwrap().sessions.push(session);
             if code == 410 {
                 start = spec.relist;
@@ -1174,7 +1267,16 @@ pub async fn run_watcher<C>(
         };
         let mut reader = EventReader::new(resp);
         let mut expired = false;
+        // Whether an initial start's state is known to be complete: the initial-events-end
+        // bookmark (sendInitialEvents), else any bookmark or non-ADDED event.
+        let mut complete = !start.is_initial();
         let end = loop {
+            if let Some(p) = &mut pause {
+                tokio::select! {
+                    _ = ctl.stop.cancelled() => break End::Stopped,
+                    r = p.wait_for(|paused| !*paused) => drop(r),
+                }
+            }
             let next = tokio::select! {
                 _ = ctl.stop.cancelled() => break End::Stopped,
                 n = reader.try_next() => n,
@@ -1197,6 +1299,7 @@ pub async fn run_watcher<C>(
                         l.state.insert(key.clone(), obj.clone());
                     }
                     last_rv = Some(last_rv.unwrap_or(0).max(rv));
+                    complete |= typ != "ADDED" && !matches!(start, Start::SendInitial(_));
                     l.sessions[idx].items.push(Obs::Event {
                         typ,
                         rv,
@@ -1209,6 +1312,7 @@ pub async fn run_watcher<C>(
                     let initial_end =
                         obj["metadata"]["annotations"]["k8s.io/initial-events-end"] == "true";
                     last_rv = Some(last_rv.unwrap_or(0).max(rv));
+                    complete |= initial_end || !matches!(start, Start::SendInitial(_));
                     l.sessions[idx]
                         .items
                         .push(Obs::Bookmark { rv, initial_end });
@@ -1222,11 +1326,18 @@ pub async fn run_watcher<C>(
             }
         };
         let stopped = end == End::Stopped;
-        log.lock().unwrap().sessions[idx].end = end;
+        {
+            let mut l = log.lock().unwrap();
+            l.sessions[idx].end = end;
+            l.sessions[idx].end_epoch = epoch();
+        }
         if stopped {
             return;
         }
-        start = if expired {
+        // A stream that ended before its initial state was known to be complete (the proxy
+        // drained mid-state) cannot be resumed: the client starts over, as client-go's
+        // watch-list does without the initial-events-end bookmark.
+        start = if expired || !complete {
             last_rv = None;
             spec.relist
         } else {
@@ -1271,4 +1382,65 @@ pub fn random_labels(rng: &mut Rng) -> Value {
         l.insert("tier".into(), (*t).into());
     }
     Value::Object(l)
+}
+
+/// A ConfigMap with labels and a data field `n` (and `pad` bytes more data).
+pub fn configmap(ns: &str, name: &str, labels: Value, n: u64, pad: usize) -> Value {
+    let mut data = serde_json::Map::new();
+    data.insert("n".into(), n.to_string().into());
+    if pad > 0 {
+        data.insert("pad".into(), "x".repeat(pad).into());
+    }
+    serde_json::json!({
+        "apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": name, "namespace": ns, "labels": labels},
+        "data": data,
+    })
+}
+
+/// The random ConfigMap writes of the validator workloads, written directly to the fake
+/// apiserver: names `cm-0..names` in `namespaces`.
+#[derive(Debug, Clone, Copy)]
+pub struct Workload {
+    pub namespaces: &'static [&'static str],
+    pub names: usize,
+    /// Each write carries up to this many bytes of extra data (0: none, and no draw).
+    pub max_pad: usize,
+}
+
+impl Workload {
+    /// One random write: create a missing object, else update it (often moving it across
+    /// selectors by its labels) or delete it. `n` goes into the object's data.
+    pub async fn write(&self, fake: &FakeApiServer, rng: &mut Rng, n: u64) {
+        let ns = *rng.pick(self.namespaces);
+        let name = format!("cm-{}", rng.below(self.names));
+        let pad = if self.max_pad > 0 {
+            rng.below(self.max_pad + 1)
+        } else {
+            0
+        };
+        let item = format!("/api/v1/namespaces/{ns}/configmaps/{name}");
+        match fake.get(&item) {
+            None => {
+                let labels = random_labels(rng);
+                fake.create(
+                    &format!("/api/v1/namespaces/{ns}/configmaps"),
+                    configmap(ns, &name, labels, n, pad),
+                )
+                .await;
+            }
+            Some(cur) if rng.chance(75) => {
+                let labels = if rng.chance(50) {
+                    random_labels(rng)
+                } else {
+                    cur["metadata"]["labels"].clone()
+                };
+                fake.update(&item, configmap(ns, &name, labels, n, pad))
+                    .await;
+            }
+            Some(_) => {
+                fake.delete(&item).await;
+            }
+        }
+    }
 }

@@ -247,6 +247,17 @@ impl Authenticator {
             Bearer::Token(t) => t,
         };
         let key = sha256(token.as_bytes());
+        // During an outage a token verified before is not reviewed again: its stale verdict
+        // serves. A token never verified is reviewed, as the apiserver may be back before
+        // the next probe says so (if it is not, the review fails and the caller gets 503).
+        if self.upstream.reachability().is_unreachable()
+            && self.verdicts.get(&key).await.is_none()
+            && let Some((id, m)) = self.stale_verdict(&key).await
+        {
+            self.stats.stale.fetch_add(1, Relaxed);
+            tracing::debug!(user = %id.user, "apiserver unreachable; verdict served stale");
+            return (Outcome::Authenticated(id, m), None);
+        }
         let (mut r, led) = self.verdict(key, token).await;
         if !led {
             self.stats.cache_hits.fetch_add(1, Relaxed);

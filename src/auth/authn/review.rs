@@ -26,10 +26,6 @@ pub enum ReviewError {
     Status(StatusCode),
     #[error("token review: {0}")]
     Decode(#[source] serde_json::Error),
-    /// Not asked: the apiserver is known to be unreachable (waiting for the review's timeout
-    /// on every request would only hold the caller up).
-    #[error("token review not sent: the apiserver has been unreachable for {}s", .0.duration().as_secs())]
-    Unreachable(crate::upstream::reachability::Outage),
 }
 
 impl ReviewError {
@@ -38,10 +34,7 @@ impl ReviewError {
     pub fn is_unreachable(&self) -> bool {
         matches!(
             self,
-            ReviewError::Timeout
-                | ReviewError::Send(_)
-                | ReviewError::Body(_)
-                | ReviewError::Unreachable(_)
+            ReviewError::Timeout | ReviewError::Send(_) | ReviewError::Body(_)
         )
     }
 }
@@ -89,9 +82,6 @@ pub(super) async fn token_review(
     );
     req.headers_mut()
         .insert(header::ACCEPT, HeaderValue::from_static("application/json"));
-    if let Some(o) = upstream.reachability().outage() {
-        return Err(ReviewError::Unreachable(o));
-    }
     let unreachable = |e: ReviewError| {
         upstream.reachability().unreachable(&e);
         e

@@ -411,14 +411,32 @@ impl Faults {
     /// version"), as the apiserver does when a watcher falls behind its window; a client must
     /// relist.
     pub fn expire_watches(&self) {
+        self.expire_watches_where(|_| true);
+    }
+
+    /// [`Faults::expire_watches`] for the watches of the caller with bearer token `token` only
+    /// (not those it sends for an impersonated user): e.g. the proxy's own upstream watches,
+    /// and not the client watches it passes through.
+    pub fn expire_watches_of(&self, token: &str) {
+        self.expire_watches_where(|w| w.caller.as_deref() == Some(token));
+    }
+
+    fn expire_watches_where(&self, pick: impl Fn(&Watcher) -> bool) {
         let mut store = self.shared.store();
         let rv = store.rv;
         let status = Status::expired(&format!("too old resource version: {rv} ({})", rv + 1));
         let obj: Value = serde_json::from_str(&status.to_json()).unwrap_or(Value::Null);
-        for w in store.watchers.drain(..) {
+        let (expired, kept): (Vec<_>, Vec<_>) = store.watchers.drain(..).partition(|w| pick(w));
+        store.watchers = kept;
+        for w in expired {
             let _ = w.tx.send(WatchMsg::Line(event_line("ERROR", &obj)));
             let _ = w.tx.send(WatchMsg::End);
         }
+    }
+
+    /// How many of the failures [`Faults::fail_next`] armed are still to be answered.
+    pub fn pending_failures(&self) -> usize {
+        lock(&self.shared.fail_next).0
     }
 
     /// Serves `GET /metrics` (Prometheus text) from `text(n)` for the n-th scrape, counting

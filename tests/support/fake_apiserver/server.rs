@@ -440,7 +440,7 @@ pub(super) async fn route(
                         true,
                         &selectable_fields(shared, kind),
                     )?;
-                    watch(shared, kind, namespace, params).await
+                    watch(shared, kind, namespace, params, caller_token(&req.headers)).await
                 }
                 Method::GET => {
                     let params = ListParams::parse(
@@ -480,7 +480,7 @@ pub(super) async fn route(
                     value: name,
                     equal: true,
                 });
-                return watch(shared, kind, namespace, params).await;
+                return watch(shared, kind, namespace, params, caller_token(&req.headers)).await;
             }
             match subresource.as_deref() {
                 Some("exec" | "attach" | "portforward") => {
@@ -522,4 +522,17 @@ pub(super) async fn route(
             }
         }
     }
+}
+
+/// The bearer token of a request's caller, `None` when it acts for an impersonated user (the
+/// proxy passing through a client-certificate caller's request) or sends no token.
+fn caller_token(headers: &HeaderMap) -> Option<String> {
+    if headers.contains_key("impersonate-user") {
+        return None;
+    }
+    headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::to_string)
 }

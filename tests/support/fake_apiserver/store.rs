@@ -54,6 +54,9 @@ pub(super) enum WatchMsg {
 
 pub(super) struct Watcher {
     pub(super) id: u64,
+    /// The caller's bearer token (`None`: impersonating, or no token); see
+    /// [`super::Faults::expire_watches_of`].
+    pub(super) caller: Option<String>,
     pub(super) filter: Filter,
     pub(super) tx: mpsc::UnboundedSender<WatchMsg>,
 }

@@ -30,8 +30,32 @@ impl JsonObj {
     }
 }
 
+/// `v` as JSON. An object's `kind` and `apiVersion` come first, in that order, as
+/// kube-apiserver's encoder writes them (`TypeMeta` is the first, inlined, member of every
+/// built-in type); the other members follow in `serde_json`'s (sorted) order.
 pub(super) fn to_json(v: &Value) -> String {
-    serde_json::to_string(v).unwrap_or_else(|_| "null".into())
+    let Some(o) = v
+        .as_object()
+        .filter(|o| o.contains_key("kind") || o.contains_key("apiVersion"))
+    else {
+        return serde_json::to_string(v).unwrap_or_else(|_| "null".into());
+    };
+    let type_meta = ["kind", "apiVersion"];
+    let members = type_meta
+        .iter()
+        .filter_map(|k| o.get_key_value(*k))
+        .chain(o.iter().filter(|(k, _)| !type_meta.contains(&k.as_str())));
+    let mut s = String::from("{");
+    for (i, (k, m)) in members.enumerate() {
+        if i > 0 {
+            s.push(',');
+        }
+        s.push_str(&serde_json::to_string(k).unwrap_or_default());
+        s.push(':');
+        s.push_str(&serde_json::to_string(m).unwrap_or_else(|_| "null".into()));
+    }
+    s.push('}');
+    s
 }
 
 pub(super) fn add_common_headers(h: &mut HeaderMap) {

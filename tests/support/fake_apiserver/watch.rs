@@ -79,6 +79,7 @@ pub(super) async fn watch(
     kind: Kind,
     namespace: Option<String>,
     p: ListParams,
+    caller: Option<String>,
 ) -> Result<Response<Body>, Status> {
     if p.send_initial == Some(true)
         && let Some(n) = p.rv.filter(|n| *n > 0)
@@ -112,11 +113,9 @@ pub(super) async fn watch(
             // kube-apiserver 1.36 ends initial events with this bookmark whenever bookmarks
             // are allowed, also for RV unset / "0" watches without sendInitialEvents.
             if p.allow_bookmarks {
-                let _ = tx.send(WatchMsg::Line(bookmark_line(
-                    kind,
-                    store.delivered_rv(),
-                    true,
-                )));
+                // At the state's own resourceVersion: the initial events are the current
+                // objects, also while events are held back from watchers.
+                let _ = tx.send(WatchMsg::Line(bookmark_line(kind, store.rv, true)));
             }
         } else if let Some(n) = p.rv.filter(|n| *n > 0) {
             if n < store.floor {
@@ -145,6 +144,7 @@ pub(super) async fn watch(
         if registered {
             store.watchers.push(Watcher {
                 id,
+                caller,
                 filter,
                 tx: tx.clone(),
             });

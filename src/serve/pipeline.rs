@@ -701,6 +701,22 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         }
         _ => None,
     };
+    // A watch that arrives while this proxy drains (on a connection opened before) would be
+    // ended at once, which client-go takes for a failed watch ("very short watch") and, in
+    // WatchList mode, answers with a new streaming list. As kube-apiserver with
+    // `--shutdown-send-retry-after`: 429 with Retry-After, which client-go retries (on
+    // another connection, so another replica) without relisting.
+    if info.verb == "watch" && state.drain.is_cancelled() {
+        state.metrics.reject("draining");
+        return refuse(
+            Status::failure(
+                http::StatusCode::TOO_MANY_REQUESTS,
+                crate::k8s::status::Reason::TooManyRequests,
+                "The proxy is shutting down, please try again later.",
+            )
+            .with_retry_after(1),
+        );
+    }
     let upgrade = crate::auth::identity::upgrade_protocol(req.headers()).is_some();
     let long_running = info.is_long_running(query.as_deref(), upgrade);
     let verb = info.metrics_verb(&method, content_type.as_deref(), upgrade);

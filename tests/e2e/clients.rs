@@ -417,25 +417,12 @@ async fn client_go_informers_behind_the_proxy_do_not_relist_when_the_apiserver_r
     let mut compared = Vec::new();
     for (mode, accept, side, ic) in informers {
         let errs = ic.finish();
-        let (lists, _, _) = informer_traffic(&errs);
-        let streamed = errs
-            .iter()
-            .filter(|l| {
-                l.starts_with("REQUEST ")
-                    && l.contains("/configmaps")
-                    && l.contains("sendInitialEvents=true")
-            })
-            .count();
-        match (mode, accept, side) {
-            ("legacy" | "metadata", "json", "proxy") => {
-                assert_eq!(lists, 1, "{mode} ({accept}) via proxy relisted: {errs:?}")
-            }
-            ("watchlist", "json", "proxy") => assert_eq!(
-                (lists, streamed),
-                (0, 1),
-                "watchlist via proxy relisted: {errs:?}"
-            ),
-            _ => compared.push(format!("{mode} ({accept}) via {side}: {lists} LIST(s)")),
+        match (accept, side) {
+            ("json", "proxy") => assert_started_once(mode, "via proxy", &errs),
+            _ => compared.push(format!(
+                "{mode} ({accept}) via {side}: {} LIST(s)",
+                informer_starts(&errs).0
+            )),
         }
     }
     for r in &rounds {
@@ -474,19 +461,7 @@ async fn client_go_informers_do_not_relist_when_the_proxy_restarts_with_its_save
         ("metadata", "json"),
         ("legacy", "client"),
     ];
-    let mut informers: Vec<_> = sides
-        .iter()
-        .map(|(mode, accept)| {
-            let ic = InformerCheck::spawn(
-                &bin,
-                &env.proxy_kubeconfig,
-                ns,
-                &["--mode", mode, "--accept", accept],
-            );
-            ic.next("SYNCED");
-            (*mode, *accept, ic)
-        })
-        .collect();
+    let mut informers = spawn_informers(&bin, &env.proxy_kubeconfig, ns, &sides);
     let before = env.churn(ns, "before", 3).await;
     for (_, _, ic) in informers.iter_mut() {
         ic.wait(before);
@@ -536,21 +511,7 @@ async fn client_go_informers_do_not_relist_when_the_proxy_restarts_with_its_save
     let lists: u64 = e.reflector.stats().snapshot().lists.iter().sum();
     assert_eq!(lists, 0, "the restarted proxy listed configmaps upstream");
     for (mode, accept, ic) in informers {
-        let errs = ic.finish();
-        let (lists, _, _) = informer_traffic(&errs);
-        let streamed = errs
-            .iter()
-            .filter(|l| {
-                l.starts_with("REQUEST ")
-                    && l.contains("/configmaps")
-                    && l.contains("sendInitialEvents=true")
-            })
-            .count();
-        if mode == "watchlist" {
-            assert_eq!((lists, streamed), (0, 1), "watchlist relisted: {errs:?}");
-        } else {
-            assert_eq!(lists, 1, "{mode} ({accept}) relisted: {errs:?}");
-        }
+        assert_started_once(mode, accept, &ic.finish());
     }
     println!(
         "proxy stopped gracefully in {stopped:?}, started in {started:?}, configmaps cache \
@@ -936,6 +897,53 @@ pub(crate) fn informer_traffic(errs: &[String]) -> (usize, usize, Vec<&String>) 
         .filter(|l| l.contains("watch error") || l.contains("decode"))
         .collect();
     (lists, watches, errors)
+}
+
+/// A finished informer-check's starts: (LISTs, streaming lists) of configmaps.
+pub(crate) fn informer_starts(errs: &[String]) -> (usize, usize) {
+    let (lists, _, _) = informer_traffic(errs);
+    let streamed = errs
+        .iter()
+        .filter(|l| {
+            l.starts_with("REQUEST ")
+                && l.contains("/configmaps")
+                && l.contains("sendInitialEvents=true")
+        })
+        .count();
+    (lists, streamed)
+}
+
+/// Asserts that a finished informer-check started once and never relisted: legacy and
+/// metadata informers one LIST, a WatchList informer one streaming list and no LIST.
+pub(crate) fn assert_started_once(mode: &str, what: &str, errs: &[String]) {
+    let (lists, streamed) = informer_starts(errs);
+    if mode == "watchlist" {
+        assert_eq!(
+            (lists, streamed),
+            (0, 1),
+            "{what}: watchlist relisted: {errs:?}"
+        );
+    } else {
+        assert_eq!(lists, 1, "{what}: {mode} relisted: {errs:?}");
+    }
+}
+
+/// Starts one informer-check per mode through `kubeconfig`, each synced.
+pub(crate) fn spawn_informers<'a>(
+    bin: &std::path::Path,
+    kubeconfig: &std::path::Path,
+    ns: &str,
+    modes: &[(&'a str, &'a str)],
+) -> Vec<(&'a str, &'a str, InformerCheck)> {
+    modes
+        .iter()
+        .map(|(mode, accept)| {
+            let ic =
+                InformerCheck::spawn(bin, kubeconfig, ns, &["--mode", mode, "--accept", accept]);
+            ic.next("SYNCED");
+            (*mode, *accept, ic)
+        })
+        .collect()
 }
 
 /// Requests for configmaps the proxy served from its cache, from its metrics.

@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 
-use crate::clients::{BOUND, Env, InformerCheck, env_with, informer_traffic, kube_config};
+use crate::clients::{BOUND, Env, assert_started_once, env_with, kube_config, spawn_informers};
 use crate::support::balancer::Balancer;
 use crate::support::eventually::{eventually, ok_if};
 use crate::support::proxy::{TestProxy, body_json};
@@ -167,25 +167,10 @@ async fn a_rolling_restart_of_two_replicas_costs_informers_no_relist() {
         .await
         .unwrap()
         .unwrap();
-    let modes = [
-        "legacy",
-        "watchlist",
-        "metadata",
-        "legacy",
-        "watchlist",
-        "metadata",
-    ];
-    let mut informers: Vec<_> = modes
-        .iter()
-        .map(|mode| {
-            let ic =
-                InformerCheck::spawn(&bin, &kubeconfig, ns, &["--mode", mode, "--accept", "json"]);
-            ic.next("SYNCED");
-            (*mode, ic)
-        })
-        .collect();
+    let modes = ["legacy", "watchlist", "metadata"].map(|m| (m, "json"));
+    let mut informers = spawn_informers(&bin, &kubeconfig, ns, &[modes, modes].concat());
     let mut last = env.churn(ns, "before", 3).await;
-    for (_, ic) in informers.iter_mut() {
+    for (_, _, ic) in informers.iter_mut() {
         ic.wait(last);
     }
     for (i, step) in ["restart-a", "restart-b"].iter().enumerate() {
@@ -197,35 +182,21 @@ async fn a_rolling_restart_of_two_replicas_costs_informers_no_relist() {
             wait_ready(&b).await;
         }
         last = env.churn(ns, step, 3).await;
-        for (_, ic) in informers.iter_mut() {
+        for (_, _, ic) in informers.iter_mut() {
             ic.wait(last);
         }
     }
     let last = env.churn(ns, "after", 4).await;
     let (truth, _) = env.truth(ns).await;
-    for (mode, ic) in informers.iter_mut() {
+    for (mode, _, ic) in informers.iter_mut() {
         assert_eq!(
             ic.wait(last),
             truth,
             "{mode}: the informer differs from the apiserver"
         );
     }
-    for (mode, ic) in informers {
-        let errs = ic.finish();
-        let (lists, _, _) = informer_traffic(&errs);
-        let streamed = errs
-            .iter()
-            .filter(|l| {
-                l.starts_with("REQUEST ")
-                    && l.contains("/configmaps")
-                    && l.contains("sendInitialEvents=true")
-            })
-            .count();
-        if mode == "watchlist" {
-            assert_eq!((lists, streamed), (0, 1), "watchlist relisted: {errs:?}");
-        } else {
-            assert_eq!(lists, 1, "{mode} relisted: {errs:?}");
-        }
+    for (mode, _, ic) in informers {
+        assert_started_once(mode, "through the balancer", &ic.finish());
     }
     println!(
         "connections the balancer handed to A and B: {:?}",
@@ -260,18 +231,11 @@ async fn a_proxy_in_front_of_a_proxy_keeps_one_upstream_watch_at_the_top() {
         .await
         .unwrap()
         .unwrap();
-    let mut informers: Vec<_> = ["legacy", "watchlist", "metadata"]
-        .iter()
-        .map(|mode| {
-            let ic =
-                InformerCheck::spawn(&bin, &kubeconfig, ns, &["--mode", mode, "--accept", "json"]);
-            ic.next("SYNCED");
-            (*mode, ic)
-        })
-        .collect();
+    let modes = ["legacy", "watchlist", "metadata"].map(|m| (m, "json"));
+    let mut informers = spawn_informers(&bin, &kubeconfig, ns, &modes);
     let last = env.churn(ns, "tier", 5).await;
     let (truth, _) = env.truth(ns).await;
-    for (mode, ic) in informers.iter_mut() {
+    for (mode, _, ic) in informers.iter_mut() {
         assert_eq!(ic.wait(last), truth, "{mode} via two proxies");
     }
     let lower_cache = lower.cache("", "v1", "configmaps").unwrap();
@@ -285,8 +249,8 @@ async fn a_proxy_in_front_of_a_proxy_keeps_one_upstream_watch_at_the_top() {
         top_watchers + 1,
         "the top proxy serves one watch of configmaps for the lower proxy"
     );
-    for (_, ic) in informers {
-        let _ = ic.finish();
+    for (mode, _, ic) in informers {
+        assert_started_once(mode, "via two proxies", &ic.finish());
     }
     lower.shutdown().await;
     env.proxy.shutdown().await;

@@ -11,7 +11,8 @@
 //! The driver runs `KCP_FAULT_RUNS` runs (default [`DEFAULT_RUNS`]) with consecutive seeds from
 //! `KCP_FAULT_BASE_SEED` (default 1), [`CONCURRENCY`] at a time (`KCP_FAULT_CONCURRENCY`), and
 //! prints totals. A failed run prints its seed and fault schedule; `KCP_FAULT_SEED=<seed>`
-//! replays that one run (printing a failing watcher's sessions; with `RUST_LOG`, the proxy's
+//! replays that one run (printing a failing watcher's sessions, as `KCP_FAULT_SHOW=1` does in a
+//! batch; with `RUST_LOG`, the proxy's
 //! log):
 //!
 //! ```text
@@ -585,7 +586,10 @@ async fn faulted_run(seed: u64) -> Outcome {
             .filter(|s| !matches!(s.start, Start::Resume(_)))
             .count();
         let r = validate(&truth, &l, epochs.rules.clone(), true);
-        if !r.violations.is_empty() && std::env::var_os("KCP_FAULT_SEED").is_some() {
+        if !r.violations.is_empty()
+            && (std::env::var_os("KCP_FAULT_SEED").is_some()
+                || std::env::var_os("KCP_FAULT_SHOW").is_some())
+        {
             // A replay shows what the failing watcher saw.
             for (i, s) in l.sessions.iter().enumerate() {
                 let items: Vec<String> = s.items.iter().map(describe).collect();

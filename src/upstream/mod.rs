@@ -17,6 +17,12 @@
 //! instead of opening another connection as Go's transport does, so a long-lived stream must
 //! never take one of those slots or the 101st watch would hang. Redirects are never followed: hyper's client does not follow them,
 //! and the proxy relays a 3xx to its caller as it came.
+//!
+//! A request the apiserver never processed is sent once more on a fresh connection, as Go's
+//! HTTP/2 transport does for client-go: kube-apiserver closes an HTTP/2 connection idle for
+//! 90 s with a GOAWAY, and a request sent on it at that moment is refused (see
+//! [`never_processed`]). The pools also drop idle connections after 60 s, before the
+//! apiserver does, so that race is rare to begin with.
 
 pub mod reachability;
 
@@ -35,6 +41,9 @@ use crate::http::body::Body;
 
 /// The `User-Agent` of the proxy's own requests to the apiserver.
 pub const USER_AGENT: &str = concat!("kube-cache-proxy/", env!("CARGO_PKG_VERSION"));
+
+/// How long a pooled connection to the apiserver may stay unused (see the module docs).
+pub const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// A request sender to the apiserver.
 pub type HttpService = BoxCloneSyncService<Request<Body>, Response<Incoming>, BoxError>;
@@ -248,7 +257,9 @@ impl Upstream {
             let client: Client<_, Body> = Client::builder(TokioExecutor::new())
                 .timer(TokioTimer::new())
                 .pool_timer(TokioTimer::new())
-                .pool_idle_timeout(Duration::from_secs(90))
+                // Below kube-apiserver's HTTP/2 idle timeout (90 s): the proxy closes an
+                // idle connection before the apiserver sends it a GOAWAY.
+                .pool_idle_timeout(POOL_IDLE_TIMEOUT)
                 .http2_keep_alive_interval(cfg.keepalive_interval)
                 .http2_keep_alive_timeout(Duration::from_secs(20))
                 .http2_keep_alive_while_idle(true)
@@ -347,9 +358,24 @@ impl Upstream {
             (As::Proxy, true) => &self.proxy_h1,
         };
         let target = self.authority();
-        futures_util::TryFutureExt::map_err(svc.clone().oneshot(req), move |source| {
-            BoxError::from(SendError { target, source })
-        })
+        let again = Replay::of(&req);
+        // Boxed where the types are concrete: rustc cannot prove an async block that names
+        // the service's request type `Send` (its `dyn Error` lifetimes are higher-ranked).
+        type Sent = futures_util::future::BoxFuture<'static, Result<Response<Incoming>, BoxError>>;
+        let svc = svc.clone();
+        let send = move |req: Request<Body>| -> Sent { Box::pin(svc.clone().oneshot(req)) };
+        let first = send(req);
+        async move {
+            let r = match (first.await, again) {
+                (Err(e), Some(again)) if never_processed(e.as_ref(), &again.method) => {
+                    tracing::debug!(error = %error_chain(e.as_ref()), method = %again.method,
+                        "the apiserver did not process the request; sending it again");
+                    send(again.request()).await
+                }
+                (r, _) => r,
+            };
+            r.map_err(move |source| BoxError::from(SendError { target, source }))
+        }
     }
 
     /// `host:port` of the apiserver, as errors name it.
@@ -364,6 +390,73 @@ impl Upstream {
             });
         format!("{host}:{port}")
     }
+}
+
+/// What is needed to send a request with no body again: everything but the body.
+struct Replay {
+    method: http::Method,
+    uri: Uri,
+    version: http::Version,
+    headers: http::HeaderMap,
+    extensions: http::Extensions,
+}
+
+impl Replay {
+    /// A copy of `req` to send again, when it has no body (a body is streamed and gone once
+    /// sent; the proxy's own requests and callers' reads have none).
+    fn of(req: &Request<Body>) -> Option<Replay> {
+        use http_body::Body as _;
+        req.body().is_end_stream().then(|| Replay {
+            method: req.method().clone(),
+            uri: req.uri().clone(),
+            version: req.version(),
+            headers: req.headers().clone(),
+            extensions: req.extensions().clone(),
+        })
+    }
+
+    fn request(self) -> Request<Body> {
+        let mut req = Request::new(crate::http::body::empty());
+        *req.method_mut() = self.method;
+        *req.uri_mut() = self.uri;
+        *req.version_mut() = self.version;
+        *req.headers_mut() = self.headers;
+        *req.extensions_mut() = self.extensions;
+        req
+    }
+}
+
+/// Whether a request that failed with `e` certainly did not change anything at the
+/// apiserver, so sending it again is safe:
+/// - the apiserver refused the stream (`REFUSED_STREAM`, RFC 9113 §8.7: not processed), or
+///   hyper cancelled the request before sending it;
+/// - a graceful GOAWAY (`NO_ERROR`: idle timeout, `--goaway-chance`, shutdown) ended the
+///   stream, for a method without side effects. h2 fails both the streams above the
+///   GOAWAY's last stream ID (never processed) and, should the connection then close, the
+///   ones below it with the same error, so only a safe method is sent again there, as Go's
+///   transport does for a request it cannot prove unprocessed.
+pub fn never_processed(e: &(dyn std::error::Error + 'static), method: &http::Method) -> bool {
+    let safe = matches!(
+        *method,
+        http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
+    );
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(h) = err.downcast_ref::<hyper::Error>()
+            && h.is_canceled()
+        {
+            return true;
+        }
+        if let Some(he) = err.downcast_ref::<h2::Error>() {
+            return match he.reason() {
+                Some(h2::Reason::REFUSED_STREAM) => he.is_remote(),
+                Some(h2::Reason::NO_ERROR) => safe && he.is_go_away() && he.is_remote(),
+                _ => false,
+            };
+        }
+        cur = err.source();
+    }
+    false
 }
 
 /// A request to the apiserver that got no response: its address and the whole cause.
@@ -406,6 +499,9 @@ pub fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod refused;
 
 #[cfg(test)]
 mod tests {

@@ -41,6 +41,7 @@ mod hostile;
 mod proxy;
 mod report;
 mod scenarios;
+mod slow;
 mod stats;
 mod warm;
 
@@ -136,6 +137,18 @@ struct Args {
     /// ...and MB of one LIST page timed afterwards (0: none).
     #[arg(long, default_value_t = 10)]
     hs_list_mb: usize,
+    /// Scenario slow-watcher (run alone: `--only slow-watcher`): normal watchers...
+    #[arg(long, default_value_t = 100)]
+    sw_watchers: usize,
+    /// ...writes per second of the burst...
+    #[arg(long, default_value_t = 50.0)]
+    sw_rate: f64,
+    /// ...its seconds...
+    #[arg(long, default_value_t = 10.0)]
+    sw_secs: f64,
+    /// ...and each write's size in KiB.
+    #[arg(long, default_value_t = 16)]
+    sw_kib: usize,
     /// YAML appended to the proxy child's configuration file (e.g. `server: {...}`), to
     /// compare settings in one run.
     #[arg(long)]
@@ -184,6 +197,7 @@ impl Profile {
             rate,
             objects,
             duration_s,
+            pad: 0,
         };
         // Cluster-wide ConfigMaps stay under one page of the proxy's upstream list (500) until
         // scenario c creates its set, so the storm's "one upstream LIST" is one request.
@@ -529,6 +543,14 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         }
         return r.map(|()| true);
     }
+    if args.only.iter().any(|o| o == "slow-watcher") {
+        let r = slow_main(&env, &args, &out).await;
+        if let Cluster::Local { cp, .. } = env.cluster {
+            cp.stop().await;
+            let _ = std::fs::remove_dir_all(&work);
+        }
+        return r.map(|()| true);
+    }
     let result = scenarios_all(&env, &p, &want).await;
     match env.cluster {
         Cluster::Local { cp, .. } => {
@@ -692,6 +714,49 @@ async fn hostile_main(env: &Env, args: &Args, out: &std::path::Path) -> anyhow::
         "hostile-streams-{}",
         report::utc_now().replace([':', '-'], "")
     );
+    std::fs::write(out.join(format!("{stem}.md")), &md)?;
+    std::fs::write(
+        out.join(format!("{stem}.json")),
+        serde_json::to_string_pretty(&rows)?,
+    )?;
+    println!("{md}");
+    Ok(())
+}
+
+/// Scenario slow-watcher (`slow.rs`), apiserver then proxy, with its own report.
+async fn slow_main(env: &Env, args: &Args, out: &std::path::Path) -> anyhow::Result<()> {
+    let d = &env.direct;
+    let o = FanoutOpts {
+        namespace: "lt-s".into(),
+        watchers: args.sw_watchers,
+        streams_per_conn: 10,
+        rate: args.sw_rate,
+        objects: 20,
+        duration_s: args.sw_secs,
+        pad: args.sw_kib * 1024,
+    };
+    say!("seeding lt-s ({} ConfigMaps) ...", o.objects);
+    create_namespace(d, &env.admin, "lt-s").await?;
+    create_configmaps(d, "lt-s", "w", o.objects, 100, 8).await?;
+    let mut rows = Vec::new();
+    say!("slow-watcher via apiserver");
+    rows.push(slow::run(d, d, &env.admin, &o).await?);
+    say!("slow-watcher via proxy");
+    let px = env.start_proxy().await?;
+    let r = slow::run(&px.target, d, &env.admin, &o).await;
+    px.stop().await;
+    rows.push(r?);
+    let mut md = slow::markdown(&o, &rows);
+    if let Some(extra) = &args.proxy_extra_config {
+        md.push_str(&format!("\nProxy configuration added: `{extra}`\n"));
+    }
+    md.push_str(&format!(
+        "\n{} on {} CPUs, commit {}.\n",
+        report::utc_now(),
+        report::machine().cpus,
+        report::commit(&PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+    ));
+    let stem = format!("slow-watcher-{}", report::utc_now().replace([':', '-'], ""));
     std::fs::write(out.join(format!("{stem}.md")), &md)?;
     std::fs::write(
         out.join(format!("{stem}.json")),

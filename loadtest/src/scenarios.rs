@@ -156,6 +156,8 @@ pub struct FanoutOpts {
     pub rate: f64,
     pub objects: usize,
     pub duration_s: f64,
+    /// Bytes of padding each write sets (`data.pad`; 0: none).
+    pub pad: usize,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -362,6 +364,7 @@ pub async fn watch_fanout(
     let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / o.rate.max(0.001)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
     let mut writes = tokio::task::JoinSet::new();
+    let pad: Arc<str> = "x".repeat(o.pad).into();
     for seq in 0..total {
         tick.tick().await;
         let permit = sem.clone().acquire_owned().await?;
@@ -371,9 +374,17 @@ pub async fn watch_fanout(
         let path = format!("{path}/{name}");
         let written = written.clone();
         let errors = write_errors.clone();
+        let pad = pad.clone();
         writes.spawn(async move {
             let _permit = permit;
-            let body = format!(r#"{{"data":{{"ts":"{}","seq":"{seq}"}}}}"#, unix_nanos());
+            let body = if pad.is_empty() {
+                format!(r#"{{"data":{{"ts":"{}","seq":"{seq}"}}}}"#, unix_nanos())
+            } else {
+                format!(
+                    r#"{{"data":{{"ts":"{}","seq":"{seq}","pad":"{pad}"}}}}"#,
+                    unix_nanos()
+                )
+            };
             match fetch(
                 &conn,
                 direct.request(Method::PATCH, &path, Some(Bytes::from(body))),

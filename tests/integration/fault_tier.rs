@@ -196,7 +196,7 @@ impl Plan {
 
     /// The fault schedule, for a failure message.
     fn schedule(&self) -> String {
-        let mut s = format!("{} writes:", self.writes);
+        let mut s = format!("{} writes after {} seed writes:", self.writes, self.seed_writes);
         for st in &self.steps {
             let _ = write!(s, " @{} {:?}", st.at, st.fault);
             match st.fault {
@@ -590,7 +590,21 @@ async fn faulted_run(seed: u64) -> Outcome {
             && (std::env::var_os("KCP_FAULT_SEED").is_some()
                 || std::env::var_os("KCP_FAULT_SHOW").is_some())
         {
-            // A replay shows what the failing watcher saw.
+            // A replay shows what the failing watcher saw, and the writes of its scope.
+            println!(
+                "seed {seed} watcher {} {}: {:?}; absorbed relists {:?}",
+                l.id,
+                l.scope.describe(),
+                r.violations,
+                truth.absorbed
+            );
+            let writes: Vec<String> = truth
+                .filtered(&l.scope)
+                .between(0, truth.horizon)
+                .iter()
+                .map(|e| format!("{} {}@{}", e.typ, e.key, e.rv))
+                .collect();
+            println!("  its scope's history: {}", writes.join(" "));
             for (i, s) in l.sessions.iter().enumerate() {
                 let items: Vec<String> = s.items.iter().map(describe).collect();
                 println!(
@@ -744,7 +758,8 @@ fn seeds(runs: usize) -> Vec<u64> {
                 .with_test_writer()
                 .try_init();
         }
-        return vec![seed];
+        // `KCP_FAULT_REPEAT=N`: the same run N times (a race that needs company to show).
+        return vec![seed; env_u64("KCP_FAULT_REPEAT").unwrap_or(1).max(1) as usize];
     }
     let runs = env_u64("KCP_FAULT_RUNS").map_or(runs, |n| n as usize);
     let base = env_u64("KCP_FAULT_BASE_SEED").unwrap_or(1);

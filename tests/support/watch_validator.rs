@@ -1082,14 +1082,16 @@ fn check_initial_at(
         Obs::Error { .. } => None,
     });
     // A first event inside an absorbed relist `(a, b]` after an initial state no newer than
-    // `a` is part of the difference, whose revisions are not the real writes': the state was
-    // served at `a` at the latest. (A later state with such an event came from another
-    // proxy, which told the real writes there.)
-    let first_live = first_live.map(|up| {
+    // `a` may be part of the difference, whose revisions are not the real writes': the state
+    // was then served at `a` at the latest. Or it is a real write: the watch was served by
+    // the apiserver (passed through while the cache could not be confirmed) or by another
+    // proxy, which told the real writes there. Either state must fit.
+    let inside = first_live.and_then(|up| {
         f.absorbed
             .iter()
             .find(|(a, b)| up + 1 > *a && up < *b && max_rv <= *a)
-            .map_or(up, |(a, _)| up.min(*a))
+            .map(|(a, _)| up.min(*a))
+            .filter(|a| *a != up)
     });
     let pinned = match (marker, first_live) {
         (Some(m), _) => match &items[m] {
@@ -1106,8 +1108,10 @@ fn check_initial_at(
                 .zip(&initial)
                 .all(|((k1, o1), (k2, o2))| k1 == *k2 && comparable(o1) == comparable(o2))
     };
+    let fits = |s: u64| (s >= max_rv && same(&f.state_at(s))).then_some(s);
     let found = match pinned {
-        Some(s) => (s >= max_rv && same(&f.state_at(s))).then_some(s),
+        Some(s) if marker.is_none() => inside.and_then(fits).or_else(|| fits(s)),
+        Some(s) => fits(s),
         // Any point from the newest initial object on: the request time if it fits, else walk
         // the scope's changes.
         None => fresh
@@ -1131,7 +1135,7 @@ fn check_initial_at(
             }),
     };
     let Some(s_rv) = found else {
-        let s_rv = pinned.unwrap_or(max_rv);
+        let s_rv = inside.or(pinned).unwrap_or(max_rv);
         let real: Vec<_> = f
             .state_at(s_rv)
             .iter()

@@ -196,7 +196,10 @@ impl Plan {
 
     /// The fault schedule, for a failure message.
     fn schedule(&self) -> String {
-        let mut s = format!("{} writes after {} seed writes:", self.writes, self.seed_writes);
+        let mut s = format!(
+            "{} writes after {} seed writes:",
+            self.writes, self.seed_writes
+        );
         for st in &self.steps {
             let _ = write!(s, " @{} {:?}", st.at, st.fault);
             match st.fault {

@@ -45,12 +45,12 @@ use serde_json::json;
 use tokio::io::AsyncWriteExt as _;
 use tokio_util::sync::CancellationToken;
 
-use crate::support::eventually::{eventually_sync, ok_if, poll_within_sync};
+use crate::support::eventually::{eventually_sync, ok_if};
 use crate::support::fake_apiserver::FakeApiServer;
 use crate::support::proxy::TestProxy;
 use crate::support::watch_validator::{
     Control, Obs, Report, Rng, Rules, SELECTORS, Scope, Start, Truth, WatchLog, WatcherSpec,
-    Workload, run_watcher, validate,
+    Workload, run_watcher, stop_when_caught_up, validate, write_fences,
 };
 
 const NAMESPACES: [&str; 3] = ["ft-a", "ft-b", "ft-c"];
@@ -62,8 +62,7 @@ const WORKLOAD: Workload = Workload {
     max_pad: 1024,
 };
 /// Runs of the default tier, sized for CI: 200 took 81-87 s on 2 shared cores, within the
-/// tier's 3-minute share of CI (see docs/architecture.md, "Test tiers"). The tier is out of
-/// `cargo test` while two violations found by the 1,000-run variant are open.
+/// tier's 3-minute share of CI (see docs/architecture.md, "Test tiers").
 const DEFAULT_RUNS: usize = 200;
 /// Runs of the ignored long variant.
 const LONG_RUNS: usize = 1000;
@@ -550,23 +549,23 @@ async fn faulted_run(seed: u64) -> Outcome {
         }
     }
 
-    // Wait until every watcher's view equals the real state (or the guard runs out and the
-    // validation says why), then stop them.
+    // Wait until every watcher's view equals the real state, after its scope's last write
+    // (or the guard runs out and the validation says why), then stop them.
+    let scopes: Vec<Scope> = logs
+        .iter()
+        .map(|l| l.lock().unwrap().scope.clone())
+        .collect();
+    write_fences(&fake, &scopes, &NAMESPACES, n + 1).await;
     let truth = Truth::from_fake(&fake.writes("configmaps"));
     let finals: Vec<_> = logs
         .iter()
-        .map(|l| truth.filtered(&l.lock().unwrap().scope).state_at(u64::MAX))
+        .map(|l| {
+            let f = truth.filtered(&l.lock().unwrap().scope);
+            let last = f.events.last().map_or(f.base_rv, |e| e.rv);
+            (f.state_at(u64::MAX), last)
+        })
         .collect();
-    let _behind = poll_within_sync(GUARD, || {
-        let behind = logs
-            .iter()
-            .zip(&finals)
-            .filter(|(l, want)| !l.lock().unwrap().converged(want))
-            .count();
-        ok_if(behind == 0, behind)
-    })
-    .await;
-    ctl.stop.cancel();
+    stop_when_caught_up(&logs, &finals, &ctl, GUARD).await;
     for t in tasks {
         if let Err(e) = t.await {
             out.failure = Some(format!("a watcher task failed: {e}"));
@@ -786,8 +785,6 @@ fn assert_clean(t: &Totals) {
 
 /// The default tier: [`DEFAULT_RUNS`] faulted runs (or as the environment says).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "open: 2 violations in 1,000 runs (seeds 62 and 809, 4 at a time; neither replays \
-            alone); out of `cargo test` until fixed, run with --ignored"]
 async fn faulted_runs_keep_every_watch_history_valid() {
     let t = drive(seeds(DEFAULT_RUNS)).await;
     assert_clean(&t);

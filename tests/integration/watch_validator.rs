@@ -13,12 +13,12 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::support;
-use crate::support::eventually::{eventually, ok_if, poll_within};
+use crate::support::eventually::{eventually, ok_if};
 use crate::support::fake_apiserver::{FakeApiServer, LoggedRequest};
 use crate::support::proxy::{TestProxy, body_string, client_cert};
 use crate::support::watch_validator::{
     Control, Req, Rng, Rules, SELECTORS, Scope, Start, Truth, WatchLog, WatcherSpec, Workload,
-    run_watcher, sum_metric,
+    run_watcher, stop_when_caught_up, sum_metric, write_fences,
 };
 use serde_json::{Value, json};
 
@@ -258,26 +258,26 @@ async fn faulted_run(absorb: bool) {
     })
     .await;
 
-    // Wait until every watcher's view equals the real state (or the guard runs out and the
-    // validation below says why), then stop them.
+    // Wait until every watcher's view equals the real state, after its scope's last write
+    // (or the guard runs out and the validation below says why), then stop them.
+    let scopes: Vec<Scope> = logs
+        .iter()
+        .map(|l| l.lock().unwrap().scope.clone())
+        .collect();
+    write_fences(&fake, &scopes, &NAMESPACES, n + 1).await;
     let truth = Truth::from_fake(&fake.writes("configmaps"));
     let t_conv = Instant::now();
     let finals: Vec<_> = logs
         .iter()
-        .map(|l| truth.filtered(&l.lock().unwrap().scope).state_at(u64::MAX))
+        .map(|l| {
+            let f = truth.filtered(&l.lock().unwrap().scope);
+            let last = f.events.last().map_or(f.base_rv, |e| e.rv);
+            (f.state_at(u64::MAX), last)
+        })
         .collect();
     // (If some watchers are still behind after GUARD, the validation below says why.)
-    let _still_behind = poll_within(GUARD, async || {
-        let behind = logs
-            .iter()
-            .zip(&finals)
-            .filter(|(l, want)| !l.lock().unwrap().converged(want))
-            .count();
-        ok_if(behind == 0, behind)
-    })
-    .await;
+    stop_when_caught_up(&logs, &finals, &ctl, GUARD).await;
     let converge_took = t_conv.elapsed();
-    ctl.stop.cancel();
     for t in tasks {
         t.await.unwrap();
     }

@@ -468,6 +468,36 @@ impl WatchLog {
         }
     }
 
+    /// Whether the view holds exactly these objects and nothing of the scope's history up to
+    /// `last` (its last write) can still be on its way to the watcher: its current session
+    /// has shown `last` (an event or bookmark at or past it, or a resume from there). A view
+    /// can equal the final state before its last events arrive (an object added and deleted
+    /// again); a watcher stopped then would end with the add alone. A run ends each scope
+    /// with an ADDED ([`write_fences`]) so that every watcher can show `last`.
+    pub fn caught_up(&self, want: &BTreeMap<Key, Value>, last: u64) -> bool {
+        if !self.converged(want) {
+            return false;
+        }
+        let Some(s) = self.sessions.last() else {
+            return true;
+        };
+        let from = match s.start {
+            Start::Resume(rv) => rv,
+            _ => 0,
+        };
+        let seen = s
+            .items
+            .iter()
+            .filter_map(|o| match o {
+                Obs::Event { rv, .. } | Obs::Bookmark { rv, .. } => Some(*rv),
+                Obs::Error { .. } => None,
+            })
+            .max()
+            .unwrap_or(0)
+            .max(from);
+        seen >= last
+    }
+
     /// Whether the reconstructed view holds exactly these objects (by resourceVersion).
     pub fn converged(&self, want: &BTreeMap<Key, Value>) -> bool {
         self.state.len() == want.len()
@@ -1156,6 +1186,57 @@ fn check_initial_at(
 // The watcher driver
 // ---------------------------------------------------------------------------------------------
 
+/// Waits (within `limit`) until every watcher has caught up with its scope's final state
+/// (`finals`: the state and the scope's last write, see [`WatchLog::caught_up`]), then stops
+/// them all. The check and the stop happen under every log's lock, and a watcher applies
+/// nothing once stopped: the views judged caught up are the final views (a watcher that
+/// starts over or takes one more event in between would otherwise end with another).
+/// Returns how many were still behind when the limit ran out (they are stopped too).
+pub async fn stop_when_caught_up(
+    logs: &[Arc<Mutex<WatchLog>>],
+    finals: &[(BTreeMap<Key, Value>, u64)],
+    ctl: &Control,
+    limit: Duration,
+) -> usize {
+    let behind = super::eventually::poll_within_sync(limit, || {
+        let views: Vec<_> = logs.iter().map(|l| l.lock().unwrap()).collect();
+        let behind = views
+            .iter()
+            .zip(finals)
+            .filter(|(l, (want, last))| !l.caught_up(want, *last))
+            .count();
+        if behind == 0 {
+            ctl.stop.cancel();
+        }
+        if behind == 0 { Ok(()) } else { Err(behind) }
+    })
+    .await;
+    ctl.stop.cancel();
+    if behind.is_err() {
+        for (l, (want, last)) in logs.iter().zip(finals) {
+            let l = l.lock().unwrap();
+            if !l.caught_up(want, *last) {
+                let s = l.sessions.last();
+                eprintln!(
+                    "watcher {} ({}) still behind after {limit:?}: view {} its scope's final \
+                     state, bookmarks {}, last session {:?} requested at {:?}, last write {last}",
+                    l.id,
+                    l.scope.describe(),
+                    if l.converged(want) {
+                        "equals"
+                    } else {
+                        "differs from"
+                    },
+                    l.bookmarks,
+                    s.map(|s| s.start),
+                    s.and_then(|s| s.truth_rv_at_request),
+                );
+            }
+        }
+    }
+    behind.err().unwrap_or(0)
+}
+
 /// Shared controls of a run.
 #[derive(Clone)]
 pub struct Control {
@@ -1231,7 +1312,15 @@ pub async fn run_watcher<C>(
             end: End::Stopped,
         };
         if start.is_initial() {
-            log.lock().unwrap().state.clear();
+            let mut l = log.lock().unwrap();
+            // Stopped under the lock of a check of every view (`stop_when_caught_up`): the
+            // view it judged is the final one.
+            if ctl.stop.is_cancelled() {
+                session.end_epoch = epoch();
+                l.sessions.push(session);
+                return;
+            }
+            l.state.clear();
         }
         let resp = tokio::select! {
             _ = ctl.stop.cancelled() => {
@@ -1293,6 +1382,9 @@ pub async fn run_watcher<C>(
             let typ = ev["type"].as_str().unwrap_or("").to_string();
             let obj = ev["object"].clone();
             let mut l = log.lock().unwrap();
+            if ctl.stop.is_cancelled() {
+                break End::Stopped;
+            }
             match typ.as_str() {
                 "ADDED" | "MODIFIED" | "DELETED" => {
                     let rv = rv_of(&obj);
@@ -1376,6 +1468,38 @@ pub const SELECTORS: &[&[Req]] = &[
     &[Req::Eq("env", "prod"), Req::In("app", &["b", "c"])],
     &[Req::Eq("tier", "web"), Req::NotEq("env", "dev")],
 ];
+
+/// After a run's last write, one more per watcher scope: a new ConfigMap (`fence-<i>`) that
+/// the scope selects. Every watcher's scope then ends with an ADDED under a real
+/// resourceVersion, which it shows it has seen (as an event or in an initial state, also
+/// inside a relist's difference, which keeps an added object's own resourceVersion), so
+/// [`WatchLog::caught_up`] never waits on a watcher that has nothing more to show (a
+/// deletion told inside a difference carries another revision than the real one).
+pub async fn write_fences(fake: &FakeApiServer, scopes: &[Scope], namespaces: &[&str], n: u64) {
+    const LABELS: [&[(&str, &str)]; 6] = [
+        &[],
+        &[("app", "a")],
+        &[("app", "c"), ("tier", "web")],
+        &[("app", "b"), ("env", "prod")],
+        &[("app", "c"), ("env", "prod"), ("tier", "web")],
+        &[("tier", "web")],
+    ];
+    for (i, scope) in scopes.iter().enumerate() {
+        let ns = scope.namespace.as_deref().unwrap_or(namespaces[0]);
+        let name = format!("fence-{i}");
+        let fitting = LABELS.iter().find_map(|l| {
+            let labels: serde_json::Map<String, Value> = l
+                .iter()
+                .map(|(k, v)| ((*k).to_string(), Value::String((*v).to_string())))
+                .collect();
+            let obj = configmap(ns, &name, Value::Object(labels), n, 0);
+            scope.matches(&obj).then_some(obj)
+        });
+        let obj = fitting.unwrap_or_else(|| panic!("no fence label set fits {}", scope.describe()));
+        fake.create(&format!("/api/v1/namespaces/{ns}/configmaps"), obj)
+            .await;
+    }
+}
 
 /// Random `app`/`env`/`tier` labels; updates change them so objects cross selectors.
 pub fn random_labels(rng: &mut Rng) -> Value {

@@ -71,7 +71,7 @@ pub fn needs_newer_state(why: &str) -> bool {
 
 /// The answer to a read that needs the apiserver while it is unreachable: 503 with
 /// `Retry-After`, what a client of an apiserver that cannot serve a request gets (client-go
-/// retries it after the delay).
+/// retries it after the delay). A watch gets 429 instead ([`watch_unreachable`]).
 pub fn unreachable(outage: &crate::upstream::reachability::Outage) -> Status {
     Status::service_unavailable(
         format!(
@@ -81,4 +81,18 @@ pub fn unreachable(outage: &crate::upstream::reachability::Outage) -> Status {
         ),
         1,
     )
+}
+
+/// The answer to a watch that needs the apiserver while it cannot be reached: 429 with
+/// `Retry-After`. Direct, such a client would get "connection refused", on which client-go's
+/// reflector backs off and watches again from its resourceVersion; on 429 it does the same,
+/// on a 503 it lists everything again (`isWatchErrorRetriable` in reflector.go). A 503 here
+/// would turn every informer's watch during an apiserver restart into a relist.
+pub fn watch_unreachable(message: impl Into<String>) -> Status {
+    Status::failure(
+        http::StatusCode::TOO_MANY_REQUESTS,
+        crate::k8s::status::Reason::TooManyRequests,
+        message,
+    )
+    .with_retry_after(1)
 }

@@ -108,10 +108,14 @@ pub async fn forward(
                 return too_large(limit);
             }
             tracing::warn!(error = %e, path = %req_path(&pq), caller = %caller.describe(), "upstream request failed");
-            return Status::service_unavailable(
-                format!("the upstream apiserver could not be reached: {e}"),
-                1,
-            )
+            let message = format!("the upstream apiserver could not be reached: {e}");
+            // A watch: 429, on which client-go watches again instead of relisting, as after
+            // the "connection refused" a direct client would get (`read::watch_unreachable`).
+            return if info.verb == "watch" {
+                crate::read::watch_unreachable(message)
+            } else {
+                Status::service_unavailable(message, 1)
+            }
             .into_response();
         }
     };

@@ -100,11 +100,20 @@ async fn serve_from_cache(
         } => {
             // Most recent state (a watch or WatchList without resourceVersion): only once the
             // consistency policy confirms the cache.
-            if params.resource_version.as_deref().unwrap_or("").is_empty() {
-                state
+            if params.resource_version.as_deref().unwrap_or("").is_empty()
+                && let Err(not) = state
                     .consistency
                     .latest(&cache, consistency_mode(state, &cache))
-                    .await?;
+                    .await
+            {
+                // The apiserver is unreachable: a watch gets 429, not 503
+                // (`read::watch_unreachable`).
+                return Err(match not {
+                    NotServed::Refuse(s) if s.code() == 503 => NotServed::Refuse(Box::new(
+                        crate::read::watch_unreachable(s.message().to_string()),
+                    )),
+                    other => other,
+                });
             }
             filter.namespaces = view.clone();
             filter.changes = watch_fields;
@@ -797,7 +806,13 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
                 {
                     // Only the apiserver has what this read needs, and it cannot be reached.
                     refused = true;
-                    (crate::read::unreachable(&o).into_response(), "cache")
+                    let status = crate::read::unreachable(&o);
+                    let status = if info.verb == "watch" {
+                        crate::read::watch_unreachable(status.message().to_string())
+                    } else {
+                        status
+                    };
+                    (status.into_response(), "cache")
                 }
                 Err(NotServed::Delegate(why)) => {
                     if info.is_resource_request && info.verb != "create" {

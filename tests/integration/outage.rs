@@ -79,7 +79,7 @@ async fn get(proxy: &TestProxy, path: &str, token: &str) -> Answer {
         .headers()
         .get(header::RETRY_AFTER)
         .map(|v| v.to_str().unwrap().to_string());
-    let body = if path.contains("watch=1") {
+    let body = if path.contains("watch=1") && code == 200 {
         // A watch stream: its headers are the answer.
         String::new()
     } else {
@@ -276,6 +276,23 @@ async fn callers_decided_before_an_outage_keep_reading_the_cache_with_a_warning(
     assert!(write.headers().get(header::WARNING).is_none());
     let status: Value = serde_json::from_str(&body_string(write).await).unwrap();
     assert_eq!(status["reason"], "ServiceUnavailable", "{status}");
+
+    // Watches that need the apiserver get 429 with Retry-After: client-go then watches again
+    // from its resourceVersion, as after the "connection refused" a direct client gets; on a
+    // 503 it would list everything again.
+    for (path, what) in [
+        (format!("{CMS}?watch=1"), "a watch of the latest state"),
+        (
+            "/api/v1/namespaces/default/secrets?watch=1&resourceVersion=1".to_string(),
+            "a watch passed through (an uncached resource)",
+        ),
+    ] {
+        let a = get(&proxy, &path, "alice").await;
+        assert_eq!(a.code, 429, "{what}: {}", a.body);
+        assert_eq!(a.retry_after.as_deref(), Some("1"), "{what}");
+        let status: Value = serde_json::from_str(&a.body).unwrap();
+        assert_eq!(status["reason"], "TooManyRequests", "{what}: {status}");
+    }
 
     // Visible in the metrics.
     assert_eq!(metric(&proxy, "kube_cache_proxy_degraded").await, Some(1.0));

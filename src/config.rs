@@ -435,8 +435,10 @@ pub struct CacheConfig {
     /// this far behind is closed like one whose queue is full, so a slow reader of large
     /// objects holds little and costs its neighbours one dispatch budget at most.
     pub watcher_queue_bytes: usize,
-    /// How long one event may wait in total for watchers with full queues before they are
-    /// closed (k8s.io/apiserver's cacher: 100 ms).
+    /// How long the dispatcher may wait for watchers with full queues before they are
+    /// closed: one budget for all events, refilled at half of it per second, so a watcher
+    /// that frees a slot just in time cannot make every event wait (k8s.io/apiserver's
+    /// cacher: 100 ms, 50 ms per second).
     #[serde(with = "duration")]
     pub dispatch_budget: Duration,
     /// Interval of BOOKMARK events to watchers that allow them (kube-apiserver: ~1 minute).

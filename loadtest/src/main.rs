@@ -146,9 +146,12 @@ struct Args {
     /// ...its seconds...
     #[arg(long, default_value_t = 10.0)]
     sw_secs: f64,
-    /// ...and each write's size in KiB.
+    /// ...and each write's size in KiB; `--sw-no-slow` runs it without the slow watcher
+    /// (the baseline of the normal watchers' latency).
     #[arg(long, default_value_t = 16)]
     sw_kib: usize,
+    #[arg(long)]
+    sw_no_slow: bool,
     /// YAML appended to the proxy child's configuration file (e.g. `server: {...}`), to
     /// compare settings in one run.
     #[arg(long)]
@@ -740,10 +743,10 @@ async fn slow_main(env: &Env, args: &Args, out: &std::path::Path) -> anyhow::Res
     create_configmaps(d, "lt-s", "w", o.objects, 100, 8).await?;
     let mut rows = Vec::new();
     say!("slow-watcher via apiserver");
-    rows.push(slow::run(d, d, &env.admin, &o).await?);
+    rows.push(slow::run(d, d, &env.admin, &o, !args.sw_no_slow).await?);
     say!("slow-watcher via proxy");
     let px = env.start_proxy().await?;
-    let r = slow::run(&px.target, d, &env.admin, &o).await;
+    let r = slow::run(&px.target, d, &env.admin, &o, !args.sw_no_slow).await;
     px.stop().await;
     rows.push(r?);
     let mut md = slow::markdown(&o, &rows);

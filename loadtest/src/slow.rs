@@ -162,15 +162,22 @@ pub async fn run(
     direct: &Target,
     writer: &Conn,
     o: &FanoutOpts,
+    with_slow: bool,
 ) -> anyhow::Result<SlowResult> {
     let rv = current_rv(direct, writer, &o.namespace).await?;
     let path = format!(
         "/api/v1/namespaces/{}/configmaps?watch=1&resourceVersion={rv}&allowWatchBookmarks=true&timeoutSeconds=1800",
         o.namespace
     );
-    let slow = open(t, &path).await?;
+    let slow = match with_slow {
+        true => Some(open(t, &path).await?),
+        false => None,
+    };
     let fanout = watch_fanout(t, direct, writer, o).await?;
-    let (slow_bytes, slow_events, slow_closed, slow_end) = drain(slow).await;
+    let (slow_bytes, slow_events, slow_closed, slow_end) = match slow {
+        Some(slow) => drain(slow).await,
+        None => (0, 0, false, "no slow watcher (--sw-no-slow)".to_string()),
+    };
     Ok(SlowResult {
         side: t.side,
         fanout,

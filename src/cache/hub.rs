@@ -5,7 +5,10 @@
 //! watchers whose queues are full then share a bounded wait (the dispatch budget); any still
 //! full after it are closed and counted, like k8s.io/apiserver's `cacheWatcher` with its
 //! `dispatchTimeoutBudget`. A closed watcher's stream ends cleanly, so its client re-watches
-//! from the last resourceVersion it saw. One slow client therefore costs the others at most
+//! from the last resourceVersion it saw. The budget is one for all events, as the cacher's
+//! `timeBudget`: what a dispatch waits is taken from it and it refills at half of it per
+//! second ([`TimeBudget`]), so a client that frees one slot just before each deadline cannot
+//! make every event wait a whole budget. One slow client therefore costs the others about
 //! one budget, once.
 
 use std::sync::Arc;
@@ -386,8 +389,42 @@ pub struct Hub {
     next_id: AtomicU64,
     queue_len: usize,
     queue_bytes: usize,
-    budget: Duration,
+    budget: TimeBudget,
     pub stats: HubStats,
+}
+
+/// Time the dispatcher may spend waiting for full queues, shared by all events (as
+/// k8s.io/apiserver's cacher `timeBudget`: 100 ms at most, refilled at 50 ms per second).
+#[derive(Debug)]
+struct TimeBudget {
+    max: Duration,
+    /// Available now, and when it was last refilled.
+    state: parking_lot::Mutex<(Duration, tokio::time::Instant)>,
+}
+
+impl TimeBudget {
+    fn new(max: Duration) -> TimeBudget {
+        TimeBudget {
+            max,
+            state: parking_lot::Mutex::new((max, tokio::time::Instant::now())),
+        }
+    }
+
+    /// All that is available now (refilled at `max / 2` per second since the last take).
+    fn take(&self) -> Duration {
+        let mut s = self.state.lock();
+        let now = tokio::time::Instant::now();
+        let refill = (self.max / 2).mul_f64(now.duration_since(s.1).as_secs_f64());
+        s.0 = (s.0 + refill).min(self.max);
+        s.1 = now;
+        std::mem::take(&mut s.0)
+    }
+
+    /// Returns what a dispatch took and did not wait.
+    fn give_back(&self, unused: Duration) {
+        let mut s = self.state.lock();
+        s.0 = (s.0 + unused).min(self.max);
+    }
 }
 
 impl std::fmt::Debug for Hub {
@@ -415,8 +452,8 @@ impl Drop for Subscription {
 }
 
 impl Hub {
-    /// `queue_len`: events buffered per watcher; `budget`: the shared wait for full queues
-    /// per dispatched event.
+    /// `queue_len`: events buffered per watcher; `budget`: the most the dispatcher waits for
+    /// full queues, shared by all events ([`TimeBudget`]).
     pub fn new(queue_len: usize, budget: Duration) -> Arc<Hub> {
         Hub::with_queue_bytes(queue_len, usize::MAX, budget)
     }
@@ -433,7 +470,7 @@ impl Hub {
             next_id: AtomicU64::new(1),
             queue_len: queue_len.max(1),
             queue_bytes: queue_bytes.max(1),
-            budget,
+            budget: TimeBudget::new(budget),
             stats: HubStats::default(),
         })
     }
@@ -591,7 +628,9 @@ impl Hub {
         }
         // The iteration's shard locks are released here; waiting happens without them.
         if !blocked.is_empty() {
-            let deadline = tokio::time::Instant::now() + self.budget;
+            let start = tokio::time::Instant::now();
+            let available = self.budget.take();
+            let deadline = start + available;
             for (scope, id, tx, d) in blocked {
                 match tokio::time::timeout_at(deadline, tx.send((ev.clone(), d))).await {
                     Ok(Ok(())) => sent += 1,
@@ -602,6 +641,8 @@ impl Hub {
                     }
                 }
             }
+            self.budget
+                .give_back(available.saturating_sub(start.elapsed()));
         }
         for (scope, id) in closed {
             self.remove(scope, id);
@@ -771,6 +812,38 @@ mod tests {
         // It keeps what was queued, then sees the end of its stream.
         assert_eq!(slow.rx.recv().await.unwrap().0.rv, 2);
         assert!(slow.rx.recv().await.is_none());
+    }
+
+    /// The budget is shared by all events: a watcher that frees one slot 60 ms after each
+    /// event (within a 100 ms budget every time) is closed at the second wait, once the
+    /// budget spent on the first has not come back, instead of costing every event 60 ms.
+    /// (Paused time: the clock moves only when every task waits.)
+    #[tokio::test(start_paused = true)]
+    async fn waits_for_full_queues_share_one_refilling_budget() {
+        let hub = Hub::new(1, Duration::from_millis(100));
+        let mut slow = hub.subscribe(filter(None));
+        let mut fast = hub.subscribe(filter(None));
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            loop {
+                tokio::time::sleep(Duration::from_millis(60)).await;
+                match slow.rx.recv().await {
+                    Some((e, _)) => got.push(e.rv),
+                    None => return got,
+                }
+            }
+        });
+        let start = tokio::time::Instant::now();
+        for rv in 2..8 {
+            hub.dispatch(ev("a", "x", rv)).await;
+            assert_eq!(fast.rx.try_recv().unwrap().0.rv, rv);
+        }
+        assert_eq!(hub.stats.closed_slow.load(Ordering::Relaxed), 1);
+        assert_eq!(hub.len(), 1, "only the slow watcher is closed");
+        // Event 3 waited 60 ms for its slot; event 4 had the 40 ms left (and 3 ms refilled)
+        // and closed the watcher; later events did not wait.
+        assert_eq!(start.elapsed(), Duration::from_millis(103));
+        assert_eq!(reader.await.unwrap(), vec![2, 3]);
     }
 
     /// The bounded wait: a watcher whose full queue gets room within the budget receives the

@@ -14,19 +14,17 @@
 //! Then, when `list_mb` > 0, one LIST of a namespace holding that many MB (one page) is timed
 //! a few times, the throughput a per-stream or per-connection bound must not hurt.
 
-use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::Method;
 use serde::Serialize;
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 use crate::client::{Target, fetch};
 use crate::scenarios::{GetResult, get_rate};
+use crate::slow::{Gate, Gated};
 use crate::stats::{Summary, summarize};
 
 #[derive(Debug, Clone, Serialize)]
@@ -90,41 +88,6 @@ async fn budget_metrics(admin: Option<&Target>) -> Vec<String> {
     }
 }
 
-/// An IO whose read side can be shut: once `reading` is false, reads stay pending forever.
-struct Gated<T> {
-    inner: T,
-    reading: Arc<AtomicBool>,
-}
-
-impl<T: AsyncRead + Unpin> AsyncRead for Gated<T> {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        if !self.reading.load(Ordering::SeqCst) {
-            return Poll::Pending;
-        }
-        Pin::new(&mut self.inner).poll_read(cx, buf)
-    }
-}
-
-impl<T: AsyncWrite + Unpin> AsyncWrite for Gated<T> {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        data: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, data)
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.inner).poll_shutdown(cx)
-    }
-}
-
 /// One hostile connection: its streams (kept, so they are not reset) and its task.
 struct Hostile {
     streams: Vec<h2::client::ResponseFuture>,
@@ -135,10 +98,10 @@ const WINDOW: u32 = (1 << 31) - 1;
 
 async fn hostile_conn(t: &Target, path: &str, streams: usize) -> anyhow::Result<Hostile> {
     let tls = t.connect_tls().await?;
-    let reading = Arc::new(AtomicBool::new(true));
+    let gate = Arc::new(Gate::default());
     let io = Gated {
         inner: tls,
-        reading: reading.clone(),
+        gate: gate.clone(),
     };
     let (send, conn) = h2::client::Builder::new()
         .initial_window_size(WINDOW)
@@ -152,7 +115,7 @@ async fn hostile_conn(t: &Target, path: &str, streams: usize) -> anyhow::Result<
     let mut send = send.ready().await?;
     // The server's SETTINGS (its stream limit) arrive with its first frames.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    reading.store(false, Ordering::SeqCst);
+    gate.set(true);
     let mut kept = Vec::with_capacity(streams);
     for _ in 0..streams {
         let (parts, _) = t.request(Method::GET, path, None).into_parts();

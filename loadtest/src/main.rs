@@ -647,20 +647,38 @@ async fn warm_main(
         args.warm_objects,
     )
     .await?;
-    let mut md = warm::markdown(&r);
+    write_scenario_report(
+        out,
+        "warm-restart",
+        warm::markdown(&r),
+        args.proxy_extra_config.as_deref(),
+        &r,
+    )
+}
+
+/// Writes a run-alone scenario's report (`<name>-<time>.md` and `.json` in `out`) and prints
+/// it: its table, the proxy settings the run added, the date, CPUs and commit.
+fn write_scenario_report(
+    out: &std::path::Path,
+    name: &str,
+    mut md: String,
+    extra_config: Option<&str>,
+    json: &impl Serialize,
+) -> anyhow::Result<()> {
+    if let Some(extra) = extra_config {
+        md.push_str(&format!("\nProxy configuration added: `{extra}`\n"));
+    }
     md.push_str(&format!(
-        "
-{} on {} CPUs, commit {}.
-",
+        "\n{} on {} CPUs, commit {}.\n",
         report::utc_now(),
         report::machine().cpus,
         report::commit(&PathBuf::from(env!("CARGO_MANIFEST_DIR")))
     ));
-    let stem = format!("warm-restart-{}", report::utc_now().replace([':', '-'], ""));
+    let stem = format!("{name}-{}", report::utc_now().replace([':', '-'], ""));
     std::fs::write(out.join(format!("{stem}.md")), &md)?;
     std::fs::write(
         out.join(format!("{stem}.json")),
-        serde_json::to_string_pretty(&r)?,
+        serde_json::to_string_pretty(json)?,
     )?;
     println!("{md}");
     Ok(())
@@ -703,27 +721,13 @@ async fn hostile_main(env: &Env, args: &Args, out: &std::path::Path) -> anyhow::
     let r = hostile::run(&px.target, pid, &o, list_path, px.admin.as_ref()).await;
     px.stop().await;
     rows.push(r?);
-    let mut md = hostile::markdown(&o, args.hs_kb, &rows);
-    if let Some(extra) = &args.proxy_extra_config {
-        md.push_str(&format!("\nProxy configuration added: `{extra}`\n"));
-    }
-    md.push_str(&format!(
-        "\n{} on {} CPUs, commit {}.\n",
-        report::utc_now(),
-        report::machine().cpus,
-        report::commit(&PathBuf::from(env!("CARGO_MANIFEST_DIR")))
-    ));
-    let stem = format!(
-        "hostile-streams-{}",
-        report::utc_now().replace([':', '-'], "")
-    );
-    std::fs::write(out.join(format!("{stem}.md")), &md)?;
-    std::fs::write(
-        out.join(format!("{stem}.json")),
-        serde_json::to_string_pretty(&rows)?,
-    )?;
-    println!("{md}");
-    Ok(())
+    write_scenario_report(
+        out,
+        "hostile-streams",
+        hostile::markdown(&o, args.hs_kb, &rows),
+        args.proxy_extra_config.as_deref(),
+        &rows,
+    )
 }
 
 /// Scenario slow-watcher (`slow.rs`), apiserver then proxy, with its own report.
@@ -749,24 +753,13 @@ async fn slow_main(env: &Env, args: &Args, out: &std::path::Path) -> anyhow::Res
     let r = slow::run(&px.target, d, &env.admin, &o, !args.sw_no_slow).await;
     px.stop().await;
     rows.push(r?);
-    let mut md = slow::markdown(&o, &rows);
-    if let Some(extra) = &args.proxy_extra_config {
-        md.push_str(&format!("\nProxy configuration added: `{extra}`\n"));
-    }
-    md.push_str(&format!(
-        "\n{} on {} CPUs, commit {}.\n",
-        report::utc_now(),
-        report::machine().cpus,
-        report::commit(&PathBuf::from(env!("CARGO_MANIFEST_DIR")))
-    ));
-    let stem = format!("slow-watcher-{}", report::utc_now().replace([':', '-'], ""));
-    std::fs::write(out.join(format!("{stem}.md")), &md)?;
-    std::fs::write(
-        out.join(format!("{stem}.json")),
-        serde_json::to_string_pretty(&rows)?,
-    )?;
-    println!("{md}");
-    Ok(())
+    write_scenario_report(
+        out,
+        "slow-watcher",
+        slow::markdown(&o, &rows),
+        args.proxy_extra_config.as_deref(),
+        &rows,
+    )
 }
 
 /// The namespaces the driver seeds (and, on an existing cluster, deletes at the end).

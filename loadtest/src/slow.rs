@@ -37,20 +37,22 @@ pub struct SlowResult {
     pub slow_end: String,
 }
 
-/// An IO whose read side can be shut and opened again.
-struct Gated<T> {
-    inner: T,
-    gate: Arc<Gate>,
+/// An IO whose read side can be shut and opened again (also the hostile-streams scenario's
+/// clients, which never open it again).
+pub(crate) struct Gated<T> {
+    pub(crate) inner: T,
+    pub(crate) gate: Arc<Gate>,
 }
 
 #[derive(Default)]
-struct Gate {
+pub(crate) struct Gate {
     shut: AtomicBool,
     waker: parking_lot::Mutex<Option<Waker>>,
 }
 
 impl Gate {
-    fn set(&self, shut: bool) {
+    /// Shuts (`true`) or opens the read side; opening wakes a read that waits.
+    pub(crate) fn set(&self, shut: bool) {
         self.shut.store(shut, Ordering::SeqCst);
         if !shut && let Some(w) = self.waker.lock().take() {
             w.wake();

@@ -141,6 +141,13 @@ pub(super) async fn watch(
             }
         }
         start_rv = filter.after_rv;
+        // Refusing (an apiserver restart): a watch that passed the check at the request's
+        // start but registers only now, after `drop_watches` ended the others under this
+        // lock, is cut too, so no watch outlives the fault.
+        if shared.refuse.load(Ordering::SeqCst) {
+            let _ = tx.send(WatchMsg::Abort);
+            registered = false;
+        }
         if registered {
             store.watchers.push(Watcher {
                 id,

@@ -456,6 +456,18 @@ pub struct CacheConfig {
     /// proxy need no relist of their own. `false`: close them; they come back, get 410
     /// Expired and relist, as behind a kube-apiserver whose watch cache relisted.
     pub absorb_relists: bool,
+    /// A watch from a resourceVersion older than the cache's history (a client resuming
+    /// after a proxy restart without saved state, on a replica that listed after its last
+    /// event, or past the history's window) is served by extending the history back from
+    /// the apiserver: an Exact list at that resourceVersion and a watch from it, joined to
+    /// the history only when they lead exactly to its start, once for every client in the
+    /// stretch. Where the apiserver no longer has the stretch (compacted, or older than its
+    /// own watch cache) the client gets its 410 as before. `false`: always 410 Expired
+    /// (the client relists from the cache), as a kube-apiserver past its watch cache.
+    pub backfill: bool,
+    /// Bound on one backfill (the client's watch waits for it; then 410).
+    #[serde(with = "duration")]
+    pub backfill_timeout: Duration,
     /// Warm restart: a directory (the Deployment mounts an `emptyDir`, which survives
     /// container restarts) where each cache's state — objects, resourceVersion, event
     /// history — is written at shutdown and read back at start, so the restarted proxy
@@ -536,6 +548,8 @@ impl Default for CacheConfig {
             bookmark_interval: Duration::from_secs(60),
             filtered_bookmark_interval: Duration::from_secs(5),
             absorb_relists: true,
+            backfill: true,
+            backfill_timeout: Duration::from_secs(10),
             state_dir: None,
             state_max_age: Duration::from_secs(600),
             state_save_interval: Duration::from_secs(60),

@@ -224,3 +224,46 @@ impl prometheus_client::collector::Collector for UpstreamCollector {
         )
     }
 }
+
+/// Backfills of cache histories from the apiserver (`cache.backfill`).
+#[derive(Debug)]
+pub struct BackfillCollector(pub std::sync::Arc<crate::cache::reflector::backfill::BackfillStats>);
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: String,
+}
+
+impl prometheus_client::collector::Collector for BackfillCollector {
+    fn encode(&self, mut enc: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = &self.0;
+        let outcomes = Family::<OutcomeLabels, Counter>::default();
+        for (name, c) in [
+            ("filled", &s.filled),
+            ("gone", &s.gone),
+            ("failed", &s.failed),
+        ] {
+            outcomes
+                .get_or_create(&OutcomeLabels {
+                    outcome: name.into(),
+                })
+                .inc_by(c.load(Relaxed));
+        }
+        emit(
+            &mut enc,
+            "kube_cache_proxy_backfills",
+            "Watches older than a cache's history: filled (the history was extended back from \
+             the apiserver), gone (410: compacted or past the apiserver's window), failed",
+            &outcomes,
+        )?;
+        let events = Counter::<u64>::default();
+        events.inc_by(s.events.load(Relaxed));
+        emit(
+            &mut enc,
+            "kube_cache_proxy_backfill_events",
+            "Events added to cache histories by backfills",
+            &events,
+        )
+    }
+}

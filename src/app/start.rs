@@ -152,7 +152,7 @@ pub fn build_state(
         pinned,
         upstream.clone(),
         store,
-        reflector,
+        reflector.clone(),
         persist,
         drain.clone(),
     );
@@ -172,6 +172,13 @@ pub fn build_state(
     let watch = crate::read::watch::WatchConfig {
         bookmark_interval: c.bookmark_interval,
         filtered_bookmark_interval: c.filtered_bookmark_interval,
+        backfill: c.backfill.then(|| {
+            crate::cache::reflector::backfill::Backfiller::new(
+                upstream.clone(),
+                reflector.clone(),
+                c.backfill_timeout,
+            )
+        }),
         ..Default::default()
     };
     let l = &config.lists;
@@ -198,6 +205,11 @@ pub fn build_state(
         tenancy: tenancy.clone(),
     }));
     metrics.register_collector(Box::new(crate::paging::PagingCollector(paging.clone())));
+    if let Some(b) = &watch.backfill {
+        metrics.register_collector(Box::new(crate::app::collectors::BackfillCollector(
+            b.counters.clone(),
+        )));
+    }
     metrics.register_collector(Box::new(crate::app::collectors::UpstreamCollector {
         upstream: upstream.clone(),
         max_staleness: c.max_staleness,

@@ -208,6 +208,8 @@ pub struct ResourceCache {
     retained: Mutex<VecDeque<Retained>>,
     pub list_stats: ListStats,
     pub watch_stats: WatchStats,
+    /// Backfills of this cache's history run one at a time (`reflector::backfill`).
+    pub backfill_lock: tokio::sync::Mutex<()>,
 }
 
 /// Downstream watches refused with 410 Expired, by why their resourceVersion is gone (read
@@ -326,6 +328,7 @@ impl ResourceCache {
             retained: Mutex::new(VecDeque::new()),
             list_stats: ListStats::default(),
             watch_stats: WatchStats::default(),
+            backfill_lock: Default::default(),
         });
         // The dispatcher: one task per resource, events in order.
         tokio::spawn(async move {
@@ -726,6 +729,144 @@ impl ResourceCache {
         Ok(())
     }
 
+    /// The resourceVersion the history starts after: a watch from it or later is served
+    /// from the history, an older one needs [`ResourceCache::extend_history`] first.
+    pub fn oldest_rv(&self) -> u64 {
+        self.read().oldest_rv
+    }
+
+    /// The history's start: its resourceVersion, the state there (the current state with
+    /// the history undone) and whether any change follows it.
+    pub fn history_start(&self) -> (u64, Objects, bool) {
+        let (mut objects, undo, oldest) = {
+            let s = self.read();
+            let undo: Vec<Arc<Event>> = s.history.iter().cloned().collect();
+            (s.objects.clone(), undo, s.oldest_rv)
+        };
+        let later = !undo.is_empty();
+        rewind(&mut objects, None, &undo);
+        (oldest, objects, later)
+    }
+
+    /// How many events the history can still take before its count bound.
+    pub fn history_room(&self) -> usize {
+        self.cfg
+            .history_max_events
+            .saturating_sub(self.read().history.len())
+    }
+
+    /// Whether a watch from `rv` could be resumed after extending the history back to it:
+    /// older than the history, and no absorbed relist in the way (inside one, the history
+    /// is a difference that real events cannot be joined to).
+    pub fn backfillable(&self, rv: u64) -> bool {
+        let oldest = self.read().oldest_rv;
+        rv > 0
+            && rv < oldest
+            && !self
+                .absorbed
+                .lock()
+                .iter()
+                .any(|(a, b)| (rv > *a && rv < *b) || (oldest > *a && oldest < *b))
+    }
+
+    /// Extends the history back to `from` with real events the apiserver still had
+    /// (`cache::reflector::backfill`): `base` is the state at exactly `from` (an Exact list),
+    /// `events` every change of the resource after `from` up to the history's start, in
+    /// order (a watch from `from`). Replayed over `base` they must arrive at the state the
+    /// history starts from (the current state with the history undone), object by object
+    /// and resourceVersion by resourceVersion; otherwise nothing changes. The events get
+    /// their previous states from the replay, as if they had been received live, so every
+    /// watcher (selectors, transitions, change filters) and every later resume in the
+    /// stretch is served exactly. Refused when the history would exceed its bound.
+    pub fn extend_history(
+        &self,
+        from: u64,
+        base: Vec<CachedObject>,
+        events: Vec<(EventKind, CachedObject)>,
+    ) -> Result<usize, BackfillRefused> {
+        let (mut start, oldest, len, front_at) = {
+            let s = self.read();
+            if !self.is_ready() {
+                return Err(BackfillRefused("the cache is not synced"));
+            }
+            let undo: Vec<Arc<Event>> = s.history.iter().cloned().collect();
+            (
+                (s.objects.clone(), undo),
+                s.oldest_rv,
+                s.history.len(),
+                s.history.front().map(|e| e.at),
+            )
+        };
+        if from >= oldest {
+            return Ok(0);
+        }
+        if !self.backfillable(from) {
+            return Err(BackfillRefused("an absorbed relist lies in the way"));
+        }
+        if len + events.len() > self.cfg.history_max_events {
+            return Err(BackfillRefused("the history would exceed historyMaxEvents"));
+        }
+        // The state the history starts from, at `oldest`.
+        rewind(&mut start.0, None, &start.1);
+        let target = start.0;
+        let mut objects = Objects::new();
+        for o in base {
+            if o.meta.resource_version > from {
+                return Err(BackfillRefused("a listed object newer than the list"));
+            }
+            objects.insert(o.key(), Arc::new(o));
+        }
+        let at = front_at.unwrap_or_else(Instant::now);
+        let mut history = Vec::with_capacity(events.len());
+        let mut last = from;
+        for (kind, object) in events {
+            let rv = object.meta.resource_version;
+            if rv <= last || rv > oldest {
+                return Err(BackfillRefused(
+                    "events out of order or past the history's start",
+                ));
+            }
+            last = rv;
+            let object = Arc::new(object);
+            let key = object.key();
+            let prev = match kind {
+                EventKind::Deleted => objects.remove(&key),
+                _ => objects.insert(key, object.clone()),
+            };
+            if kind != EventKind::Added && prev.is_none() {
+                return Err(BackfillRefused(
+                    "a change to an object the list did not hold",
+                ));
+            }
+            let mut ev = Event::new(kind, object, prev);
+            ev.at = at;
+            history.push(Arc::new(ev));
+        }
+        let same = objects.len() == target.len()
+            && objects.iter().zip(target.iter()).all(|((ka, a), (kb, b))| {
+                ka == kb && a.meta.resource_version == b.meta.resource_version
+            });
+        if !same {
+            return Err(BackfillRefused(
+                "the events do not lead to the state the history starts from",
+            ));
+        }
+        let n = history.len();
+        let mut s = self.write();
+        // Trimmed, relisted or extended meanwhile: the join point is gone.
+        if s.oldest_rv != oldest || s.history.len() < len {
+            return Err(BackfillRefused("the history moved meanwhile"));
+        }
+        if s.history.len() + n > self.cfg.history_max_events {
+            return Err(BackfillRefused("the history would exceed historyMaxEvents"));
+        }
+        for ev in history.into_iter().rev() {
+            s.history.push_front(ev);
+        }
+        s.oldest_rv = from;
+        Ok(n)
+    }
+
     fn record_locked(&self, s: &mut State, ev: Arc<Event>) {
         s.rv = ev.rv;
         s.history.push_back(ev.clone());
@@ -758,6 +899,11 @@ fn rewind(objects: &mut Objects, mut index: Option<&mut FieldIndex>, events: &[A
         }
     }
 }
+
+/// Why the history was not extended back ([`ResourceCache::extend_history`]).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("history not extended: {0}")]
+pub struct BackfillRefused(pub &'static str);
 
 /// Why a saved image was not loaded.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -904,6 +1050,57 @@ mod tests {
             ix.update(k, None, Some(o));
         }
         ix.keys
+    }
+
+    /// The history is extended back only with a stretch that leads exactly to its start;
+    /// then a watch from the stretch's start gets the events with their previous states (a
+    /// node-selected watcher sees the pod leave its node as DELETED).
+    #[tokio::test]
+    async fn the_history_is_extended_back_only_by_a_stretch_that_joins_it() {
+        let cache = ResourceCache::new(Resource::core("pods", "Pod", true), StoreConfig::default());
+        // The state at 20: p on node n2 (moved from n1 at 15), q created at 12.
+        cache.replace(
+            vec![pod("a", "p", Some("n2"), 15), pod("a", "q", None, 12)],
+            20,
+        );
+        cache.apply(EventKind::Modified, pod("a", "q", None, 21));
+        assert_eq!(cache.oldest_rv(), 20);
+        let base = || vec![pod("a", "p", Some("n1"), 8), pod("a", "r", None, 9)];
+        let good = || {
+            vec![
+                (EventKind::Added, pod("a", "q", None, 12)),
+                (EventKind::Modified, pod("a", "p", Some("n2"), 15)),
+                (EventKind::Deleted, pod("a", "r", None, 17)),
+            ]
+        };
+        // Missing the deletion of r: refused, nothing changes.
+        let mut short = good();
+        short.pop();
+        assert!(cache.extend_history(10, base(), short).is_err());
+        // Out of order, or past the history's start: refused.
+        let mut swapped = good();
+        swapped.swap(0, 1);
+        assert!(cache.extend_history(10, base(), swapped).is_err());
+        let mut late = good();
+        late.push((EventKind::Added, pod("a", "z", None, 22)));
+        assert!(cache.extend_history(10, base(), late).is_err());
+        assert_eq!(cache.oldest_rv(), 20);
+        // The real stretch joins.
+        assert_eq!(cache.extend_history(10, base(), good()), Ok(3));
+        assert_eq!(cache.oldest_rv(), 10);
+        let filter = Filter {
+            fields: crate::k8s::selector::FieldSelector::parse("spec.nodeName=n1").unwrap(),
+            ..Default::default()
+        };
+        let reg = cache.watch(Start::After(10), Arc::new(filter)).unwrap();
+        let got: Vec<_> = reg
+            .initial
+            .iter()
+            .map(|(o, _, d)| (o.meta.name.to_string(), o.meta.resource_version, *d))
+            .collect();
+        assert_eq!(got, [("p".to_string(), 15, Delivery::Left)]);
+        let all = cache.watch(Start::After(9), Arc::new(Filter::default()));
+        assert!(matches!(all, Err(WatchError::Expired { .. })));
     }
 
     /// Retained snapshots are bounded by the bytes they alone keep alive: once the states

@@ -39,6 +39,9 @@ pub struct WatchConfig {
     pub default_timeout: Duration,
     /// How long a watch for a resourceVersion newer than the cache waits for it.
     pub wait_for_rv: Duration,
+    /// Extends a cache's history back from the apiserver for a watch older than it
+    /// (`cache.backfill`); `None`: such a watch gets 410 Expired.
+    pub backfill: Option<crate::cache::reflector::backfill::Backfiller>,
 }
 
 impl Default for WatchConfig {
@@ -48,6 +51,7 @@ impl Default for WatchConfig {
             filtered_bookmark_interval: Duration::from_secs(5),
             default_timeout: Duration::from_secs(1800),
             wait_for_rv: Duration::from_secs(3),
+            backfill: None,
         }
     }
 }
@@ -75,7 +79,17 @@ pub async fn serve(
         cfg.bookmark_interval
     };
     let filter = Arc::new(filter);
-    let reg = match cache.watch(start, filter) {
+    let mut reg = cache.watch(start, filter.clone());
+    // Older than the history: extend it back from the apiserver when it still has the
+    // stretch (`reflector::backfill`), then register again.
+    if let (Err(WatchError::Expired { requested, .. }), Some(b)) = (&reg, &cfg.backfill)
+        && cache.backfillable(*requested)
+        && !b.unreachable()
+        && b.fill(&cache, *requested).await.is_ok()
+    {
+        reg = cache.watch(start, filter);
+    }
+    let reg = match reg {
         Ok(r) => r,
         Err(WatchError::NotReady) => return delegate("cache not ready"),
         // Older than this cache's history: 410 Expired as an ERROR event on a 200 stream, as

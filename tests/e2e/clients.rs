@@ -446,10 +446,28 @@ async fn client_go_informers_behind_the_proxy_do_not_relist_when_the_apiserver_r
 /// each ends with exactly the apiserver's state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_go_informers_do_not_relist_when_the_proxy_restarts_with_its_saved_state() {
-    let ns = "e2e-proxy-restart";
+    proxy_restart("e2e-proxy-restart", true).await;
+}
+
+/// The same without `cache.stateDir`: the restarted proxy lists afresh, after the writes
+/// made while it was down, so every informer resumes from a resourceVersion older than the
+/// new cache's history. The proxy extends the history back from the apiserver (an Exact
+/// list and a watch from the oldest resumed resourceVersion, `cache.backfill`) and the
+/// informers get exactly what they missed: no relist either.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_go_informers_do_not_relist_when_the_proxy_restarts_without_saved_state() {
+    proxy_restart("e2e-proxy-cold", false).await;
+}
+
+async fn proxy_restart(ns: &str, warm: bool) {
     let state = tempfile::tempdir().unwrap();
     let state_dir = state.path().to_path_buf();
-    let mut env = env_with(ns, |c| c.cache.state_dir = Some(state_dir)).await;
+    let mut env = env_with(ns, |c| {
+        if warm {
+            c.cache.state_dir = Some(state_dir);
+        }
+    })
+    .await;
     env.churn(ns, "pre", 6).await;
     let bin = tokio::task::spawn_blocking(kube_cache_proxy::app::dev::ensure_client_binaries)
         .await
@@ -509,14 +527,27 @@ async fn client_go_informers_do_not_relist_when_the_proxy_restarts_with_its_save
     }
     let e = entry(&state).unwrap();
     let lists: u64 = e.reflector.stats().snapshot().lists.iter().sum();
-    assert_eq!(lists, 0, "the restarted proxy listed configmaps upstream");
+    let filled = state.watch.backfill.as_ref().map_or(0, |b| {
+        b.counters.filled.load(std::sync::atomic::Ordering::Relaxed)
+    });
+    if warm {
+        assert_eq!(lists, 0, "the restarted proxy listed configmaps upstream");
+    } else {
+        assert_eq!(lists, 1, "the cold proxy lists configmaps once");
+        assert!(filled >= 1, "the informers' resumes were backfilled");
+    }
     for (mode, accept, ic) in informers {
         assert_started_once(mode, accept, &ic.finish());
     }
     println!(
-        "proxy stopped gracefully in {stopped:?}, started in {started:?}, configmaps cache \
-         ready {ready:?} after the start (0 upstream LISTs), every informer had the writes \
-         made while it was down {resumed:?} after the start"
+        "proxy ({}) stopped gracefully in {stopped:?}, started in {started:?}, configmaps \
+         cache ready {ready:?} after the start ({lists} upstream LISTs, {filled} backfills), \
+         every informer had the writes made while it was down {resumed:?} after the start",
+        if warm {
+            "saved state"
+        } else {
+            "no saved state"
+        }
     );
     env.proxy.shutdown().await;
     env.cp.stop().await;

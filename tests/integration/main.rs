@@ -7,6 +7,7 @@ mod support;
 
 mod admin;
 mod authn;
+mod backfill;
 mod check_config;
 mod crd;
 mod dev;

@@ -120,6 +120,9 @@ pub(super) struct Pager<'a> {
     pub(super) resource: &'a Resource,
     pub(super) cfg: &'a ReflectorConfig,
     pub(super) stats: &'a ReflectorStats,
+    /// List the state at exactly this resourceVersion (`resourceVersionMatch=Exact`, a
+    /// backfill's base) instead of the most recent one.
+    pub(super) exact: Option<u64>,
 }
 
 impl Pager<'_> {
@@ -142,8 +145,16 @@ impl Pager<'_> {
                     "{path}?limit={limit}&continue={}",
                     utf8_percent_encode(c, NON_ALPHANUMERIC)
                 ),
-                (None, true) => format!("{path}?limit={limit}"),
-                (None, false) => path.clone(),
+                (None, true) => match self.exact {
+                    Some(rv) => format!(
+                        "{path}?limit={limit}&resourceVersion={rv}&resourceVersionMatch=Exact"
+                    ),
+                    None => format!("{path}?limit={limit}"),
+                },
+                (None, false) => match self.exact {
+                    Some(rv) => format!("{path}?resourceVersion={rv}&resourceVersionMatch=Exact"),
+                    None => path.clone(),
+                },
             };
             ReflectorStats::inc(&self.stats.list_pages);
             let body = self.get_page(&pq).await.map_err(|e| (e, on_continue))?;

@@ -50,6 +50,7 @@
 //! [`backoff`], [`error`] (`Status` and the reflector's errors), [`stats`] (relist reasons,
 //! counters, status), [`config`].
 
+pub mod backfill;
 pub mod backoff;
 pub mod config;
 pub mod error;

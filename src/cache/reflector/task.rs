@@ -268,6 +268,7 @@ impl Reflector {
             resource: &self.resource,
             cfg: &self.cfg,
             stats: &self.stats,
+            exact: None,
         }
     }
 

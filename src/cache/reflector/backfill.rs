@@ -1,0 +1,292 @@
+//! Backfill: extending a cache's history back in time from the apiserver, so a client
+//! resuming a watch from a resourceVersion older than the history (after a proxy restart
+//! without saved state, on a replica that listed after the client's last event, after the
+//! history aged out) is served without 410 and without a relist.
+//!
+//! The apiserver still has the stretch the cache lacks while etcd has not compacted it: an
+//! Exact list at the client's resourceVersion gives the state there (the base), and a watch
+//! from it gives every change after it, in order, up to the history's start. The cache
+//! joins them to its history only when replaying the changes over the base arrives at the
+//! state its history starts from, object by object ([`ResourceCache::extend_history`]);
+//! every later client resuming anywhere in the stretch is then served from the history
+//! like any other, so one backfill serves them all. Backfills of one resource run one at
+//! a time; a client waiting for one is served by it when its resourceVersion is covered.
+//!
+//! The watch needs an end: every change up to the history's start `h` has arrived when an
+//! event after `h` or a bookmark at `h` or later arrives, or, when the cache knows no
+//! change after `h` (the apiserver then has none to send after it either), when the replay
+//! equals the history's start state and the short watch has ended (the apiserver sends a
+//! resumed watch the changes it holds at once, before it times out).
+//!
+//! What the apiserver refuses (410: compacted, or older than its watch cache) ends the
+//! backfill; the client then gets the 410 the apiserver would have given it.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Request, header};
+use http_body_util::BodyExt as _;
+
+use super::config::ReflectorConfig;
+use super::error::{ReflectorError, error_response};
+use super::list::Pager;
+use super::stats::ReflectorStats;
+use super::watch::{LineSplitter, WatchItem, parse_event_line};
+use crate::cache::store::Objects;
+use crate::cache::{CachedObject, EventKind, ObjectKey, ResourceCache};
+use crate::http::body;
+use crate::upstream::{As, Upstream};
+
+/// Why a backfill did not extend the history.
+#[derive(Debug, thiserror::Error)]
+pub enum BackfillError {
+    /// The apiserver no longer has the stretch (410), or the cache's history cannot be
+    /// joined (absorbed relist, bound): the client gets 410.
+    #[error("{0}")]
+    Gone(String),
+    /// Upstream failure, timeout, or the events did not lead to the history's start.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// Counters of backfills (read by the metrics collector).
+#[derive(Debug, Default)]
+pub struct BackfillStats {
+    pub filled: std::sync::atomic::AtomicU64,
+    pub events: std::sync::atomic::AtomicU64,
+    pub gone: std::sync::atomic::AtomicU64,
+    pub failed: std::sync::atomic::AtomicU64,
+}
+
+/// Extends caches' histories from the apiserver with the proxy's own identity.
+#[derive(Clone)]
+pub struct Backfiller {
+    upstream: Upstream,
+    cfg: ReflectorConfig,
+    /// Bound on one backfill, waiting for another one of the same resource included.
+    timeout: Duration,
+    stats: Arc<ReflectorStats>,
+    pub counters: Arc<BackfillStats>,
+}
+
+impl std::fmt::Debug for Backfiller {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Backfiller")
+    }
+}
+
+impl Backfiller {
+    pub fn new(upstream: Upstream, cfg: ReflectorConfig, timeout: Duration) -> Backfiller {
+        Backfiller {
+            upstream,
+            cfg,
+            timeout,
+            stats: Default::default(),
+            counters: Default::default(),
+        }
+    }
+
+    /// Whether the apiserver is known to be unreachable (no backfill is tried then).
+    pub fn unreachable(&self) -> bool {
+        self.upstream.reachability().is_unreachable()
+    }
+
+    /// Extends `cache`'s history back to `from` (a watch from `from` can then be
+    /// registered), or says why not. Returns the number of events added.
+    pub async fn fill(&self, cache: &ResourceCache, from: u64) -> Result<usize, BackfillError> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let run = async {
+            let _one = cache.backfill_lock.lock().await;
+            if from >= cache.oldest_rv() {
+                return Ok(0); // another backfill covered it
+            }
+            if !cache.backfillable(from) {
+                return Err(BackfillError::Gone(
+                    "an absorbed relist lies between the resourceVersion and the history".into(),
+                ));
+            }
+            self.fill_locked(cache, from).await
+        };
+        let out = match tokio::time::timeout(self.timeout, run).await {
+            Ok(r) => r,
+            Err(_) => Err(BackfillError::Failed(format!(
+                "no backfill within {:?}",
+                self.timeout
+            ))),
+        };
+        match &out {
+            Ok(n) => {
+                self.counters.filled.fetch_add(1, Relaxed);
+                self.counters.events.fetch_add(*n as u64, Relaxed);
+                tracing::info!(resource = %cache.resource.label(), from, events = n, "history extended back from the apiserver");
+            }
+            Err(e) => {
+                let c = match e {
+                    BackfillError::Gone(_) => &self.counters.gone,
+                    BackfillError::Failed(_) => &self.counters.failed,
+                };
+                c.fetch_add(1, Relaxed);
+                tracing::info!(resource = %cache.resource.label(), from, error = %e, "history not extended");
+            }
+        }
+        out
+    }
+
+    async fn fill_locked(&self, cache: &ResourceCache, from: u64) -> Result<usize, BackfillError> {
+        let (h, target, later) = cache.history_start();
+        let pager = Pager {
+            upstream: &self.upstream,
+            resource: &cache.resource,
+            cfg: &self.cfg,
+            stats: &self.stats,
+            exact: Some(from),
+        };
+        let (base, rv) = pager.list(true).await.map_err(|(e, _)| classify(e))?;
+        if rv != from {
+            return Err(BackfillError::Failed(format!(
+                "the Exact list answered resourceVersion {rv}, not {from}"
+            )));
+        }
+        let events = self.changes(cache, from, h, &base, &target, later).await?;
+        cache
+            .extend_history(from, base, events)
+            .map_err(|e| BackfillError::Gone(e.to_string()))
+    }
+
+    /// Every change after `from` up to `h`, from a watch from `from`.
+    async fn changes(
+        &self,
+        cache: &ResourceCache,
+        from: u64,
+        h: u64,
+        base: &[CachedObject],
+        target: &Objects,
+        later: bool,
+    ) -> Result<Vec<(EventKind, CachedObject)>, BackfillError> {
+        const WHAT: &str = "backfill watch";
+        // Keys whose replayed resourceVersion differs from the history's start.
+        let mut state: std::collections::HashMap<ObjectKey, u64> = base
+            .iter()
+            .map(|o| (o.key(), o.meta.resource_version))
+            .collect();
+        let mut differ: std::collections::HashSet<ObjectKey> = state
+            .iter()
+            .filter(|(k, rv)| target.get(*k).map(|o| o.meta.resource_version) != Some(**rv))
+            .map(|(k, _)| k.clone())
+            .chain(target.keys().filter(|k| !state.contains_key(*k)).cloned())
+            .collect();
+        // With a change after `h` known, the watch ends at its event; without, a short watch
+        // whose end says the apiserver sent all it held.
+        let timeout_secs = if later {
+            self.timeout.as_secs().max(1)
+        } else {
+            1
+        };
+        let pq = format!(
+            "{}?watch=1&allowWatchBookmarks=true&resourceVersion={from}&timeoutSeconds={timeout_secs}",
+            cache.resource.collection_path(None)
+        );
+        let req = Request::get(self.upstream.uri(&pq))
+            .header(header::ACCEPT, "application/json")
+            .body(body::empty())
+            .expect("a GET with a valid URI is a valid request");
+        let resp = self
+            .upstream
+            .send(req, As::Proxy, true)
+            .await
+            .map_err(|source| classify(ReflectorError::Transport { what: WHAT, source }))?;
+        if !resp.status().is_success() {
+            return Err(classify(error_response(WHAT, resp).await));
+        }
+        let mut events = Vec::new();
+        let mut body = resp.into_body();
+        let mut lines = LineSplitter::default();
+        let mut batch = Vec::new();
+        loop {
+            let Some(frame) = body.frame().await else {
+                // The watch ended: complete only if nothing after `h` was expected and the
+                // replay arrived.
+                if !later && differ.is_empty() {
+                    return Ok(events);
+                }
+                return Err(BackfillError::Failed(format!(
+                    "the watch ended before reaching resourceVersion {h} ({} objects differ)",
+                    differ.len()
+                )));
+            };
+            let frame = frame.map_err(|e| {
+                classify(ReflectorError::Body {
+                    what: WHAT,
+                    source: e.into(),
+                })
+            })?;
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            lines.push(data, &mut batch).map_err(classify)?;
+            for line in batch.drain(..) {
+                if line.iter().all(u8::is_ascii_whitespace) {
+                    continue;
+                }
+                match parse_event_line(&line, &cache.resource).map_err(classify)? {
+                    WatchItem::Object(_, o) if o.meta.resource_version > h => {
+                        return self.reached(events, &differ, h);
+                    }
+                    WatchItem::Bookmark(rv) if rv >= h => return self.reached(events, &differ, h),
+                    WatchItem::Bookmark(_) => {}
+                    WatchItem::Object(kind, o) => {
+                        let key = o.key();
+                        let rv = o.meta.resource_version;
+                        let now = if kind == EventKind::Deleted {
+                            state.remove(&key);
+                            None
+                        } else {
+                            state.insert(key.clone(), rv);
+                            Some(rv)
+                        };
+                        if target.get(&key).map(|t| t.meta.resource_version) == now {
+                            differ.remove(&key);
+                        } else {
+                            differ.insert(key);
+                        }
+                        if events.len() >= cache.history_room() {
+                            return Err(BackfillError::Gone(
+                                "the history would exceed historyMaxEvents".into(),
+                            ));
+                        }
+                        events.push((kind, o));
+                    }
+                    WatchItem::Error(status) => {
+                        return Err(classify(ReflectorError::Status { what: WHAT, status }));
+                    }
+                }
+            }
+        }
+    }
+
+    fn reached(
+        &self,
+        events: Vec<(EventKind, CachedObject)>,
+        differ: &std::collections::HashSet<ObjectKey>,
+        h: u64,
+    ) -> Result<Vec<(EventKind, CachedObject)>, BackfillError> {
+        if differ.is_empty() {
+            Ok(events)
+        } else {
+            Err(BackfillError::Failed(format!(
+                "the apiserver's changes do not lead to the state at {h} ({} objects differ)",
+                differ.len()
+            )))
+        }
+    }
+}
+
+/// 410 (compacted, or past the apiserver's watch cache) is `Gone`; the rest `Failed`.
+fn classify(e: ReflectorError) -> BackfillError {
+    match &e {
+        ReflectorError::Status { status, .. } if status.code == 410 => {
+            BackfillError::Gone(e.to_string())
+        }
+        _ => BackfillError::Failed(e.to_string()),
+    }
+}

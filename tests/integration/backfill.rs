@@ -1,0 +1,264 @@
+//! Backfill (`cache.backfill`): a watch from a resourceVersion older than the cache's
+//! history — here a client resuming after a proxy restart without saved state, whose new
+//! cache listed after the client's last event — is served from the apiserver's stretch
+//! (an Exact list at that resourceVersion and a watch from it) joined to the history:
+//! exactly the writes the client missed, then what follows, without 410 or relist. One
+//! backfill serves every later client in the stretch; a compacted resourceVersion gets 410.
+
+use std::time::Duration;
+
+use crate::support::eventually::{eventually, ok_if};
+use crate::support::fake_apiserver::{FakeApiServer, LoggedRequest};
+use crate::support::proxy::{EventReader, TestProxy};
+use crate::support::watch_validator::rv_of;
+use serde_json::{Value, json};
+
+/// Guard against hangs only; no assertion depends on time.
+const GUARD: Duration = Duration::from_secs(30);
+const NS: &str = "backfill";
+
+fn cm(name: &str, n: u64) -> Value {
+    json!({"apiVersion": "v1", "kind": "ConfigMap",
+           "metadata": {"name": name, "namespace": NS, "labels": {"parity": (n % 2).to_string()}},
+           "data": {"n": n.to_string()}})
+}
+
+/// Creates, updates (label flips between parity 0 and 1) and deletes over 7 names.
+async fn write_some(fake: &FakeApiServer, from: u64, n: u64) {
+    for i in from..from + n {
+        let name = format!("cm-{}", i % 7);
+        let item = format!("/api/v1/namespaces/{NS}/configmaps/{name}");
+        if fake.get(&item).is_none() {
+            fake.create(&format!("/api/v1/namespaces/{NS}/configmaps"), cm(&name, i))
+                .await;
+        } else if i % 5 == 0 {
+            fake.delete(&item).await;
+        } else {
+            fake.update(&item, cm(&name, i)).await;
+        }
+    }
+}
+
+async fn start(fake: &FakeApiServer, backfill: bool) -> TestProxy {
+    let proxy = TestProxy::start(&fake.url(), |c| {
+        c.cache.resources = vec!["configmaps".into()];
+        c.cache.backfill = backfill;
+    })
+    .await;
+    eventually("the configmaps cache to be ready", GUARD, async || {
+        let ready = proxy
+            .cache("", "v1", "configmaps")
+            .is_some_and(|c| c.is_ready());
+        ok_if(ready, "not ready")
+    })
+    .await;
+    proxy
+}
+
+/// Reads a watch until `n` events (bookmarks skipped): (type, name, resourceVersion).
+async fn events(r: &mut EventReader, n: usize) -> Vec<(String, String, u64)> {
+    let mut got = Vec::new();
+    while got.len() < n {
+        let ev = tokio::time::timeout(GUARD, r.next())
+            .await
+            .expect("an event within the guard")
+            .expect("the stream stays open");
+        let t = ev["type"].as_str().unwrap().to_string();
+        assert_ne!(t, "ERROR", "{ev}");
+        if t != "BOOKMARK" {
+            let name = ev["object"]["metadata"]["name"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            got.push((t, name, rv_of(&ev["object"])));
+        }
+    }
+    got
+}
+
+/// The fake's writes after `rv`, as an unfiltered watch shows them.
+fn writes_after(fake: &FakeApiServer, rv: u64) -> Vec<(String, String, u64)> {
+    fake.writes("configmaps")
+        .into_iter()
+        .filter(|w| w.rv > rv)
+        .map(|w| {
+            let name = w.object["metadata"]["name"].as_str().unwrap().to_string();
+            (w.typ.to_string(), name, w.rv)
+        })
+        .collect()
+}
+
+/// The same writes as a `parity=1` label-selector watch shows them: an object entering the
+/// selection is ADDED, one leaving it DELETED (with its new state), as the apiserver does.
+fn selected_writes_after(fake: &FakeApiServer, rv: u64) -> Vec<(String, String, u64)> {
+    let mut selected = std::collections::BTreeSet::new();
+    let mut out = Vec::new();
+    for w in fake.writes("configmaps") {
+        let name = w.object["metadata"]["name"].as_str().unwrap().to_string();
+        let now = w.typ != "DELETED" && w.object["metadata"]["labels"]["parity"] == "1";
+        let was = selected.contains(&name);
+        let typ = match (was, now) {
+            (false, true) => Some("ADDED"),
+            (true, true) => Some("MODIFIED"),
+            (true, false) => Some("DELETED"),
+            (false, false) => None,
+        };
+        if now {
+            selected.insert(name.clone());
+        } else {
+            selected.remove(&name);
+        }
+        if let Some(t) = typ
+            && w.rv > rv
+        {
+            out.push((t.to_string(), name, w.rv));
+        }
+    }
+    out
+}
+
+/// Exact lists of configmaps the proxy sent upstream (its backfills' bases).
+fn exact_lists(reqs: &[LoggedRequest]) -> usize {
+    reqs.iter()
+        .filter(|r| r.path.ends_with("/configmaps"))
+        .filter(|r| {
+            r.query
+                .as_deref()
+                .is_some_and(|q| q.contains("resourceVersionMatch=Exact"))
+        })
+        .count()
+}
+
+async fn metric(proxy: &TestProxy, prefix: &str) -> String {
+    let metrics = proxy.admin_get("/metrics").await.1;
+    metrics
+        .lines()
+        .find(|l| l.starts_with(prefix))
+        .unwrap_or_default()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_resuming_from_before_a_cold_restarted_proxys_list_gets_exactly_what_it_missed() {
+    for writes_after_restart in [true, false] {
+        let fake = FakeApiServer::start().await;
+        fake.create("/api/v1/namespaces", json!({"metadata": {"name": NS}}))
+            .await;
+        write_some(&fake, 0, 20).await;
+        let mut proxy = start(&fake, true).await;
+        let client = proxy.client(None, true);
+        let base = proxy.https(&format!("/api/v1/namespaces/{NS}/configmaps"));
+        let from = proxy.cache("", "v1", "configmaps").unwrap().rv();
+        let mut r = EventReader::new(
+            client
+                .get(
+                    &format!("{base}?watch=1&resourceVersion={from}"),
+                    Some("tok"),
+                )
+                .await,
+        );
+        write_some(&fake, 20, 6).await;
+        let seen = events(&mut r, 6).await;
+        let last = seen.last().unwrap().2;
+        drop(r);
+
+        // Restarted without saved state: the new cache lists after the client's last event.
+        proxy.running.take().unwrap().shutdown().await;
+        write_some(&fake, 26, 9).await;
+        proxy.restart(|_| {}).await;
+        eventually("the cache to be ready", GUARD, async || {
+            let c = proxy.cache("", "v1", "configmaps");
+            ok_if(c.is_some_and(|c| c.is_ready()), "not ready")
+        })
+        .await;
+        if writes_after_restart {
+            write_some(&fake, 35, 3).await;
+            let want = fake.writes("configmaps").last().unwrap().rv;
+            let cache = proxy.cache("", "v1", "configmaps").unwrap();
+            assert!(cache.wait_for_rv(want, GUARD).await);
+        }
+        let cache = proxy.cache("", "v1", "configmaps").unwrap();
+        assert!(
+            cache.oldest_rv() > last,
+            "the new history starts after the client"
+        );
+        fake.clear_requests();
+
+        // The client resumes from its last resourceVersion: exactly what it missed.
+        let client = proxy.client(None, true);
+        let resume = format!("{base}?watch=1&allowWatchBookmarks=true&resourceVersion={last}");
+        let resp = client.get(&resume, Some("tok")).await;
+        assert_eq!(resp.status(), 200);
+        let mut r = EventReader::new(resp);
+        let missed = writes_after(&fake, last);
+        assert_eq!(events(&mut r, missed.len()).await, missed);
+        assert_eq!(
+            cache.oldest_rv(),
+            last,
+            "the history reaches back to the client"
+        );
+        // And what follows.
+        let before = fake.writes("configmaps").last().unwrap().rv;
+        write_some(&fake, 40, 4).await;
+        assert_eq!(events(&mut r, 4).await, writes_after(&fake, before));
+
+        // A selector watch resuming inside the stretch: served from the extended history,
+        // transitions included, no second backfill.
+        let mid = missed[missed.len() / 3].2;
+        let sel = format!("{base}?watch=1&labelSelector=parity%3D1&resourceVersion={mid}");
+        let mut s = EventReader::new(client.get(&sel, Some("tok")).await);
+        let want = selected_writes_after(&fake, mid);
+        assert!(want.iter().any(|e| e.0 == "DELETED"), "{want:?}");
+        assert_eq!(events(&mut s, want.len()).await, want);
+        assert_eq!(exact_lists(&fake.requests()), 1, "one backfill for both");
+        assert!(
+            metric(
+                &proxy,
+                "kube_cache_proxy_backfills_total{outcome=\"filled\"}"
+            )
+            .await
+            .ends_with(" 1"),
+            "{}",
+            proxy.admin_get("/metrics").await.1
+        );
+        proxy.shutdown().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compacted_resource_version_still_gets_410_and_backfill_can_be_turned_off() {
+    for (backfill, compact) in [(true, true), (false, false)] {
+        let fake = FakeApiServer::start().await;
+        fake.create("/api/v1/namespaces", json!({"metadata": {"name": NS}}))
+            .await;
+        write_some(&fake, 0, 10).await;
+        let old = fake.writes("configmaps").last().unwrap().rv;
+        write_some(&fake, 10, 10).await;
+        if compact {
+            let now = fake.writes("configmaps").last().unwrap().rv;
+            fake.compact(now);
+        }
+        let proxy = start(&fake, backfill).await;
+        let client = proxy.client(None, true);
+        let base = proxy.https(&format!("/api/v1/namespaces/{NS}/configmaps"));
+        fake.clear_requests();
+        let resp = client
+            .get(
+                &format!("{base}?watch=1&resourceVersion={old}"),
+                Some("tok"),
+            )
+            .await;
+        assert_eq!(resp.status(), 200);
+        let mut r = EventReader::new(resp);
+        let ev = tokio::time::timeout(GUARD, r.next())
+            .await
+            .expect("an answer within the guard")
+            .expect("an ERROR event");
+        assert_eq!(ev["type"], "ERROR", "{ev}");
+        assert_eq!(ev["object"]["code"], 410, "{ev}");
+        assert_eq!(ev["object"]["reason"], "Expired", "{ev}");
+        let tried = exact_lists(&fake.requests());
+        assert_eq!(tried, usize::from(backfill), "backfill={backfill}");
+        proxy.shutdown().await;
+    }
+}

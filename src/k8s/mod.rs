@@ -12,12 +12,16 @@
 //!   cache-or-apiserver check, and the fields' values extracted at ingest.
 //! - [`scan`]: the JSON scanner that reads objects without decoding them.
 //! - [`go_format`]: Go's printing of quoted strings and floats, byte for byte.
-//! - [`protobuf`]: the apiserver's protobuf envelope, read for an object's resourceVersion.
+//! - [`protobuf`]: the apiserver's protobuf envelope, read for an object's resourceVersion,
+//!   and the metadata the cache needs of an object held as protobuf.
+//! - [`protobuf_write`]: the apiserver's protobuf list bodies and watch frames, built from
+//!   objects' own protobuf bytes.
 //! - [`watch_fields`]: the opt-in field-level change filter of watches (an extension).
 
 pub mod fields;
 pub mod go_format;
 pub mod protobuf;
+pub mod protobuf_write;
 pub mod request_info;
 pub mod resource;
 pub mod scan;

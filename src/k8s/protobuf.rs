@@ -1,6 +1,9 @@
 //! The apiserver's protobuf encoding (`application/vnd.kubernetes.protobuf`), read far enough
-//! to find what the proxy needs in a response it relays: an object's
-//! `metadata.resourceVersion`.
+//! to find what the proxy needs in a response it relays (an object's
+//! `metadata.resourceVersion`) and what the cache needs of an object it holds as protobuf
+//! bytes: the envelope's parts and the object's name, namespace, uid, resourceVersion and
+//! labels. Nothing is decoded beyond that; [`super::protobuf_write`] builds responses from the
+//! same bytes.
 //!
 //! A protobuf body is the 4-byte magic `k8s\0` followed by a `runtime.Unknown` message:
 //! `typeMeta` (1), `raw` (2, the object's own message), `contentEncoding` (3), `contentType`
@@ -12,7 +15,7 @@ pub const MAGIC: &[u8; 4] = b"k8s\0";
 
 /// One field of a protobuf message: its number and, for length-delimited fields, the bytes.
 #[derive(Debug, PartialEq, Eq)]
-enum Value<'a> {
+pub(super) enum Value<'a> {
     Varint(u64),
     Fixed64,
     Bytes(&'a [u8]),
@@ -20,7 +23,7 @@ enum Value<'a> {
 }
 
 /// Reads a base-128 varint at the start of `buf`: the value and its length.
-fn varint(buf: &[u8]) -> Option<(u64, usize)> {
+pub(super) fn varint(buf: &[u8]) -> Option<(u64, usize)> {
     let mut v: u64 = 0;
     for (i, b) in buf.iter().take(10).enumerate() {
         v |= u64::from(b & 0x7f) << (7 * i);
@@ -33,8 +36,20 @@ fn varint(buf: &[u8]) -> Option<(u64, usize)> {
 
 /// The fields of one message in wire order; stops (yielding `None` from then on) at the first
 /// malformed byte, so hostile input ends the walk instead of misreading it.
-struct Fields<'a> {
+#[derive(Clone)]
+pub(super) struct Fields<'a> {
     buf: &'a [u8],
+}
+
+impl<'a> Fields<'a> {
+    pub(super) fn of(msg: &'a [u8]) -> Fields<'a> {
+        Fields { buf: msg }
+    }
+
+    /// The bytes not walked yet: after a field, where the next one starts.
+    pub(super) fn rest(&self) -> &'a [u8] {
+        self.buf
+    }
 }
 
 impl<'a> Iterator for Fields<'a> {
@@ -75,7 +90,8 @@ impl<'a> Iterator for Fields<'a> {
 }
 
 /// The last occurrence of length-delimited field `number` (protobuf's "last one wins").
-fn bytes_field(msg: &[u8], number: u64) -> Option<&[u8]> {
+/// `None` if the message is malformed anywhere, even after that field.
+pub(super) fn bytes_field(msg: &[u8], number: u64) -> Option<&[u8]> {
     let mut found = None;
     for f in (Fields { buf: msg }) {
         match f? {
@@ -101,6 +117,131 @@ pub fn object_resource_version(body: &[u8]) -> Option<u64> {
         return None;
     }
     rv.parse().ok()
+}
+
+/// The parts of a protobuf-encoded object (`k8s\0` + `runtime.Unknown`), borrowed from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Envelope<'a> {
+    /// `typeMeta.apiVersion`, e.g. `v1` or `apps/v1`.
+    pub api_version: &'a str,
+    /// `typeMeta.kind`, e.g. `Pod` or `PodList`.
+    pub kind: &'a str,
+    /// The object's own message: what a list holds as one of its items.
+    pub raw: &'a [u8],
+    /// Empty unless `raw` is compressed; the apiserver never compresses it.
+    pub content_encoding: &'a str,
+    /// Empty (protobuf) as the apiserver writes it.
+    pub content_type: &'a str,
+}
+
+/// The envelope of a protobuf-encoded object. `None` when `body` is not one: no magic, a
+/// malformed message, a field of the wrong wire type or strings that are not UTF-8.
+pub fn envelope(body: &[u8]) -> Option<Envelope<'_>> {
+    let unknown = body.strip_prefix(MAGIC)?;
+    let mut env = Envelope {
+        api_version: "",
+        kind: "",
+        raw: &[],
+        content_encoding: "",
+        content_type: "",
+    };
+    for f in Fields::of(unknown) {
+        let (n, v) = f?;
+        match (n, v) {
+            (1, Value::Bytes(type_meta)) => {
+                for f in Fields::of(type_meta) {
+                    match f? {
+                        (1, Value::Bytes(b)) => env.api_version = std::str::from_utf8(b).ok()?,
+                        (2, Value::Bytes(b)) => env.kind = std::str::from_utf8(b).ok()?,
+                        (1 | 2, _) => return None,
+                        _ => {}
+                    }
+                }
+            }
+            (2, Value::Bytes(b)) => env.raw = b,
+            (3, Value::Bytes(b)) => env.content_encoding = std::str::from_utf8(b).ok()?,
+            (4, Value::Bytes(b)) => env.content_type = std::str::from_utf8(b).ok()?,
+            (1..=4, _) => return None,
+            _ => {}
+        }
+    }
+    Some(env)
+}
+
+/// What the cache keeps of an object's `ObjectMeta` (field 1 of every top-level object),
+/// borrowed from the object's protobuf message. Absent strings read as empty, as in Go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ObjectMeta<'a> {
+    /// `name` (field 1).
+    pub name: &'a str,
+    /// `namespace` (3); empty for cluster-scoped objects.
+    pub namespace: &'a str,
+    /// `uid` (5).
+    pub uid: &'a str,
+    /// `resourceVersion` (6), as the apiserver wrote it (a decimal number from etcd).
+    pub resource_version: &'a str,
+    /// The whole `ObjectMeta` message, walked again by [`ObjectMeta::labels`].
+    meta: &'a [u8],
+}
+
+impl<'a> ObjectMeta<'a> {
+    /// `labels` (field 11, a `map<string, string>`: one entry message `{key 1, value 2}` per
+    /// label, in the order written, which the apiserver sorts by key). Entries were checked
+    /// by [`object_meta`]; a later duplicate key is yielded again, as protobuf's map merge
+    /// would let it win.
+    pub fn labels(&self) -> impl Iterator<Item = (&'a str, &'a str)> + Clone + 'a {
+        Fields::of(self.meta).filter_map(|f| match f? {
+            (11, Value::Bytes(entry)) => map_entry(entry),
+            _ => None,
+        })
+    }
+}
+
+/// One `map<string, string>` entry: (key 1, value 2), each absent one empty.
+fn map_entry(entry: &[u8]) -> Option<(&str, &str)> {
+    let (mut key, mut value) = ("", "");
+    for f in Fields::of(entry) {
+        match f? {
+            (1, Value::Bytes(b)) => key = std::str::from_utf8(b).ok()?,
+            (2, Value::Bytes(b)) => value = std::str::from_utf8(b).ok()?,
+            (1 | 2, _) => return None,
+            _ => {}
+        }
+    }
+    Some((key, value))
+}
+
+/// The `ObjectMeta` fields the cache needs, read from an object's own message (an
+/// [`Envelope::raw`]) in one pass, skipping everything else undecoded. `None` when the
+/// object has no metadata or any of it is malformed (a wrong wire type, a string that is not
+/// UTF-8, a broken label entry), so a caller never indexes half-read metadata.
+pub fn object_meta(raw: &[u8]) -> Option<ObjectMeta<'_>> {
+    let meta = bytes_field(raw, 1)?;
+    let mut out = ObjectMeta {
+        name: "",
+        namespace: "",
+        uid: "",
+        resource_version: "",
+        meta,
+    };
+    for f in Fields::of(meta) {
+        let (n, v) = f?;
+        let slot = match n {
+            1 => &mut out.name,
+            3 => &mut out.namespace,
+            5 => &mut out.uid,
+            6 => &mut out.resource_version,
+            11 => {
+                let Value::Bytes(entry) = v else { return None };
+                map_entry(entry)?;
+                continue;
+            }
+            _ => continue,
+        };
+        let Value::Bytes(b) = v else { return None };
+        *slot = std::str::from_utf8(b).ok()?;
+    }
+    Some(out)
 }
 
 #[cfg(test)]
@@ -145,6 +286,71 @@ mod tests {
         ]
         .concat();
         [MAGIC.as_slice(), &unknown].concat()
+    }
+
+    /// GET of ConfigMap pb/c1 from kube-apiserver v1.36.3: labels b=2 and a=1 (written
+    /// sorted), annotation x=y, managedFields, data k=v.
+    const REAL_C1: &str = "6b3873000a0f0a0276311209436f6e6669674d6170128c020a81020a02633112001a02706222002a2430616237666362392d343336662d346338312d616165392d34303437336531346139383932033230323800420808fbe3c0d80610005a060a01611201315a060a016212013262060a01781201798a01a2010a07756e6b6e6f776e12065570646174651a027631220808fbe3c0d806100032084669656c647356313a750a737b22663a64617461223a7b222e223a7b7d2c22663a6b223a7b7d7d2c22663a6d65746164617461223a7b22663a616e6e6f746174696f6e73223a7b222e223a7b7d2c22663a78223a7b7d7d2c22663a6c6162656c73223a7b222e223a7b7d2c22663a61223a7b7d2c22663a62223a7b7d7d7d7d420012060a016b1201761a002200";
+
+    #[test]
+    fn reads_the_envelope_and_metadata_of_a_real_object() {
+        let body = hex::decode(REAL_C1).unwrap();
+        let env = envelope(&body).unwrap();
+        assert_eq!((env.api_version, env.kind), ("v1", "ConfigMap"));
+        assert_eq!((env.content_encoding, env.content_type), ("", ""));
+        assert_eq!(env.raw.len(), 268);
+        assert!(body.ends_with(&[env.raw, &[0x1a, 0, 0x22, 0]].concat()));
+        let meta = object_meta(env.raw).unwrap();
+        assert_eq!(
+            (meta.name, meta.namespace, meta.uid, meta.resource_version),
+            ("c1", "pb", "0ab7fcb9-436f-4c81-aae9-40473e14a989", "202")
+        );
+        assert_eq!(meta.labels().collect::<Vec<_>>(), [("a", "1"), ("b", "2")]);
+    }
+
+    #[test]
+    fn reads_metadata_with_absent_fields_as_empty() {
+        let body = lease("5");
+        let meta = object_meta(envelope(&body).unwrap().raw).unwrap();
+        assert_eq!(
+            (meta.name, meta.namespace, meta.resource_version),
+            ("l1", "default", "5")
+        );
+        assert_eq!(meta.labels().count(), 0);
+        // A cluster-scoped object: no namespace field at all.
+        let raw = field(1, &[field(1, b"n1"), field(6, b"9")].concat());
+        let meta = object_meta(&raw).unwrap();
+        assert_eq!((meta.name, meta.namespace, meta.uid), ("n1", "", ""));
+        // A label entry without a value (an empty one, omitted by some encoders).
+        let raw = field(1, &field(11, &field(1, b"k")));
+        assert_eq!(
+            object_meta(&raw).unwrap().labels().collect::<Vec<_>>(),
+            [("k", "")]
+        );
+    }
+
+    #[test]
+    fn refuses_malformed_envelopes_and_metadata() {
+        assert_eq!(envelope(b"k8s"), None);
+        assert_eq!(envelope(b"{}"), None);
+        // typeMeta as a varint; a kind that is not UTF-8.
+        assert_eq!(envelope(&[MAGIC.as_slice(), &[0x08, 0x01]].concat()), None);
+        let bad_kind = field(1, &field(2, &[0xff]));
+        assert_eq!(envelope(&[MAGIC.as_slice(), &bad_kind].concat()), None);
+        // Every truncation of a real object's message is refused or read whole.
+        let body = hex::decode(REAL_C1).unwrap();
+        let raw = envelope(&body).unwrap().raw;
+        for cut in 0..raw.len() {
+            if let Some(m) = object_meta(&raw[..cut]) {
+                assert_eq!(m.name, "c1", "cut at {cut}");
+                assert_eq!(m.labels().count(), 2, "cut at {cut}");
+            }
+        }
+        // A name as a varint, a label entry that is not a message, a uid not UTF-8.
+        assert_eq!(object_meta(&field(1, &[0x08, 0x01])), None);
+        assert_eq!(object_meta(&field(1, &[0x5a, 0x01, 0x08])), None);
+        assert_eq!(object_meta(&field(1, &field(5, &[0xc3]))), None);
+        assert_eq!(object_meta(&field(2, b"")), None, "no metadata");
     }
 
     #[test]

@@ -21,4 +21,5 @@ mod ha;
 mod lists;
 mod outage;
 mod paging;
+mod protobuf;
 mod watch_validator;

@@ -1,0 +1,663 @@
+//! The protobuf the cache will serve (`k8s::protobuf_write`) is kube-apiserver's, byte for
+//! byte: built only from each object's own GET bytes (and, for a watch, each event's object
+//! and type), LIST bodies, `PartialObjectMetadata` forms and watch frames (events and
+//! bookmarks, plain and initial-events) equal what a real apiserver sends for the same
+//! objects. The apiserver's bytes are read here with prost, independently of the code under
+//! test; each check also shows that a near miss (items with their envelopes, an object
+//! without its envelope, a little-endian frame length) differs.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use crate::support::proxy::{Https, apiserver_client};
+use bytes::Bytes;
+use http::{Method, Request, StatusCode};
+use http_body_util::{BodyExt, Full};
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
+use kube_cache_proxy::k8s::protobuf::{envelope, object_meta};
+use kube_cache_proxy::k8s::protobuf_write::{
+    ListMeta, META_V1, bookmark_object, bookmark_rest, list_body, object_envelope,
+    partial_object_metadata, watch_frame,
+};
+use serde_json::{Value, json};
+
+const PROTOBUF: &str = "application/vnd.kubernetes.protobuf";
+const AS_PARTIAL: &str =
+    "application/vnd.kubernetes.protobuf;as=PartialObjectMetadata;g=meta.k8s.io;v=v1";
+const AS_PARTIAL_LIST: &str =
+    "application/vnd.kubernetes.protobuf;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1";
+const NS: &str = "pb";
+
+/// The apiserver's messages as read by prost (k8s.io/apimachinery `generated.proto`).
+mod wire {
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Unknown {
+        #[prost(message, optional, tag = "1")]
+        pub type_meta: Option<TypeMeta>,
+        #[prost(bytes = "vec", optional, tag = "2")]
+        pub raw: Option<Vec<u8>>,
+        #[prost(string, optional, tag = "3")]
+        pub content_encoding: Option<String>,
+        #[prost(string, optional, tag = "4")]
+        pub content_type: Option<String>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct TypeMeta {
+        #[prost(string, optional, tag = "1")]
+        pub api_version: Option<String>,
+        #[prost(string, optional, tag = "2")]
+        pub kind: Option<String>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct List {
+        #[prost(message, optional, tag = "1")]
+        pub metadata: Option<ListMeta>,
+        #[prost(bytes = "vec", repeated, tag = "2")]
+        pub items: Vec<Vec<u8>>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ListMeta {
+        #[prost(string, optional, tag = "1")]
+        pub self_link: Option<String>,
+        #[prost(string, optional, tag = "2")]
+        pub resource_version: Option<String>,
+        #[prost(string, optional, tag = "3")]
+        pub r#continue: Option<String>,
+        #[prost(int64, optional, tag = "4")]
+        pub remaining_item_count: Option<i64>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct WatchEvent {
+        #[prost(string, optional, tag = "1")]
+        pub r#type: Option<String>,
+        #[prost(message, optional, tag = "2")]
+        pub object: Option<RawExtension>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct RawExtension {
+        #[prost(bytes = "vec", optional, tag = "1")]
+        pub raw: Option<Vec<u8>>,
+    }
+}
+
+/// The apiserver, asked directly as admin.
+#[derive(Clone)]
+struct Direct {
+    http: Https,
+    url: String,
+    token: String,
+}
+
+impl Direct {
+    async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        accept: &str,
+        body: Option<(&str, Value)>,
+    ) -> (StatusCode, Bytes) {
+        let mut req = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.url))
+            .header("authorization", format!("Bearer {}", self.token))
+            .header("accept", accept);
+        let body = match body {
+            Some((content_type, v)) => {
+                req = req.header("content-type", content_type);
+                Full::new(Bytes::from(v.to_string()))
+            }
+            None => Full::default(),
+        };
+        let resp = self.http.request(req.body(body).unwrap()).await.unwrap();
+        let status = resp.status();
+        let body = tokio::time::timeout(Duration::from_secs(30), resp.into_body().collect())
+            .await
+            .expect("body within 30 s")
+            .unwrap()
+            .to_bytes();
+        (status, body)
+    }
+
+    /// A request that must succeed: its body.
+    async fn ok(
+        &self,
+        method: Method,
+        path: &str,
+        accept: &str,
+        body: Option<(&str, Value)>,
+    ) -> Bytes {
+        let (status, b) = self.send(method.clone(), path, accept, body).await;
+        assert!(
+            status.is_success(),
+            "{method} {path}: {status} {}",
+            String::from_utf8_lossy(&b)
+        );
+        b
+    }
+
+    /// A watch's frames (whole, with their length headers) until the stream ends or `stop`
+    /// holds for the frames so far; panics if the stream ends mid-frame.
+    async fn watch(
+        &self,
+        path: &str,
+        accept: &str,
+        stop: impl Fn(&[Vec<u8>]) -> bool,
+    ) -> Vec<Vec<u8>> {
+        let req = Request::get(format!("{}{path}", self.url))
+            .header("authorization", format!("Bearer {}", self.token))
+            .header("accept", accept)
+            .body(Full::default())
+            .unwrap();
+        let resp = self.http.request(req).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK, "{path}");
+        assert_eq!(
+            resp.headers()["content-type"],
+            "application/vnd.kubernetes.protobuf;stream=watch"
+        );
+        let mut body = resp.into_body();
+        let (mut buf, mut frames) = (Vec::<u8>::new(), Vec::new());
+        tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                while buf.len() >= 4 {
+                    let len = u32::from_be_bytes(buf[..4].try_into().unwrap()) as usize;
+                    if buf.len() < 4 + len {
+                        break;
+                    }
+                    frames.push(buf.drain(..4 + len).collect::<Vec<u8>>());
+                }
+                if stop(&frames) {
+                    return;
+                }
+                match body.frame().await {
+                    None => return,
+                    Some(f) => {
+                        if let Ok(d) = f.unwrap().into_data() {
+                            buf.extend_from_slice(&d);
+                        }
+                    }
+                }
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{path}: watch did not end within 30 s"));
+        assert!(buf.is_empty(), "{path}: stream ended mid-frame: {buf:02x?}");
+        frames
+    }
+}
+
+fn unknown(body: &[u8]) -> wire::Unknown {
+    let rest = body.strip_prefix(b"k8s\0").expect("k8s\\0 magic");
+    prost::Message::decode(rest).expect("runtime.Unknown")
+}
+
+/// (name, resourceVersion) of an object's own message.
+fn name_rv(raw: &[u8]) -> (String, String) {
+    let m = object_meta(raw).expect("metadata");
+    (m.name.to_string(), m.resource_version.to_string())
+}
+
+/// A frame's event: (type, the embedded object's bytes).
+fn event(frame: &[u8]) -> (String, Vec<u8>) {
+    let e: wire::WatchEvent = prost::Message::decode(&frame[4..]).expect("WatchEvent");
+    (e.r#type.unwrap(), e.object.unwrap().raw.unwrap())
+}
+
+/// One resource under test: its path, kinds, and its objects' GET bodies by name.
+struct Kind {
+    resource: &'static str,
+    kind: &'static str,
+    list_kind: &'static str,
+}
+
+const CONFIGMAPS: Kind = Kind {
+    resource: "configmaps",
+    kind: "ConfigMap",
+    list_kind: "ConfigMapList",
+};
+const PODS: Kind = Kind {
+    resource: "pods",
+    kind: "Pod",
+    list_kind: "PodList",
+};
+
+impl Kind {
+    fn path(&self) -> String {
+        format!("/api/v1/namespaces/{NS}/{}", self.resource)
+    }
+
+    /// Every object's GET body (protobuf), by name: sorted as etcd's keys, as a list is.
+    async fn get_all(&self, d: &Direct, names: &[String]) -> BTreeMap<String, Bytes> {
+        let mut out = BTreeMap::new();
+        for n in names {
+            let b = d
+                .ok(Method::GET, &format!("{}/{n}", self.path()), PROTOBUF, None)
+                .await;
+            let env = envelope(&b).expect("an envelope");
+            assert_eq!((env.api_version, env.kind), ("v1", self.kind));
+            assert_eq!(object_envelope("v1", self.kind, env.raw), b, "GET {n}");
+            out.insert(n.clone(), b);
+        }
+        out
+    }
+}
+
+/// Pages through `path` with `limit` in `accept` and checks every page against `assemble`d
+/// from the page's list metadata and the page's items from `items` (in order): the number
+/// of pages.
+async fn check_list_pages(
+    d: &Direct,
+    path: &str,
+    accept: &str,
+    limit: Option<usize>,
+    items: &[Vec<u8>],
+    (api_version, list_kind): (&str, &str),
+) -> usize {
+    let (mut token, mut offset, mut pages) = (String::new(), 0, 0);
+    loop {
+        let mut q = format!("{path}?");
+        if let Some(l) = limit {
+            q += &format!("limit={l}&");
+        }
+        if !token.is_empty() {
+            q += &format!("continue={token}");
+        }
+        let body = d.ok(Method::GET, &q, accept, None).await;
+        let u = unknown(&body);
+        let tm = u.type_meta.clone().unwrap();
+        assert_eq!(
+            (tm.api_version.as_deref(), tm.kind.as_deref()),
+            (Some(api_version), Some(list_kind))
+        );
+        let list: wire::List = prost::Message::decode(u.raw.as_deref().unwrap()).unwrap();
+        let lm = list.metadata.unwrap();
+        assert_eq!(lm.self_link.as_deref(), Some(""), "selfLink written empty");
+        let n = list.items.len();
+        let page = &items[offset..offset + n];
+        let meta = ListMeta {
+            resource_version: lm.resource_version.as_deref().unwrap(),
+            continue_token: lm.r#continue.as_deref().unwrap_or(""),
+            remaining_item_count: lm.remaining_item_count,
+        };
+        let built = list_body(api_version, list_kind, &meta, page);
+        assert_eq!(built, body, "{q}: assembled list differs");
+        // Near miss: items as whole envelopes (what a GET returns) are not list items.
+        if !page.is_empty() {
+            let wrapped: Vec<Vec<u8>> =
+                page.iter().map(|r| object_envelope("v1", "X", r)).collect();
+            assert_ne!(list_body(api_version, list_kind, &meta, &wrapped), body);
+        }
+        pages += 1;
+        offset += n;
+        if meta.continue_token.is_empty() {
+            assert_eq!(offset, items.len(), "{path}: every item listed");
+            assert_eq!(lm.remaining_item_count, None);
+            return pages;
+        }
+        assert!(
+            lm.remaining_item_count.is_some(),
+            "{q}: a page with more says how many"
+        );
+        token = meta.continue_token.to_string();
+    }
+}
+
+/// `object` and `last` are the same object but for `metadata.resourceVersion` (a string of
+/// the same length at the same offset), which may be equal too.
+fn assert_same_but_resource_version(object: &[u8], last: &[u8], what: &str, name: &str) {
+    fn rv(b: &[u8]) -> &str {
+        object_meta(envelope(b).unwrap().raw)
+            .unwrap()
+            .resource_version
+    }
+    let at = |b: &[u8], s: &str| s.as_ptr() as usize - b.as_ptr() as usize;
+    let (a, b) = (rv(object), rv(last));
+    assert_eq!(
+        (at(object, a), a.len()),
+        (at(last, b), b.len()),
+        "{what} {name}: the same layout"
+    );
+    let (i, n) = (at(object, a), a.len());
+    assert_eq!(
+        object[..i],
+        last[..i],
+        "{what} {name}: before resourceVersion"
+    );
+    assert_eq!(
+        object[i + n..],
+        last[i + n..],
+        "{what} {name}: after resourceVersion"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lists_and_watch_frames_assembled_from_object_bytes_equal_the_apiservers() {
+    let cp = ControlPlane::start(ControlPlaneOptions::default())
+        .await
+        .expect("control plane starts");
+    cp.create_default_service_account(NS).await.unwrap();
+    let d = Direct {
+        http: apiserver_client(&cp.ca_pem, false),
+        url: cp.url.clone(),
+        token: cp.admin_token().to_string(),
+    };
+
+    // Varied objects: labels and annotations (sorted maps), empty and binary data, a value
+    // long enough for three-byte lengths, Unicode, managedFields of Update and of Apply.
+    let cms = [
+        json!({"metadata": {"name": "cm-a", "labels": {"z": "1", "a": "2", "app": "pb"},
+               "annotations": {"note": "héllo ✓", "k8s.io/x": ""}},
+               "data": {"k": "v", "long": "x".repeat(20_000)}}),
+        json!({"metadata": {"name": "cm-b"}}),
+        json!({"metadata": {"name": "cm-c", "finalizers": ["example.com/keep"]},
+               "binaryData": {"bin": "AAEC/w=="}, "immutable": true}),
+        json!({"metadata": {"name": "cm-d", "labels": {"app": "pb"}}, "data": {"e": ""}}),
+    ];
+    for cm in &cms {
+        d.ok(
+            Method::POST,
+            &CONFIGMAPS.path(),
+            PROTOBUF,
+            Some(("application/json", cm.clone())),
+        )
+        .await;
+    }
+    let apply = json!({"apiVersion": "v1", "kind": "ConfigMap",
+        "metadata": {"name": "cm-e", "labels": {"applied": "yes"}}, "data": {"a": "1"}});
+    d.ok(
+        Method::PATCH,
+        &format!("{}/cm-e?fieldManager=pb-test&force=true", CONFIGMAPS.path()),
+        PROTOBUF,
+        Some(("application/apply-patch+yaml", apply)),
+    )
+    .await;
+    for (name, labels) in [
+        ("p1", json!({})),
+        ("p2", json!({"app": "pb", "tier": "web"})),
+        ("p3", json!({"b": "1"})),
+    ] {
+        let pod = json!({"metadata": {"name": name, "labels": labels,
+            "annotations": {"a": "b"}, "ownerReferences": [{"apiVersion": "v1", "kind": "ConfigMap",
+            "name": "cm-a", "uid": "00000000-0000-4000-8000-000000000001"}]},
+            "spec": {"containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10",
+            "env": [{"name": "E", "value": "1"}], "resources": {"limits": {"cpu": "100m"}}}]}});
+        d.ok(
+            Method::POST,
+            &PODS.path(),
+            PROTOBUF,
+            Some(("application/json", pod)),
+        )
+        .await;
+    }
+
+    let mut bookmark_rests: BTreeMap<&str, Vec<u8>> = BTreeMap::new();
+    for k in [&CONFIGMAPS, &PODS] {
+        // The names, from a JSON list (nothing else writes to the namespace).
+        let l: Value =
+            serde_json::from_slice(&d.ok(Method::GET, &k.path(), "application/json", None).await)
+                .unwrap();
+        let names: Vec<String> = l["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i["metadata"]["name"].as_str().unwrap().to_string())
+            .collect();
+        assert!(names.len() >= 3, "{names:?}");
+        let gets = k.get_all(&d, &names).await;
+        let raws: Vec<Vec<u8>> = gets
+            .values()
+            .map(|b| envelope(b).unwrap().raw.to_vec())
+            .collect();
+        assert!(
+            raws.iter().any(|r| r.len() > 20_000) || k.kind == "Pod",
+            "a long item"
+        );
+
+        // LISTs: whole, and in pages of 2 (continue tokens, remainingItemCount).
+        let lk = ("v1", k.list_kind);
+        assert_eq!(
+            check_list_pages(&d, &k.path(), PROTOBUF, None, &raws, lk).await,
+            1
+        );
+        assert!(check_list_pages(&d, &k.path(), PROTOBUF, Some(2), &raws, lk).await >= 2);
+
+        // PartialObjectMetadata: GETs and paged lists.
+        let partials: Vec<Vec<u8>> = raws
+            .iter()
+            .map(|r| partial_object_metadata(r).unwrap().to_vec())
+            .collect();
+        for (n, p) in gets.keys().zip(&partials) {
+            let b = d
+                .ok(Method::GET, &format!("{}/{n}", k.path()), AS_PARTIAL, None)
+                .await;
+            assert_eq!(
+                object_envelope(META_V1, "PartialObjectMetadata", p),
+                b,
+                "metadata GET {n}"
+            );
+        }
+        let plk = (META_V1, "PartialObjectMetadataList");
+        assert!(
+            check_list_pages(&d, &k.path(), AS_PARTIAL_LIST, Some(2), &partials, plk).await >= 2
+        );
+
+        // A watch with initial events (WatchList): an ADDED frame per object, built from its
+        // GET, then the bookmark ending them; the same as PartialObjectMetadata.
+        let q = format!(
+            "{}?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&allowWatchBookmarks=true",
+            k.path()
+        );
+        let ends = |f: &[Vec<u8>]| f.last().is_some_and(|f| event(f).0 == "BOOKMARK");
+        for (accept, as_partial) in [(PROTOBUF, false), (AS_PARTIAL, true)] {
+            let frames = d.watch(&q, accept, ends).await;
+            let (last, added) = frames.split_last().unwrap();
+            assert_eq!(added.len(), gets.len(), "{q} {accept}");
+            for f in added {
+                let (ty, obj) = event(f);
+                assert_eq!(ty, "ADDED");
+                let name = name_rv(envelope(&obj).unwrap().raw).0;
+                let get = envelope(&gets[&name]).unwrap();
+                let object = if as_partial {
+                    object_envelope(
+                        META_V1,
+                        "PartialObjectMetadata",
+                        partial_object_metadata(get.raw).unwrap(),
+                    )
+                } else {
+                    gets[&name].to_vec()
+                };
+                let mut built = Vec::new();
+                watch_frame(&mut built, "ADDED", &object).unwrap();
+                assert_eq!(&built, f, "{accept}: ADDED {name}");
+                // Near misses: the object without its envelope, a little-endian length.
+                let mut bare = Vec::new();
+                watch_frame(&mut bare, "ADDED", get.raw).unwrap();
+                assert_ne!(&bare, f);
+                let mut le = built.clone();
+                le[..4].reverse();
+                assert_ne!(&le, f);
+            }
+            let (ty, obj) = event(last);
+            assert_eq!(ty, "BOOKMARK");
+            let env = envelope(&obj).unwrap();
+            let (api_version, kind) = if as_partial {
+                (META_V1, "PartialObjectMetadata")
+            } else {
+                ("v1", k.kind)
+            };
+            assert_eq!((env.api_version, env.kind), (api_version, kind));
+            let rv = name_rv(env.raw).1;
+            let rest = bookmark_rest(env.raw).unwrap();
+            if as_partial || k.kind == "ConfigMap" {
+                assert!(rest.is_empty(), "{kind}: only metadata");
+            } else {
+                bookmark_rests.insert(k.kind, rest.to_vec());
+            }
+            let mut built = Vec::new();
+            watch_frame(
+                &mut built,
+                "BOOKMARK",
+                &bookmark_object(api_version, kind, rest, &rv, true),
+            )
+            .unwrap();
+            assert_eq!(&built, last, "{accept}: initial-events-end bookmark");
+            let mut plain = Vec::new();
+            watch_frame(
+                &mut plain,
+                "BOOKMARK",
+                &bookmark_object(api_version, kind, rest, &rv, false),
+            )
+            .unwrap();
+            assert_ne!(&plain, last, "the annotation is there");
+        }
+    }
+
+    // Watches from a list's resourceVersion while objects change: each frame rebuilt from its
+    // type and object; ADDED and MODIFIED objects are the writes' own responses (the object at
+    // that resourceVersion), a DELETED object the last state but for its resourceVersion; a
+    // bookmark (sent 2 s before timeoutSeconds) built from the kind's learnt bookmark rest.
+    for k in [&CONFIGMAPS, &PODS] {
+        let list = d.ok(Method::GET, &k.path(), PROTOBUF, None).await;
+        let list_raw = unknown(&list).raw.unwrap();
+        let listed: wire::List = prost::Message::decode(list_raw.as_slice()).unwrap();
+        let rv = listed.metadata.unwrap().resource_version.unwrap();
+        let mut known: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+        for item in &listed.items {
+            known.insert(name_rv(item).0, object_envelope("v1", k.kind, item));
+        }
+        let q = format!(
+            "{}?watch=1&resourceVersion={rv}&allowWatchBookmarks=true&timeoutSeconds=8",
+            k.path()
+        );
+        let watcher = {
+            let d = d.clone();
+            tokio::spawn(async move { d.watch(&q, PROTOBUF, |_| false).await })
+        };
+        // Write responses by (name, resourceVersion).
+        let mut written: BTreeMap<(String, String), Bytes> = BTreeMap::new();
+        let mut record = |b: Bytes| {
+            let env = envelope(&b).expect("a protobuf object");
+            written.insert(name_rv(env.raw), b.clone());
+        };
+        let (first, second, new) = if k.kind == "Pod" {
+            (
+                "p1",
+                "p2",
+                json!({"metadata": {"name": "p9"}, "spec": {"containers": [{"name": "c", "image": "i"}]}}),
+            )
+        } else {
+            (
+                "cm-a",
+                "cm-d",
+                json!({"metadata": {"name": "cm-z"}, "data": {"n": "1"}}),
+            )
+        };
+        let merge = "application/merge-patch+json";
+        record(
+            d.ok(
+                Method::PATCH,
+                &format!("{}/{first}", k.path()),
+                PROTOBUF,
+                Some((merge, json!({"metadata": {"labels": {"changed": "1"}}}))),
+            )
+            .await,
+        );
+        record(
+            d.ok(
+                Method::PATCH,
+                &format!("{}/{first}", k.path()),
+                PROTOBUF,
+                Some((
+                    merge,
+                    json!({"metadata": {"annotations": {"note": null, "added": "ü"}}}),
+                )),
+            )
+            .await,
+        );
+        record(
+            d.ok(
+                Method::POST,
+                &k.path(),
+                PROTOBUF,
+                Some(("application/json", new)),
+            )
+            .await,
+        );
+        let last_of_second = d
+            .ok(
+                Method::GET,
+                &format!("{}/{second}", k.path()),
+                PROTOBUF,
+                None,
+            )
+            .await;
+        let deleted = d
+            .ok(
+                Method::DELETE,
+                &format!("{}/{second}?gracePeriodSeconds=0", k.path()),
+                PROTOBUF,
+                None,
+            )
+            .await;
+        // A ConfigMap's DELETE answers a Status; a Pod's answers the pod, marked deleted (a
+        // MODIFIED event of its own), which is its last state.
+        let last = if envelope(&deleted).is_some_and(|e| e.kind == k.kind) {
+            record(deleted.clone());
+            deleted
+        } else {
+            last_of_second
+        };
+        known.insert(second.to_string(), last.to_vec());
+
+        let frames = watcher.await.unwrap();
+        let mut seen = BTreeMap::<String, usize>::new();
+        for f in &frames {
+            let (ty, obj) = event(f);
+            *seen.entry(ty.clone()).or_default() += 1;
+            let env = envelope(&obj).expect("every event's object has its envelope");
+            let (name, orv) = name_rv(env.raw);
+            match ty.as_str() {
+                "ADDED" | "MODIFIED" => match written.get(&(name.clone(), orv.clone())) {
+                    Some(w) => assert_eq!(w, &obj, "{ty} {name}@{orv}: the write's response"),
+                    // A pod's DELETE first marks it (deletionTimestamp, grace period 0) in a
+                    // write of its own: that is the DELETE's answer but for its
+                    // resourceVersion.
+                    None if name == second && ty == "MODIFIED" => {
+                        assert_same_but_resource_version(&obj, &known[&name], &ty, &name);
+                    }
+                    None => panic!("{ty} {name}@{orv}: no write answered it"),
+                },
+                "DELETED" => assert_same_but_resource_version(&obj, &known[&name], &ty, &name),
+                "BOOKMARK" => {
+                    let rest = bookmark_rests.get(k.kind).map_or(&[][..], Vec::as_slice);
+                    assert_eq!(
+                        obj,
+                        bookmark_object("v1", k.kind, rest, &orv, false),
+                        "BOOKMARK@{orv}"
+                    );
+                }
+                other => panic!("unexpected event {other}"),
+            }
+            let mut built = Vec::new();
+            watch_frame(&mut built, &ty, &obj).unwrap();
+            assert_eq!(&built, f, "{ty} {name}: frame");
+        }
+        let smallest = frames.iter().min_by_key(|f| f.len()).unwrap();
+        eprintln!(
+            "{}: {} frames {seen:?}; the smallest: {}",
+            k.resource,
+            frames.len(),
+            hex::encode(smallest)
+        );
+        for ty in ["ADDED", "MODIFIED", "DELETED", "BOOKMARK"] {
+            assert!(
+                seen.contains_key(ty),
+                "{}: no {ty} event among {seen:?}",
+                k.resource
+            );
+        }
+        let modified = if k.kind == "Pod" { 3 } else { 2 };
+        assert_eq!(seen["MODIFIED"], modified, "{seen:?}");
+    }
+
+    cp.stop().await;
+}

@@ -48,6 +48,45 @@ pub struct CachedObject {
     /// The object's JSON without `kind` and `apiVersion`, starting with `{`.
     pub body: Bytes,
     pub meta: Meta,
+    /// The same object version in the apiserver's protobuf, once the resource's protobuf
+    /// side has delivered it (`ResourceCache::attach_protobuf`).
+    pub proto: ProtoSlot,
+}
+
+/// An object version's exact protobuf envelope (`k8s\0` + `runtime.Unknown`), as the
+/// apiserver sends it for a GET of that version: set at most once, by whichever of the two
+/// upstream streams (JSON, protobuf) delivers that version second, and shared by every
+/// snapshot, history event and reader holding the object. Not part of the object's
+/// equality (it is another encoding of the same state).
+#[derive(Default, Clone)]
+pub struct ProtoSlot(std::sync::OnceLock<Bytes>);
+
+impl ProtoSlot {
+    pub fn get(&self) -> Option<&Bytes> {
+        self.0.get()
+    }
+
+    /// Sets the envelope; `false` when one was set already.
+    pub fn set(&self, envelope: Bytes) -> bool {
+        self.0.set(envelope).is_ok()
+    }
+}
+
+impl PartialEq for ProtoSlot {
+    fn eq(&self, _: &ProtoSlot) -> bool {
+        true
+    }
+}
+
+impl Eq for ProtoSlot {}
+
+impl std::fmt::Debug for ProtoSlot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.get() {
+            Some(b) => write!(f, "ProtoSlot({} bytes)", b.len()),
+            None => f.write_str("ProtoSlot(none)"),
+        }
+    }
 }
 
 impl CachedObject {
@@ -66,7 +105,11 @@ impl CachedObject {
             Some(at) => stripped(&raw[..end], at),
             None => raw.slice(..end),
         };
-        Ok(CachedObject { body, meta })
+        Ok(CachedObject {
+            body,
+            meta,
+            proto: ProtoSlot::default(),
+        })
     }
 
     /// Parses the object at the scanner's cursor (inside a watch event or a list page) in
@@ -87,7 +130,11 @@ impl CachedObject {
             Some(at) => stripped(obj, at),
             None => Bytes::copy_from_slice(obj),
         };
-        Ok(CachedObject { body, meta })
+        Ok(CachedObject {
+            body,
+            meta,
+            proto: ProtoSlot::default(),
+        })
     }
 
     /// `namespace/name` (or `name`), the apiserver's storage key order within a resource.

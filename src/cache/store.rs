@@ -9,6 +9,8 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
+
+use bytes::Bytes;
 use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
@@ -208,8 +210,23 @@ pub struct ResourceCache {
     retained: Mutex<VecDeque<Retained>>,
     pub list_stats: ListStats,
     pub watch_stats: WatchStats,
-    /// Backfills of this cache's history run one at a time (`reflector::backfill`).
+    /// Backfills of this cache's history run one at a time (`reflector::backfill`)...
     pub backfill_lock: tokio::sync::Mutex<()>,
+    /// ...and none is tried again at or below a resourceVersion the apiserver refused
+    /// with 410 (compaction and the apiserver's window only move forward).
+    pub backfill_floor: std::sync::atomic::AtomicU64,
+    /// The protobuf side (`protobuf_side`): object versions it delivered before the JSON
+    /// side (by key and resourceVersion), attached when the JSON side applies them.
+    proto_pending: Mutex<std::collections::HashMap<(ObjectKey, u64), Bytes>>,
+    proto_pending_len: std::sync::atomic::AtomicUsize,
+    /// The resourceVersion of the protobuf side's initial state (0: not synced): every
+    /// object version the JSON side holds from then on gets its protobuf envelope.
+    pub proto_synced: std::sync::atomic::AtomicU64,
+    /// A protobuf BOOKMARK object's bytes after its resourceVersion, learnt from the
+    /// apiserver's own (`protobuf_write::bookmark_rest`): the kind's empty fields.
+    pub proto_bookmark: Mutex<Option<(String, Bytes)>>,
+    proto_wanted: std::sync::atomic::AtomicBool,
+    proto_wanted_tx: watch::Sender<bool>,
 }
 
 /// Downstream watches refused with 410 Expired, by why their resourceVersion is gone (read
@@ -329,6 +346,13 @@ impl ResourceCache {
             list_stats: ListStats::default(),
             watch_stats: WatchStats::default(),
             backfill_lock: Default::default(),
+            backfill_floor: Default::default(),
+            proto_pending: Default::default(),
+            proto_pending_len: Default::default(),
+            proto_synced: Default::default(),
+            proto_bookmark: Default::default(),
+            proto_wanted: Default::default(),
+            proto_wanted_tx: watch::channel(false).0,
         });
         // The dispatcher: one task per resource, events in order.
         tokio::spawn(async move {
@@ -729,6 +753,104 @@ impl ResourceCache {
         Ok(())
     }
 
+    /// Attaches the protobuf envelope of the object version `key` at `rv` (from the
+    /// resource's protobuf stream) to the version the JSON side holds: the current object,
+    /// or the history's event at `rv` (an object since changed or deleted). A version the
+    /// JSON side has not reached yet waits until it applies it; one it has passed without
+    /// holding (trimmed from the history) is dropped.
+    pub fn attach_protobuf(&self, key: &ObjectKey, rv: u64, envelope: Bytes) -> Attached {
+        let s = self.read();
+        if let Some(o) = s.objects.get(key)
+            && o.meta.resource_version == rv
+        {
+            o.proto.set(envelope);
+            return Attached::Now;
+        }
+        let i = s.history.partition_point(|e| e.rv < rv);
+        if let Some(e) = s.history.get(i)
+            && e.rv == rv
+            && e.object.meta.name == key.name
+            && e.object.meta.namespace == key.namespace
+        {
+            e.object.proto.set(envelope);
+            return Attached::Now;
+        }
+        if rv <= s.rv && self.is_ready() {
+            return Attached::Dropped;
+        }
+        // Under the read lock: the JSON side applies `rv` only after, and finds it.
+        let mut p = self.proto_pending.lock();
+        if p.len() >= PROTO_PENDING_MAX {
+            let at = s.rv;
+            p.retain(|(_, r), _| *r > at);
+        }
+        if p.len() < PROTO_PENDING_MAX {
+            p.insert((key.clone(), rv), envelope);
+        }
+        self.proto_pending_len
+            .store(p.len(), std::sync::atomic::Ordering::Relaxed);
+        Attached::Later
+    }
+
+    /// Takes a waiting protobuf envelope for an object version the JSON side now applies.
+    fn take_pending_protobuf(&self, o: &CachedObject) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.proto_pending_len.load(Relaxed) == 0 {
+            return;
+        }
+        let mut p = self.proto_pending.lock();
+        if let Some(b) = p.remove(&(o.key(), o.meta.resource_version)) {
+            o.proto.set(b);
+        }
+        self.proto_pending_len.store(p.len(), Relaxed);
+    }
+
+    /// Drops waiting protobuf envelopes of versions at or before `rv` (the JSON side
+    /// passed them without holding them: e.g. a relist that skipped them).
+    fn prune_pending_protobuf(&self, rv: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.proto_pending_len.load(Relaxed) == 0 {
+            return;
+        }
+        let mut p = self.proto_pending.lock();
+        p.retain(|(_, r), _| *r > rv);
+        self.proto_pending_len.store(p.len(), Relaxed);
+    }
+
+    /// Whether protobuf reads can be served: the protobuf side has synced and is running.
+    pub fn protobuf_ready(&self) -> bool {
+        self.proto_synced.load(std::sync::atomic::Ordering::Relaxed) > 0 && self.is_ready()
+    }
+
+    /// A protobuf reader came: the registry starts this resource's protobuf side once.
+    pub fn want_protobuf(&self) {
+        if !self
+            .proto_wanted
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            self.proto_wanted_tx.send_replace(true);
+        }
+    }
+
+    /// Resolves once a protobuf reader has come (see [`Self::want_protobuf`]).
+    pub async fn protobuf_wanted(&self) {
+        let mut rx = self.proto_wanted_tx.subscribe();
+        let _ = rx.wait_for(|w| *w).await;
+    }
+
+    /// Current objects with and without their protobuf envelope, and the envelopes' bytes.
+    pub fn protobuf_coverage(&self) -> (usize, usize, usize) {
+        let s = self.read();
+        let (mut with, mut bytes) = (0, 0);
+        for o in s.objects.values() {
+            if let Some(b) = o.proto.get() {
+                with += 1;
+                bytes += b.len();
+            }
+        }
+        (with, s.objects.len() - with, bytes)
+    }
+
     /// The resourceVersion the history starts after: a watch from it or later is served
     /// from the history, an older one needs [`ResourceCache::extend_history`] first.
     pub fn oldest_rv(&self) -> u64 {
@@ -900,6 +1022,22 @@ fn rewind(objects: &mut Objects, mut index: Option<&mut FieldIndex>, events: &[A
     }
 }
 
+/// Waiting protobuf envelopes kept at most per resource (the protobuf stream ahead of
+/// the JSON one); beyond, the oldest versions are dropped and those objects are passed
+/// through to the apiserver for protobuf readers.
+const PROTO_PENDING_MAX: usize = 65_536;
+
+/// Where [`ResourceCache::attach_protobuf`] put an envelope.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Attached {
+    /// On the object version the JSON side holds.
+    Now,
+    /// Waiting for the JSON side to reach that version.
+    Later,
+    /// The JSON side passed that version without keeping it.
+    Dropped,
+}
+
 /// Why the history was not extended back ([`ResourceCache::extend_history`]).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("history not extended: {0}")]
@@ -918,6 +1056,7 @@ impl ResourceCache {
             // increasing.
             return false;
         }
+        self.take_pending_protobuf(&object);
         let key = object.key();
         let prev = match kind {
             EventKind::Deleted => s.objects.remove(&key),
@@ -945,6 +1084,21 @@ impl ReflectorSink for ResourceCache {
         {
             let mut s = self.write();
             let new: Objects = items.into_iter().map(|o| (o.key(), Arc::new(o))).collect();
+            // Protobuf envelopes of versions the relist did not change stay with them; the
+            // others come from the protobuf side (waiting, or later).
+            for (k, o) in new.iter() {
+                match s.objects.get(k).and_then(|old| {
+                    (old.meta.resource_version == o.meta.resource_version)
+                        .then(|| old.proto.get().cloned())
+                        .flatten()
+                }) {
+                    Some(b) => {
+                        o.proto.set(b);
+                    }
+                    None => self.take_pending_protobuf(o),
+                }
+            }
+            self.prune_pending_protobuf(rv);
             if !first {
                 self.relists
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);

@@ -72,6 +72,75 @@ impl Default for ListConfig {
     }
 }
 
+/// Why a protobuf read goes to the apiserver: an object version's envelope has not come
+/// from the resource's protobuf side (yet).
+const NO_PROTOBUF: &str = "protobuf of an object version not cached";
+
+/// The content type of the apiserver's protobuf responses.
+const PROTOBUF_TYPE: &str = "application/vnd.kubernetes.protobuf";
+
+fn protobuf_response(b: Bytes) -> Response<Body> {
+    let mut r = Response::new(body::full(b));
+    r.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(PROTOBUF_TYPE),
+    );
+    r
+}
+
+/// A page in the apiserver's protobuf: the list envelope around each item's own message
+/// (`protobuf_write::list_body`), or `None` when an item's envelope is missing or unreadable
+/// (the apiserver answers then). Gzip as for JSON.
+async fn write_proto_page(
+    cache: &ResourceCache,
+    cx: &ListContext<'_>,
+    list_rv: u64,
+    page: &Page,
+    meta: Option<(String, Option<u64>)>,
+) -> Served {
+    use crate::k8s::protobuf_write::{ListMeta, list_body};
+    let mut raws: Vec<&[u8]> = Vec::with_capacity(page.items.len());
+    for o in &page.items {
+        let Some(env) = o.proto.get() else {
+            return delegate(NO_PROTOBUF);
+        };
+        let Some(e) = crate::k8s::protobuf::envelope(env) else {
+            return delegate(NO_PROTOBUF);
+        };
+        raws.push(e.raw);
+    }
+    let rv = list_rv.to_string();
+    let (token, remaining) = match &meta {
+        Some((t, n)) => (t.as_str(), n.and_then(|n| i64::try_from(n).ok())),
+        None => ("", None),
+    };
+    let r = &cache.resource;
+    let b = Bytes::from(list_body(
+        &r.api_version(),
+        &r.list_kind(),
+        &ListMeta {
+            resource_version: &rv,
+            continue_token: token,
+            remaining_item_count: remaining,
+        },
+        &raws,
+    ));
+    drop(raws);
+    if cx.accepts_gzip
+        && cx.cfg.gzip_min_bytes > 0
+        && b.len() >= cx.cfg.gzip_min_bytes
+        && let Some(z) = gzip_off_worker(vec![b.clone()], b.len(), cx.cfg.gzip_level).await
+    {
+        let mut r = gzipped(z);
+        r.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static(PROTOBUF_TYPE),
+        );
+        return Ok(r);
+    }
+    Ok(protobuf_response(b))
+}
+
 fn json(b: Bytes) -> Response<Body> {
     let mut r = Response::new(body::full(b));
     r.headers_mut().insert(
@@ -89,6 +158,7 @@ pub fn get(
     namespace: &str,
     name: &str,
     enc: Encoding,
+    protobuf: bool,
 ) -> Served {
     let ns = if cache.resource.namespaced {
         namespace
@@ -98,6 +168,12 @@ pub fn get(
     let Some(obj) = snap.objects.get(&ObjectKey::new(ns, name)) else {
         return delegate("object not in the cache");
     };
+    if protobuf {
+        let Some(env) = obj.proto.get() else {
+            return delegate(NO_PROTOBUF);
+        };
+        return Ok(protobuf_response(env.clone()));
+    }
     let mut b = BytesMut::with_capacity(obj.body.len() + 64);
     put_object(&mut b, &cache.resource, &obj.body, enc);
     Ok(json(b.freeze()))
@@ -311,6 +387,10 @@ pub struct ListContext<'a> {
     /// Asked whether a continue token's resourceVersion is compacted upstream (the token
     /// then gets the apiserver's 410 whatever the proxy still holds); `None`: never.
     pub compaction: Option<&'a crate::read::consistency::Consistency>,
+    /// The apiserver's protobuf instead of `enc` (`read::router::PROTOBUF`): pages are
+    /// assembled from the objects' protobuf envelopes, or the apiserver answers when one is
+    /// missing.
+    pub protobuf: bool,
 }
 
 fn expired_continue(cx: &ListContext<'_>, after: ObjectKey) -> Status {
@@ -468,9 +548,19 @@ async fn list_inner(
             (snap, rv, start, at.uses_index())
         }
     };
+    // A protobuf walk the cache starts it must finish (its continue tokens are the
+    // proxy's): every object of the snapshot must have its envelope before the first page.
+    if cx.protobuf && pos.after.is_none() && snap.objects.values().any(|o| o.proto.get().is_none())
+    {
+        return delegate(NO_PROTOBUF);
+    }
     let no_selectors = filter.labels.is_everything() && filter.fields.is_everything();
     let cands = Candidates::new(cache, &snap, filter, use_index && pos.after.is_none());
     if limit == 0 {
+        if cx.protobuf {
+            let page = select_page(&cands, filter, &pos, 0);
+            return write_proto_page(cache, cx, list_rv, &page, None).await;
+        }
         // A continue with no limit (legal, if odd) resumes after its key.
         if pos.after.is_some() {
             let page = select_page(&cands, filter, &pos, 0);
@@ -497,6 +587,9 @@ async fn list_inner(
             .sign(&cx.binding, list_rv, last.clone(), *seen, total);
         (token, no_selectors.then(|| total.saturating_sub(*seen)))
     });
+    if cx.protobuf {
+        return write_proto_page(cache, cx, list_rv, &page, meta).await;
+    }
     Ok(write_page(cache, enc, cx, list_rv, &page, meta).await)
 }
 
@@ -772,6 +865,7 @@ mod tests {
             accepts_gzip: true,
             page_cap: None,
             compaction: None,
+            protobuf: false,
         };
         let mut w = Walk {
             items: vec![],
@@ -933,6 +1027,7 @@ mod tests {
                 accepts_gzip: gz,
                 page_cap: None,
                 compaction: None,
+                protobuf: false,
             };
             let mut cont = None;
             let mut seen = Vec::new();
@@ -1064,6 +1159,7 @@ mod tests {
                     accepts_gzip: false,
                     page_cap: None,
                     compaction: None,
+                    protobuf: false,
                 };
                 let p = ListParams {
                     rv: Rv::Unset,

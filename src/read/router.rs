@@ -29,6 +29,8 @@ pub enum Route {
     Get {
         cache: Arc<ResourceCache>,
         enc: Encoding,
+        /// The apiserver's protobuf instead of `enc`.
+        protobuf: bool,
         /// `Latest` (subject to the consistency policy) or `Any`.
         at: ReadAt,
     },
@@ -36,6 +38,8 @@ pub enum Route {
         cache: Arc<ResourceCache>,
         filter: Filter,
         enc: Encoding,
+        /// The apiserver's protobuf instead of `enc`.
+        protobuf: bool,
         params: ListParams,
     },
 }
@@ -167,6 +171,12 @@ fn parse_accept(header: &str) -> Option<Vec<Clause<'_>>> {
     Some(clauses)
 }
 
+/// [`negotiate`]'s answer when the apiserver would write its protobuf for a GET or LIST of a
+/// built-in resource: the cache serves it from the objects' protobuf envelopes once the
+/// resource's protobuf side has synced (`Route::Get`/`Route::List` with `protobuf`),
+/// otherwise the apiserver does (and the protobuf side is started).
+pub const PROTOBUF: &str = "encoding: protobuf";
+
 /// What the apiserver makes of a clause for one of its media types
 /// (k8s.io/apiserver `acceptMediaTypeOptions` with a resource endpoint's restrictions).
 enum Verdict {
@@ -201,6 +211,9 @@ fn verdict(c: &Clause<'_>, media: &str, read: ReadKind, custom: bool, pretty: bo
         // Custom resources are not served as protobuf (their endpoint's standard serializers).
         if custom && media == "vnd.kubernetes.protobuf" {
             return Verdict::Skip;
+        }
+        if media == "vnd.kubernetes.protobuf" && read != ReadKind::Watch {
+            return Verdict::Wins(Err(PROTOBUF));
         }
         if !json {
             return Verdict::Wins(Err("encoding: not JSON"));
@@ -313,6 +326,23 @@ fn filter_for(
     })
 }
 
+/// A GET's or LIST's representation: JSON (`enc`), or protobuf when the resource's
+/// protobuf side has synced; asking for protobuf starts that side.
+fn with_protobuf(
+    cache: &ResourceCache,
+    negotiated: Result<Encoding, &'static str>,
+) -> Served<(Encoding, bool)> {
+    match negotiated {
+        Ok(enc) => Ok((enc, false)),
+        Err(PROTOBUF) if cache.protobuf_ready() => Ok((Encoding::Json, true)),
+        Err(PROTOBUF) => {
+            cache.want_protobuf();
+            delegate("protobuf side not synced")
+        }
+        Err(why) => delegate(why),
+    }
+}
+
 /// Decides where a request goes: a cache read, or the apiserver (with the reason).
 /// `lookup(group, version, resource)` finds a cache.
 pub fn route(
@@ -378,16 +408,21 @@ pub fn route(
             })
         }
         "get" if !info.name.is_empty() => {
-            let enc = negotiate(ReadKind::Get).or_else(delegate)?;
+            let (enc, protobuf) = with_protobuf(&cache, negotiate(ReadKind::Get))?;
             // resourceVersion=0 ("any") or unset (most recent, when the consistency policy
             // confirms the cache); anything else is the apiserver's.
             let Some(at) = plan::get(query) else {
                 return delegate("get parameters");
             };
-            Ok(Route::Get { cache, enc, at })
+            Ok(Route::Get {
+                cache,
+                enc,
+                protobuf,
+                at,
+            })
         }
         "list" => {
-            let enc = negotiate(ReadKind::List).or_else(delegate)?;
+            let (enc, protobuf) = with_protobuf(&cache, negotiate(ReadKind::List))?;
             let params = match ListParams::parse(query) {
                 Ok(p) => p,
                 Err(why) => return delegate(why),
@@ -410,6 +445,7 @@ pub fn route(
                 cache,
                 filter,
                 enc,
+                protobuf,
                 params,
             })
         }

@@ -148,7 +148,12 @@ async fn serve_from_cache(
             let b = Tracked::new(b, Instant::now(), move |_| drop(permit));
             Ok(Response::from_parts(parts, body::boxed(b)))
         }
-        Route::Get { cache, enc, at } => {
+        Route::Get {
+            cache,
+            enc,
+            protobuf,
+            at,
+        } => {
             let snap = match at {
                 ReadAt::Latest => {
                     state
@@ -159,7 +164,7 @@ async fn serve_from_cache(
                 _ => cache.current(),
             };
             crate::telemetry::in_span("cache.get", async {
-                crate::read::list::get(&cache, &snap, &info.namespace, &info.name, enc)
+                crate::read::list::get(&cache, &snap, &info.namespace, &info.name, enc, protobuf)
             })
             .await
         }
@@ -167,6 +172,7 @@ async fn serve_from_cache(
             cache,
             mut filter,
             enc,
+            protobuf,
             params,
         } => {
             filter.namespaces = view;
@@ -197,6 +203,7 @@ async fn serve_from_cache(
                 accepts_gzip: accepts_gzip(req.headers()),
                 page_cap: state.paging.downstream_cap().map(|c| c as u64),
                 compaction: Some(&state.consistency),
+                protobuf,
             };
             crate::telemetry::in_span(
                 "cache.list",

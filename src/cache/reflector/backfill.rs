@@ -19,7 +19,10 @@
 //! resumed watch the changes it holds at once, before it times out).
 //!
 //! What the apiserver refuses (410: compacted, or older than its watch cache) ends the
-//! backfill; the client then gets the 410 the apiserver would have given it.
+//! backfill; the client then gets the 410 the apiserver would have given it, and no
+//! backfill is tried again at or below that resourceVersion (a client chooses its
+//! resourceVersion: it must not make the proxy list the resource upstream at will). A
+//! stretch that would not fit the history's bound is refused the same way.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -100,12 +103,23 @@ impl Backfiller {
             if from >= cache.oldest_rv() {
                 return Ok(0); // another backfill covered it
             }
+            // A client's resourceVersion is its own choice: one the apiserver refused, or
+            // an older one, costs it no further upstream list.
+            if from <= cache.backfill_floor.load(Relaxed) {
+                return Err(BackfillError::Gone(
+                    "the apiserver refused this resourceVersion or a newer one".into(),
+                ));
+            }
             if !cache.backfillable(from) {
                 return Err(BackfillError::Gone(
                     "an absorbed relist lies between the resourceVersion and the history".into(),
                 ));
             }
-            self.fill_locked(cache, from).await
+            let out = self.fill_locked(cache, from).await;
+            if let Err(BackfillError::Gone(_)) = &out {
+                cache.backfill_floor.fetch_max(from, Relaxed);
+            }
+            out
         };
         let out = match tokio::time::timeout(self.timeout, run).await {
             Ok(r) => r,
@@ -150,7 +164,7 @@ impl Backfiller {
         let events = self.changes(cache, from, h, &base, &target, later).await?;
         cache
             .extend_history(from, base, events)
-            .map_err(|e| BackfillError::Gone(e.to_string()))
+            .map_err(|e| BackfillError::Failed(e.to_string()))
     }
 
     /// Every change after `from` up to `h`, from a watch from `from`.

@@ -215,6 +215,9 @@ pub struct ResourceCache {
     /// ...and none is tried again at or below a resourceVersion the apiserver refused
     /// with 410 (compaction and the apiserver's window only move forward).
     pub backfill_floor: std::sync::atomic::AtomicU64,
+    /// The oldest resourceVersion clients waiting for a backfill asked for (`u64::MAX`:
+    /// none).
+    pub backfill_wanted: std::sync::atomic::AtomicU64,
     /// The protobuf side (`protobuf_side`): object versions it delivered before the JSON
     /// side (by key and resourceVersion), attached when the JSON side applies them.
     proto_pending: Mutex<std::collections::HashMap<(ObjectKey, u64), Bytes>>,
@@ -347,6 +350,7 @@ impl ResourceCache {
             watch_stats: WatchStats::default(),
             backfill_lock: Default::default(),
             backfill_floor: Default::default(),
+            backfill_wanted: std::sync::atomic::AtomicU64::new(u64::MAX),
             proto_pending: Default::default(),
             proto_pending_len: Default::default(),
             proto_synced: Default::default(),
@@ -1255,6 +1259,63 @@ mod tests {
         assert_eq!(got, [("p".to_string(), 15, Delivery::Left)]);
         let all = cache.watch(Start::After(9), Arc::new(Filter::default()));
         assert!(matches!(all, Err(WatchError::Expired { .. })));
+    }
+
+    /// A protobuf envelope goes to the object version of its key and resourceVersion: the
+    /// current one, one in the history, or one the JSON side applies later; a version the
+    /// JSON side passed without keeping is dropped; a relist keeps unchanged versions'.
+    #[tokio::test]
+    async fn protobuf_envelopes_attach_to_their_exact_object_version() {
+        let cache = ResourceCache::new(Resource::core("pods", "Pod", true), StoreConfig::default());
+        let env = |s: &str| Bytes::from(s.to_string());
+        let key = |n: &str| ObjectKey::new("a", n);
+        // Ahead of the JSON side (not synced yet): waits.
+        assert_eq!(
+            cache.attach_protobuf(&key("p"), 5, env("p5")),
+            Attached::Later
+        );
+        cache.replace(vec![pod("a", "p", None, 5), pod("a", "q", None, 6)], 10);
+        let proto_of = |n: &str| {
+            cache
+                .current()
+                .objects
+                .get(&key(n))
+                .and_then(|o| o.proto.get().cloned())
+        };
+        assert_eq!(proto_of("p"), Some(env("p5")));
+        assert_eq!(proto_of("q"), None);
+        assert_eq!(
+            cache.attach_protobuf(&key("q"), 6, env("q6")),
+            Attached::Now
+        );
+        // Another version of q than the one held: not attached to it.
+        assert_eq!(
+            cache.attach_protobuf(&key("q"), 4, env("q4")),
+            Attached::Dropped
+        );
+        assert_eq!(proto_of("q"), Some(env("q6")));
+        // q changes at 11 before its protobuf arrives; the protobuf of 12 (p) comes first.
+        assert_eq!(
+            cache.attach_protobuf(&key("p"), 12, env("p12")),
+            Attached::Later
+        );
+        cache.apply(EventKind::Modified, pod("a", "q", None, 11));
+        cache.apply(EventKind::Modified, pod("a", "p", None, 12));
+        assert_eq!(proto_of("p"), Some(env("p12")));
+        cache.apply(EventKind::Modified, pod("a", "q", None, 13));
+        // q at 11 is only in the history now.
+        assert_eq!(
+            cache.attach_protobuf(&key("q"), 11, env("q11")),
+            Attached::Now
+        );
+        let (events, _) = cache.changes_since(10).unwrap();
+        assert_eq!(events[0].object.proto.get(), Some(&env("q11")));
+        assert_eq!(proto_of("q"), None);
+        // A relist: p unchanged keeps its envelope, q changed has none.
+        cache.replace(vec![pod("a", "p", None, 12), pod("a", "q", None, 20)], 20);
+        assert_eq!(proto_of("p"), Some(env("p12")));
+        assert_eq!(proto_of("q"), None);
+        assert_eq!(cache.protobuf_coverage(), (1, 1, 3));
     }
 
     /// Retained snapshots are bounded by the bytes they alone keep alive: once the states

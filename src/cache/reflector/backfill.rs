@@ -99,13 +99,17 @@ impl Backfiller {
     pub async fn fill(&self, cache: &ResourceCache, from: u64) -> Result<usize, BackfillError> {
         use std::sync::atomic::Ordering::Relaxed;
         let run = async {
+            // Clients waiting behind a running backfill are served by the next one
+            // together: it starts from the oldest resourceVersion any of them asked for.
+            cache.backfill_wanted.fetch_min(from, Relaxed);
             let _one = cache.backfill_lock.lock().await;
             if from >= cache.oldest_rv() {
-                return Ok(0); // another backfill covered it
+                return Ok(None); // another backfill covered it
             }
             // A client's resourceVersion is its own choice: one the apiserver refused, or
             // an older one, costs it no further upstream list.
-            if from <= cache.backfill_floor.load(Relaxed) {
+            let floor = cache.backfill_floor.load(Relaxed);
+            if from <= floor {
                 return Err(BackfillError::Gone(
                     "the apiserver refused this resourceVersion or a newer one".into(),
                 ));
@@ -115,11 +119,17 @@ impl Backfiller {
                     "an absorbed relist lies between the resourceVersion and the history".into(),
                 ));
             }
-            let out = self.fill_locked(cache, from).await;
-            if let Err(BackfillError::Gone(_)) = &out {
-                cache.backfill_floor.fetch_max(from, Relaxed);
+            let oldest = cache.backfill_wanted.swap(u64::MAX, Relaxed).min(from);
+            if oldest < from && oldest > floor && cache.backfillable(oldest) {
+                match self.fill_from(cache, oldest).await {
+                    Ok(n) => return Ok(Some(n)),
+                    // The older one is not to be had: this client's own may be.
+                    Err(e) => {
+                        tracing::debug!(error = %e, oldest, from, "backfill for waiting clients failed")
+                    }
+                }
             }
-            out
+            self.fill_from(cache, from).await.map(Some)
         };
         let out = match tokio::time::timeout(self.timeout, run).await {
             Ok(r) => r,
@@ -129,7 +139,8 @@ impl Backfiller {
             ))),
         };
         match &out {
-            Ok(n) => {
+            Ok(None) => {}
+            Ok(Some(n)) => {
                 self.counters.filled.fetch_add(1, Relaxed);
                 self.counters.events.fetch_add(*n as u64, Relaxed);
                 tracing::info!(resource = %cache.resource.label(), from, events = n, "history extended back from the apiserver");
@@ -142,6 +153,17 @@ impl Backfiller {
                 c.fetch_add(1, Relaxed);
                 tracing::info!(resource = %cache.resource.label(), from, error = %e, "history not extended");
             }
+        }
+        out.map(|n| n.unwrap_or(0))
+    }
+
+    /// One backfill from `from`; a 410 sets the floor.
+    async fn fill_from(&self, cache: &ResourceCache, from: u64) -> Result<usize, BackfillError> {
+        let out = self.fill_locked(cache, from).await;
+        if let Err(BackfillError::Gone(_)) = &out {
+            cache
+                .backfill_floor
+                .fetch_max(from, std::sync::atomic::Ordering::Relaxed);
         }
         out
     }

@@ -19,7 +19,7 @@ pub const MAX_FRAME: usize = MAX_EVENT_LINE;
 
 /// Why a protobuf watch stream cannot be read further. Each one means the stream is broken
 /// (the task backs off and resumes); none is the apiserver's verdict on the request.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum FrameError {
     #[error("protobuf watch: frame of {0} bytes is longer than {MAX_FRAME} bytes")]
     TooLarge(u64),
@@ -368,7 +368,7 @@ mod tests {
             (EventKind::Deleted, &ObjectKey::new("pb", "c2"), 209)
         );
         let env = protobuf::envelope(envelope).unwrap();
-        assert_eq!(object_envelope("v1", "ConfigMap", env.raw), envelope);
+        assert_eq!(object_envelope("v1", "ConfigMap", env.raw), envelope[..]);
         assert!(f.as_ptr_range().contains(&envelope.as_ptr()), "zero-copy");
         assert_eq!(
             protobuf::object_resource_version(&unhex(real::GET_C2)),

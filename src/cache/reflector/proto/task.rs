@@ -168,10 +168,10 @@ impl ProtoSide {
             }
             ProtoWatchEnd::Refused(e) | ProtoWatchEnd::Broken(e) => {
                 ProtoStats::inc(&self.stats.errors);
-                if matches!(out.end, ProtoWatchEnd::Refused(_)) && e.is_unreachable() {
-                    if let ProtoError::Upstream(e) = e {
-                        self.upstream.reachability().unreachable(e);
-                    }
+                if let (ProtoWatchEnd::Refused(_), ProtoError::Upstream(e)) = (&out.end, e)
+                    && e.is_unreachable()
+                {
+                    self.upstream.reachability().unreachable(e);
                 }
                 warn!(?from, last_rv = out.last_rv, error = %e, "protobuf watch failed");
             }
@@ -300,10 +300,10 @@ impl ProtoSide {
                     Ok(item) => item,
                     Err(e) => return ProtoWatchEnd::Broken(e.into()),
                 };
-                if let Some(env) = item.envelope() {
-                    if let Err(e) = self.check_kind(env) {
-                        return ProtoWatchEnd::Broken(e);
-                    }
+                if let Some(env) = item.envelope()
+                    && let Err(e) = self.check_kind(env)
+                {
+                    return ProtoWatchEnd::Broken(e);
                 }
                 match item {
                     ProtoItem::Object {

@@ -2,7 +2,9 @@
 //! to find what the proxy needs in a response it relays (an object's
 //! `metadata.resourceVersion`) and what the cache needs of an object it holds as protobuf
 //! bytes: the envelope's parts and the object's name, namespace, uid, resourceVersion and
-//! labels. Nothing is decoded beyond that; [`super::protobuf_write`] builds responses from the
+//! labels; and, for the cache's own protobuf watch, a watch frame's event ([`watch_event`]),
+//! an object's annotations and an ERROR event's `Status` ([`status`]). Nothing is decoded
+//! beyond that; [`super::protobuf_write`] builds responses from the
 //! same bytes.
 //!
 //! A protobuf body is the 4-byte magic `k8s\0` followed by a `runtime.Unknown` message:
@@ -197,6 +199,17 @@ impl<'a> ObjectMeta<'a> {
     }
 }
 
+impl<'a> ObjectMeta<'a> {
+    /// `annotations` (field 12, a `map<string, string>` like [`ObjectMeta::labels`]). Unlike
+    /// labels, entries are not checked by [`object_meta`]: a malformed one is skipped.
+    pub fn annotations(&self) -> impl Iterator<Item = (&'a str, &'a str)> + Clone + 'a {
+        Fields::of(self.meta).filter_map(|f| match f? {
+            (12, Value::Bytes(entry)) => map_entry(entry),
+            _ => None,
+        })
+    }
+}
+
 /// One `map<string, string>` entry: (key 1, value 2), each absent one empty.
 fn map_entry(entry: &[u8]) -> Option<(&str, &str)> {
     let (mut key, mut value) = ("", "");
@@ -240,6 +253,106 @@ pub fn object_meta(raw: &[u8]) -> Option<ObjectMeta<'_>> {
         };
         let Value::Bytes(b) = v else { return None };
         *slot = std::str::from_utf8(b).ok()?;
+    }
+    Some(out)
+}
+
+/// One event of a protobuf watch stream: a frame's message, `metav1.WatchEvent{type 1,
+/// object 2: runtime.RawExtension{raw 1}}`, borrowed from it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WatchEvent<'a> {
+    /// `ADDED`, `MODIFIED`, `DELETED`, `BOOKMARK` or `ERROR`.
+    pub event_type: &'a str,
+    /// The object's whole protobuf body (`k8s\0` + `runtime.Unknown`), as a GET returns it.
+    pub object: &'a [u8],
+}
+
+/// The event in one watch frame's message (the bytes after its 4-byte length). `None` when
+/// the message is malformed, a field has the wrong wire type, or the type is not UTF-8.
+pub fn watch_event(msg: &[u8]) -> Option<WatchEvent<'_>> {
+    let mut event = WatchEvent {
+        event_type: "",
+        object: &[],
+    };
+    for f in Fields::of(msg) {
+        match f? {
+            (1, Value::Bytes(b)) => event.event_type = std::str::from_utf8(b).ok()?,
+            (2, Value::Bytes(ext)) => {
+                for f in Fields::of(ext) {
+                    match f? {
+                        (1, Value::Bytes(raw)) => event.object = raw,
+                        (1, _) => return None,
+                        _ => {}
+                    }
+                }
+            }
+            (1 | 2, _) => return None,
+            _ => {}
+        }
+    }
+    Some(event)
+}
+
+/// What the proxy reads of a `metav1.Status` message (the [`Envelope::raw`] of a `Status`
+/// object: a watch ERROR event's object, an error response in protobuf), borrowed from it:
+/// `message` (3), `reason` (4), `code` (6, an int32 varint), and from `details` (5) its
+/// `causes` (4: `{reason 1, message 2}`) and `retryAfterSeconds` (5). k8s.io/apimachinery
+/// `pkg/apis/meta/v1/generated.proto`.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Status<'a> {
+    pub code: i32,
+    pub reason: &'a str,
+    pub message: &'a str,
+    /// `details.causes`: (reason, message).
+    pub causes: Vec<(&'a str, &'a str)>,
+    pub retry_after_seconds: Option<i32>,
+}
+
+/// Reads a `metav1.Status` message. `None` when it is malformed anywhere or a field read has
+/// the wrong wire type or is not UTF-8.
+pub fn status(raw: &[u8]) -> Option<Status<'_>> {
+    fn text(v: Value<'_>) -> Option<&str> {
+        match v {
+            Value::Bytes(b) => std::str::from_utf8(b).ok(),
+            _ => None,
+        }
+    }
+    // An int32 is written as a (sign-extended) varint; truncated as Go reads it.
+    fn int32(v: Value<'_>) -> Option<i32> {
+        match v {
+            Value::Varint(n) => Some(n as i32),
+            _ => None,
+        }
+    }
+    let mut out = Status::default();
+    for f in Fields::of(raw) {
+        match f? {
+            (3, v) => out.message = text(v)?,
+            (4, v) => out.reason = text(v)?,
+            (6, v) => out.code = int32(v)?,
+            (5, Value::Bytes(details)) => {
+                for f in Fields::of(details) {
+                    match f? {
+                        (4, Value::Bytes(cause)) => {
+                            let (mut reason, mut message) = ("", "");
+                            for f in Fields::of(cause) {
+                                match f? {
+                                    (1, v) => reason = text(v)?,
+                                    (2, v) => message = text(v)?,
+                                    _ => {}
+                                }
+                            }
+                            out.causes.push((reason, message));
+                        }
+                        (5, v) => out.retry_after_seconds = Some(int32(v)?),
+                        (4, _) => return None,
+                        _ => {}
+                    }
+                }
+            }
+            (5, _) => return None,
+            _ => {}
+        }
     }
     Some(out)
 }
@@ -351,6 +464,80 @@ mod tests {
         assert_eq!(object_meta(&field(1, &[0x5a, 0x01, 0x08])), None);
         assert_eq!(object_meta(&field(1, &field(5, &[0xc3]))), None);
         assert_eq!(object_meta(&field(2, b"")), None, "no metadata");
+    }
+
+    /// The initial-events-end bookmark frame of a ConfigMap watch from kube-apiserver
+    /// v1.36.3 (also in `protobuf_write`'s tests), without its 4-byte length.
+    const REAL_CM_BOOKMARK_EVENT: &str = "0a08424f4f4b4d41524b12550a536b3873000a0f0a0276311209436f6e6669674d617012380a360a0012001a0022002a0032033230393800420062210a196b38732e696f2f696e697469616c2d6576656e74732d656e641204747275651a002200";
+
+    #[test]
+    fn reads_a_watch_event_and_its_objects_annotations() {
+        let msg = hex::decode(REAL_CM_BOOKMARK_EVENT).unwrap();
+        let ev = watch_event(&msg).unwrap();
+        assert_eq!(ev.event_type, "BOOKMARK");
+        let env = envelope(ev.object).unwrap();
+        assert_eq!((env.api_version, env.kind), ("v1", "ConfigMap"));
+        let meta = object_meta(env.raw).unwrap();
+        assert_eq!((meta.name, meta.resource_version), ("", "209"));
+        assert_eq!(
+            meta.annotations().collect::<Vec<_>>(),
+            [("k8s.io/initial-events-end", "true")]
+        );
+        assert_eq!(meta.labels().count(), 0);
+        // Every truncation is refused or read as a prefix of the event, never misread.
+        for cut in 0..msg.len() {
+            if let Some(ev) = watch_event(&msg[..cut]) {
+                assert!(ev.event_type.is_empty() || ev.event_type == "BOOKMARK");
+                assert!(
+                    ev.object.is_empty() || ev.object.len() == 0x53,
+                    "cut at {cut}"
+                );
+            }
+        }
+        // A type as a varint; an object that is not a message; an empty message.
+        assert_eq!(watch_event(&[0x08, 0x01]), None);
+        assert_eq!(watch_event(&[0x12, 0x02, 0x08, 0x01]), None);
+        assert_eq!(
+            watch_event(b""),
+            Some(WatchEvent {
+                event_type: "",
+                object: b""
+            })
+        );
+    }
+
+    #[test]
+    fn reads_a_status_message() {
+        let details = [
+            field(
+                4,
+                &[field(1, b"ResourceVersionTooLarge"), field(2, b"too large")].concat(),
+            ),
+            vec![5 << 3, 2],
+        ]
+        .concat();
+        let raw = [
+            field(1, b""),
+            field(2, b"Failure"),
+            field(3, b"too old resource version: 1 (200)"),
+            field(4, b"Expired"),
+            field(5, &details),
+            vec![6 << 3, 0x9a, 0x03],
+        ]
+        .concat();
+        let s = status(&raw).unwrap();
+        assert_eq!(
+            (s.code, s.reason, s.message),
+            (410, "Expired", "too old resource version: 1 (200)")
+        );
+        assert_eq!(s.causes, [("ResourceVersionTooLarge", "too large")]);
+        assert_eq!(s.retry_after_seconds, Some(2));
+        assert_eq!(status(b""), Some(Status::default()));
+        // A code as bytes, a reason as a varint, details as a varint, a cut message.
+        assert_eq!(status(&field(6, b"1")), None);
+        assert_eq!(status(&[4 << 3, 1]), None);
+        assert_eq!(status(&[5 << 3, 1]), None);
+        assert_eq!(status(&raw[..raw.len() - 1]), None);
     }
 
     #[test]

@@ -21,5 +21,6 @@ mod ha;
 mod lists;
 mod outage;
 mod paging;
+mod proto_side;
 mod protobuf;
 mod watch_validator;

@@ -48,13 +48,15 @@
 //! [`state`] (the states and the pure transitions), [`task`] (the task that runs them),
 //! [`list`] (list pages and the pager), [`watch`] (watch stream lines and events),
 //! [`backoff`], [`error`] (`Status` and the reflector's errors), [`stats`] (relist reasons,
-//! counters, status), [`config`].
+//! counters, status), [`config`]; [`proto`], the second, protobuf watch of a built-in resource
+//! whose objects' exact bytes a sink attaches to the JSON side's.
 
 pub mod backfill;
 pub mod backoff;
 pub mod config;
 pub mod error;
 pub mod list;
+pub mod proto;
 pub mod state;
 pub mod stats;
 pub mod task;

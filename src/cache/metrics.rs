@@ -18,6 +18,12 @@ struct ResourceLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct StateLabels {
+    resource: String,
+    state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
     resource: String,
     reason: String,
@@ -60,6 +66,8 @@ impl Collector for CacheCollector {
         let snapshot_bytes = Family::<ResourceLabels, Gauge>::default();
         let field_filtered = Family::<ResultLabels, Counter>::default();
         let filtered_watchers = Family::<ResourceLabels, Gauge>::default();
+        let proto_objects = Family::<StateLabels, Gauge>::default();
+        let proto_bytes = Family::<ResourceLabels, Gauge>::default();
         for e in self.0.entries() {
             let resource = e.cache.resource.label();
             let l = ResourceLabels {
@@ -72,6 +80,18 @@ impl Collector for CacheCollector {
             upstream_watches.get_or_create(&l).set(i64::from(watching));
             watchers.get_or_create(&l).set(e.cache.hub.len() as i64);
             objects.get_or_create(&l).set(e.cache.len() as i64);
+            if e.cache.protobuf_started() {
+                let (with, without, b) = e.cache.protobuf_coverage();
+                for (state, n) in [("with", with), ("without", without)] {
+                    proto_objects
+                        .get_or_create(&StateLabels {
+                            resource: resource.clone(),
+                            state: state.into(),
+                        })
+                        .set(n as i64);
+                }
+                proto_bytes.get_or_create(&l).set(b as i64);
+            }
             bytes.get_or_create(&l).set(e.cache.object_bytes() as i64);
             let ws = &e.cache.watch_stats;
             for (reason, n) in [
@@ -186,6 +206,18 @@ impl Collector for CacheCollector {
             "kube_cache_proxy_cache_bytes",
             "Bytes of the cached objects' bodies (their JSON as received; the process holds more: parsed metadata, history, snapshots)",
             &bytes,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_cache_protobuf_objects",
+            "Cached objects with and without their protobuf envelope, for resources whose protobuf side runs (started by the first protobuf reader)",
+            &proto_objects,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_cache_protobuf_bytes",
+            "Bytes of the current objects' protobuf envelopes",
+            &proto_bytes,
         )?;
         emit(
             &mut enc,

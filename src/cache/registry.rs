@@ -225,6 +225,32 @@ impl Caches {
                     .flatten()
             }
         };
+        // The protobuf side: a second upstream watch, in protobuf, started when the first
+        // protobuf reader of this built-in resource comes (custom resources have none).
+        if !resource.custom {
+            let (c, up, cfg, stop, r) = (
+                cache.clone(),
+                upstream.clone(),
+                reflector.clone(),
+                stop.clone(),
+                resource.clone(),
+            );
+            tokio::spawn(async move {
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = c.protobuf_wanted() => {}
+                }
+                tracing::info!(resource = %r.label(), "a protobuf reader came: starting the protobuf side");
+                let side = crate::cache::reflector::proto::ProtoSide::spawn(
+                    r,
+                    up,
+                    c as Arc<dyn crate::cache::reflector::proto::ProtoSink>,
+                    cfg,
+                    stop,
+                );
+                let _ = side.join().await;
+            });
+        }
         let handle = Reflector::spawn_from(
             resource,
             upstream.clone(),

@@ -836,6 +836,11 @@ impl ResourceCache {
         }
     }
 
+    /// Whether a protobuf reader has come (the protobuf side runs).
+    pub fn protobuf_started(&self) -> bool {
+        self.proto_wanted.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
     /// Resolves once a protobuf reader has come (see [`Self::want_protobuf`]).
     pub async fn protobuf_wanted(&self) {
         let mut rx = self.proto_wanted_tx.subscribe();
@@ -959,9 +964,12 @@ impl ResourceCache {
                 EventKind::Deleted => objects.remove(&key),
                 _ => objects.insert(key, object.clone()),
             };
-            if kind != EventKind::Added && prev.is_none() {
+            // A real history only: kube-apiserver's watch cache answers a resourceVersion
+            // older than its window, while it has evicted nothing, with its current state
+            // as ADDED events, which this refuses.
+            if (kind != EventKind::Added) == prev.is_none() {
                 return Err(BackfillRefused(
-                    "a change to an object the list did not hold",
+                    "a change to an object the list did not hold, or an ADDED for one it did",
                 ));
             }
             let mut ev = Event::new(kind, object, prev);
@@ -1079,6 +1087,33 @@ impl ResourceCache {
         let ev = Arc::new(Event::new(kind, object, prev));
         self.record_locked(s, ev);
         true
+    }
+}
+
+/// The resource's protobuf side (`reflector::proto`) attaches each object version's exact
+/// protobuf envelope to the version the JSON side holds.
+impl super::reflector::proto::ProtoSink for ResourceCache {
+    fn attach(&self, _kind: EventKind, key: ObjectKey, rv: u64, envelope: Bytes) {
+        self.attach_protobuf(&key, rv, envelope);
+    }
+
+    fn bookmark(&self, rv: u64, initial_events_end: bool, envelope: Bytes) {
+        if let Some(e) = crate::k8s::protobuf::envelope(&envelope)
+            && let Some(rest) = crate::k8s::protobuf_write::bookmark_rest(e.raw)
+        {
+            *self.proto_bookmark.lock() = Some((e.kind.to_string(), Bytes::copy_from_slice(rest)));
+        }
+        if initial_events_end {
+            self.proto_synced
+                .fetch_max(rv.max(1), std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn restarted(&self) {
+        // Until the fresh initial state has come, objects may lack their envelope; reads
+        // check each object anyway, this only stops protobuf reads from trying.
+        self.proto_synced
+            .store(0, std::sync::atomic::Ordering::Relaxed);
     }
 }
 

@@ -335,10 +335,7 @@ fn with_protobuf(
     match negotiated {
         Ok(enc) => Ok((enc, false)),
         Err(PROTOBUF) if cache.protobuf_ready() => Ok((Encoding::Json, true)),
-        Err(PROTOBUF) => {
-            cache.want_protobuf();
-            delegate("protobuf side not synced")
-        }
+        Err(PROTOBUF) => delegate("protobuf side not synced"),
         Err(why) => delegate(why),
     }
 }
@@ -361,6 +358,17 @@ pub fn route(
     let Some(cache) = lookup(&info.api_group, &info.api_version, &info.resource) else {
         return delegate("resource not cached");
     };
+    // Go reads a header's bytes as they are; bytes that are not UTF-8 match nothing either way.
+    let accept = headers
+        .get(header::ACCEPT)
+        .map(|v| String::from_utf8_lossy(v.as_bytes()));
+    let pretty = pretty_agent(headers.get(header::USER_AGENT).map(|v| v.as_bytes()));
+    let negotiate = |read| negotiate(accept.as_deref(), read, cache.resource.custom, pretty);
+    // A protobuf reader of a built-in resource starts its protobuf side, whatever it reads
+    // and whether or not the cache has synced: the protobuf reads after it are the cache's.
+    if negotiate(ReadKind::List) == Err(PROTOBUF) {
+        cache.want_protobuf();
+    }
     if !cache.is_ready() {
         return delegate("cache not synced");
     }
@@ -370,12 +378,6 @@ pub fn route(
     if !cache.resource.namespaced && info.under_namespace {
         return delegate("namespace on a cluster-scoped resource");
     }
-    // Go reads a header's bytes as they are; bytes that are not UTF-8 match nothing either way.
-    let accept = headers
-        .get(header::ACCEPT)
-        .map(|v| String::from_utf8_lossy(v.as_bytes()));
-    let pretty = pretty_agent(headers.get(header::USER_AGENT).map(|v| v.as_bytes()));
-    let negotiate = |read| negotiate(accept.as_deref(), read, cache.resource.custom, pretty);
     let ns = if info.resource == "namespaces" {
         ""
     } else {

@@ -661,3 +661,209 @@ async fn lists_and_watch_frames_assembled_from_object_bytes_equal_the_apiservers
 
     cp.stop().await;
 }
+
+/// Through the proxy: a protobuf reader of ConfigMaps starts the resource's protobuf side
+/// (its first request goes to the apiserver); once it has synced, protobuf LISTs (whole and
+/// paged, with the proxy's continue tokens) and GETs are served from the cache, byte for
+/// byte what the apiserver answers for the same resourceVersion — also after a write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protobuf_lists_and_gets_through_the_proxy_are_the_apiservers_bytes_from_the_cache() {
+    const NSP: &str = "pbp";
+    let cp = ControlPlane::start(ControlPlaneOptions::default())
+        .await
+        .expect("control plane starts");
+    cp.create_default_service_account(NSP).await.unwrap();
+    let token = cp.admin_token().to_string();
+    let d = Direct {
+        http: apiserver_client(&cp.ca_pem, false),
+        url: cp.url.clone(),
+        token: token.clone(),
+    };
+    let path = format!("/api/v1/namespaces/{NSP}/configmaps");
+    for i in 0..7 {
+        let cm = json!({"metadata": {"name": format!("cm-{i}"), "labels": {"i": i.to_string()},
+            "annotations": {"note": "ü".repeat(i)}}, "data": {"k": "v".repeat(300 * i)}});
+        d.ok(
+            Method::POST,
+            &path,
+            PROTOBUF,
+            Some(("application/json", cm)),
+        )
+        .await;
+    }
+    let upstream = crate::clients::kube_config(&cp.admin_kubeconfig_yaml()).await;
+    let proxy = crate::support::proxy::TestProxy::start_with_kube(upstream, |c| {
+        c.cache.resources = vec!["configmaps".into()];
+    })
+    .await;
+    let p = Direct {
+        http: apiserver_client(&proxy.ca_pem, false),
+        url: proxy.https(""),
+        token,
+    };
+    let cache = || {
+        proxy
+            .cache("", "v1", "configmaps")
+            .expect("the configmaps cache")
+    };
+    // client-go's typed clients' Accept.
+    let accept = "application/vnd.kubernetes.protobuf, */*";
+    let ready = || {
+        proxy.cache("", "v1", "configmaps").is_some_and(|c| {
+            c.protobuf_started() && c.protobuf_ready() && c.protobuf_coverage().1 == 0
+        })
+    };
+    // The reader keeps reading (the proxy may not have registered the cache at its first
+    // request); until the protobuf side has synced, the apiserver answers.
+    crate::support::eventually::eventually(
+        "the protobuf side to sync",
+        Duration::from_secs(60),
+        async || {
+            let body = p.ok(Method::GET, &path, accept, None).await;
+            assert!(body.starts_with(b"k8s\0"), "a protobuf answer");
+            crate::support::eventually::ok_if(
+                ready(),
+                proxy
+                    .cache("", "v1", "configmaps")
+                    .map(|c| c.protobuf_coverage()),
+            )
+        },
+    )
+    .await;
+
+    let served = || {
+        cache()
+            .list_stats
+            .from_cache
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    let check_whole = async |what: &str| {
+        let before = served();
+        let body = p
+            .ok(
+                Method::GET,
+                &format!("{path}?resourceVersion=0"),
+                accept,
+                None,
+            )
+            .await;
+        assert_eq!(served(), before + 1, "{what}: served from the cache");
+        let list: wire::List = prost::Message::decode(unknown(&body).raw.as_deref().unwrap())
+            .expect("a protobuf list");
+        let rv = list.metadata.unwrap().resource_version.unwrap();
+        let direct = d
+            .ok(
+                Method::GET,
+                &format!("{path}?resourceVersion={rv}&resourceVersionMatch=Exact"),
+                PROTOBUF,
+                None,
+            )
+            .await;
+        assert_eq!(
+            body, direct,
+            "{what}: the proxy's list is the apiserver's at {rv}"
+        );
+        (rv, list.items)
+    };
+    let (rv, items) = check_whole("whole list").await;
+    assert_eq!(items.len(), 7);
+
+    // Pages of 3 with the proxy's continue tokens: each page is the apiserver's page at the
+    // same resourceVersion but for the token.
+    let (mut token, mut seen) = (String::new(), Vec::new());
+    loop {
+        let q = if token.is_empty() {
+            format!("{path}?limit=3&resourceVersion=0")
+        } else {
+            format!("{path}?limit=3&continue={token}")
+        };
+        let body = p.ok(Method::GET, &q, accept, None).await;
+        let list: wire::List =
+            prost::Message::decode(unknown(&body).raw.as_deref().unwrap()).unwrap();
+        let lm = list.metadata.clone().unwrap();
+        assert_eq!(lm.resource_version.as_deref(), Some(&*rv), "{q}");
+        let n = list.items.len();
+        let want = &items[seen.len()..seen.len() + n];
+        assert_eq!(list.items, want, "{q}: the items of this page");
+        let next = lm.r#continue.clone().unwrap_or_default();
+        let meta = ListMeta {
+            resource_version: &rv,
+            continue_token: &next,
+            remaining_item_count: lm.remaining_item_count,
+        };
+        assert_eq!(
+            list_body("v1", "ConfigMapList", &meta, want),
+            body,
+            "{q}: the apiserver's page bytes"
+        );
+        if next.is_empty() {
+            assert_eq!(lm.remaining_item_count, None);
+        } else {
+            assert_eq!(
+                lm.remaining_item_count,
+                Some((items.len() - seen.len() - n) as i64),
+                "{q}"
+            );
+        }
+        seen.extend(list.items);
+        if next.is_empty() {
+            break;
+        }
+        token = next;
+    }
+    assert_eq!(seen, items, "the walk lists every item once");
+
+    // A GET of one object.
+    let before = served();
+    let one = p
+        .ok(
+            Method::GET,
+            &format!("{path}/cm-3?resourceVersion=0"),
+            accept,
+            None,
+        )
+        .await;
+    assert_eq!(served(), before, "GETs are not list pages");
+    let direct = d
+        .ok(Method::GET, &format!("{path}/cm-3"), PROTOBUF, None)
+        .await;
+    assert_eq!(one, direct, "GET: the apiserver's bytes");
+
+    // A write straight at the apiserver, then the same again.
+    let patched = d
+        .ok(
+            Method::PATCH,
+            &format!("{path}/cm-3"),
+            PROTOBUF,
+            Some((
+                "application/merge-patch+json",
+                json!({"data": {"k": "changed"}}),
+            )),
+        )
+        .await;
+    let want_rv: u64 = object_meta(envelope(&patched).unwrap().raw)
+        .unwrap()
+        .resource_version
+        .parse()
+        .unwrap();
+    crate::support::eventually::eventually(
+        "the cache to hold the write in protobuf",
+        Duration::from_secs(60),
+        async || {
+            let c = cache();
+            crate::support::eventually::ok_if(
+                c.rv() >= want_rv && c.protobuf_coverage().1 == 0,
+                (c.rv(), c.protobuf_coverage()),
+            )
+        },
+    )
+    .await;
+    let (rv2, items2) = check_whole("after a write").await;
+    assert!(rv2.parse::<u64>().unwrap() >= want_rv);
+    assert!(items2.iter().any(|i| {
+        let m = object_meta(i).unwrap();
+        m.name == "cm-3" && m.resource_version == want_rv.to_string()
+    }));
+    proxy.shutdown().await;
+    cp.stop().await;
+}

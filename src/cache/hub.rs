@@ -9,7 +9,8 @@
 //! `timeBudget`: what a dispatch waits is taken from it and it refills at half of it per
 //! second ([`TimeBudget`]), so a client that frees one slot just before each deadline cannot
 //! make every event wait a whole budget. One slow client therefore costs the others about
-//! one budget, once.
+//! one budget, once. The proxy's default budget is zero (`cache.dispatchBudget`): its
+//! queues hold over a thousand events, and any wait is paid by every other watcher.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

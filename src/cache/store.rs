@@ -64,8 +64,8 @@ impl Default for StoreConfig {
             // A slow watcher of 16 KiB objects was closed by kube-apiserver after about
             // 3.5 MB queued for it.
             watcher_queue_bytes: 4 << 20,
-            // k8s.io/apiserver cacher: 100 ms dispatch budget per event.
-            dispatch_budget: Duration::from_millis(100),
+            // No wait for full queues (`cache.dispatchBudget`; the cacher's is 100 ms).
+            dispatch_budget: Duration::ZERO,
             snapshot_retention: Duration::from_secs(75),
             snapshot_max: 256,
             snapshot_max_age: Duration::from_secs(600),

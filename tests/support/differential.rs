@@ -703,6 +703,118 @@ fn observe_status(o: &mut Observation, p: &str, s: &Value, mode: Mode) {
     }
 }
 
+/// The apiserver's protobuf messages a list is read with (k8s.io/apimachinery
+/// `generated.proto`).
+mod pb {
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Unknown {
+        #[prost(message, optional, tag = "1")]
+        pub type_meta: Option<TypeMeta>,
+        #[prost(bytes = "vec", optional, tag = "2")]
+        pub raw: Option<Vec<u8>>,
+        #[prost(string, optional, tag = "3")]
+        pub content_encoding: Option<String>,
+        #[prost(string, optional, tag = "4")]
+        pub content_type: Option<String>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct TypeMeta {
+        #[prost(string, optional, tag = "1")]
+        pub api_version: Option<String>,
+        #[prost(string, optional, tag = "2")]
+        pub kind: Option<String>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct List {
+        #[prost(message, optional, tag = "1")]
+        pub metadata: Option<ListMeta>,
+        #[prost(bytes = "vec", repeated, tag = "2")]
+        pub items: Vec<Vec<u8>>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ListMeta {
+        #[prost(string, optional, tag = "1")]
+        pub self_link: Option<String>,
+        #[prost(string, optional, tag = "2")]
+        pub resource_version: Option<String>,
+        #[prost(string, optional, tag = "3")]
+        pub r#continue: Option<String>,
+        #[prost(int64, optional, tag = "4")]
+        pub remaining_item_count: Option<i64>,
+    }
+}
+
+/// A list in the apiserver's protobuf, recorded as a JSON list is: its resourceVersion (so
+/// a latest-state list compares by contract, not by number), the continue token by
+/// presence (each side signs its own), remainingItemCount, and every other byte exactly
+/// (the envelope's fields, the list metadata's empty fields, each item's bytes). `None`
+/// when `body` is not a protobuf list, else its continue token.
+fn observe_protobuf_list(
+    o: &mut Observation,
+    p: &str,
+    body: &[u8],
+    mode: Mode,
+) -> Option<Option<String>> {
+    use prost::Message as _;
+    use sha2::Digest as _;
+    let Some(rest) = body.strip_prefix(b"k8s\0") else {
+        return None;
+    };
+    let Ok(u) = pb::Unknown::decode(rest) else {
+        return None;
+    };
+    let tm = u.type_meta.clone().unwrap_or_default();
+    let kind = tm.kind.clone().unwrap_or_default();
+    if !kind.ends_with("List") {
+        return None;
+    }
+    let Some(Ok(list)) = u.raw.as_deref().map(pb::List::decode) else {
+        return None;
+    };
+    let meta = list.metadata.clone().unwrap_or_default();
+    o.set(format!("{p}kind"), format!("{kind:?}"));
+    o.set(
+        format!("{p}apiVersion"),
+        format!("{:?}", tm.api_version.unwrap_or_default()),
+    );
+    o.set(
+        format!("{p}protobuf.envelope"),
+        format!(
+            "contentEncoding {:?} contentType {:?} selfLink {:?}",
+            u.content_encoding, u.content_type, meta.self_link
+        ),
+    );
+    let rv = meta.resource_version.clone().unwrap_or_default();
+    o.set(
+        format!("{p}metadata.resourceVersion"),
+        match (mode, rv.is_empty()) {
+            (_, true) => "absent".to_string(),
+            (Mode::Exact, false) => rv,
+            (Mode::Structural, false) => "present".to_string(),
+        },
+    );
+    let token = meta.r#continue.clone().filter(|c| !c.is_empty());
+    if token.is_some() {
+        o.set(format!("{p}metadata.continue"), "present");
+    }
+    if let Some(n) = meta.remaining_item_count {
+        o.set(format!("{p}metadata.remainingItemCount"), n.to_string());
+    }
+    let items: Vec<String> = list
+        .items
+        .iter()
+        .map(|i| match mode {
+            Mode::Exact => hex::encode(sha2::Sha256::digest(i)),
+            Mode::Structural => "item".to_string(),
+        })
+        .collect();
+    o.set(
+        format!("{p}items"),
+        format!("[{}] {}", items.len(), items.join(", ")),
+    );
+    Some(token)
+}
+
 fn observe_list(o: &mut Observation, p: &str, l: &Value, mode: Mode) {
     o.set(format!("{p}kind"), l["kind"].to_string());
     o.set(format!("{p}apiVersion"), l["apiVersion"].to_string());
@@ -799,6 +911,9 @@ fn observe_headers(o: &mut Observation, p: &str, h: &http::HeaderMap, mode: Mode
 fn observe_reply(o: &mut Observation, p: &str, r: &Reply, mode: Mode) -> Option<String> {
     o.set(format!("{p}code"), r.status.as_str());
     observe_headers(o, p, &r.headers, mode);
+    if let Some(token) = observe_protobuf_list(o, p, &r.body, mode) {
+        return token;
+    }
     let Ok(v) = serde_json::from_slice::<Value>(&r.body) else {
         match std::str::from_utf8(&r.body) {
             Ok(text) => o.set(format!("{p}body.text"), text.trim()),

@@ -757,9 +757,7 @@ fn observe_protobuf_list(
 ) -> Option<Option<String>> {
     use prost::Message as _;
     use sha2::Digest as _;
-    let Some(rest) = body.strip_prefix(b"k8s\0") else {
-        return None;
-    };
+    let rest = body.strip_prefix(b"k8s\0")?;
     let Ok(u) = pb::Unknown::decode(rest) else {
         return None;
     };

@@ -262,3 +262,38 @@ async fn a_compacted_resource_version_still_gets_410_and_backfill_can_be_turned_
         proxy.shutdown().await;
     }
 }
+
+/// A client choosing ever older resourceVersions gets a few backfills of a resource (each
+/// an upstream list of the whole resource), then 410 until the budget refills.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn backfills_of_one_resource_are_rate_limited() {
+    let fake = FakeApiServer::start().await;
+    fake.create("/api/v1/namespaces", json!({"metadata": {"name": NS}}))
+        .await;
+    write_some(&fake, 0, 12).await;
+    let proxy = start(&fake, true).await;
+    let client = proxy.client(None, true);
+    let base = proxy.https(&format!("/api/v1/namespaces/{NS}/configmaps"));
+    let newest = fake.writes("configmaps").last().unwrap().rv;
+    fake.clear_requests();
+    let mut answers = Vec::new();
+    for back in 1..=6 {
+        let url = format!(
+            "{base}?watch=1&resourceVersion={}&timeoutSeconds=1",
+            newest - back
+        );
+        let mut r = EventReader::new(client.get(&url, Some("tok")).await);
+        let first = tokio::time::timeout(GUARD, r.next())
+            .await
+            .expect("an answer within the guard");
+        let expired = first.is_some_and(|e| e["type"] == "ERROR" && e["object"]["code"] == 410);
+        answers.push(expired);
+    }
+    assert_eq!(
+        answers,
+        [false, false, false, false, true, true],
+        "4 backfills, then 410"
+    );
+    assert_eq!(exact_lists(&fake.requests()), 4);
+    proxy.shutdown().await;
+}

@@ -22,7 +22,8 @@
 //! backfill; the client then gets the 410 the apiserver would have given it, and no
 //! backfill is tried again at or below that resourceVersion (a client chooses its
 //! resourceVersion: it must not make the proxy list the resource upstream at will). A
-//! stretch that would not fit the history's bound is refused the same way.
+//! stretch that would not fit the history's bound is refused the same way, and a resource
+//! gets at most a few backfills, then one per 15 s ([`BURST`], [`REFILL`]).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -61,9 +62,18 @@ pub struct BackfillStats {
     pub failed: std::sync::atomic::AtomicU64,
 }
 
+/// Backfills of one resource, at most: a burst of this many...
+const BURST: u32 = 4;
+/// ...then one per this long. Each costs the apiserver a list of the whole resource; a
+/// client choosing ever older resourceVersions must not turn into a stream of them. After a
+/// restart the clients of a resource are served by one or two (they are grouped).
+const REFILL: Duration = Duration::from_secs(15);
+
 /// Extends caches' histories from the apiserver with the proxy's own identity.
 #[derive(Clone)]
 pub struct Backfiller {
+    /// Per resource (its label): how many backfills it may start now.
+    limits: Arc<dashmap::DashMap<String, Arc<governor::DefaultDirectRateLimiter>>>,
     upstream: Upstream,
     cfg: ReflectorConfig,
     /// Bound on one backfill, waiting for another one of the same resource included.
@@ -81,6 +91,7 @@ impl std::fmt::Debug for Backfiller {
 impl Backfiller {
     pub fn new(upstream: Upstream, cfg: ReflectorConfig, timeout: Duration) -> Backfiller {
         Backfiller {
+            limits: Default::default(),
             upstream,
             cfg,
             timeout,
@@ -118,6 +129,21 @@ impl Backfiller {
                 return Err(BackfillError::Gone(
                     "an absorbed relist lies between the resourceVersion and the history".into(),
                 ));
+            }
+            let limit = self
+                .limits
+                .entry(cache.resource.label())
+                .or_insert_with(|| {
+                    let q = governor::Quota::with_period(REFILL)
+                        .expect("a non-zero period")
+                        .allow_burst(std::num::NonZeroU32::new(BURST).expect("non-zero"));
+                    Arc::new(governor::RateLimiter::direct(q))
+                })
+                .clone();
+            if limit.check().is_err() {
+                return Err(BackfillError::Failed(format!(
+                    "more than {BURST} backfills of this resource, then one per {REFILL:?}"
+                )));
             }
             let oldest = cache.backfill_wanted.swap(u64::MAX, Relaxed).min(from);
             if oldest < from && oldest > floor && cache.backfillable(oldest) {

@@ -713,3 +713,37 @@ async fn get_json<T: for<'de> Deserialize<'de>>(
         source,
     })
 }
+
+/// The resource's protobuf side (`reflector::proto`) attaches each object version's exact
+/// protobuf envelope to the version the JSON side holds.
+impl crate::cache::reflector::proto::ProtoSink for ResourceCache {
+    fn attach(
+        &self,
+        _kind: crate::cache::EventKind,
+        key: crate::cache::ObjectKey,
+        rv: u64,
+        envelope: bytes::Bytes,
+    ) {
+        self.attach_protobuf(&key, rv, envelope);
+    }
+
+    fn bookmark(&self, rv: u64, initial_events_end: bool, envelope: bytes::Bytes) {
+        if let Some(e) = crate::k8s::protobuf::envelope(&envelope)
+            && let Some(rest) = crate::k8s::protobuf_write::bookmark_rest(e.raw)
+        {
+            *self.proto_bookmark.lock() =
+                Some((e.kind.to_string(), bytes::Bytes::copy_from_slice(rest)));
+        }
+        if initial_events_end {
+            self.proto_synced
+                .fetch_max(rv.max(1), std::sync::atomic::Ordering::Relaxed);
+        }
+    }
+
+    fn restarted(&self) {
+        // Until the fresh initial state has come, objects may lack their envelope; reads
+        // check each object anyway, this only stops protobuf reads from trying.
+        self.proto_synced
+            .store(0, std::sync::atomic::Ordering::Relaxed);
+    }
+}

@@ -1090,33 +1090,6 @@ impl ResourceCache {
     }
 }
 
-/// The resource's protobuf side (`reflector::proto`) attaches each object version's exact
-/// protobuf envelope to the version the JSON side holds.
-impl super::reflector::proto::ProtoSink for ResourceCache {
-    fn attach(&self, _kind: EventKind, key: ObjectKey, rv: u64, envelope: Bytes) {
-        self.attach_protobuf(&key, rv, envelope);
-    }
-
-    fn bookmark(&self, rv: u64, initial_events_end: bool, envelope: Bytes) {
-        if let Some(e) = crate::k8s::protobuf::envelope(&envelope)
-            && let Some(rest) = crate::k8s::protobuf_write::bookmark_rest(e.raw)
-        {
-            *self.proto_bookmark.lock() = Some((e.kind.to_string(), Bytes::copy_from_slice(rest)));
-        }
-        if initial_events_end {
-            self.proto_synced
-                .fetch_max(rv.max(1), std::sync::atomic::Ordering::Relaxed);
-        }
-    }
-
-    fn restarted(&self) {
-        // Until the fresh initial state has come, objects may lack their envelope; reads
-        // check each object anyway, this only stops protobuf reads from trying.
-        self.proto_synced
-            .store(0, std::sync::atomic::Ordering::Relaxed);
-    }
-}
-
 impl ReflectorSink for ResourceCache {
     fn replace(&self, items: Vec<CachedObject>, rv: u64) {
         let first = !self.is_ready();

@@ -36,7 +36,7 @@ use super::error::{ReflectorError, error_response};
 use super::list::Pager;
 use super::stats::ReflectorStats;
 use super::watch::{LineSplitter, WatchItem, parse_event_line};
-use crate::cache::store::Objects;
+use crate::cache::relist::Objects;
 use crate::cache::{CachedObject, EventKind, ObjectKey, ResourceCache};
 use crate::http::body;
 use crate::upstream::{As, Upstream};

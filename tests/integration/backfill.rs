@@ -10,7 +10,7 @@ use std::time::Duration;
 use crate::support::eventually::{eventually, ok_if};
 use crate::support::fake_apiserver::{FakeApiServer, LoggedRequest};
 use crate::support::proxy::{EventReader, TestProxy};
-use crate::support::watch_validator::rv_of;
+use crate::warm_restart::{events, writes_after};
 use serde_json::{Value, json};
 
 /// Guard against hangs only; no assertion depends on time.
@@ -53,39 +53,6 @@ async fn start(fake: &FakeApiServer, backfill: bool) -> TestProxy {
     })
     .await;
     proxy
-}
-
-/// Reads a watch until `n` events (bookmarks skipped): (type, name, resourceVersion).
-async fn events(r: &mut EventReader, n: usize) -> Vec<(String, String, u64)> {
-    let mut got = Vec::new();
-    while got.len() < n {
-        let ev = tokio::time::timeout(GUARD, r.next())
-            .await
-            .expect("an event within the guard")
-            .expect("the stream stays open");
-        let t = ev["type"].as_str().unwrap().to_string();
-        assert_ne!(t, "ERROR", "{ev}");
-        if t != "BOOKMARK" {
-            let name = ev["object"]["metadata"]["name"]
-                .as_str()
-                .unwrap()
-                .to_string();
-            got.push((t, name, rv_of(&ev["object"])));
-        }
-    }
-    got
-}
-
-/// The fake's writes after `rv`, as an unfiltered watch shows them.
-fn writes_after(fake: &FakeApiServer, rv: u64) -> Vec<(String, String, u64)> {
-    fake.writes("configmaps")
-        .into_iter()
-        .filter(|w| w.rv > rv)
-        .map(|w| {
-            let name = w.object["metadata"]["name"].as_str().unwrap().to_string();
-            (w.typ.to_string(), name, w.rv)
-        })
-        .collect()
 }
 
 /// The same writes as a `parity=1` label-selector watch shows them: an object entering the

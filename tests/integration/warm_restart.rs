@@ -63,7 +63,7 @@ fn upstream_reads(reqs: &[LoggedRequest]) -> (usize, Vec<String>) {
 }
 
 /// Reads a watch until `n` events (bookmarks skipped): (type, name, resourceVersion).
-async fn events(r: &mut EventReader, n: usize) -> Vec<(String, String, u64)> {
+pub(crate) async fn events(r: &mut EventReader, n: usize) -> Vec<(String, String, u64)> {
     let mut got = Vec::new();
     while got.len() < n {
         let ev = tokio::time::timeout(GUARD, r.next())
@@ -84,7 +84,7 @@ async fn events(r: &mut EventReader, n: usize) -> Vec<(String, String, u64)> {
 }
 
 /// The fake's writes after `rv`, as a watch shows them.
-fn writes_after(fake: &FakeApiServer, rv: u64) -> Vec<(String, String, u64)> {
+pub(crate) fn writes_after(fake: &FakeApiServer, rv: u64) -> Vec<(String, String, u64)> {
     fake.writes("configmaps")
         .into_iter()
         .filter(|w| w.rv > rv)

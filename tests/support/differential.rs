@@ -20,6 +20,7 @@
 //!
 //! `DIFFERENTIAL_DUMP=<glob>` prints both observations of every request whose id matches.
 
+use super::pb;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::path::Path;
@@ -700,47 +701,6 @@ fn observe_status(o: &mut Observation, p: &str, s: &Value, mode: Mode) {
         .is_some_and(|c| !c.is_empty())
     {
         o.set(format!("{p}status.metadata.continue"), "present");
-    }
-}
-
-/// The apiserver's protobuf messages a list is read with (k8s.io/apimachinery
-/// `generated.proto`).
-mod pb {
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct Unknown {
-        #[prost(message, optional, tag = "1")]
-        pub type_meta: Option<TypeMeta>,
-        #[prost(bytes = "vec", optional, tag = "2")]
-        pub raw: Option<Vec<u8>>,
-        #[prost(string, optional, tag = "3")]
-        pub content_encoding: Option<String>,
-        #[prost(string, optional, tag = "4")]
-        pub content_type: Option<String>,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct TypeMeta {
-        #[prost(string, optional, tag = "1")]
-        pub api_version: Option<String>,
-        #[prost(string, optional, tag = "2")]
-        pub kind: Option<String>,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct List {
-        #[prost(message, optional, tag = "1")]
-        pub metadata: Option<ListMeta>,
-        #[prost(bytes = "vec", repeated, tag = "2")]
-        pub items: Vec<Vec<u8>>,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct ListMeta {
-        #[prost(string, optional, tag = "1")]
-        pub self_link: Option<String>,
-        #[prost(string, optional, tag = "2")]
-        pub resource_version: Option<String>,
-        #[prost(string, optional, tag = "3")]
-        pub r#continue: Option<String>,
-        #[prost(int64, optional, tag = "4")]
-        pub remaining_item_count: Option<i64>,
     }
 }
 

@@ -11,5 +11,6 @@ pub mod e2e;
 pub mod eventually;
 pub mod fake_apiserver;
 pub mod otlp;
+pub mod pb;
 pub mod proxy;
 pub mod watch_validator;

@@ -464,7 +464,7 @@ async fn lists_and_watch_frames_assembled_from_object_bytes_equal_the_apiservers
     // Watches from a list's resourceVersion while objects change: each frame rebuilt from its
     // type and object; ADDED and MODIFIED objects are the writes' own responses (the object at
     // that resourceVersion), a DELETED object the last state but for its resourceVersion; a
-    // bookmark (sent 2 s before timeoutSeconds) built from the kind's learnt bookmark rest.
+    // bookmark, if one comes, built from the kind's learnt bookmark rest.
     for k in [&CONFIGMAPS, &PODS] {
         let list = d.ok(Method::GET, &k.path(), PROTOBUF, None).await;
         let list_raw = unknown(&list).raw.unwrap();
@@ -475,12 +475,16 @@ async fn lists_and_watch_frames_assembled_from_object_bytes_equal_the_apiservers
             known.insert(name_rv(item).0, object_envelope("v1", k.kind, item));
         }
         let q = format!(
-            "{}?watch=1&resourceVersion={rv}&allowWatchBookmarks=true&timeoutSeconds=8",
+            "{}?watch=1&resourceVersion={rv}&allowWatchBookmarks=true&timeoutSeconds=60",
             k.path()
         );
+        // Read until the deletion (the last write below), whenever it comes.
         let watcher = {
             let d = d.clone();
-            tokio::spawn(async move { d.watch(&q, PROTOBUF, |_| false).await })
+            tokio::spawn(async move {
+                d.watch(&q, PROTOBUF, |f| f.iter().any(|x| event(x).0 == "DELETED"))
+                    .await
+            })
         };
         // Write responses by (name, resourceVersion).
         let mut written: BTreeMap<(String, String), Bytes> = BTreeMap::new();
@@ -598,7 +602,10 @@ async fn lists_and_watch_frames_assembled_from_object_bytes_equal_the_apiservers
             frames.len(),
             hex::encode(smallest)
         );
-        for ty in ["ADDED", "MODIFIED", "DELETED", "BOOKMARK"] {
+        // A periodic bookmark (about 2 s before `timeoutSeconds`) is checked when one comes,
+        // but not required: whether it comes depends on timing (a loaded CI machine saw
+        // none). The bookmark bytes are proven by the initial-events-end bookmarks above.
+        for ty in ["ADDED", "MODIFIED", "DELETED"] {
             assert!(
                 seen.contains_key(ty),
                 "{}: no {ty} event among {seen:?}",

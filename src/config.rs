@@ -442,8 +442,9 @@ pub struct CacheConfig {
     /// events, `watcherQueueBytes`) is full is closed at once. The cacher waits because its
     /// buffers are small; these hold over a thousand events, and every wait delays every
     /// other watcher's events (measured with one watcher that stops reading during 16 KiB
-    /// updates: the others' p99 58–124 ms with 100 ms, 19–28 ms with 0, kube-apiserver 39–59
-    /// ms in the same runs; `loadtest/results/slow-watcher-*`). A closed watcher's client
+    /// updates, the others' p99: with 100 ms 31–130 ms over nine runs, kube-apiserver 35–124
+    /// ms in the same runs; with 0 19–28 ms, kube-apiserver 39–59 ms in the same runs;
+    /// `loadtest/results/slow-watcher-*`). A closed watcher's client
     /// re-watches from its last resourceVersion, served from the history.
     #[serde(with = "duration")]
     pub dispatch_budget: Duration,

@@ -1,0 +1,431 @@
+//! Tests of one resource's cache (`super`).
+
+use super::*;
+use bytes::Bytes;
+use proptest::prelude::*;
+
+fn pod(ns: &str, name: &str, node: Option<&str>, rv: u64) -> CachedObject {
+    let spec = node.map_or(String::new(), |n| {
+        format!(r#","spec":{{"nodeName":"{n}"}}"#)
+    });
+    let raw = format!(
+        r#"{{"metadata":{{"name":"{name}","namespace":"{ns}","resourceVersion":"{rv}"}}{spec}}}"#
+    );
+    CachedObject::parse(Bytes::from(raw), &Resource::core("pods", "Pod", true)).unwrap()
+}
+
+fn rebuilt(objects: &Objects) -> imbl::OrdMap<Box<str>, imbl::OrdSet<ObjectKey>> {
+    let mut ix = FieldIndex::for_resource(&Resource::core("pods", "Pod", true)).unwrap();
+    for (k, o) in objects.iter() {
+        ix.update(k, None, Some(o));
+    }
+    ix.keys
+}
+
+/// The history is extended back only with a stretch that leads exactly to its start;
+/// then a watch from the stretch's start gets the events with their previous states (a
+/// node-selected watcher sees the pod leave its node as DELETED).
+#[tokio::test]
+async fn the_history_is_extended_back_only_by_a_stretch_that_joins_it() {
+    let cache = ResourceCache::new(Resource::core("pods", "Pod", true), StoreConfig::default());
+    // The state at 20: p on node n2 (moved from n1 at 15), q created at 12.
+    cache.replace(
+        vec![pod("a", "p", Some("n2"), 15), pod("a", "q", None, 12)],
+        20,
+    );
+    cache.apply(EventKind::Modified, pod("a", "q", None, 21));
+    assert_eq!(cache.oldest_rv(), 20);
+    let base = || vec![pod("a", "p", Some("n1"), 8), pod("a", "r", None, 9)];
+    let good = || {
+        vec![
+            (EventKind::Added, pod("a", "q", None, 12)),
+            (EventKind::Modified, pod("a", "p", Some("n2"), 15)),
+            (EventKind::Deleted, pod("a", "r", None, 17)),
+        ]
+    };
+    // Missing the deletion of r: refused, nothing changes.
+    let mut short = good();
+    short.pop();
+    assert!(cache.extend_history(10, base(), short).is_err());
+    // Out of order, or past the history's start: refused.
+    let mut swapped = good();
+    swapped.swap(0, 1);
+    assert!(cache.extend_history(10, base(), swapped).is_err());
+    let mut late = good();
+    late.push((EventKind::Added, pod("a", "z", None, 22)));
+    assert!(cache.extend_history(10, base(), late).is_err());
+    assert_eq!(cache.oldest_rv(), 20);
+    // The real stretch joins.
+    assert_eq!(cache.extend_history(10, base(), good()), Ok(3));
+    assert_eq!(cache.oldest_rv(), 10);
+    let filter = Filter {
+        fields: crate::k8s::selector::FieldSelector::parse("spec.nodeName=n1").unwrap(),
+        ..Default::default()
+    };
+    let reg = cache.watch(Start::After(10), Arc::new(filter)).unwrap();
+    let got: Vec<_> = reg
+        .initial
+        .iter()
+        .map(|(o, _, d)| (o.meta.name.to_string(), o.meta.resource_version, *d))
+        .collect();
+    assert_eq!(got, [("p".to_string(), 15, Delivery::Left)]);
+    let all = cache.watch(Start::After(9), Arc::new(Filter::default()));
+    assert!(matches!(all, Err(WatchError::Expired { .. })));
+}
+
+/// A protobuf envelope goes to the object version of its key and resourceVersion: the
+/// current one, one in the history, or one the JSON side applies later; a version the
+/// JSON side passed without keeping is dropped; a relist keeps unchanged versions'.
+#[tokio::test]
+async fn protobuf_envelopes_attach_to_their_exact_object_version() {
+    let cache = ResourceCache::new(Resource::core("pods", "Pod", true), StoreConfig::default());
+    let env = |s: &str| Bytes::from(s.to_string());
+    let key = |n: &str| ObjectKey::new("a", n);
+    // Ahead of the JSON side (not synced yet): waits.
+    assert_eq!(
+        cache.attach_protobuf(&key("p"), 5, env("p5")),
+        Attached::Later
+    );
+    cache.replace(vec![pod("a", "p", None, 5), pod("a", "q", None, 6)], 10);
+    let proto_of = |n: &str| {
+        cache
+            .current()
+            .objects
+            .get(&key(n))
+            .and_then(|o| o.proto.get().cloned())
+    };
+    assert_eq!(proto_of("p"), Some(env("p5")));
+    assert_eq!(proto_of("q"), None);
+    assert_eq!(
+        cache.attach_protobuf(&key("q"), 6, env("q6")),
+        Attached::Now
+    );
+    // Another version of q than the one held: not attached to it.
+    assert_eq!(
+        cache.attach_protobuf(&key("q"), 4, env("q4")),
+        Attached::Dropped
+    );
+    assert_eq!(proto_of("q"), Some(env("q6")));
+    // q changes at 11 before its protobuf arrives; the protobuf of 12 (p) comes first.
+    assert_eq!(
+        cache.attach_protobuf(&key("p"), 12, env("p12")),
+        Attached::Later
+    );
+    cache.apply(EventKind::Modified, pod("a", "q", None, 11));
+    cache.apply(EventKind::Modified, pod("a", "p", None, 12));
+    assert_eq!(proto_of("p"), Some(env("p12")));
+    cache.apply(EventKind::Modified, pod("a", "q", None, 13));
+    // q at 11 is only in the history now.
+    assert_eq!(
+        cache.attach_protobuf(&key("q"), 11, env("q11")),
+        Attached::Now
+    );
+    let (events, _) = cache.changes_since(10).unwrap();
+    assert_eq!(events[0].object.proto.get(), Some(&env("q11")));
+    assert_eq!(proto_of("q"), None);
+    // A relist: p unchanged keeps its envelope, q changed has none.
+    cache.replace(vec![pod("a", "p", None, 12), pod("a", "q", None, 20)], 20);
+    assert_eq!(proto_of("p"), Some(env("p12")));
+    assert_eq!(proto_of("q"), None);
+    assert_eq!(cache.protobuf_coverage(), (1, 1, 3));
+}
+
+/// Retained snapshots are bounded by the bytes they alone keep alive: once the states
+/// replaced after the oldest exceed the bound, the oldest goes when a new walk starts.
+#[tokio::test]
+async fn retained_snapshots_are_bounded_by_the_bytes_they_keep_alive() {
+    let cfg = StoreConfig {
+        snapshot_max_bytes: 1000,
+        ..StoreConfig::default()
+    };
+    let cache = ResourceCache::new(Resource::core("pods", "Pod", true), cfg);
+    cache.replace(vec![pod("a", "p", None, 10)], 10);
+    cache.retain(&cache.current());
+    let body = pod("a", "p", None, 11).body.len();
+    // Replacing the object many times: every earlier state is kept alive by the snapshot.
+    let mut rv = 10;
+    while (rv - 10) as usize * body <= 1000 {
+        rv += 1;
+        cache.apply(EventKind::Modified, pod("a", "p", None, rv));
+    }
+    assert_eq!(cache.retained_snapshots(), (1, Some(10)), "no new walk yet");
+    assert!(cache.retained_bytes() > 1000);
+    cache.retain(&cache.current());
+    assert_eq!(cache.retained_snapshots(), (1, Some(rv)), "the oldest went");
+    assert_eq!(cache.retained_bytes(), 0);
+}
+
+/// The object bytes follow every add, change, delete and relist.
+#[tokio::test]
+async fn object_bytes_follow_the_current_state() {
+    let cache = ResourceCache::new(Resource::core("pods", "Pod", true), StoreConfig::default());
+    let len = |o: &CachedObject| o.body.len();
+    let (a, b) = (pod("a", "p", None, 10), pod("a", "q", Some("n1"), 10));
+    let want = len(&a) + len(&b);
+    cache.replace(vec![a, b], 10);
+    assert_eq!(cache.object_bytes(), want);
+    let changed = pod("a", "p", Some("node-with-a-long-name"), 11);
+    let want = want - len(&pod("a", "p", None, 10)) + len(&changed);
+    cache.apply(EventKind::Modified, changed);
+    assert_eq!(cache.object_bytes(), want);
+    cache.apply(EventKind::Deleted, pod("a", "q", Some("n1"), 12));
+    assert_eq!(
+        cache.object_bytes(),
+        len(&pod("a", "p", Some("node-with-a-long-name"), 11))
+    );
+    cache.replace(vec![], 20);
+    assert_eq!(cache.object_bytes(), 0);
+}
+
+/// A watch from a resourceVersion the cache no longer has is counted by why: older than
+/// the history window, or older than the last relist.
+#[tokio::test]
+async fn expired_watches_are_counted_by_reason() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let cfg = StoreConfig {
+        history_max_events: 2,
+        absorb_relists: false,
+        ..StoreConfig::default()
+    };
+    let cache = ResourceCache::new(Resource::core("pods", "Pod", true), cfg);
+    let stats = |c: &ResourceCache| {
+        (
+            c.watch_stats.expired_too_old.load(Relaxed),
+            c.watch_stats.expired_relist.load(Relaxed),
+        )
+    };
+    let expired = |c: &ResourceCache, rv| {
+        matches!(
+            c.watch(Start::After(rv), Arc::new(Filter::default())),
+            Err(WatchError::Expired { .. })
+        )
+    };
+    cache.replace(vec![pod("a", "p", None, 10)], 10);
+    assert!(expired(&cache, 5), "before the first list");
+    assert_eq!(stats(&cache), (1, 0));
+    cache.replace(vec![pod("a", "p", None, 20)], 20);
+    assert!(expired(&cache, 15), "before the relist");
+    assert_eq!(stats(&cache), (1, 1));
+    for rv in 21..=24 {
+        cache.apply(EventKind::Modified, pod("a", "p", None, rv));
+    }
+    assert!(
+        expired(&cache, 21),
+        "trimmed from the history after the relist"
+    );
+    assert_eq!(stats(&cache), (2, 1));
+    assert!(!expired(&cache, 23));
+}
+
+/// A relist keeps watchers open: they get the difference as events, then a bookmark at the
+/// list's resourceVersion; a watch resumed from before the relist gets the same events.
+/// A list that no history explains (older than the state) still closes them.
+#[tokio::test]
+async fn a_relist_reaches_open_watchers_as_the_difference() {
+    let cache = ResourceCache::new(Resource::core("pods", "Pod", true), StoreConfig::default());
+    cache.replace(
+        vec![pod("a", "p", Some("n1"), 10), pod("a", "q", None, 11)],
+        12,
+    );
+    let mut all = cache
+        .watch(Start::After(12), Arc::new(Filter::default()))
+        .unwrap();
+    let on_n1 = Filter {
+        fields: crate::k8s::selector::FieldSelector::parse("spec.nodeName=n1").unwrap(),
+        ..Filter::default()
+    };
+    let mut n1 = cache
+        .watch(Start::After(12), Arc::new(on_n1.clone()))
+        .unwrap();
+    // While the proxy's watch was down: p moved to n2 (at 14), q was deleted, r created.
+    cache.replace(
+        vec![pod("a", "p", Some("n2"), 14), pod("a", "r", Some("n1"), 15)],
+        20,
+    );
+    assert_eq!(cache.relists(), 1);
+    assert_eq!(cache.absorbed_relists(), [(12, 20)]);
+    async fn got(sub: &mut Subscription, n: usize) -> Vec<(&'static str, String, u64)> {
+        let mut v = Vec::new();
+        for _ in 0..n {
+            let (e, d) = sub.rx.recv().await.expect("an event");
+            let ty = match d {
+                Delivery::AsIs => e.kind.as_str(),
+                Delivery::Entered => "ADDED",
+                Delivery::Left => "DELETED",
+            };
+            v.push((ty, e.object.meta.name.to_string(), e.rv));
+        }
+        v
+    }
+    // q's deletion takes the first revision after the old state that no listed object
+    // holds.
+    let want_all = [
+        ("DELETED", "q".to_string(), 13),
+        ("MODIFIED", "p".to_string(), 14),
+        ("ADDED", "r".to_string(), 15),
+    ];
+    assert_eq!(got(&mut all.sub, 3).await, want_all);
+    assert_eq!(
+        got(&mut n1.sub, 2).await,
+        [
+            ("DELETED", "p".to_string(), 14),
+            ("ADDED", "r".to_string(), 15)
+        ],
+        "a watcher's selector sees the difference as it sees any change"
+    );
+    assert_eq!(cache.rv(), 20);
+    // Resumed from before the relist: the same events, from the history.
+    let resumed = cache
+        .watch(Start::After(12), Arc::new(Filter::default()))
+        .unwrap();
+    let replayed: Vec<_> = resumed
+        .initial
+        .iter()
+        .map(|(o, e, _)| {
+            (
+                e.as_ref().unwrap().kind.as_str(),
+                o.meta.name.to_string(),
+                o.meta.resource_version,
+            )
+        })
+        .collect();
+    assert_eq!(replayed, want_all);
+    // From inside the window (a revision of the difference, or a real one the apiserver
+    // gave): no exact resume is possible, so 410; no snapshot either.
+    for inside in [13, 14, 19] {
+        assert!(matches!(
+            cache.watch(Start::After(inside), Arc::new(Filter::default())),
+            Err(WatchError::Expired { .. })
+        ));
+        assert!(cache.snapshot_at(inside).is_none());
+    }
+    assert!(
+        cache
+            .watch(Start::After(20), Arc::new(Filter::default()))
+            .is_ok()
+    );
+    assert!(
+        std::str::from_utf8(&resumed.initial[0].0.body)
+            .unwrap()
+            .contains(r#""resourceVersion":"13""#)
+    );
+
+    // An older list: no history leads there, so watchers are closed (they relist).
+    cache.replace(vec![pod("a", "p", Some("n2"), 14)], 18);
+    assert_eq!(cache.absorbed_relists(), [(12, 20)]);
+    assert!(matches!(
+        cache.watch(Start::After(15), Arc::new(Filter::default())),
+        Err(WatchError::Expired { .. })
+    ));
+    assert!(
+        all.sub.rx.recv().await.is_none(),
+        "the open watcher was closed"
+    );
+}
+
+/// A cache rebuilt from its image has the same state, history (with each event's previous
+/// state), snapshots and absorbed windows; it is ready at once and unconfirmed until its
+/// upstream watch reports; a watch resumes from any resourceVersion of the history.
+#[tokio::test]
+async fn a_restored_cache_is_the_cache_it_was_saved_from() {
+    let r = Resource::core("pods", "Pod", true);
+    let a = ResourceCache::new(r.clone(), StoreConfig::default());
+    assert!(a.image().is_none(), "no image before the first sync");
+    a.replace(
+        vec![pod("a", "p", Some("n1"), 10), pod("a", "q", None, 11)],
+        12,
+    );
+    a.apply(EventKind::Modified, pod("a", "p", Some("n2"), 13));
+    a.apply(EventKind::Added, pod("b", "r", Some("n1"), 14));
+    // A relist told as a difference (q gone, r changed).
+    a.replace(
+        vec![pod("a", "p", Some("n2"), 13), pod("b", "r", None, 17)],
+        18,
+    );
+    a.apply(EventKind::Deleted, pod("a", "p", Some("n2"), 19));
+    a.bookmark(21);
+    let image = a.image().unwrap();
+    assert_eq!((image.rv, image.oldest_rv, image.base.len()), (21, 12, 2));
+
+    let b = ResourceCache::new(r.clone(), StoreConfig::default());
+    b.restore(image.clone()).unwrap();
+    assert!(b.is_ready() && b.unhealthy().is_some());
+    assert_eq!(b.rv(), 21);
+    assert_eq!(b.absorbed_relists(), a.absorbed_relists());
+    let (ca, cb) = (a.current(), b.current());
+    assert_eq!(ca.objects, cb.objects);
+    assert_eq!(ca.index.unwrap().keys, cb.index.unwrap().keys);
+    assert_eq!(a.object_bytes(), b.object_bytes());
+    let history = |c: &ResourceCache| {
+        c.changes_since(12)
+            .unwrap()
+            .0
+            .iter()
+            .map(|e| (e.kind, e.rv, e.object.clone(), e.prev.clone()))
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(history(&a), history(&b));
+    for at in [12, 13, 14, 18, 19, 21] {
+        let (sa, sb) = (a.snapshot_at(at), b.snapshot_at(at));
+        assert_eq!(sa.map(|s| s.objects), sb.map(|s| s.objects), "at {at}");
+        let ok = |c: &ResourceCache| {
+            c.watch(Start::After(at), Arc::new(Filter::default()))
+                .is_ok()
+        };
+        assert_eq!(ok(&a), ok(&b), "resume from {at}");
+    }
+    assert!(
+        b.restore(image).is_err(),
+        "only into a cache that has not synced"
+    );
+
+    // An image that does not hold together is refused whole.
+    let mut bad = a.image().unwrap();
+    bad.events.swap(0, 1);
+    let c = ResourceCache::new(r, StoreConfig::default());
+    assert!(c.restore(bad).is_err());
+    assert!(!c.is_ready());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// The node index always equals one rebuilt from the objects: live, at every
+    /// resourceVersion rebuilt from the history, and after a relist; a watch of one node
+    /// starts with exactly that node's pods.
+    #[test]
+    fn node_index_follows_every_change(
+        initial in proptest::collection::vec(("(a|b)", "[a-d]", proptest::option::of("(n1|n2|)")), 0..12),
+        ops in proptest::collection::vec(("(a|b)", "[a-d]", proptest::option::of("(n1|n2|)"), any::<bool>()), 0..30),
+    ) {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        rt.block_on(async {
+            let cache = ResourceCache::new(Resource::core("pods", "Pod", true), StoreConfig::default());
+            let mut rv = 10;
+            let items = initial.iter().map(|(ns, n, node)| { rv += 1; pod(ns, n, node.as_deref(), rv) }).collect();
+            cache.replace(items, rv);
+            let first = rv;
+            for (ns, n, node, delete) in &ops {
+                rv += 1;
+                let kind = if *delete { EventKind::Deleted } else { EventKind::Modified };
+                cache.apply(kind, pod(ns, n, node.as_deref(), rv));
+            }
+            let cur = cache.current();
+            prop_assert_eq!(&cur.index.as_ref().unwrap().keys, &rebuilt(&cur.objects));
+            for at in first..=rv {
+                let snap = cache.snapshot_at(at).unwrap();
+                prop_assert_eq!(&snap.index.as_ref().unwrap().keys, &rebuilt(&snap.objects));
+            }
+            for node in ["n1", "n2", ""] {
+                let f = Filter {
+                    fields: crate::k8s::selector::FieldSelector::parse(&format!("spec.nodeName={node}")).unwrap(),
+                    ..Filter::default()
+                };
+                let want: Vec<ObjectKey> = cur.objects.iter().filter(|(_, o)| f.matches(o)).map(|(k, _)| k.clone()).collect();
+                let reg = cache.watch(Start::Initial, Arc::new(f)).unwrap();
+                let got: Vec<ObjectKey> = reg.initial.iter().map(|(o, _, _)| o.key()).collect();
+                prop_assert_eq!(got, want);
+            }
+            Ok(())
+        })?;
+    }
+}

@@ -45,6 +45,9 @@ pub struct Event {
     pub rv: u64,
     pub at: Instant,
     frames: [OnceLock<Bytes>; 6],
+    /// Protobuf frames (delivery × full or metadata), allocated on the first protobuf
+    /// watcher's read: most events never have one.
+    proto_frames: OnceLock<Box<[OnceLock<Bytes>; 6]>>,
 }
 
 impl Event {
@@ -60,7 +63,61 @@ impl Event {
             prev,
             at: Instant::now(),
             frames: Default::default(),
+            proto_frames: OnceLock::new(),
         }
+    }
+
+    /// Whether the protobuf envelopes this event's frames are made from have come (from the
+    /// resource's protobuf side): the new state's, or for a deletion the last state's. A
+    /// watcher to whom the event is a selector exit also needs the previous state's, which
+    /// it has unless it was never attached (see [`Self::proto_frame`]).
+    pub fn proto_ready(&self) -> bool {
+        self.object.proto.get().is_some()
+            || (self.kind == EventKind::Deleted
+                && self.prev.as_ref().is_some_and(|p| p.proto.get().is_some()))
+    }
+
+    /// The protobuf watch frame for this delivery (`metadata`: the object as
+    /// `PartialObjectMetadata`), encoded once and shared, from the objects' protobuf
+    /// envelopes: as it happened, the new state's; entering a selection, the new state's as
+    /// ADDED; leaving it, the previous state's at this event's resourceVersion as DELETED
+    /// (a deletion without its own envelope too: its last state at the deletion's
+    /// resourceVersion is the previous state so rewritten). `None` while an envelope it needs
+    /// has not come, or is malformed.
+    pub fn proto_frame(&self, delivery: Delivery, metadata: bool) -> Option<Bytes> {
+        let slot = match delivery {
+            Delivery::AsIs => 0,
+            Delivery::Entered => 1,
+            Delivery::Left => 2,
+        } + if metadata { 3 } else { 0 };
+        let slots = self.proto_frames.get_or_init(Default::default);
+        if let Some(f) = slots[slot].get() {
+            return Some(f.clone());
+        }
+        let rewritten = |o: &CachedObject| {
+            let env = o.proto.get()?;
+            crate::k8s::protobuf_write::with_resource_version(env, &self.rv.to_string())
+        };
+        let (ty, object): (&str, std::borrow::Cow<'_, [u8]>) = match delivery {
+            Delivery::AsIs => match (self.object.proto.get(), self.kind) {
+                (Some(env), kind) => (kind.as_str(), (&env[..]).into()),
+                (None, EventKind::Deleted) => ("DELETED", rewritten(self.prev.as_deref()?)?.into()),
+                (None, _) => return None,
+            },
+            Delivery::Entered => ("ADDED", (&self.object.proto.get()?[..]).into()),
+            Delivery::Left => (
+                "DELETED",
+                rewritten(self.prev.as_deref().unwrap_or(&self.object))?.into(),
+            ),
+        };
+        let object: std::borrow::Cow<'_, [u8]> = if metadata {
+            crate::k8s::protobuf_write::metadata_object(&object)?.into()
+        } else {
+            object
+        };
+        let mut out = Vec::new();
+        crate::k8s::protobuf_write::watch_frame(&mut out, ty, &object).ok()?;
+        Some(slots[slot].get_or_init(|| Bytes::from(out)).clone())
     }
 
     /// The frame `{"type":..,"object":..}\n` for this delivery and encoding, encoded once.

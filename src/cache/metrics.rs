@@ -68,6 +68,8 @@ impl Collector for CacheCollector {
         let filtered_watchers = Family::<ResourceLabels, Gauge>::default();
         let proto_objects = Family::<StateLabels, Gauge>::default();
         let proto_bytes = Family::<ResourceLabels, Gauge>::default();
+        let proto_watchers = Family::<ResourceLabels, Gauge>::default();
+        let proto_waits_expired = Family::<ResourceLabels, Counter>::default();
         for e in self.0.entries() {
             let resource = e.cache.resource.label();
             let l = ResourceLabels {
@@ -78,7 +80,9 @@ impl Collector for CacheCollector {
                 ReflectorStatus::Watching { .. }
             );
             upstream_watches.get_or_create(&l).set(i64::from(watching));
-            watchers.get_or_create(&l).set(e.cache.hub.len() as i64);
+            watchers
+                .get_or_create(&l)
+                .set((e.cache.hub.len() + e.cache.proto_hub.len()) as i64);
             objects.get_or_create(&l).set(e.cache.len() as i64);
             if e.cache.protobuf_started() {
                 let (with, without, b) = e.cache.protobuf_coverage();
@@ -91,6 +95,12 @@ impl Collector for CacheCollector {
                         .set(n as i64);
                 }
                 proto_bytes.get_or_create(&l).set(b as i64);
+                proto_watchers
+                    .get_or_create(&l)
+                    .set(e.cache.proto_hub.len() as i64);
+                proto_waits_expired
+                    .get_or_create(&l)
+                    .inc_by(e.cache.proto_waits_expired.load(Relaxed));
             }
             bytes.get_or_create(&l).set(e.cache.object_bytes() as i64);
             let ws = &e.cache.watch_stats;
@@ -105,9 +115,10 @@ impl Collector for CacheCollector {
                     })
                     .inc_by(n);
             }
-            events_sent
-                .get_or_create(&l)
-                .inc_by(e.cache.hub.stats.events_sent.load(Relaxed));
+            events_sent.get_or_create(&l).inc_by(
+                e.cache.hub.stats.events_sent.load(Relaxed)
+                    + e.cache.proto_hub.stats.events_sent.load(Relaxed),
+            );
             let snap = e.reflector.stats().snapshot();
             for reason in RelistReason::ALL {
                 relists
@@ -171,9 +182,16 @@ impl Collector for CacheCollector {
             snapshot_bytes
                 .get_or_create(&l)
                 .set(e.cache.retained_bytes() as i64);
+            let (hs, ps) = (&e.cache.hub.stats, &e.cache.proto_hub.stats);
             for (reason, n) in [
-                ("slow_consumer", e.cache.hub.stats.closed_slow.load(Relaxed)),
-                ("relist", e.cache.hub.stats.closed_relist.load(Relaxed)),
+                (
+                    "slow_consumer",
+                    hs.closed_slow.load(Relaxed) + ps.closed_slow.load(Relaxed),
+                ),
+                (
+                    "relist",
+                    hs.closed_relist.load(Relaxed) + ps.closed_relist.load(Relaxed),
+                ),
             ] {
                 terminated
                     .get_or_create(&ReasonLabels {
@@ -218,6 +236,18 @@ impl Collector for CacheCollector {
             "kube_cache_proxy_cache_protobuf_bytes",
             "Bytes of the current objects' protobuf envelopes",
             &proto_bytes,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_cache_protobuf_watchers",
+            "Downstream watchers served in protobuf from the cache (also counted in kube_cache_proxy_cache_watchers)",
+            &proto_watchers,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_protobuf_envelope_waits_expired",
+            "Events whose protobuf envelope did not come within 10 s: the resource's protobuf watchers were closed (they resume, passed to the apiserver while envelopes are missing)",
+            &proto_waits_expired,
         )?;
         emit(
             &mut enc,

@@ -278,13 +278,98 @@ pub fn bookmark_object(
     out
 }
 
+/// An object's whole protobuf body (magic and envelope) with `metadata.resourceVersion`
+/// set to `resource_version`, every other byte as it was: what the apiserver writes for a
+/// copy of the object whose resourceVersion it changed (the watch cache's DELETED event of
+/// an object leaving a selector, at the event's resourceVersion; a deletion's last state).
+/// Re-encoding the copy gives these bytes because gogo's encoders write fields in ascending
+/// order and the original was written by the same encoder. `None` unless `body` is an
+/// envelope around a message that starts with one well-formed `metadata` field.
+pub fn with_resource_version(body: &[u8], resource_version: &str) -> Option<Vec<u8>> {
+    let e = super::protobuf::envelope(body)?;
+    let meta_field = partial_object_metadata(e.raw)?;
+    let after = &e.raw[meta_field.len()..];
+    let Some(Some((1, Value::Bytes(meta)))) = Fields::of(meta_field).next() else {
+        return None;
+    };
+    let mut new_meta = Vec::with_capacity(meta.len() + resource_version.len() + 2);
+    let mut fields = Fields::of(meta);
+    let mut written = false;
+    loop {
+        let before = fields.rest();
+        let Some(f) = fields.next() else { break };
+        let (n, _) = f?;
+        let this = &before[..before.len() - fields.rest().len()];
+        if n == 6 {
+            if written {
+                return None; // a second resourceVersion: not what the apiserver writes
+            }
+            put_field(&mut new_meta, 6, resource_version.as_bytes());
+            written = true;
+            continue;
+        }
+        if n > 6 && !written {
+            put_field(&mut new_meta, 6, resource_version.as_bytes());
+            written = true;
+        }
+        new_meta.extend_from_slice(this);
+    }
+    if !written {
+        put_field(&mut new_meta, 6, resource_version.as_bytes());
+    }
+    let raw_len = field_len(new_meta.len()) + after.len();
+    let mut out = Vec::with_capacity(envelope_len(e.api_version, e.kind, raw_len));
+    put_envelope_head(&mut out, e.api_version, e.kind, raw_len);
+    put_field(&mut out, 1, &new_meta);
+    out.extend_from_slice(after);
+    put_envelope_tail(&mut out);
+    Some(out)
+}
+
+/// An object's whole body as `PartialObjectMetadata` of meta.k8s.io/v1 (what a metadata
+/// client's protobuf GET or watch event holds), from the object's whole body. `None` as
+/// [`partial_object_metadata`].
+pub fn metadata_object(body: &[u8]) -> Option<Vec<u8>> {
+    let e = super::protobuf::envelope(body)?;
+    let pom = partial_object_metadata(e.raw)?;
+    Some(object_envelope(META_V1, "PartialObjectMetadata", pom))
+}
+
+/// A failure `Status` (v1) as the apiserver writes it in protobuf, e.g. a watch's ERROR
+/// event for 410 Expired: `metav1.Status {metadata 1: empty ListMeta, status 2 "Failure",
+/// message 3, reason 4, code 6}`, `details` (5) absent as Go leaves a nil pointer out.
+pub fn failure_status(message: &str, reason: &str, code: i32) -> Vec<u8> {
+    const FAILURE: &[u8] = b"Failure";
+    // An empty ListMeta: selfLink, resourceVersion and continue written empty.
+    const EMPTY_LIST_META: [u8; 6] = [0x0a, 0x00, 0x12, 0x00, 0x1a, 0x00];
+    // An int32 is written as a sign-extended varint, as in Go.
+    let code = code as i64 as u64;
+    let raw_len = field_len(EMPTY_LIST_META.len())
+        + field_len(FAILURE.len())
+        + field_len(message.len())
+        + field_len(reason.len())
+        + 1
+        + varint_len(code);
+    let mut out = Vec::with_capacity(envelope_len("v1", "Status", raw_len));
+    put_envelope_head(&mut out, "v1", "Status", raw_len);
+    put_field(&mut out, 1, &EMPTY_LIST_META);
+    put_field(&mut out, 2, FAILURE);
+    put_field(&mut out, 3, message.as_bytes());
+    put_field(&mut out, 4, reason.as_bytes());
+    out.push(6 << 3);
+    put_varint(&mut out, code);
+    put_envelope_tail(&mut out);
+    debug_assert_eq!(out.len(), out.capacity());
+    out
+}
+
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::k8s::protobuf::{envelope, object_resource_version};
 
     /// Bytes kube-apiserver v1.36.3 sent (`tests/e2e/protobuf.rs` checks the same rules live).
-    mod real {
+    pub(crate) mod real {
         /// GET of ConfigMap pb/c2 (no labels, data or managedFields).
         pub const GET_C2: &str = "6b3873000a0f0a0276311209436f6e6669674d617012450a430a02633212001a02706222002a2462366635623964652d643164372d346137362d396366322d35343936366365653464376432033230333800420808fbe3c0d80610001a002200";
         /// LIST of ConfigMaps matching nothing, at resourceVersion 207.
@@ -455,5 +540,57 @@ mod tests {
             assert_eq!(out.len(), varint_len(v), "{v}");
             assert_eq!(crate::k8s::protobuf::varint(&out), Some((v, out.len())));
         }
+    }
+
+    /// A deletion's frame is the object's last state with the deletion's resourceVersion:
+    /// rewriting the real GET of c2 at 203 to 209 gives the real DELETED frame's object.
+    #[test]
+    fn a_changed_resource_version_is_the_apiservers_bytes() {
+        let get = unhex(real::GET_C2);
+        let (ty, deleted) = {
+            let f = unhex(real::DELETED_FRAME);
+            let (t, o) = frame_parts(&f);
+            (t.to_string(), o.to_vec())
+        };
+        assert_eq!(ty, "DELETED");
+        assert_eq!(with_resource_version(&get, "209").unwrap(), deleted);
+        assert_eq!(with_resource_version(&deleted, "203").unwrap(), get);
+        // Longer and shorter numbers change every enclosing length.
+        let long = with_resource_version(&get, "123456789012").unwrap();
+        assert_eq!(object_resource_version(&long), Some(123_456_789_012));
+        assert_eq!(with_resource_version(&long, "203").unwrap(), get);
+        assert_eq!(with_resource_version(b"k8s\0junk", "1"), None);
+        assert_eq!(with_resource_version(b"{}", "1"), None);
+    }
+
+    #[test]
+    fn metadata_objects_are_the_objects_metadata_under_partial_object_metadata() {
+        let get = unhex(real::GET_C2);
+        let m = metadata_object(&get).unwrap();
+        let e = envelope(&m).unwrap();
+        assert_eq!((e.api_version, e.kind), (META_V1, "PartialObjectMetadata"));
+        let orig = envelope(&get).unwrap();
+        assert_eq!(e.raw, partial_object_metadata(orig.raw).unwrap());
+        assert_eq!(object_resource_version(&m), Some(203));
+    }
+
+    #[test]
+    fn a_failure_status_reads_back_as_written() {
+        let b = failure_status("too old resource version: 5 (208)", "Expired", 410);
+        let e = envelope(&b).unwrap();
+        assert_eq!((e.api_version, e.kind), ("v1", "Status"));
+        let s = crate::k8s::protobuf::status(e.raw).unwrap();
+        assert_eq!(s.code, 410);
+        assert_eq!(s.reason, "Expired");
+        assert_eq!(s.message, "too old resource version: 5 (208)");
+        // metadata 1 (empty ListMeta), then status 2 "Failure".
+        assert!(
+            e.raw
+                .starts_with(&[0x0a, 0x06, 0x0a, 0x00, 0x12, 0x00, 0x1a, 0x00, 0x12, 0x07])
+        );
+        assert!(
+            e.raw.ends_with(&[0x30, 0x9a, 0x03]),
+            "410 as a varint, last"
+        );
     }
 }

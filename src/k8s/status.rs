@@ -163,6 +163,29 @@ impl Status {
         self.code
     }
 
+    /// A watch's ERROR event carrying this status, in JSON or in protobuf.
+    pub fn watch_error_frame(&self, protobuf: bool) -> Bytes {
+        if protobuf {
+            let object = crate::k8s::protobuf_write::failure_status(
+                &self.message,
+                self.reason,
+                i32::from(self.code),
+            );
+            let mut out = Vec::with_capacity(object.len() + 24);
+            // A Status is far smaller than a frame's 4 GiB.
+            let _ = crate::k8s::protobuf_write::watch_frame(&mut out, "ERROR", &object);
+            return Bytes::from(out);
+        }
+        let mut frame = b"{\"type\":\"ERROR\",\"object\":".to_vec();
+        frame.extend_from_slice(&self.to_bytes());
+        frame.extend_from_slice(b"}\n");
+        Bytes::from(frame)
+    }
+
+    pub fn reason(&self) -> &str {
+        self.reason
+    }
+
     pub fn message(&self) -> &str {
         &self.message
     }

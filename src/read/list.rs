@@ -93,6 +93,7 @@ fn protobuf_response(b: Bytes) -> Response<Body> {
 /// (the apiserver answers then). Gzip as for JSON.
 async fn write_proto_page(
     cache: &ResourceCache,
+    enc: Encoding,
     cx: &ListContext<'_>,
     list_rv: u64,
     page: &Page,
@@ -104,10 +105,14 @@ async fn write_proto_page(
         let Some(env) = o.proto.get() else {
             return delegate(NO_PROTOBUF);
         };
-        let Some(e) = crate::k8s::protobuf::envelope(env) else {
+        let raw = crate::k8s::protobuf::envelope(env).and_then(|e| match enc {
+            Encoding::Metadata => crate::k8s::protobuf_write::partial_object_metadata(e.raw),
+            Encoding::Json => Some(e.raw),
+        });
+        let Some(raw) = raw else {
             return delegate(NO_PROTOBUF);
         };
-        raws.push(e.raw);
+        raws.push(raw);
     }
     let rv = list_rv.to_string();
     let (token, remaining) = match &meta {
@@ -115,9 +120,16 @@ async fn write_proto_page(
         None => ("", None),
     };
     let r = &cache.resource;
+    let (api_version, list_kind) = match enc {
+        Encoding::Metadata => (
+            crate::k8s::protobuf_write::META_V1.to_string(),
+            "PartialObjectMetadataList".to_string(),
+        ),
+        Encoding::Json => (r.api_version(), r.list_kind()),
+    };
     let b = Bytes::from(list_body(
-        &r.api_version(),
-        &r.list_kind(),
+        &api_version,
+        &list_kind,
         &ListMeta {
             resource_version: &rv,
             continue_token: token,
@@ -172,6 +184,12 @@ pub fn get(
         let Some(env) = obj.proto.get() else {
             return delegate(NO_PROTOBUF);
         };
+        if enc == Encoding::Metadata {
+            return match crate::k8s::protobuf_write::metadata_object(env) {
+                Some(m) => Ok(protobuf_response(Bytes::from(m))),
+                None => delegate(NO_PROTOBUF),
+            };
+        }
         return Ok(protobuf_response(env.clone()));
     }
     let mut b = BytesMut::with_capacity(obj.body.len() + 64);
@@ -559,7 +577,7 @@ async fn list_inner(
     if limit == 0 {
         if cx.protobuf {
             let page = select_page(&cands, filter, &pos, 0);
-            return write_proto_page(cache, cx, list_rv, &page, None).await;
+            return write_proto_page(cache, enc, cx, list_rv, &page, None).await;
         }
         // A continue with no limit (legal, if odd) resumes after its key.
         if pos.after.is_some() {
@@ -588,7 +606,7 @@ async fn list_inner(
         (token, no_selectors.then(|| total.saturating_sub(*seen)))
     });
     if cx.protobuf {
-        return write_proto_page(cache, cx, list_rv, &page, meta).await;
+        return write_proto_page(cache, enc, cx, list_rv, &page, meta).await;
     }
     Ok(write_page(cache, enc, cx, list_rv, &page, meta).await)
 }

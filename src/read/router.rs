@@ -25,6 +25,9 @@ pub enum Route {
         params: WatchParams,
         filter: Filter,
         enc: Encoding,
+        /// The apiserver's protobuf instead of `enc` (`enc` then says whole objects or
+        /// metadata).
+        protobuf: bool,
     },
     Get {
         cache: Arc<ResourceCache>,
@@ -177,6 +180,11 @@ fn parse_accept(header: &str) -> Option<Vec<Clause<'_>>> {
 /// otherwise the apiserver does (and the protobuf side is started).
 pub const PROTOBUF: &str = "encoding: protobuf";
 
+/// [`negotiate`]'s answer for `PartialObjectMetadata` / `PartialObjectMetadataList` in
+/// protobuf (the metadata client's first choice) of a built-in resource: served as
+/// [`PROTOBUF`] is, from each envelope's `metadata` field.
+pub const PROTOBUF_METADATA: &str = "encoding: protobuf metadata";
+
 /// What the apiserver makes of a clause for one of its media types
 /// (k8s.io/apiserver `acceptMediaTypeOptions` with a resource endpoint's restrictions).
 enum Verdict {
@@ -212,7 +220,7 @@ fn verdict(c: &Clause<'_>, media: &str, read: ReadKind, custom: bool, pretty: bo
         if custom && media == "vnd.kubernetes.protobuf" {
             return Verdict::Skip;
         }
-        if media == "vnd.kubernetes.protobuf" && read != ReadKind::Watch {
+        if media == "vnd.kubernetes.protobuf" {
             return Verdict::Wins(Err(PROTOBUF));
         }
         if !json {
@@ -226,7 +234,8 @@ fn verdict(c: &Clause<'_>, media: &str, read: ReadKind, custom: bool, pretty: bo
     match kind {
         "Table" if json || media == "yaml" => Verdict::Wins(Err("encoding: Table")),
         "PartialObjectMetadata" | "PartialObjectMetadataList" => {
-            if !json || version != "v1" {
+            let protobuf = media == "vnd.kubernetes.protobuf";
+            if !(json || protobuf) || version != "v1" {
                 return Verdict::Wins(Err("encoding: metadata not as JSON meta.k8s.io/v1"));
             }
             // The apiserver refuses the list form for one object and the object form for a
@@ -238,6 +247,14 @@ fn verdict(c: &Clause<'_>, media: &str, read: ReadKind, custom: bool, pretty: bo
             };
             if !fits {
                 return Verdict::Wins(Err("encoding: metadata form of another read"));
+            }
+            if protobuf {
+                // From the objects' envelopes, which custom resources have none of.
+                return Verdict::Wins(Err(if custom {
+                    "encoding: protobuf metadata of a custom resource"
+                } else {
+                    PROTOBUF_METADATA
+                }));
             }
             Verdict::Wins(pretty_ok(Some(c), read, pretty).map(|()| Encoding::Metadata))
         }
@@ -335,7 +352,8 @@ fn with_protobuf(
     match negotiated {
         Ok(enc) => Ok((enc, false)),
         Err(PROTOBUF) if cache.protobuf_ready() => Ok((Encoding::Json, true)),
-        Err(PROTOBUF) => delegate("protobuf side not synced"),
+        Err(PROTOBUF_METADATA) if cache.protobuf_ready() => Ok((Encoding::Metadata, true)),
+        Err(PROTOBUF | PROTOBUF_METADATA) => delegate("protobuf side not synced"),
         Err(why) => delegate(why),
     }
 }
@@ -366,7 +384,12 @@ pub fn route(
     let negotiate = |read| negotiate(accept.as_deref(), read, cache.resource.custom, pretty);
     // A protobuf reader of a built-in resource starts its protobuf side, whatever it reads
     // and whether or not the cache has synced: the protobuf reads after it are the cache's.
-    if negotiate(ReadKind::List) == Err(PROTOBUF) {
+    if matches!(negotiate(ReadKind::List), Err(PROTOBUF | PROTOBUF_METADATA))
+        || matches!(
+            negotiate(ReadKind::Watch),
+            Err(PROTOBUF | PROTOBUF_METADATA)
+        )
+    {
         cache.want_protobuf();
     }
     if !cache.is_ready() {
@@ -385,7 +408,7 @@ pub fn route(
     };
     match info.verb.as_str() {
         "watch" if info.name.is_empty() || info.name_from_selector => {
-            let enc = negotiate(ReadKind::Watch).or_else(delegate)?;
+            let (enc, protobuf) = with_protobuf(&cache, negotiate(ReadKind::Watch))?;
             let Some(params) = WatchParams::parse(query) else {
                 return delegate("watch parameters");
             };
@@ -407,6 +430,7 @@ pub fn route(
                 params,
                 filter,
                 enc,
+                protobuf,
             })
         }
         "get" if !info.name.is_empty() => {

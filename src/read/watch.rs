@@ -56,16 +56,109 @@ impl Default for WatchConfig {
     }
 }
 
+/// The Content-Type of a protobuf watch stream, as the apiserver writes it.
+pub const PROTOBUF_STREAM: &str = "application/vnd.kubernetes.protobuf;stream=watch";
+
+/// How long a protobuf watch waits for its starting point's envelopes (objects the JSON side
+/// applied a moment before the protobuf side delivered them) before the apiserver serves it.
+const PROTO_START_WAIT: Duration = Duration::from_secs(2);
+
+/// A watch's ERROR event carrying `status`, in JSON or in protobuf.
+pub fn error_frame(status: &crate::k8s::status::Status, protobuf: bool) -> Bytes {
+    status.watch_error_frame(protobuf)
+}
+
+/// A protobuf watch's representation: whole objects or their metadata, and the kind's
+/// bookmark object (learnt from the protobuf side, `ResourceCache::proto_bookmark`).
+struct Proto {
+    metadata: bool,
+    api_version: String,
+    kind: String,
+    /// The bookmark object's bytes after its metadata (`protobuf_write::bookmark_rest`).
+    rest: Bytes,
+}
+
+impl Proto {
+    fn new(cache: &ResourceCache, metadata: bool) -> Option<Proto> {
+        if metadata {
+            return Some(Proto {
+                metadata,
+                api_version: crate::k8s::protobuf_write::META_V1.into(),
+                kind: "PartialObjectMetadata".into(),
+                rest: Bytes::new(),
+            });
+        }
+        let (kind, rest) = cache.proto_bookmark.lock().clone()?;
+        Some(Proto {
+            metadata,
+            api_version: cache.resource.api_version(),
+            kind,
+            rest,
+        })
+    }
+
+    fn bookmark(&self, rv: u64, initial_events_end: bool) -> Bytes {
+        let object = crate::k8s::protobuf_write::bookmark_object(
+            &self.api_version,
+            &self.kind,
+            &self.rest,
+            &rv.to_string(),
+            initial_events_end,
+        );
+        let mut out = Vec::with_capacity(object.len() + 24);
+        let _ = crate::k8s::protobuf_write::watch_frame(&mut out, "BOOKMARK", &object);
+        Bytes::from(out)
+    }
+
+    /// An object of the starting state as an ADDED frame, appended to `out`.
+    fn added(&self, o: &CachedObject, out: &mut Vec<u8>) -> Option<()> {
+        let env = o.proto.get()?;
+        let object: std::borrow::Cow<'_, [u8]> = if self.metadata {
+            crate::k8s::protobuf_write::metadata_object(env)?.into()
+        } else {
+            (&env[..]).into()
+        };
+        crate::k8s::protobuf_write::watch_frame(out, "ADDED", &object).ok()
+    }
+
+    /// Whether a starting point's entry can be written now.
+    fn ready(&self, (o, ev, d): &InitialItem, initial_is_state: bool) -> bool {
+        match ev {
+            Some(ev) if !initial_is_state => ev.proto_frame(*d, self.metadata).is_some(),
+            _ => o.proto.get().is_some(),
+        }
+    }
+}
+
+type InitialItem = (Arc<CachedObject>, Option<Arc<Event>>, Delivery);
+
 /// Serves a watch from `cache`, or hands it to the apiserver (cache not ready, or the wait for
-/// a newer resourceVersion failed).
+/// a newer resourceVersion failed). `protobuf`: in the apiserver's protobuf (from the
+/// objects' envelopes), `enc` then saying whole objects or metadata.
 pub async fn serve(
     cache: Arc<ResourceCache>,
     params: WatchParams,
     filter: Filter,
     enc: Encoding,
+    protobuf: bool,
     cfg: &WatchConfig,
     drain: CancellationToken,
 ) -> Served {
+    let proto = if protobuf {
+        match Proto::new(&cache, enc == Encoding::Metadata) {
+            Some(p) if cache.protobuf_ready() => Some(p),
+            _ => return delegate("protobuf side not synced"),
+        }
+    } else {
+        None
+    };
+    let register = |start, filter| {
+        if proto.is_some() {
+            cache.watch_protobuf(start, filter)
+        } else {
+            cache.watch(start, filter)
+        }
+    };
     let (start, wait) = plan::watch_start(&params, cache.rv());
     if let Some(n) = wait
         && n > cache.rv()
@@ -79,7 +172,7 @@ pub async fn serve(
         cfg.bookmark_interval
     };
     let filter = Arc::new(filter);
-    let mut reg = cache.watch(start, filter.clone());
+    let mut reg = register(start, filter.clone());
     // Older than the history: extend it back from the apiserver when it still has the
     // stretch (`reflector::backfill`), then register again.
     if let (Err(WatchError::Expired { requested, .. }), Some(b)) = (&reg, &cfg.backfill)
@@ -87,7 +180,7 @@ pub async fn serve(
         && !b.unreachable()
         && b.fill(&cache, *requested).await.is_ok()
     {
-        reg = cache.watch(start, filter);
+        reg = register(start, filter);
     }
     let reg = match reg {
         Ok(r) => r,
@@ -99,25 +192,42 @@ pub async fn serve(
         // this cache.
         Err(e @ WatchError::Expired { .. }) => {
             let status = crate::k8s::status::Status::from(e);
-            let mut frame = b"{\"type\":\"ERROR\",\"object\":".to_vec();
-            frame.extend_from_slice(&status.to_bytes());
-            frame.extend_from_slice(b"}\n");
-            return Ok(json_stream_response(body::full(frame)));
+            let frame = error_frame(&status, proto.is_some());
+            return Ok(stream_response(body::full(frame), proto.is_some()));
         }
     };
+    let initial: VecDeque<_> = reg.initial.into();
+    let initial_is_state = start == Start::Initial;
+    // A protobuf watch starts once its starting point's envelopes are all there (the
+    // protobuf side is normally milliseconds behind); the apiserver serves it otherwise.
+    if let Some(p) = &proto {
+        let done = std::sync::atomic::AtomicUsize::new(0);
+        let all_ready = || {
+            use std::sync::atomic::Ordering::Relaxed;
+            let mut i = done.load(Relaxed);
+            while i < initial.len() && p.ready(&initial[i], initial_is_state) {
+                i += 1;
+            }
+            done.store(i, Relaxed);
+            i == initial.len()
+        };
+        if !all_ready() && !cache.wait_protobuf(all_ready, PROTO_START_WAIT).await {
+            return delegate("protobuf envelopes of the starting point missing");
+        }
+    }
     let timeout = params.timeout.unwrap_or_else(|| {
         // In [default, 2 * default), as the apiserver's `minRequestTimeout` jitter.
         cfg.default_timeout + cfg.default_timeout.mul_f64(fastrand::f64())
     });
     let deadline = Instant::now() + timeout;
-    let initial: VecDeque<_> = reg.initial.into();
-    let initial_is_state = start == Start::Initial;
     let deadline_bookmark = (params.allow_bookmarks && timeout > Duration::from_secs(2))
         .then(|| deadline - Duration::from_secs(2));
     let next_bookmark = Instant::now() + bookmark_interval;
+    let protobuf = proto.is_some();
     let st = WatchState {
         cache,
         enc,
+        proto,
         initial,
         initial_is_state,
         // kube-apiserver 1.36 ends every initial state it sends (sendInitialEvents=true, and
@@ -144,14 +254,18 @@ pub async fn serve(
         bookmark: tokio::time::sleep_until(bookmark_at),
         st,
     };
-    Ok(json_stream_response(body::boxed(body)))
+    Ok(stream_response(body::boxed(body), protobuf))
 }
 
-fn json_stream_response(b: Body) -> Response<Body> {
+fn stream_response(b: Body, protobuf: bool) -> Response<Body> {
     let mut r = Response::new(b);
     r.headers_mut().insert(
         header::CONTENT_TYPE,
-        HeaderValue::from_static("application/json"),
+        HeaderValue::from_static(if protobuf {
+            PROTOBUF_STREAM
+        } else {
+            "application/json"
+        }),
     );
     r.headers_mut().insert(
         header::CACHE_CONTROL,
@@ -163,7 +277,9 @@ fn json_stream_response(b: Body) -> Response<Body> {
 struct WatchState {
     cache: Arc<ResourceCache>,
     enc: Encoding,
-    initial: VecDeque<(Arc<CachedObject>, Option<Arc<Event>>, Delivery)>,
+    /// Protobuf frames instead of `enc`'s JSON.
+    proto: Option<Proto>,
+    initial: VecDeque<InitialItem>,
     initial_is_state: bool,
     end_bookmark: bool,
     last_rv: u64,
@@ -259,6 +375,9 @@ impl http_body::Body for WatchBody {
                     if let Some(b) = out.finish() {
                         return Poll::Ready(Some(Ok(Frame::data(b))));
                     }
+                    if st.done {
+                        return Poll::Ready(None);
+                    }
                     // Only items already part of the starting point: look again.
                 }
                 Poll::Pending => break,
@@ -290,11 +409,40 @@ const BATCH_BYTES: usize = 256 * 1024;
 
 impl WatchState {
     fn push_item(&mut self, out: &mut Batch, (ev, d): Item) {
-        if ev.rv <= self.last_rv {
+        if self.done || ev.rv <= self.last_rv {
             return; // already part of this watcher's starting point
         }
+        let frame = match &self.proto {
+            None => ev.frame(&self.cache.resource, d, self.enc),
+            Some(p) => match ev.proto_frame(d, p.metadata) {
+                Some(f) => f,
+                // The previous state of an object leaving this watcher's selection never
+                // got its envelope: end cleanly after what came before; the client watches
+                // again from there, and the apiserver serves it while it is missing.
+                None => {
+                    self.done = true;
+                    return;
+                }
+            },
+        };
         self.last_rv = ev.rv;
-        out.push(ev.frame(&self.cache.resource, d, self.enc));
+        out.push(frame);
+    }
+
+    /// Where this watcher's events come from.
+    fn hub(&self) -> &crate::cache::hub::Hub {
+        if self.proto.is_some() {
+            &self.cache.proto_hub
+        } else {
+            &self.cache.hub
+        }
+    }
+
+    fn bookmark_frame(&self, rv: u64, initial_events_end: bool) -> Bytes {
+        match &self.proto {
+            Some(p) => p.bookmark(rv, initial_events_end),
+            None => bookmark_frame(&self.cache.resource, rv, initial_events_end, self.enc),
+        }
     }
 
     /// The next chunk of the starting point (then its end bookmark), if any is left.
@@ -302,15 +450,30 @@ impl WatchState {
         let r = &self.cache.resource;
         if !self.initial.is_empty() {
             let mut out = BytesMut::new();
-            while out.len() < BATCH_BYTES
+            let mut proto_out = Vec::new();
+            while out.len() + proto_out.len() < BATCH_BYTES
                 && let Some((obj, ev, d)) = self.initial.pop_front()
             {
-                match ev {
-                    Some(ev) if !self.initial_is_state => {
+                // (A protobuf watch starts only once every entry's envelope is there.)
+                match (&self.proto, ev) {
+                    (None, Some(ev)) if !self.initial_is_state => {
                         out.extend_from_slice(&ev.frame(r, d, self.enc));
                     }
-                    _ => out.extend_from_slice(&encode_frame(r, "ADDED", &obj.body, self.enc)),
+                    (None, _) => {
+                        out.extend_from_slice(&encode_frame(r, "ADDED", &obj.body, self.enc));
+                    }
+                    (Some(p), Some(ev)) if !self.initial_is_state => {
+                        if let Some(f) = ev.proto_frame(d, p.metadata) {
+                            proto_out.extend_from_slice(&f);
+                        }
+                    }
+                    (Some(p), _) => {
+                        let _ = p.added(&obj, &mut proto_out);
+                    }
                 }
+            }
+            if !proto_out.is_empty() {
+                out.extend_from_slice(&proto_out);
             }
             if self.initial.is_empty() {
                 // Its buffer (one entry per initial object) would otherwise be kept for the
@@ -321,7 +484,7 @@ impl WatchState {
         }
         if self.end_bookmark {
             self.end_bookmark = false;
-            return Some(bookmark_frame(r, self.last_rv, true, self.enc));
+            return Some(self.bookmark_frame(self.last_rv, true));
         }
         None
     }
@@ -342,7 +505,7 @@ impl WatchState {
             None => self.next_bookmark,
         };
         // Progress every event up to which has reached this watcher's queue.
-        let progress = self.cache.hub.dispatched_rv();
+        let progress = self.hub().dispatched_rv();
         let mut out = Batch::default();
         loop {
             match self.sub.rx.try_recv() {
@@ -357,13 +520,12 @@ impl WatchState {
                 }
             }
         }
+        if self.done {
+            // An event this protobuf watcher cannot be sent: no bookmark past it.
+            return (out.finish(), None);
+        }
         self.last_rv = self.last_rv.max(progress);
-        out.push(bookmark_frame(
-            &self.cache.resource,
-            self.last_rv,
-            false,
-            self.enc,
-        ));
+        out.push(self.bookmark_frame(self.last_rv, false));
         (out.finish(), Some(next))
     }
 }
@@ -433,6 +595,7 @@ mod tests {
             WatchParams::parse(Some(query)).unwrap(),
             Filter::default(),
             Encoding::Json,
+            false,
             cfg,
             drain.clone(),
         )
@@ -504,6 +667,102 @@ mod tests {
                 .contains("\"resourceVersion\":\"2\"")
         );
         assert_eq!(next(&mut b).await, None);
+    }
+
+    fn unhex(s: &str) -> Bytes {
+        Bytes::from(
+            (0..s.len())
+                .step_by(2)
+                .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+                .collect::<Vec<u8>>(),
+        )
+    }
+
+    /// Splits a protobuf watch chunk into its frames: (type, object).
+    fn proto_frames(mut b: &[u8]) -> Vec<(String, Vec<u8>)> {
+        let mut out = Vec::new();
+        while !b.is_empty() {
+            let n = u32::from_be_bytes(b[..4].try_into().unwrap()) as usize;
+            let ev = crate::k8s::protobuf::watch_event(&b[4..4 + n]).unwrap();
+            out.push((ev.event_type.to_string(), ev.object.to_vec()));
+            b = &b[4 + n..];
+        }
+        out
+    }
+
+    /// A protobuf watch from the cache: the starting state's envelopes as ADDED, the
+    /// initial-events-end bookmark byte for byte as kube-apiserver wrote it (its template
+    /// learnt from the protobuf side), a deletion as the last state at the deletion's
+    /// resourceVersion, and an event whose envelope has not come held back until it comes.
+    // Paused time: the wait below ends when the runtime is idle, not after wall-clock time.
+    #[tokio::test(start_paused = true)]
+    async fn a_protobuf_watch_is_the_apiservers_frames_each_sent_once_its_envelope_came() {
+        use crate::k8s::protobuf_write::tests::real;
+        use crate::k8s::protobuf_write::with_resource_version;
+        let r = configmaps();
+        let json = |rv: u64| {
+            CachedObject::parse(
+                Bytes::from(format!(
+                    r#"{{"metadata":{{"name":"c2","namespace":"pb","resourceVersion":"{rv}"}}}}"#
+                )),
+                &r,
+            )
+            .unwrap()
+        };
+        let cache = ResourceCache::new(r.clone(), StoreConfig::default());
+        cache.replace(vec![json(203)], 209);
+        let get = unhex(real::GET_C2);
+        let key = crate::cache::ObjectKey::new("pb", "c2");
+        // Not synced: the apiserver serves protobuf watches.
+        let q = "watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&allowWatchBookmarks=true";
+        let cfg = WatchConfig::default();
+        let serve_pb = |cache: Arc<ResourceCache>| {
+            serve(
+                cache,
+                WatchParams::parse(Some(q)).unwrap(),
+                Filter::default(),
+                Encoding::Json,
+                true,
+                &cfg,
+                CancellationToken::new(),
+            )
+        };
+        assert!(serve_pb(cache.clone()).await.is_err());
+        cache.attach_protobuf(&key, 203, get.clone());
+        let bm = unhex(real::CM_BOOKMARK);
+        let bm_object = proto_frames(&bm).remove(0).1;
+        crate::cache::reflector::proto::ProtoSink::bookmark(&*cache, 209, true, bm_object.into());
+        let resp = serve_pb(cache.clone()).await.unwrap();
+        assert_eq!(resp.headers()[header::CONTENT_TYPE], PROTOBUF_STREAM);
+        let mut b = resp.into_body();
+        let first = b.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(proto_frames(&first), vec![("ADDED".into(), get.to_vec())]);
+        let end = b.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(
+            &end[..],
+            &bm[..],
+            "the apiserver's initial-events-end bookmark"
+        );
+
+        // A change whose envelope has not come is held back...
+        cache.apply(EventKind::Modified, json(210));
+        let held = tokio::time::timeout(Duration::from_secs(5), b.frame()).await;
+        assert!(held.is_err(), "nothing is sent before the envelope");
+        // ...and sent once it comes.
+        let v210 = Bytes::from(with_resource_version(&get, "210").unwrap());
+        cache.attach_protobuf(&key, 210, v210.clone());
+        let f = b.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(proto_frames(&f), vec![("MODIFIED".into(), v210.to_vec())]);
+        // A deletion without an envelope of its own: the last state at its resourceVersion.
+        cache.apply(EventKind::Deleted, json(211));
+        let f = b.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(
+            proto_frames(&f),
+            vec![(
+                "DELETED".into(),
+                with_resource_version(&get, "211").unwrap()
+            )]
+        );
     }
 
     #[test]

@@ -97,6 +97,7 @@ async fn serve_from_cache(
             params,
             mut filter,
             enc,
+            protobuf,
         } => {
             // Most recent state (a watch or WatchList without resourceVersion): only once the
             // consistency policy confirms the cache.
@@ -124,6 +125,7 @@ async fn serve_from_cache(
                     params,
                     filter,
                     enc,
+                    protobuf,
                     &state.watch,
                     state.drain.clone(),
                 ),
@@ -142,6 +144,7 @@ async fn serve_from_cache(
                     id: id.clone(),
                     attrs: authz_attributes(info, query),
                     view,
+                    protobuf,
                 }
                 .guard(b);
             }

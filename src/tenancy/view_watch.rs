@@ -22,6 +22,8 @@ pub struct ViewWatch {
     pub attrs: Attributes,
     /// The namespace set the watch started with.
     pub view: Arc<BTreeSet<String>>,
+    /// The stream is in protobuf (its ERROR event too).
+    pub protobuf: bool,
 }
 
 impl ViewWatch {
@@ -54,10 +56,11 @@ impl ViewWatch {
         use futures_util::StreamExt;
         use http_body_util::BodyStream;
         type Changed = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+        let protobuf = self.protobuf;
         let changed: Changed = Box::pin(self.changed());
         let s = futures_util::stream::unfold(
             Some((BodyStream::new(watch), changed)),
-            |st| async move {
+            move |st| async move {
                 let (mut inner, mut changed) = st?;
                 tokio::select! {
                     biased;
@@ -68,10 +71,8 @@ impl ViewWatch {
                             Reason::Expired,
                             "the namespaces of this caller's filtered cluster view changed; list again",
                         );
-                        let mut frame = b"{\"type\":\"ERROR\",\"object\":".to_vec();
-                        frame.extend_from_slice(&status.to_bytes());
-                        frame.extend_from_slice(b"}\n");
-                        Some((Ok(hyper::body::Frame::data(bytes::Bytes::from(frame))), None))
+                        let frame = status.watch_error_frame(protobuf);
+                        Some((Ok(hyper::body::Frame::data(frame)), None))
                     }
                 }
             },

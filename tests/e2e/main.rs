@@ -23,4 +23,5 @@ mod outage;
 mod paging;
 mod proto_side;
 mod protobuf;
+mod protobuf_watch;
 mod watch_validator;

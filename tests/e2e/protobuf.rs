@@ -21,8 +21,8 @@ use kube_cache_proxy::k8s::protobuf_write::{
 };
 use serde_json::{Value, json};
 
-const PROTOBUF: &str = "application/vnd.kubernetes.protobuf";
-const AS_PARTIAL: &str =
+pub(crate) const PROTOBUF: &str = "application/vnd.kubernetes.protobuf";
+pub(crate) const AS_PARTIAL: &str =
     "application/vnd.kubernetes.protobuf;as=PartialObjectMetadata;g=meta.k8s.io;v=v1";
 const AS_PARTIAL_LIST: &str =
     "application/vnd.kubernetes.protobuf;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1";
@@ -32,14 +32,14 @@ use crate::support::pb as wire;
 
 /// The apiserver, asked directly as admin.
 #[derive(Clone)]
-struct Direct {
-    http: Https,
-    url: String,
-    token: String,
+pub(crate) struct Direct {
+    pub(crate) http: Https,
+    pub(crate) url: String,
+    pub(crate) token: String,
 }
 
 impl Direct {
-    async fn send(
+    pub(crate) async fn send(
         &self,
         method: Method,
         path: &str,
@@ -69,7 +69,7 @@ impl Direct {
     }
 
     /// A request that must succeed: its body.
-    async fn ok(
+    pub(crate) async fn ok(
         &self,
         method: Method,
         path: &str,
@@ -87,7 +87,7 @@ impl Direct {
 
     /// A watch's frames (whole, with their length headers) until the stream ends or `stop`
     /// holds for the frames so far; panics if the stream ends mid-frame.
-    async fn watch(
+    pub(crate) async fn watch(
         &self,
         path: &str,
         accept: &str,
@@ -135,7 +135,7 @@ impl Direct {
     }
 }
 
-fn unknown(body: &[u8]) -> wire::Unknown {
+pub(crate) fn unknown(body: &[u8]) -> wire::Unknown {
     let rest = body.strip_prefix(b"k8s\0").expect("k8s\\0 magic");
     prost::Message::decode(rest).expect("runtime.Unknown")
 }
@@ -147,7 +147,7 @@ fn name_rv(raw: &[u8]) -> (String, String) {
 }
 
 /// A frame's event: (type, the embedded object's bytes).
-fn event(frame: &[u8]) -> (String, Vec<u8>) {
+pub(crate) fn event(frame: &[u8]) -> (String, Vec<u8>) {
     let e: wire::WatchEvent = prost::Message::decode(&frame[4..]).expect("WatchEvent");
     (e.r#type.unwrap(), e.object.unwrap().raw.unwrap())
 }

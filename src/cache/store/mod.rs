@@ -230,6 +230,44 @@ pub struct ResourceCache {
     pub proto_bookmark: Mutex<Option<(String, Bytes)>>,
     proto_wanted: std::sync::atomic::AtomicBool,
     proto_wanted_tx: watch::Sender<bool>,
+    /// Protobuf watchers: fed by their own dispatcher, which passes each event on once the
+    /// envelopes its frames are made from have come (`Event::proto_ready`), in order, so a
+    /// protobuf watch waits for the protobuf side once per event, not once per watcher.
+    pub proto_hub: Arc<Hub>,
+    /// Woken whenever an envelope is attached (the protobuf dispatcher and protobuf watches
+    /// starting wait on it).
+    proto_attached: Arc<tokio::sync::Notify>,
+    /// Protobuf events passed on without their envelope (bound reached): the protobuf
+    /// watchers were closed instead (read by the metrics collector).
+    pub proto_waits_expired: Arc<std::sync::atomic::AtomicU64>,
+}
+
+/// How long the protobuf dispatcher waits for an event's envelope before it closes the
+/// protobuf watchers (they come back from their last resourceVersion and, while the
+/// envelopes are missing, are passed to the apiserver). The protobuf side reads the same
+/// events from the apiserver as the JSON side, so it is normally milliseconds behind.
+pub const PROTO_WAIT: Duration = Duration::from_secs(10);
+
+/// Waits until `ready` holds, re-checked on every notification of `attached`, for at most
+/// `bound`; whether it held.
+async fn wait_attached(
+    attached: &tokio::sync::Notify,
+    ready: impl Fn() -> bool,
+    bound: Duration,
+) -> bool {
+    let deadline = tokio::time::Instant::now() + bound;
+    loop {
+        let n = attached.notified();
+        tokio::pin!(n);
+        // Registered before the check: an attach between the two still wakes it.
+        n.as_mut().enable();
+        if ready() {
+            return true;
+        }
+        if tokio::time::timeout_at(deadline, n).await.is_err() {
+            return ready();
+        }
+    }
 }
 
 /// Downstream watches refused with 410 Expired, by why their resourceVersion is gone (read
@@ -321,6 +359,14 @@ impl ResourceCache {
             cfg.watcher_queue_bytes,
             cfg.dispatch_budget,
         );
+        let proto_hub = Hub::with_queue_bytes(
+            cfg.watcher_queue,
+            cfg.watcher_queue_bytes,
+            cfg.dispatch_budget,
+        );
+        let (proto_dispatch, mut proto_rx) = mpsc::unbounded_channel::<Dispatch>();
+        let proto_attached = Arc::new(tokio::sync::Notify::new());
+        let proto_waits_expired = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let index = FieldIndex::for_resource(&resource);
         let cache = Arc::new(ResourceCache {
             resource,
@@ -357,13 +403,52 @@ impl ResourceCache {
             proto_bookmark: Default::default(),
             proto_wanted: Default::default(),
             proto_wanted_tx: watch::channel(false).0,
+            proto_hub: proto_hub.clone(),
+            proto_attached: proto_attached.clone(),
+            proto_waits_expired: proto_waits_expired.clone(),
         });
-        // The dispatcher: one task per resource, events in order.
+        // The dispatcher: one task per resource, events in order; then the protobuf
+        // watchers' (only while there are any: the events are dropped otherwise, and the
+        // protobuf hub's progress still moves).
         tokio::spawn(async move {
             while let Some(d) = rx.recv().await {
                 match d {
-                    Dispatch::Event(ev) => hub.dispatch(ev).await,
-                    Dispatch::Progress(rv) => hub.advance(rv),
+                    Dispatch::Event(ev) => {
+                        hub.dispatch(ev.clone()).await;
+                        let d = if proto_hub.is_empty() {
+                            Dispatch::Progress(ev.rv)
+                        } else {
+                            Dispatch::Event(ev)
+                        };
+                        let _ = proto_dispatch.send(d);
+                    }
+                    Dispatch::Progress(rv) => {
+                        hub.advance(rv);
+                        let _ = proto_dispatch.send(Dispatch::Progress(rv));
+                    }
+                }
+            }
+        });
+        let proto_hub = cache.proto_hub.clone();
+        tokio::spawn(async move {
+            while let Some(d) = proto_rx.recv().await {
+                match d {
+                    Dispatch::Event(ev) => {
+                        if !ev.proto_ready()
+                            && !wait_attached(&proto_attached, || ev.proto_ready(), PROTO_WAIT)
+                                .await
+                        {
+                            // Its envelope is not coming (the protobuf side restarted past
+                            // it, or is down): end the protobuf watches cleanly rather than
+                            // skip the event or hold every later one.
+                            proto_waits_expired.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                            proto_hub.close_all(CloseReason::Relist);
+                            proto_hub.advance(ev.rv);
+                            continue;
+                        }
+                        proto_hub.dispatch(ev).await;
+                    }
+                    Dispatch::Progress(rv) => proto_hub.advance(rv),
                 }
             }
         });
@@ -388,6 +473,7 @@ impl ResourceCache {
         let _s = self.write();
         self.ready_tx.send_replace(Readiness::Stopped);
         self.hub.close_all(CloseReason::Relist);
+        self.proto_hub.close_all(CloseReason::Relist);
     }
 
     /// The cache's current resourceVersion.
@@ -575,6 +661,32 @@ impl ResourceCache {
 
     /// Registers a watcher (see the module docs for the ordering argument).
     pub fn watch(&self, start: Start, filter: Arc<Filter>) -> Result<Registration, WatchError> {
+        self.watch_on(&self.hub, start, filter)
+    }
+
+    /// [`Self::watch`] for a protobuf watcher: its events come from the protobuf hub, each
+    /// once its envelopes have come. The starting point's objects may still lack theirs
+    /// ([`Self::wait_protobuf`]).
+    pub fn watch_protobuf(
+        &self,
+        start: Start,
+        filter: Arc<Filter>,
+    ) -> Result<Registration, WatchError> {
+        self.watch_on(&self.proto_hub, start, filter)
+    }
+
+    /// Waits (bounded) until `ready` holds, re-checked whenever a protobuf envelope is
+    /// attached; whether it held.
+    pub async fn wait_protobuf(&self, ready: impl Fn() -> bool, bound: Duration) -> bool {
+        wait_attached(&self.proto_attached, ready, bound).await
+    }
+
+    fn watch_on(
+        &self,
+        hub: &Arc<Hub>,
+        start: Start,
+        filter: Arc<Filter>,
+    ) -> Result<Registration, WatchError> {
         let s = self.read();
         // Under the read lock, so `stop` cannot slip in before the subscription.
         if !self.is_ready() {
@@ -633,7 +745,7 @@ impl ResourceCache {
             }
         };
         // Subscribing under the read lock: no change can be applied in between.
-        let sub = self.hub.subscribe(filter);
+        let sub = hub.subscribe(filter);
         drop(s);
         Ok(Registration { initial, rv, sub })
     }
@@ -768,6 +880,7 @@ impl ResourceCache {
             && o.meta.resource_version == rv
         {
             o.proto.set(envelope);
+            self.proto_attached.notify_waiters();
             return Attached::Now;
         }
         let i = s.history.partition_point(|e| e.rv < rv);
@@ -777,6 +890,7 @@ impl ResourceCache {
             && e.object.meta.namespace == key.namespace
         {
             e.object.proto.set(envelope);
+            self.proto_attached.notify_waiters();
             return Attached::Now;
         }
         if rv <= s.rv && self.is_ready() {
@@ -1151,6 +1265,7 @@ impl ReflectorSink for ResourceCache {
                 // new resourceVersion can reach the dispatcher: a bookmark must never carry
                 // an old watcher across the gap.
                 self.hub.close_all(CloseReason::Relist);
+                self.proto_hub.close_all(CloseReason::Relist);
             }
             s.bytes = new.values().map(|o| o.body.len()).sum();
             s.relist_rv = (!first).then_some(rv);

@@ -1,0 +1,203 @@
+//! Protobuf watches served from the cache are kube-apiserver's streams, byte for byte: the
+//! same watch (from one resourceVersion, with and without a label selector, whole objects
+//! and `PartialObjectMetadata`) asked of the apiserver and of the proxy returns the same
+//! frames, including an object entering the selection (ADDED), leaving it (DELETED of its
+//! old state at the event's resourceVersion) and deletions; and the proxy's frames came from
+//! its cache (its protobuf watchers' event counter), not from the apiserver.
+
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use http::Method;
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
+use kube_cache_proxy::k8s::protobuf::{envelope, object_meta};
+use serde_json::json;
+
+use crate::protobuf::{AS_PARTIAL, Direct, PROTOBUF, event};
+use crate::support::proxy::apiserver_client;
+
+const NS: &str = "pbw";
+
+/// The resourceVersion a write's protobuf answer carries.
+fn rv_of(body: &[u8]) -> u64 {
+    object_meta(envelope(body).expect("an envelope").raw)
+        .expect("metadata")
+        .resource_version
+        .parse()
+        .expect("a numeric resourceVersion")
+}
+
+/// The resourceVersion of a frame's object.
+fn frame_rv(frame: &[u8]) -> u64 {
+    rv_of(&event(frame).1)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protobuf_watches_from_the_cache_are_the_apiservers_frames() {
+    let cp = ControlPlane::start(ControlPlaneOptions::default())
+        .await
+        .expect("control plane starts");
+    cp.create_default_service_account(NS).await.unwrap();
+    let token = cp.admin_token().to_string();
+    let d = Direct {
+        http: apiserver_client(&cp.ca_pem, false),
+        url: cp.url.clone(),
+        token: token.clone(),
+    };
+    let path = format!("/api/v1/namespaces/{NS}/configmaps");
+    let create = async |name: &str, app: &str| {
+        let cm = json!({"metadata": {"name": name, "labels": {"app": app}}, "data": {"k": name}});
+        rv_of(
+            &d.ok(
+                Method::POST,
+                &path,
+                PROTOBUF,
+                Some(("application/json", cm)),
+            )
+            .await,
+        )
+    };
+    for (i, app) in ["a", "a", "b", "b", "a"].iter().enumerate() {
+        create(&format!("cm-{i}"), app).await;
+    }
+    let upstream = crate::clients::kube_config(&cp.admin_kubeconfig_yaml()).await;
+    let proxy = crate::support::proxy::TestProxy::start_with_kube(upstream, |c| {
+        c.cache.resources = vec!["configmaps".into()];
+    })
+    .await;
+    let p = Direct {
+        http: apiserver_client(&proxy.ca_pem, false),
+        url: proxy.https(""),
+        token,
+    };
+    // A protobuf reader starts the resource's protobuf side; until it has synced, the
+    // apiserver answers.
+    let accept = "application/vnd.kubernetes.protobuf, */*";
+    crate::support::eventually::eventually(
+        "the protobuf side to sync",
+        Duration::from_secs(60),
+        async || {
+            p.ok(Method::GET, &path, accept, None).await;
+            let c = proxy.cache("", "v1", "configmaps");
+            crate::support::eventually::ok_if(
+                c.as_ref()
+                    .is_some_and(|c| c.protobuf_ready() && c.protobuf_coverage().1 == 0),
+                c.map(|c| c.protobuf_coverage()),
+            )
+        },
+    )
+    .await;
+    let cache = proxy.cache("", "v1", "configmaps").unwrap();
+
+    // The writes the watches replay, all straight at the apiserver; `from` is the first
+    // one's resourceVersion minus nothing: the watches start after the marker.
+    let from = create("marker", "z").await;
+    let patch = async |name: &str, body: serde_json::Value| {
+        rv_of(
+            &d.ok(
+                Method::PATCH,
+                &format!("{path}/{name}"),
+                PROTOBUF,
+                Some(("application/merge-patch+json", body)),
+            )
+            .await,
+        )
+    };
+    patch("cm-0", json!({"data": {"k": "changed"}})).await; // MODIFIED in app=a
+    patch("cm-1", json!({"metadata": {"labels": {"app": "b"}}})).await; // leaves app=a
+    patch("cm-2", json!({"metadata": {"labels": {"app": "a"}}})).await; // enters app=a
+    d.ok(Method::DELETE, &format!("{path}/cm-4"), PROTOBUF, None)
+        .await; // DELETED in app=a
+    d.ok(Method::DELETE, &format!("{path}/cm-3"), PROTOBUF, None)
+        .await; // DELETED outside app=a
+    let last = create("the-end", "a").await; // seen by every watch below
+    crate::support::eventually::eventually(
+        "the cache to reach the last write with its envelope",
+        Duration::from_secs(60),
+        async || {
+            crate::support::eventually::ok_if(
+                cache.rv() >= last && cache.protobuf_coverage().1 == 0,
+                (cache.rv(), cache.protobuf_coverage()),
+            )
+        },
+    )
+    .await;
+
+    let mut total_frames = 0;
+    let sent_before = cache.proto_hub.stats.events_sent.load(Relaxed);
+    for (accept, what) in [(PROTOBUF, "objects"), (AS_PARTIAL, "PartialObjectMetadata")] {
+        for selector in ["", "&labelSelector=app%3Da"] {
+            let q = format!("{path}?watch=1&resourceVersion={from}&timeoutSeconds=60{selector}");
+            let until_last =
+                |frames: &[Vec<u8>]| frames.last().is_some_and(|f| frame_rv(f) >= last);
+            let direct = d.watch(&q, accept, until_last).await;
+            let proxied = p.watch(&q, accept, until_last).await;
+            let types: Vec<String> = direct.iter().map(|f| event(f).0).collect();
+            println!("{what}{selector}: {} frames {types:?}", direct.len());
+            assert_eq!(
+                proxied, direct,
+                "{what}{selector}: the proxy's frames are the apiserver's"
+            );
+            total_frames += proxied.len();
+            if selector.is_empty() {
+                assert_eq!(
+                    types,
+                    [
+                        "MODIFIED", "MODIFIED", "MODIFIED", "DELETED", "DELETED", "ADDED"
+                    ]
+                );
+            } else {
+                // cm-0 changed, cm-1 left (DELETED), cm-2 entered (ADDED), cm-4 deleted,
+                // the-end created.
+                assert_eq!(types, ["MODIFIED", "DELETED", "ADDED", "DELETED", "ADDED"]);
+            }
+        }
+    }
+    let sent = cache.proto_hub.stats.events_sent.load(Relaxed) - sent_before;
+    assert!(
+        sent >= total_frames as u64,
+        "every frame came from the cache's protobuf watchers: {sent} events sent for {total_frames} frames"
+    );
+
+    // WatchList in protobuf: the initial state, then the initial-events-end bookmark whose
+    // bytes are the apiserver's but for its resourceVersion (the proxy's is its cache's,
+    // the apiserver's its own at that moment).
+    let q = format!(
+        "{path}?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&allowWatchBookmarks=true&timeoutSeconds=60"
+    );
+    let until_bookmark =
+        |frames: &[Vec<u8>]| frames.last().is_some_and(|f| event(f).0 == "BOOKMARK");
+    let direct = d.watch(&q, PROTOBUF, until_bookmark).await;
+    let proxied = p.watch(&q, PROTOBUF, until_bookmark).await;
+    let objects = |frames: &[Vec<u8>]| {
+        let mut v: Vec<Vec<u8>> = frames[..frames.len() - 1]
+            .iter()
+            .map(|f| event(f).1)
+            .collect();
+        v.sort();
+        v
+    };
+    assert_eq!(
+        objects(&proxied),
+        objects(&direct),
+        "the initial state's objects"
+    );
+    let bookmark_at = |frames: &[Vec<u8>]| {
+        let (ty, obj) = event(frames.last().unwrap());
+        assert_eq!(ty, "BOOKMARK");
+        let rv = rv_of(&obj);
+        (
+            kube_cache_proxy::k8s::protobuf_write::with_resource_version(&obj, "1").unwrap(),
+            rv,
+        )
+    };
+    let (pb, prv) = bookmark_at(&proxied);
+    let (db, _) = bookmark_at(&direct);
+    assert_eq!(pb, db, "the initial-events-end bookmark");
+    assert!(
+        prv >= last,
+        "the bookmark is at the cache's resourceVersion"
+    );
+    proxy.shutdown().await;
+    cp.stop().await;
+}

@@ -5,8 +5,9 @@
 #
 #   build-control-plane.sh            kube-apiserver, kubectl, etcd (the real control plane)
 #   build-control-plane.sh clients    informer-check (client-go informers pointed at the proxy)
-#   build-control-plane.sh conformance kube-controller-manager and e2e.test (the upstream e2e
-#                                      tests of the conformance tier, see go/conformance)
+#   build-control-plane.sh conformance kube-controller-manager, kube-scheduler and e2e.test (the
+#                                      upstream e2e tests of the conformance tier, see
+#                                      go/conformance)
 #
 # Every binary is stamped with the version of k8s.io/kubernetes pinned in go.mod (gitVersion,
 # gitMajor, gitMinor, gitTreeState and a buildDate fixed to that release's publication time, in
@@ -28,7 +29,7 @@ gov=$(go env GOVERSION)
 case "$set_name" in
   control-plane) wanted=(kube-apiserver kubectl etcd); srcdirs=(cmd/etcd) ;;
   clients) wanted=(informer-check); srcdirs=(cmd/informer-check) ;;
-  conformance) wanted=(kube-controller-manager e2e.test); srcdirs=(conformance) ;;
+  conformance) wanted=(kube-controller-manager kube-scheduler e2e.test); srcdirs=(conformance) ;;
   *) echo "unknown set $set_name" >&2; exit 2 ;;
 esac
 
@@ -59,7 +60,7 @@ cd "$here"
 for b in "${wanted[@]}"; do
   [ -x "$bin/$b" ] && continue
   case "$b" in
-    kube-apiserver|kubectl|kube-controller-manager) pkg=k8s.io/kubernetes/cmd/$b ;;
+    kube-apiserver|kubectl|kube-controller-manager|kube-scheduler) pkg=k8s.io/kubernetes/cmd/$b ;;
     e2e.test) pkg=./conformance ;;
     *) pkg=./cmd/$b ;;
   esac

@@ -6,6 +6,7 @@
 #![allow(dead_code)]
 
 pub mod balancer;
+pub mod components;
 pub mod differential;
 pub mod e2e;
 pub mod eventually;

@@ -116,6 +116,11 @@ async fn serve_from_cache(
                     other => other,
                 });
             }
+            // The opt-in field-level change filter is served for JSON watches only (its
+            // protobuf form is not built yet): the apiserver answers, unfiltered, as before.
+            if protobuf && watch_fields.is_some() {
+                return delegate("field-level change filter in protobuf");
+            }
             filter.namespaces = view.clone();
             filter.changes = watch_fields;
             let resp = crate::telemetry::in_span(

@@ -63,11 +63,6 @@ pub const PROTOBUF_STREAM: &str = "application/vnd.kubernetes.protobuf;stream=wa
 /// applied a moment before the protobuf side delivered them) before the apiserver serves it.
 const PROTO_START_WAIT: Duration = Duration::from_secs(2);
 
-/// A watch's ERROR event carrying `status`, in JSON or in protobuf.
-pub fn error_frame(status: &crate::k8s::status::Status, protobuf: bool) -> Bytes {
-    status.watch_error_frame(protobuf)
-}
-
 /// A protobuf watch's representation: whole objects or their metadata, and the kind's
 /// bookmark object (learnt from the protobuf side, `ResourceCache::proto_bookmark`).
 struct Proto {
@@ -192,7 +187,7 @@ pub async fn serve(
         // this cache.
         Err(e @ WatchError::Expired { .. }) => {
             let status = crate::k8s::status::Status::from(e);
-            let frame = error_frame(&status, proto.is_some());
+            let frame = status.watch_error_frame(proto.is_some());
             return Ok(stream_response(body::full(frame), proto.is_some()));
         }
     };

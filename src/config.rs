@@ -472,6 +472,16 @@ pub struct CacheConfig {
     /// own watch cache) the client gets its 410 as before. `false`: always 410 Expired
     /// (the client relists from the cache), as a kube-apiserver past its watch cache.
     pub backfill: bool,
+    /// Bound on the protobuf representation over all resources, in bytes. A built-in
+    /// resource's protobuf side (a second upstream watch, in protobuf, started by its first
+    /// protobuf reader) keeps each cached object version's exact protobuf bytes so protobuf
+    /// clients are served from the cache; the bytes are reported per resource
+    /// (`kube_cache_proxy_cache_protobuf_bytes`). A resource whose envelopes would take the
+    /// total over this bound is shed: its protobuf side stops, its objects drop their
+    /// envelopes and its protobuf requests go to the apiserver until the proxy restarts (a
+    /// warning in the log, `kube_cache_proxy_cache_protobuf_shed`). 0: no protobuf side at
+    /// all, every protobuf request passes through.
+    pub protobuf_max_bytes: u64,
     /// Bound on one backfill (the client's watch waits for it; then 410).
     #[serde(with = "duration")]
     pub backfill_timeout: Duration,
@@ -556,6 +566,7 @@ impl Default for CacheConfig {
             filtered_bookmark_interval: Duration::from_secs(5),
             absorb_relists: true,
             backfill: true,
+            protobuf_max_bytes: 2 << 30,
             backfill_timeout: Duration::from_secs(10),
             state_dir: None,
             state_max_age: Duration::from_secs(600),

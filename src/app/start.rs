@@ -110,6 +110,9 @@ pub fn build_state(
         snapshot_max_age: config.lists.snapshot_max_age,
         snapshot_max_bytes: config.lists.snapshot_max_bytes,
         absorb_relists: c.absorb_relists,
+        proto_budget: std::sync::Arc::new(crate::cache::proto_budget::ProtoBudget::new(
+            c.protobuf_max_bytes,
+        )),
     };
     let paging = crate::paging::Paging::new(config.paging.clone(), c.upstream_page_size);
     let reflector = crate::cache::reflector::ReflectorConfig {

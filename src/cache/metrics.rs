@@ -18,6 +18,11 @@ struct ResourceLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BudgetStateLabels {
+    state: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct StateLabels {
     resource: String,
     state: String,
@@ -70,6 +75,8 @@ impl Collector for CacheCollector {
         let proto_bytes = Family::<ResourceLabels, Gauge>::default();
         let proto_watchers = Family::<ResourceLabels, Gauge>::default();
         let proto_waits_expired = Family::<ResourceLabels, Counter>::default();
+        let proto_shed = Family::<ResourceLabels, Gauge>::default();
+        let proto_budget_bytes = Family::<BudgetStateLabels, Gauge>::default();
         for e in self.0.entries() {
             let resource = e.cache.resource.label();
             let l = ResourceLabels {
@@ -101,6 +108,18 @@ impl Collector for CacheCollector {
                 proto_waits_expired
                     .get_or_create(&l)
                     .inc_by(e.cache.proto_waits_expired.load(Relaxed));
+                proto_shed
+                    .get_or_create(&l)
+                    .set(i64::from(e.cache.proto_shed.is_cancelled()));
+            }
+            // One budget for the process: every cache holds the same one.
+            let b = e.cache.protobuf_budget();
+            for (state, n) in [("used", b.used()), ("max", b.max())] {
+                proto_budget_bytes
+                    .get_or_create(&BudgetStateLabels {
+                        state: state.into(),
+                    })
+                    .set(i64::try_from(n).unwrap_or(i64::MAX));
             }
             bytes.get_or_create(&l).set(e.cache.object_bytes() as i64);
             let ws = &e.cache.watch_stats;
@@ -242,6 +261,18 @@ impl Collector for CacheCollector {
             "kube_cache_proxy_cache_protobuf_watchers",
             "Downstream watchers served in protobuf from the cache (also counted in kube_cache_proxy_cache_watchers)",
             &proto_watchers,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_cache_protobuf_shed",
+            "1 when the resource's protobuf representation was shed for cache.protobufMaxBytes (its protobuf requests go to the apiserver until restart)",
+            &proto_shed,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_protobuf_budget_bytes",
+            "The protobuf representation's bytes charged over all resources (used) and its bound, cache.protobufMaxBytes (max)",
+            &proto_budget_bytes,
         )?;
         emit(
             &mut enc,

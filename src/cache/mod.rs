@@ -4,12 +4,14 @@
 //! history window, readiness), [`hub`] fans events out, [`reflector`] feeds the store from the apiserver, [`discovery`] (which
 //! resources to cache: configuration, discovery, CRDs), [`registry`] (the caches and
 //! reflectors of those resources, added and removed as CRDs come and go), [`persist`] (their
-//! state saved at shutdown and loaded at start: warm restart).
+//! state saved at shutdown and loaded at start: warm restart), [`proto_budget`] (the bound on
+//! the protobuf representation).
 
 pub mod event;
 pub mod hub;
 pub mod object;
 pub mod persist;
+pub mod proto_budget;
 pub mod reflector;
 pub mod relist;
 

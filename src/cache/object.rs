@@ -90,6 +90,15 @@ impl std::fmt::Debug for ProtoSlot {
 }
 
 impl CachedObject {
+    /// The same version without its protobuf envelope (the protobuf bound shed it).
+    pub fn without_protobuf(&self) -> CachedObject {
+        CachedObject {
+            body: self.body.clone(),
+            meta: self.meta.clone(),
+            proto: ProtoSlot::default(),
+        }
+    }
+
     /// Parses an object's JSON (a whole document). The body is `raw` itself when it has no
     /// leading `kind`/`apiVersion`, else a copy without them.
     pub fn parse(raw: Bytes, resource: &Resource) -> Result<CachedObject, ObjectError> {

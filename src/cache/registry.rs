@@ -241,13 +241,25 @@ impl Caches {
                     () = c.protobuf_wanted() => {}
                 }
                 tracing::info!(resource = %r.label(), "a protobuf reader came: starting the protobuf side");
+                // Stopped at shutdown, or for good when the protobuf bound sheds the resource.
+                let side_stop = stop.child_token();
                 let side = crate::cache::reflector::proto::ProtoSide::spawn(
                     r,
                     up,
-                    c as Arc<dyn crate::cache::reflector::proto::ProtoSink>,
+                    c.clone() as Arc<dyn crate::cache::reflector::proto::ProtoSink>,
                     cfg,
-                    stop,
+                    side_stop.clone(),
                 );
+                let mut tick = tokio::time::interval(PROTO_RECONCILE);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        () = stop.cancelled() => break,
+                        () = c.proto_shed.cancelled() => break,
+                        _ = tick.tick() => c.reconcile_protobuf(),
+                    }
+                }
+                side_stop.cancel();
                 let _ = side.join().await;
             });
         }
@@ -713,6 +725,11 @@ async fn get_json<T: for<'de> Deserialize<'de>>(
         source,
     })
 }
+
+/// How often a running protobuf side's charge to the protobuf bound is corrected to the
+/// exact bytes of its cache's envelopes (`ResourceCache::reconcile_protobuf`); attachments
+/// are charged as they come, so the bound holds between corrections too.
+const PROTO_RECONCILE: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The resource's protobuf side (`reflector::proto`) attaches each object version's exact
 /// protobuf envelope to the version the JSON side holds.

@@ -185,18 +185,28 @@ where
 }
 
 pin_project_lite::pin_project! {
-    /// Adds the bytes of every data frame the body yields to `sent` (the access log's
+    /// Adds the bytes of every data frame the body yields to `metric` (a response-bytes
+    /// counter, moving while a long watch runs) and to `sent` when given (the access log's
     /// `bytes`, read when the body ends).
     pub struct Counted<B> {
         #[pin]
         inner: B,
-        sent: std::sync::Arc<std::sync::atomic::AtomicU64>,
+        metric: prometheus_client::metrics::counter::Counter,
+        sent: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
     }
 }
 
 impl<B> Counted<B> {
-    pub fn new(inner: B, sent: std::sync::Arc<std::sync::atomic::AtomicU64>) -> Self {
-        Counted { inner, sent }
+    pub fn new(
+        inner: B,
+        metric: prometheus_client::metrics::counter::Counter,
+        sent: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
+    ) -> Self {
+        Counted {
+            inner,
+            metric,
+            sent,
+        }
     }
 }
 
@@ -216,8 +226,10 @@ where
         if let Some(Ok(f)) = &r
             && let Some(d) = f.data_ref()
         {
-            this.sent
-                .fetch_add(d.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            this.metric.inc_by(d.len() as u64);
+            if let Some(s) = this.sent {
+                s.fetch_add(d.len() as u64, std::sync::atomic::Ordering::Relaxed);
+            }
         }
         Poll::Ready(r)
     }

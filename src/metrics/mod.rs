@@ -45,6 +45,41 @@ pub struct DurationLabels {
     pub served_by: String,
 }
 
+/// Responses on the API port by the encoding of their body (`encoding`: `json`,
+/// `protobuf`, `cbor`, `yaml`, `other`; `none` without a `Content-Type`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EncodingLabels {
+    pub verb: String,
+    pub resource: String,
+    pub encoding: String,
+    pub served_by: String,
+}
+
+impl EncodingLabels {
+    /// The `encoding` label of a response's `Content-Type` (its media type only: a watch's
+    /// `;stream=watch` and any parameter are ignored).
+    pub fn encoding_of(content_type: Option<&http::HeaderValue>) -> &'static str {
+        let Some(v) = content_type.and_then(|v| v.to_str().ok()) else {
+            return "none";
+        };
+        let media = v.split(';').next().unwrap_or("").trim();
+        if media.eq_ignore_ascii_case("application/json") || media.ends_with("+json") {
+            "json"
+        } else if media.eq_ignore_ascii_case("application/vnd.kubernetes.protobuf") {
+            "protobuf"
+        } else if media.eq_ignore_ascii_case("application/cbor")
+            || media.eq_ignore_ascii_case("application/cbor-seq")
+            || media.ends_with("+cbor")
+        {
+            "cbor"
+        } else if media.eq_ignore_ascii_case("application/yaml") {
+            "yaml"
+        } else {
+            "other"
+        }
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabels {
     pub kind: String,
@@ -81,6 +116,11 @@ pub struct Metrics {
     pub downstream_waits: Family<BudgetLabels, Counter>,
     /// Reads answered from the cache with a `Warning` because the apiserver was unreachable.
     pub degraded_reads: Counter,
+    /// Responses by encoding (`kube_cache_proxy_responses_total`).
+    pub responses: Family<EncodingLabels, Counter>,
+    /// Body bytes written for clients by encoding, counted as each chunk leaves, so a
+    /// long watch is counted while it runs (`kube_cache_proxy_response_bytes_total`).
+    pub response_bytes: Family<EncodingLabels, Counter>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -125,6 +165,18 @@ impl Metrics {
         let downstream_buffered = Gauge::default();
         let downstream_waits = Family::<BudgetLabels, Counter>::default();
         let degraded_reads = Counter::default();
+        let responses = Family::<EncodingLabels, Counter>::default();
+        let response_bytes = Family::<EncodingLabels, Counter>::default();
+        registry.register(
+            "kube_cache_proxy_responses",
+            "Responses on the API port by verb, resource, body encoding (json, protobuf, cbor, yaml, other, none) and what served them",
+            responses.clone(),
+        );
+        registry.register(
+            "kube_cache_proxy_response_bytes",
+            "Response body bytes sent on the API port by verb, resource, body encoding and what served them",
+            response_bytes.clone(),
+        );
         registry.register(
             "kube_cache_proxy_degraded_reads",
             "Reads answered from the cache, with a Warning header, while the apiserver was unreachable",
@@ -200,6 +252,8 @@ impl Metrics {
             downstream_buffered,
             downstream_waits,
             degraded_reads,
+            responses,
+            response_bytes,
         }
     }
 
@@ -243,4 +297,28 @@ pub fn emit<M: prometheus_client::encoding::EncodeMetric>(
 ) -> std::fmt::Result {
     let e = enc.encode_descriptor(name, help, None, m.metric_type())?;
     m.encode(e)
+}
+
+#[cfg(test)]
+mod encoding_tests {
+    use super::EncodingLabels;
+
+    #[test]
+    fn a_responses_encoding_is_its_media_type() {
+        let of =
+            |v: &'static str| EncodingLabels::encoding_of(Some(&http::HeaderValue::from_static(v)));
+        assert_eq!(of("application/json"), "json");
+        assert_eq!(of("application/json;stream=watch"), "json");
+        assert_eq!(of("application/merge-patch+json"), "json");
+        assert_eq!(of("application/vnd.kubernetes.protobuf"), "protobuf");
+        assert_eq!(
+            of("application/vnd.kubernetes.protobuf;stream=watch"),
+            "protobuf"
+        );
+        assert_eq!(of("application/cbor"), "cbor");
+        assert_eq!(of("application/cbor-seq"), "cbor", "CBOR watch streams");
+        assert_eq!(of("application/yaml"), "yaml");
+        assert_eq!(of("text/plain; charset=utf-8"), "other");
+        assert_eq!(EncodingLabels::encoding_of(None), "none");
+    }
 }

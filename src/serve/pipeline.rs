@@ -20,7 +20,7 @@ use crate::http::drain::Tracked;
 use crate::k8s::request_info::{self, RequestInfo};
 use crate::k8s::status::{Reason, Status};
 use crate::k8s::watch_fields::{self, WatchFields};
-use crate::metrics::{DurationLabels, KindLabels, Metrics, RequestLabels};
+use crate::metrics::{DurationLabels, EncodingLabels, KindLabels, Metrics, RequestLabels};
 use crate::read::plan::{ReadAt, Rv};
 use crate::read::router::{self, Route};
 use crate::read::{NotServed, Served, delegate};
@@ -929,6 +929,7 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
     }
     let scope = info.metrics_scope().to_string();
     let paging = (verb == "LIST").then(|| state.paging.clone());
+    let (hist_verb, hist_resource) = (verb.clone(), info.resource.clone());
     let hist = state
         .metrics
         .request_duration
@@ -942,14 +943,22 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
             served_by: served_by.into(),
         })
         .clone();
+    let enc = EncodingLabels {
+        verb: hist_verb,
+        resource: hist_resource,
+        encoding: EncodingLabels::encoding_of(resp.headers().get(header::CONTENT_TYPE)).into(),
+        served_by: served_by.into(),
+    };
+    state.metrics.responses.get_or_create(&enc).inc();
+    let bytes_metric = state.metrics.response_bytes.get_or_create(&enc).clone();
     let (parts, b) = resp.into_parts();
     let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    // Counted only for a request the access log writes.
-    let b = if access.is_some() {
-        body::boxed(crate::http::drain::Counted::new(b, sent.clone()))
-    } else {
-        b
-    };
+    // Per request only for a request the access log writes.
+    let b = body::boxed(crate::http::drain::Counted::new(
+        b,
+        bytes_metric,
+        access.is_some().then(|| sent.clone()),
+    ));
     if let Some(t) = &traced {
         t.set(crate::telemetry::Attr::new(
             "kcp.served_by",

@@ -694,8 +694,32 @@ async fn protobuf_lists_and_gets_through_the_proxy_are_the_apiservers_bytes_from
             .from_cache
             .load(std::sync::atomic::Ordering::Relaxed)
     };
+    // The per-encoding response metrics: protobuf LISTs of configmaps from the cache.
+    let by_encoding = async || {
+        let (code, m) = proxy.admin_get("/metrics").await;
+        assert_eq!(code, 200);
+        let needles = [
+            "verb=\"LIST\"",
+            "resource=\"configmaps\"",
+            "encoding=\"protobuf\"",
+            "served_by=\"cache\"",
+        ];
+        (
+            crate::support::watch_validator::sum_metric(
+                &m,
+                "kube_cache_proxy_responses_total",
+                &needles,
+            ),
+            crate::support::watch_validator::sum_metric(
+                &m,
+                "kube_cache_proxy_response_bytes_total",
+                &needles,
+            ),
+        )
+    };
     let check_whole = async |what: &str| {
         let before = served();
+        let (responses, bytes) = by_encoding().await;
         let body = p
             .ok(
                 Method::GET,
@@ -705,6 +729,11 @@ async fn protobuf_lists_and_gets_through_the_proxy_are_the_apiservers_bytes_from
             )
             .await;
         assert_eq!(served(), before + 1, "{what}: served from the cache");
+        assert_eq!(
+            by_encoding().await,
+            (responses + 1.0, bytes + body.len() as f64),
+            "{what}: one protobuf response from the cache and its bytes, by encoding"
+        );
         let list: wire::List = prost::Message::decode(unknown(&body).raw.as_deref().unwrap())
             .expect("a protobuf list");
         let rv = list.metadata.unwrap().resource_version.unwrap();

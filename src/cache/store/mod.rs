@@ -51,6 +51,9 @@ pub struct StoreConfig {
     /// the old and the new state ([`super::relist`]); `false` closes them (they come back,
     /// get 410 Expired and relist themselves).
     pub absorb_relists: bool,
+    /// The process-wide bound on protobuf envelopes (`cache.protobufMaxBytes`), shared by
+    /// every cache built from this configuration.
+    pub proto_budget: Arc<crate::cache::proto_budget::ProtoBudget>,
 }
 
 impl Default for StoreConfig {
@@ -71,6 +74,7 @@ impl Default for StoreConfig {
             snapshot_max_age: Duration::from_secs(600),
             snapshot_max_bytes: 512 << 20,
             absorb_relists: true,
+            proto_budget: Default::default(),
         }
     }
 }
@@ -240,6 +244,14 @@ pub struct ResourceCache {
     /// Protobuf events passed on without their envelope (bound reached): the protobuf
     /// watchers were closed instead (read by the metrics collector).
     pub proto_waits_expired: Arc<std::sync::atomic::AtomicU64>,
+    /// Envelope bytes this cache has charged to `cfg.proto_budget`.
+    proto_charged: std::sync::atomic::AtomicU64,
+    /// An attachment under the write lock took the bound over: shed at the next
+    /// [`ResourceCache::reconcile_protobuf`].
+    proto_over: std::sync::atomic::AtomicBool,
+    /// Cancelled when this resource is shed for the protobuf bound: its protobuf side stops
+    /// for good (`crate::cache::proto_budget`).
+    pub proto_shed: tokio_util::sync::CancellationToken,
 }
 
 /// How long the protobuf dispatcher waits for an event's envelope before it closes the
@@ -406,6 +418,9 @@ impl ResourceCache {
             proto_hub: proto_hub.clone(),
             proto_attached: proto_attached.clone(),
             proto_waits_expired: proto_waits_expired.clone(),
+            proto_charged: Default::default(),
+            proto_over: Default::default(),
+            proto_shed: Default::default(),
         });
         // The dispatcher: one task per resource, events in order; then the protobuf
         // watchers' (only while there are any: the events are dropped otherwise, and the
@@ -875,11 +890,20 @@ impl ResourceCache {
     /// JSON side has not reached yet waits until it applies it; one it has passed without
     /// holding (trimmed from the history) is dropped.
     pub fn attach_protobuf(&self, key: &ObjectKey, rv: u64, envelope: Bytes) -> Attached {
+        if self.proto_shed.is_cancelled() {
+            return Attached::Dropped;
+        }
+        // Its own allocation: the envelope arrives as a slice of a network chunk holding
+        // other frames, which it would otherwise keep alive as long as the object version.
+        let envelope = Bytes::copy_from_slice(&envelope);
         let s = self.read();
         if let Some(o) = s.objects.get(key)
             && o.meta.resource_version == rv
         {
-            o.proto.set(envelope);
+            let n = envelope.len() as u64;
+            if o.proto.set(envelope) {
+                self.charge_protobuf(n, s);
+            }
             self.proto_attached.notify_waiters();
             return Attached::Now;
         }
@@ -889,7 +913,10 @@ impl ResourceCache {
             && e.object.meta.name == key.name
             && e.object.meta.namespace == key.namespace
         {
-            e.object.proto.set(envelope);
+            let n = envelope.len() as u64;
+            if e.object.proto.set(envelope) {
+                self.charge_protobuf(n, s);
+            }
             self.proto_attached.notify_waiters();
             return Attached::Now;
         }
@@ -918,9 +945,90 @@ impl ResourceCache {
         }
         let mut p = self.proto_pending.lock();
         if let Some(b) = p.remove(&(o.key(), o.meta.resource_version)) {
-            o.proto.set(b);
+            let n = b.len() as u64;
+            if o.proto.set(b) && !self.cfg.proto_budget.charge(n) {
+                // Called under the write lock: the shedding happens once it is released.
+                self.proto_charged.fetch_add(n, Relaxed);
+                self.proto_over.store(true, Relaxed);
+                return;
+            }
+            self.proto_charged.fetch_add(n, Relaxed);
         }
         self.proto_pending_len.store(p.len(), Relaxed);
+    }
+
+    /// Charges an attached envelope to the protobuf bound; over it, the resource is shed
+    /// (after `s`, the read lock, is released).
+    fn charge_protobuf(&self, n: u64, s: RwLockReadGuard<'_, State>) {
+        self.proto_charged
+            .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        let within = self.cfg.proto_budget.charge(n);
+        drop(s);
+        if !within {
+            self.shed_protobuf();
+        }
+    }
+
+    /// Sheds this resource's protobuf representation (see [`crate::cache::proto_budget`]):
+    /// its side stops, protobuf reads and watches go to the apiserver, and the current
+    /// objects drop their envelopes (history events and retained snapshots keep theirs until
+    /// they age out). Idempotent.
+    pub fn shed_protobuf(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.proto_shed.is_cancelled() {
+            return;
+        }
+        self.proto_shed.cancel();
+        self.proto_synced.store(0, Relaxed);
+        tracing::warn!(
+            resource = %self.resource.label(),
+            used = self.cfg.proto_budget.used(),
+            max = self.cfg.proto_budget.max(),
+            "the protobuf representation reached cache.protobufMaxBytes: this resource's protobuf side stops and its protobuf requests go to the apiserver"
+        );
+        {
+            let mut s = self.write();
+            let with: Vec<(ObjectKey, Arc<CachedObject>)> = s
+                .objects
+                .iter()
+                .filter(|(_, o)| o.proto.get().is_some())
+                .map(|(k, o)| (k.clone(), Arc::new(o.without_protobuf())))
+                .collect();
+            for (k, o) in with {
+                s.objects.insert(k, o);
+            }
+            self.proto_hub.close_all(CloseReason::Relist);
+        }
+        self.proto_pending.lock().clear();
+        self.proto_pending_len.store(0, Relaxed);
+        self.cfg
+            .proto_budget
+            .release(self.proto_charged.swap(0, Relaxed));
+    }
+
+    /// Corrects this cache's charge to the exact bytes of its current objects' envelopes
+    /// (replaced and deleted versions give theirs back), or sheds it when an attachment made
+    /// under the write lock took the total over the bound. Called periodically while the
+    /// protobuf side runs.
+    pub fn reconcile_protobuf(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.proto_over.swap(false, Relaxed) {
+            self.shed_protobuf();
+            return;
+        }
+        if self.proto_shed.is_cancelled() {
+            return;
+        }
+        let (_, _, exact) = self.protobuf_coverage();
+        let exact = exact as u64;
+        let before = self.proto_charged.swap(exact, Relaxed);
+        if exact >= before {
+            if !self.cfg.proto_budget.charge(exact - before) {
+                self.shed_protobuf();
+            }
+        } else {
+            self.cfg.proto_budget.release(before - exact);
+        }
     }
 
     /// Drops waiting protobuf envelopes of versions at or before `rv` (the JSON side
@@ -935,13 +1043,23 @@ impl ResourceCache {
         self.proto_pending_len.store(p.len(), Relaxed);
     }
 
+    /// The process-wide protobuf bound this cache charges.
+    pub fn protobuf_budget(&self) -> &crate::cache::proto_budget::ProtoBudget {
+        &self.cfg.proto_budget
+    }
+
     /// Whether protobuf reads can be served: the protobuf side has synced and is running.
     pub fn protobuf_ready(&self) -> bool {
-        self.proto_synced.load(std::sync::atomic::Ordering::Relaxed) > 0 && self.is_ready()
+        self.proto_synced.load(std::sync::atomic::Ordering::Relaxed) > 0
+            && self.is_ready()
+            && !self.proto_shed.is_cancelled()
     }
 
     /// A protobuf reader came: the registry starts this resource's protobuf side once.
     pub fn want_protobuf(&self) {
+        if !self.cfg.proto_budget.enabled() || self.proto_shed.is_cancelled() {
+            return;
+        }
         if !self
             .proto_wanted
             .swap(true, std::sync::atomic::Ordering::Relaxed)

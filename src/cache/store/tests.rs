@@ -130,6 +130,72 @@ async fn protobuf_envelopes_attach_to_their_exact_object_version() {
     assert_eq!(cache.protobuf_coverage(), (1, 1, 3));
 }
 
+/// The protobuf bound (`cache.protobufMaxBytes`): envelopes are charged as they attach,
+/// the charge follows the current objects (a replaced version gives its bytes back), and
+/// the attachment that takes the total over the bound sheds the resource: protobuf reads
+/// stop, the current objects drop their envelopes, the bytes are released, nothing attaches
+/// again and no protobuf reader starts the side again. The budget is shared by every
+/// cache built from one configuration.
+#[tokio::test]
+async fn the_protobuf_bound_sheds_the_resource_that_crosses_it() {
+    let budget = Arc::new(crate::cache::proto_budget::ProtoBudget::new(10));
+    let cfg = StoreConfig {
+        proto_budget: budget.clone(),
+        ..StoreConfig::default()
+    };
+    let pods = ResourceCache::new(Resource::core("pods", "Pod", true), cfg.clone());
+    let cms = ResourceCache::new(Resource::core("configmaps", "ConfigMap", true), cfg);
+    let env = |n: usize| Bytes::from(vec![b'x'; n]);
+    let key = |n: &str| ObjectKey::new("a", n);
+    pods.replace(vec![pod("a", "p", None, 5), pod("a", "q", None, 6)], 10);
+    cms.replace(vec![pod("a", "c", None, 7)], 10);
+    pods.want_protobuf();
+    assert!(pods.protobuf_started());
+    assert_eq!(pods.attach_protobuf(&key("p"), 5, env(4)), Attached::Now);
+    assert_eq!(cms.attach_protobuf(&key("c"), 7, env(3)), Attached::Now);
+    assert_eq!(budget.used(), 7, "both caches charge one budget");
+    // p changes: its old envelope leaves with the old version once reconciled.
+    pods.apply(EventKind::Modified, pod("a", "p", None, 11));
+    pods.reconcile_protobuf();
+    assert_eq!(budget.used(), 3);
+    assert_eq!(pods.attach_protobuf(&key("p"), 11, env(5)), Attached::Now);
+    assert_eq!(budget.used(), 8);
+    assert!(!pods.proto_shed.is_cancelled());
+    pods.proto_synced
+        .store(11, std::sync::atomic::Ordering::Relaxed);
+    assert!(pods.protobuf_ready());
+    // q's 3 bytes take it to 11 > 10: pods is shed, configmaps keeps its envelopes.
+    assert_eq!(pods.attach_protobuf(&key("q"), 6, env(3)), Attached::Now);
+    assert!(pods.proto_shed.is_cancelled());
+    assert!(!pods.protobuf_ready());
+    assert_eq!(pods.protobuf_coverage(), (0, 2, 0), "envelopes dropped");
+    assert_eq!(
+        budget.used(),
+        3,
+        "only the configmaps' bytes remain charged"
+    );
+    assert_eq!(
+        pods.attach_protobuf(&key("q"), 6, env(3)),
+        Attached::Dropped
+    );
+    // As a late initial-events-end bookmark would.
+    pods.proto_synced
+        .store(12, std::sync::atomic::Ordering::Relaxed);
+    assert!(!pods.protobuf_ready(), "a late bookmark does not revive it");
+    assert!(!cms.proto_shed.is_cancelled());
+    assert_eq!(cms.protobuf_coverage(), (1, 0, 3));
+    // A bound of 0: no protobuf side ever starts.
+    let off = ResourceCache::new(
+        Resource::core("pods", "Pod", true),
+        StoreConfig {
+            proto_budget: Arc::new(crate::cache::proto_budget::ProtoBudget::new(0)),
+            ..StoreConfig::default()
+        },
+    );
+    off.want_protobuf();
+    assert!(!off.protobuf_started());
+}
+
 /// Retained snapshots are bounded by the bytes they alone keep alive: once the states
 /// replaced after the oldest exceed the bound, the oldest goes when a new walk starts.
 #[tokio::test]

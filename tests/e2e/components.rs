@@ -20,6 +20,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
+use futures_util::StreamExt;
 use k8s_openapi::api::apps::v1::{Deployment, ReplicaSet};
 use k8s_openapi::api::core::v1::{Namespace, Node, Pod, ServiceAccount};
 use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
@@ -72,7 +73,7 @@ async fn controller_manager_and_scheduler_behind_the_proxy_run_a_deployment() {
         ok_if(code == 200, body)
     })
     .await;
-    register_nodes(&admin).await;
+    register_nodes(&admin, &NODES).await;
     Api::<Namespace>::all(admin.clone())
         .create(
             &PostParams::default(),
@@ -272,42 +273,49 @@ fn live(c: &mut Component) {
     }
 }
 
-/// Creates the fake Nodes at the apiserver, each `Ready` (through the status subresource, as
-/// a kubelet posts it) with room for pods and no taint of its own. The apiserver's
-/// `TaintNodesByCondition` admission gives each new Node the `not-ready:NoSchedule` taint;
-/// kube-controller-manager's node lifecycle controller removes it once it sees the `Ready`
-/// condition, as in a cluster.
-async fn register_nodes(admin: &kube::Client) {
+/// Creates fake Nodes named `names` at the apiserver, each `Ready` (through the status
+/// subresource, as a kubelet posts it) with room for pods and no taint of its own; a few at a
+/// time. The apiserver's `TaintNodesByCondition` admission gives each new Node the
+/// `not-ready:NoSchedule` taint; kube-controller-manager's node lifecycle controller removes
+/// it once it sees the `Ready` condition, as in a cluster.
+pub(crate) async fn register_nodes(admin: &kube::Client, names: &[impl AsRef<str> + Sync]) {
+    /// Writes in flight: enough to overlap round trips, few enough for two shared cores.
+    const CONCURRENT: usize = 8;
     let nodes: Api<Node> = Api::all(admin.clone());
     let now = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
     let room = json!({"cpu": "4", "memory": "8Gi", "pods": "110"});
-    for name in NODES {
-        let node: Node = serde_json::from_value(json!({
-            "metadata": {"name": name, "labels": {
-                "kubernetes.io/hostname": name,
-                "kubernetes.io/os": "linux",
-                "kubernetes.io/arch": "amd64",
-            }},
-        }))
-        .unwrap();
-        nodes.create(&PostParams::default(), &node).await.unwrap();
-        let status = json!({"status": {
-            "capacity": room,
-            "allocatable": room,
-            "conditions": [{
-                "type": "Ready",
-                "status": "True",
-                "reason": "KubeletReady",
-                "message": "a fake Node: no kubelet behind it",
-                "lastHeartbeatTime": now,
-                "lastTransitionTime": now,
-            }],
-        }});
-        nodes
-            .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
-            .await
-            .unwrap();
-    }
+    futures_util::stream::iter(names.iter().map(AsRef::as_ref))
+        .for_each_concurrent(CONCURRENT, |name| {
+            let (nodes, now, room) = (&nodes, &now, &room);
+            async move {
+                let node: Node = serde_json::from_value(json!({
+                    "metadata": {"name": name, "labels": {
+                        "kubernetes.io/hostname": name,
+                        "kubernetes.io/os": "linux",
+                        "kubernetes.io/arch": "amd64",
+                    }},
+                }))
+                .unwrap();
+                nodes.create(&PostParams::default(), &node).await.unwrap();
+                let status = json!({"status": {
+                    "capacity": room,
+                    "allocatable": room,
+                    "conditions": [{
+                        "type": "Ready",
+                        "status": "True",
+                        "reason": "KubeletReady",
+                        "message": "a fake Node: no kubelet behind it",
+                        "lastHeartbeatTime": now,
+                        "lastTransitionTime": now,
+                    }],
+                }});
+                nodes
+                    .patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+                    .await
+                    .unwrap();
+            }
+        })
+        .await;
 }
 
 fn deployment(name: &str, replicas: i32) -> Deployment {

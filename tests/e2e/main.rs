@@ -20,6 +20,7 @@ mod crd;
 mod deploy;
 mod differential;
 mod ha;
+mod kubelet_watchers;
 mod lists;
 mod outage;
 mod paging;

@@ -85,14 +85,30 @@ impl Direct {
         b
     }
 
+    /// A JSON merge patch of the object at `path` that must succeed: the patched object, in
+    /// protobuf.
+    pub(crate) async fn merge_patch(&self, path: &str, patch: Value) -> Bytes {
+        let merge = Some(("application/merge-patch+json", patch));
+        self.ok(Method::PATCH, path, PROTOBUF, merge).await
+    }
+
     /// A watch's frames (whole, with their length headers) until the stream ends or `stop`
-    /// holds for the frames so far; panics if the stream ends mid-frame.
+    /// holds for the frames so far; panics if the stream ends mid-frame or after 30 s.
     pub(crate) async fn watch(
         &self,
         path: &str,
         accept: &str,
         stop: impl Fn(&[Vec<u8>]) -> bool,
     ) -> Vec<Vec<u8>> {
+        self.open_watch(path, accept)
+            .await
+            .read_until(Duration::from_secs(30), stop)
+            .await
+    }
+
+    /// Starts a protobuf watch: its stream once the response has begun (200, the watch
+    /// content type), read later with [`WatchFrames::read_until`].
+    pub(crate) async fn open_watch(&self, path: &str, accept: &str) -> WatchFrames {
         let req = Request::get(format!("{}{path}", self.url))
             .header("authorization", format!("Bearer {}", self.token))
             .header("accept", accept)
@@ -104,9 +120,30 @@ impl Direct {
             resp.headers()["content-type"],
             "application/vnd.kubernetes.protobuf;stream=watch"
         );
-        let mut body = resp.into_body();
+        WatchFrames {
+            path: path.to_string(),
+            body: resp.into_body(),
+        }
+    }
+}
+
+/// An open protobuf watch stream ([`Direct::open_watch`]).
+pub(crate) struct WatchFrames {
+    path: String,
+    body: hyper::body::Incoming,
+}
+
+impl WatchFrames {
+    /// The frames (whole, with their length headers) until the stream ends or `stop` holds
+    /// for the frames so far; panics if the stream ends mid-frame or `limit` passes first.
+    pub(crate) async fn read_until(
+        mut self,
+        limit: Duration,
+        stop: impl Fn(&[Vec<u8>]) -> bool,
+    ) -> Vec<Vec<u8>> {
+        let path = &self.path;
         let (mut buf, mut frames) = (Vec::<u8>::new(), Vec::new());
-        tokio::time::timeout(Duration::from_secs(30), async {
+        tokio::time::timeout(limit, async {
             loop {
                 while buf.len() >= 4 {
                     let len = u32::from_be_bytes(buf[..4].try_into().unwrap()) as usize;
@@ -118,7 +155,7 @@ impl Direct {
                 if stop(&frames) {
                     return;
                 }
-                match body.frame().await {
+                match self.body.frame().await {
                     None => return,
                     Some(f) => {
                         if let Ok(d) = f.unwrap().into_data() {
@@ -129,7 +166,7 @@ impl Direct {
             }
         })
         .await
-        .unwrap_or_else(|_| panic!("{path}: watch did not end within 30 s"));
+        .unwrap_or_else(|_| panic!("{path}: watch did not end within {limit:?}"));
         assert!(buf.is_empty(), "{path}: stream ended mid-frame: {buf:02x?}");
         frames
     }

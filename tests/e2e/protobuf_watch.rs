@@ -18,7 +18,7 @@ use crate::support::proxy::apiserver_client;
 const NS: &str = "pbw";
 
 /// The resourceVersion a write's protobuf answer carries.
-fn rv_of(body: &[u8]) -> u64 {
+pub(crate) fn rv_of(body: &[u8]) -> u64 {
     object_meta(envelope(body).expect("an envelope").raw)
         .expect("metadata")
         .resource_version
@@ -27,7 +27,7 @@ fn rv_of(body: &[u8]) -> u64 {
 }
 
 /// The resourceVersion of a frame's object.
-fn frame_rv(frame: &[u8]) -> u64 {
+pub(crate) fn frame_rv(frame: &[u8]) -> u64 {
     rv_of(&event(frame).1)
 }
 
@@ -92,15 +92,7 @@ async fn protobuf_watches_from_the_cache_are_the_apiservers_frames() {
     // one's resourceVersion minus nothing: the watches start after the marker.
     let from = create("marker", "z").await;
     let patch = async |name: &str, body: serde_json::Value| {
-        rv_of(
-            &d.ok(
-                Method::PATCH,
-                &format!("{path}/{name}"),
-                PROTOBUF,
-                Some(("application/merge-patch+json", body)),
-            )
-            .await,
-        )
+        rv_of(&d.merge_patch(&format!("{path}/{name}"), body).await)
     };
     patch("cm-0", json!({"data": {"k": "changed"}})).await; // MODIFIED in app=a
     patch("cm-1", json!({"metadata": {"labels": {"app": "b"}}})).await; // leaves app=a

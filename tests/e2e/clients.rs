@@ -327,6 +327,111 @@ async fn client_go_informers_converge_to_the_apiservers_state() {
     env.cp.stop().await;
 }
 
+/// Protobuf responses for configmaps the proxy served from its cache, for `verb`, from its
+/// per-encoding metrics.
+async fn configmaps_protobuf_from_cache(env: &Env, verb: &str) -> f64 {
+    let (code, m) = env.proxy.admin_get("/metrics").await;
+    assert_eq!(code, 200);
+    support::watch_validator::sum_metric(
+        &m,
+        "kube_cache_proxy_responses_total",
+        &[
+            &format!("verb=\"{verb}\""),
+            "resource=\"configmaps\"",
+            "encoding=\"protobuf\"",
+            "served_by=\"cache\"",
+        ],
+    )
+}
+
+/// client-go typed informers configured as kube-controller-manager and the kubelet configure
+/// theirs (`rest.Config.ContentType: application/vnd.kubernetes.protobuf`), legacy (LIST,
+/// then WATCH) and WatchList (one streaming WATCH), converge through the proxy to exactly the
+/// apiserver's state, every request of theirs asks for protobuf first, and their LIST and
+/// WATCH were answered in protobuf from the proxy's cache (its per-encoding metrics). The
+/// first protobuf request starts the resource's protobuf side; until it has synced the
+/// apiserver answers, so the test waits for that first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_go_protobuf_informers_converge_from_the_cache() {
+    let ns = "e2e-clientgo-pb";
+    let env = env(ns).await;
+    env.churn(ns, "pre", 6).await;
+    let bin = tokio::task::spawn_blocking(kube_cache_proxy::app::dev::ensure_client_binaries)
+        .await
+        .unwrap()
+        .unwrap();
+    let p = crate::protobuf::Direct {
+        http: support::proxy::apiserver_client(&env.proxy.ca_pem, false),
+        url: env.proxy.https(""),
+        token: env.cp.admin_token().to_string(),
+    };
+    let path = format!("/api/v1/namespaces/{ns}/configmaps");
+    eventually(
+        "a protobuf LIST of configmaps served from the cache",
+        Duration::from_secs(60),
+        async || {
+            let body = p
+                .ok(
+                    http::Method::GET,
+                    &path,
+                    "application/vnd.kubernetes.protobuf, application/json",
+                    None,
+                )
+                .await;
+            assert!(body.starts_with(b"k8s\0"), "a protobuf answer");
+            let n = configmaps_protobuf_from_cache(&env, "LIST").await;
+            ok_if(n >= 1.0, n)
+        },
+    )
+    .await;
+    for mode in ["legacy", "watchlist"] {
+        let (lists, watches) = (
+            configmaps_protobuf_from_cache(&env, "LIST").await,
+            configmaps_protobuf_from_cache(&env, "WATCH").await,
+        );
+        let mut ic = InformerCheck::spawn(
+            &bin,
+            &env.proxy_kubeconfig,
+            ns,
+            &["--mode", mode, "--content-type", "protobuf"],
+        );
+        ic.next("MODE");
+        ic.next("SYNCED");
+        let last = env.churn(ns, &format!("pb{mode}"), 9).await;
+        let seen = ic.wait(last);
+        let (truth, _) = env.truth(ns).await;
+        assert_eq!(
+            seen, truth,
+            "{mode}: the protobuf informer's cache differs from the apiserver"
+        );
+        let errs = ic.finish();
+        let requests: Vec<_> = errs.iter().filter(|l| l.starts_with("REQUEST ")).collect();
+        assert!(
+            !requests.is_empty()
+                && requests
+                    .iter()
+                    .all(|l| l.contains("accept=application/vnd.kubernetes.protobuf,")),
+            "{mode}: every request asks for protobuf first: {requests:?}"
+        );
+        let (lists_after, watches_after) = (
+            configmaps_protobuf_from_cache(&env, "LIST").await,
+            configmaps_protobuf_from_cache(&env, "WATCH").await,
+        );
+        assert!(
+            watches_after > watches,
+            "{mode}: the informer's protobuf WATCH came from the cache ({watches} -> {watches_after}): {requests:?}"
+        );
+        if mode == "legacy" {
+            assert!(
+                lists_after > lists,
+                "legacy: the informer's protobuf LIST came from the cache ({lists} -> {lists_after})"
+            );
+        }
+    }
+    env.proxy.shutdown().await;
+    env.cp.stop().await;
+}
+
 /// kube-apiserver killed (SIGKILL) and restarted, in a few randomized rounds (the real
 /// subset of the fault tier, `tests/integration/fault_tier.rs`): client-go informers the
 /// proxy serves from its cache keep their watches and do not relist (legacy and metadata:

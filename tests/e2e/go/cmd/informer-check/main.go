@@ -14,6 +14,10 @@
 // PartialObjectMetadata(List) in metadata mode): typed clients and the metadata client put
 // protobuf first, which the proxy hands to the apiserver.
 //
+// --content-type=protobuf sets rest.Config.ContentType to application/vnd.kubernetes.protobuf, as
+// kube-controller-manager, kube-scheduler and the kubelet configure their clients (then the
+// typed clients' Accept is protobuf first, JSON second); the default leaves client-go's own.
+//
 // --watch-fields=<spec> adds the proxy's opt-in X-Kube-Cache-Proxy-Watch-Fields header to every
 // request (a transport wrapper, as a controller would; lists ignore it), and logs the
 // X-Kube-Cache-Proxy-Watch-Filter response header of each watch to stderr as "WATCHFILTER <value>".
@@ -106,7 +110,11 @@ func run() error {
 	watchList := flag.String("watch-list", "auto", "WatchListClient gate: auto (by mode) | true | false")
 	accept := flag.String("accept", "client", "client (the client's own Accept) | json (protobuf clauses dropped)")
 	watchFields := flag.String("watch-fields", "", "the proxy's X-Kube-Cache-Proxy-Watch-Fields header, sent with every request")
+	contentType := flag.String("content-type", "default", "default (client-go's) | protobuf (rest.Config.ContentType, as kube-controller-manager sets it)")
 	flag.Parse()
+	if *contentType != "default" && *contentType != "protobuf" {
+		usage("--content-type must be default or protobuf")
+	}
 	if *accept != "client" && *accept != "json" {
 		usage("--accept must be client or json")
 	}
@@ -149,6 +157,9 @@ func run() error {
 	}
 	// The informer's own traffic is what is under test; no client-side throttling.
 	cfg.QPS, cfg.Burst = 1000, 1000
+	if *contentType == "protobuf" {
+		cfg.ContentType = "application/vnd.kubernetes.protobuf"
+	}
 	cfg.Wrap(func(rt http.RoundTripper) http.RoundTripper { return logRequests{rt, *accept == "json"} })
 	if *watchFields != "" {
 		// The transport wrapper a controller adds to opt in (see docs/watch-fields.md).

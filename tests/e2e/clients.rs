@@ -439,8 +439,9 @@ async fn client_go_protobuf_informers_converge_from_the_cache() {
 /// exactly the apiserver's state. The proxy's own upstream watch breaks; if the new
 /// apiserver cannot resume it, the proxy relists and tells its watchers the difference
 /// (`cache.absorbRelists`). Most informers here ask for JSON (the Accept a controller with
-/// `ContentType: application/json` sends); client-go's default protobuf goes to the apiserver
-/// until the cache speaks it, so that informer's watch breaks with the apiserver's
+/// `ContentType: application/json` sends); the one with client-go's own Accept (protobuf
+/// first) starts the protobuf side with its first requests, which the apiserver answers
+/// (the side has not synced yet), so that informer's watch may break with the apiserver's
 /// connection, which the proxy ends as a clean end of stream (as the client would see the
 /// connection drop direct). Its re-watch while the apiserver is still down is answered 503
 /// by the proxy where a direct client meets a refused connection; client-go retries a watch

@@ -468,8 +468,10 @@ pub struct CacheConfig {
     /// event, or past the history's window) is served by extending the history back from
     /// the apiserver: an Exact list at that resourceVersion and a watch from it, joined to
     /// the history only when they lead exactly to its start, once for every client in the
-    /// stretch. Where the apiserver no longer has the stretch (compacted, or older than its
-    /// own watch cache) the client gets its 410 as before. `false`: always 410 Expired
+    /// stretch. Where the apiserver's watch no longer has the events (older than its own
+    /// watch cache) but etcd still has the state (the Exact list works), the stretch is the
+    /// difference from that state to the history's start, as after an absorbed relist
+    /// (with `absorbRelists`); only a compacted resourceVersion gets its 410 as before. `false`: always 410 Expired
     /// (the client relists from the cache), as a kube-apiserver past its watch cache.
     pub backfill: bool,
     /// Bound on the protobuf representation over all resources, in bytes. A built-in

@@ -243,6 +243,7 @@ impl prometheus_client::collector::Collector for BackfillCollector {
             ("filled", &s.filled),
             ("gone", &s.gone),
             ("failed", &s.failed),
+            ("difference", &s.differences),
         ] {
             outcomes
                 .get_or_create(&OutcomeLabels {
@@ -253,8 +254,9 @@ impl prometheus_client::collector::Collector for BackfillCollector {
         emit(
             &mut enc,
             "kube_cache_proxy_backfills",
-            "Watches older than a cache's history: filled (the history was extended back from \
-             the apiserver), gone (410: compacted or past the apiserver's window), failed",
+            "Watches older than a cache's history: filled (the history was extended back with \
+             the apiserver's events), difference (with the difference from an Exact list: the \
+             apiserver's watch no longer had the events), gone (410: compacted), failed",
             &outcomes,
         )?;
         let events = Counter::<u64>::default();

@@ -264,3 +264,157 @@ async fn backfills_of_one_resource_are_rate_limited() {
     assert_eq!(exact_lists(&fake.requests()), 4);
     proxy.shutdown().await;
 }
+
+/// The configmaps (name → (uid, resourceVersion)) at `rv`, from the fake's write log.
+fn state_at(fake: &FakeApiServer, rv: u64) -> std::collections::BTreeMap<String, (String, u64)> {
+    let mut state = std::collections::BTreeMap::new();
+    for w in fake.writes("configmaps").into_iter().filter(|w| w.rv <= rv) {
+        let name = w.object["metadata"]["name"].as_str().unwrap().to_string();
+        if w.typ == "DELETED" {
+            state.remove(&name);
+        } else {
+            let uid = w.object["metadata"]["uid"].as_str().unwrap().to_string();
+            state.insert(name, (uid, w.rv));
+        }
+    }
+    state
+}
+
+/// A client resuming from a resourceVersion older than the apiserver's watch window, which
+/// etcd still holds (an Exact list there works, a watch from there gets 410, as from
+/// kube-apiserver past its watch cache): with `cache.absorbRelists` (the default) the proxy
+/// extends its history with the difference from that state to its history's start, so the
+/// client gets ADDED/MODIFIED/DELETED events, in increasing resourceVersions, that take its
+/// state exactly to the apiserver's, then every later write, without 410 or relist; a
+/// resume strictly inside that stretch gets 410 (its place among a difference's events is
+/// unknown). With `absorbRelists: false` the client gets 410, as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_older_than_the_apiservers_watch_window_gets_the_difference() {
+    for absorb in [true, false] {
+        let fake = FakeApiServer::start().await;
+        fake.create("/api/v1/namespaces", json!({"metadata": {"name": NS}}))
+            .await;
+        write_some(&fake, 0, 20).await;
+        let at = fake.writes("configmaps").last().unwrap().rv;
+        write_some(&fake, 20, 16).await;
+        fake.set_watch_window_start(fake.writes("configmaps").last().unwrap().rv);
+        let proxy = TestProxy::start(&fake.url(), |c| {
+            c.cache.resources = vec!["configmaps".into()];
+            c.cache.absorb_relists = absorb;
+        })
+        .await;
+        eventually("the configmaps cache to be ready", GUARD, async || {
+            let ready = proxy
+                .cache("", "v1", "configmaps")
+                .is_some_and(|c| c.is_ready());
+            ok_if(ready, "not ready")
+        })
+        .await;
+        let cache = proxy.cache("", "v1", "configmaps").unwrap();
+        let oldest = cache.oldest_rv();
+        assert!(oldest > at + 1, "the history starts after the client");
+        fake.clear_requests();
+        let client = proxy.client(None, true);
+        let base = proxy.https(&format!("/api/v1/namespaces/{NS}/configmaps"));
+        let resp = client
+            .get(
+                &format!("{base}?watch=1&allowWatchBookmarks=true&resourceVersion={at}"),
+                Some("tok"),
+            )
+            .await;
+        assert_eq!(resp.status(), 200);
+        let mut r = EventReader::new(resp);
+        assert_eq!(exact_lists(&fake.requests()), 1, "one Exact list at {at}");
+        if !absorb {
+            let ev = tokio::time::timeout(GUARD, r.next())
+                .await
+                .expect("an answer within the guard")
+                .expect("an ERROR event");
+            assert_eq!(ev["type"], "ERROR", "{ev}");
+            assert_eq!(ev["object"]["code"], 410, "{ev}");
+            proxy.shutdown().await;
+            continue;
+        }
+        // The difference the client's own relist would compute, to the history's start;
+        // then the history's real events.
+        let (then, now) = (state_at(&fake, at), state_at(&fake, oldest));
+        // A name deleted and created again (another uid) is a deletion and an addition.
+        let mut want: Vec<(String, String)> = Vec::new();
+        for (name, (uid, rv)) in &now {
+            match then.get(name) {
+                Some((u, r)) if u == uid => {
+                    if r != rv {
+                        want.push(("MODIFIED".into(), name.clone()));
+                    }
+                }
+                Some(_) => {
+                    want.push(("DELETED".into(), name.clone()));
+                    want.push(("ADDED".into(), name.clone()));
+                }
+                None => want.push(("ADDED".into(), name.clone())),
+            }
+        }
+        for name in then.keys().filter(|n| !now.contains_key(*n)) {
+            want.push(("DELETED".into(), name.clone()));
+        }
+        assert!(
+            want.iter().any(|(t, _)| t == "DELETED") && want.iter().any(|(t, _)| t != "DELETED"),
+            "the workload deletes and changes: {want:?}"
+        );
+        let got = events(&mut r, want.len()).await;
+        let now: std::collections::BTreeMap<String, u64> =
+            now.into_iter().map(|(n, (_, rv))| (n, rv)).collect();
+        let mut state: std::collections::BTreeMap<String, u64> =
+            then.into_iter().map(|(n, (_, rv))| (n, rv)).collect();
+        let mut last = at;
+        for (t, name, rv) in &got {
+            assert!(*rv > last, "increasing resourceVersions: {got:?}");
+            last = *rv;
+            if t == "DELETED" {
+                assert!(state.remove(name).is_some(), "{got:?}");
+            } else {
+                assert_eq!(
+                    t == "ADDED",
+                    state.insert(name.clone(), *rv).is_none(),
+                    "{got:?}"
+                );
+            }
+        }
+        assert!(last <= oldest, "{got:?}");
+        assert_eq!(state, now, "the client's state is the apiserver's: {got:?}");
+        let mut kinds: Vec<_> = got.iter().map(|(t, n, _)| (t.clone(), n.clone())).collect();
+        kinds.sort();
+        want.sort();
+        assert_eq!(kinds, want);
+        let real = writes_after(&fake, oldest);
+        assert_eq!(events(&mut r, real.len()).await, real);
+        // Then every later write, as it happens.
+        let before = fake.writes("configmaps").last().unwrap().rv;
+        write_some(&fake, 40, 4).await;
+        assert_eq!(events(&mut r, 4).await, writes_after(&fake, before));
+        assert!(
+            metric(
+                &proxy,
+                "kube_cache_proxy_backfills_total{outcome=\"difference\"}"
+            )
+            .await
+            .ends_with(" 1"),
+            "{}",
+            proxy.admin_get("/metrics").await.1
+        );
+        // Inside the stretch: 410, no further upstream list.
+        let resp = client
+            .get(
+                &format!("{base}?watch=1&resourceVersion={}", at + 1),
+                Some("tok"),
+            )
+            .await;
+        let ev = tokio::time::timeout(GUARD, EventReader::new(resp).next())
+            .await
+            .expect("an answer within the guard")
+            .expect("an ERROR event");
+        assert_eq!(ev["object"]["code"], 410, "{ev}");
+        assert_eq!(exact_lists(&fake.requests()), 1);
+        proxy.shutdown().await;
+    }
+}

@@ -41,6 +41,16 @@ use crate::cache::{CachedObject, EventKind, ObjectKey, ResourceCache};
 use crate::http::body;
 use crate::upstream::{As, Upstream};
 
+/// How a backfill extended the history.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stretch {
+    /// The apiserver's real events (a watch from the client's resourceVersion).
+    Events,
+    /// The difference from the state at the client's resourceVersion (an Exact list) to
+    /// the history's start, as a relist's (`ResourceCache::extend_history_with_difference`).
+    Difference,
+}
+
 /// Why a backfill did not extend the history.
 #[derive(Debug, thiserror::Error)]
 pub enum BackfillError {
@@ -60,6 +70,9 @@ pub struct BackfillStats {
     pub events: std::sync::atomic::AtomicU64,
     pub gone: std::sync::atomic::AtomicU64,
     pub failed: std::sync::atomic::AtomicU64,
+    /// Stretches the apiserver's watch no longer had, extended with the difference from
+    /// its Exact list instead (not counted in `filled`).
+    pub differences: std::sync::atomic::AtomicU64,
 }
 
 /// Backfills of one resource, at most: a burst of this many...
@@ -166,10 +179,13 @@ impl Backfiller {
         };
         match &out {
             Ok(None) => {}
-            Ok(Some(n)) => {
-                self.counters.filled.fetch_add(1, Relaxed);
+            Ok(Some((n, how))) => {
+                match how {
+                    Stretch::Events => self.counters.filled.fetch_add(1, Relaxed),
+                    Stretch::Difference => self.counters.differences.fetch_add(1, Relaxed),
+                };
                 self.counters.events.fetch_add(*n as u64, Relaxed);
-                tracing::info!(resource = %cache.resource.label(), from, events = n, "history extended back from the apiserver");
+                tracing::info!(resource = %cache.resource.label(), from, events = n, stretch = ?how, "history extended back from the apiserver");
             }
             Err(e) => {
                 let c = match e {
@@ -180,11 +196,15 @@ impl Backfiller {
                 tracing::info!(resource = %cache.resource.label(), from, error = %e, "history not extended");
             }
         }
-        out.map(|n| n.unwrap_or(0))
+        out.map(|n| n.map_or(0, |(n, _)| n))
     }
 
     /// One backfill from `from`; a 410 sets the floor.
-    async fn fill_from(&self, cache: &ResourceCache, from: u64) -> Result<usize, BackfillError> {
+    async fn fill_from(
+        &self,
+        cache: &ResourceCache,
+        from: u64,
+    ) -> Result<(usize, Stretch), BackfillError> {
         let out = self.fill_locked(cache, from).await;
         if let Err(BackfillError::Gone(_)) = &out {
             cache
@@ -194,7 +214,11 @@ impl Backfiller {
         out
     }
 
-    async fn fill_locked(&self, cache: &ResourceCache, from: u64) -> Result<usize, BackfillError> {
+    async fn fill_locked(
+        &self,
+        cache: &ResourceCache,
+        from: u64,
+    ) -> Result<(usize, Stretch), BackfillError> {
         let (h, target, later) = cache.history_start();
         let pager = Pager {
             upstream: &self.upstream,
@@ -209,10 +233,23 @@ impl Backfiller {
                 "the Exact list answered resourceVersion {rv}, not {from}"
             )));
         }
-        let events = self.changes(cache, from, h, &base, &target, later).await?;
-        cache
-            .extend_history(from, base, events)
-            .map_err(|e| BackfillError::Failed(e.to_string()))
+        match self.changes(cache, from, h, &base, &target, later).await {
+            Ok(events) => cache
+                .extend_history(from, base, events)
+                .map(|n| (n, Stretch::Events))
+                .map_err(|e| BackfillError::Failed(e.to_string())),
+            // etcd still has the state at `from` (the Exact list) but the apiserver's watch
+            // no longer has the changes after it (older than its watch cache), or they would
+            // not fit the history: the difference still spares the client a relist.
+            Err(BackfillError::Gone(why)) if cache.absorbs_relists() => {
+                tracing::debug!(resource = %cache.resource.label(), from, why, "no changes from the apiserver: extending with the difference");
+                cache
+                    .extend_history_with_difference(from, base)
+                    .map(|n| (n, Stretch::Difference))
+                    .map_err(|e| BackfillError::Gone(format!("{why}; no difference: {e}")))
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Every change after `from` up to `h`, from a watch from `from`.

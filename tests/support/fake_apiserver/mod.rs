@@ -240,6 +240,15 @@ impl FakeApiServer {
         self.shared.store().compact(rv);
     }
 
+    /// Watches from a resourceVersion below `rv` get 410 Expired from now on, while Exact
+    /// lists and continue tokens there keep working until [`FakeApiServer::compact`]: like
+    /// kube-apiserver, whose watch cache keeps a window of events (about 75 s or more)
+    /// while etcd keeps every revision until compaction.
+    pub fn set_watch_window_start(&self, rv: u64) {
+        let mut s = self.shared.store();
+        s.watch_floor = s.watch_floor.max(rv);
+    }
+
     /// Creates an object in-process (not logged), as `POST collection_path` would.
     ///
     /// `collection_path` is e.g. `/api/v1/namespaces/default/configmaps`.

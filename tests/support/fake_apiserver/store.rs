@@ -66,6 +66,10 @@ pub(super) struct Store {
     /// Oldest resourceVersion whose state can still be rebuilt: history holds every event with
     /// `rv > floor`.
     pub(super) floor: u64,
+    /// Watches from a resourceVersion below this get 410 while Exact lists there still
+    /// work: kube-apiserver's watch cache keeps a window of events, etcd every revision
+    /// until compaction ([`super::FakeApiServer::set_watch_window_start`]).
+    pub(super) watch_floor: u64,
     pub(super) objects: [BTreeMap<String, Value>; 5],
     pub(super) history: VecDeque<HistEvent>,
     /// Every write ever, for [`FakeApiServer::writes`]; never compacted.
@@ -82,6 +86,7 @@ impl Store {
         Store {
             rv: 0,
             floor: 0,
+            watch_floor: 0,
             objects: Default::default(),
             history: VecDeque::new(),
             journal: Vec::new(),

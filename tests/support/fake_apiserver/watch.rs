@@ -118,9 +118,9 @@ pub(super) async fn watch(
                 let _ = tx.send(WatchMsg::Line(bookmark_line(kind, store.rv, true)));
             }
         } else if let Some(n) = p.rv.filter(|n| *n > 0) {
-            if n < store.floor {
-                let status =
-                    Status::expired(&format!("too old resource version: {n} ({})", store.floor));
+            let floor = store.floor.max(store.watch_floor);
+            if n < floor {
+                let status = Status::expired(&format!("too old resource version: {n} ({floor})"));
                 let obj: Value = serde_json::from_str(&status.to_json()).unwrap_or(Value::Null);
                 let _ = tx.send(WatchMsg::Line(event_line("ERROR", &obj)));
                 let _ = tx.send(WatchMsg::End);

@@ -159,8 +159,10 @@ impl Backfiller {
                 )));
             }
             let oldest = cache.backfill_wanted.swap(u64::MAX, Relaxed).min(from);
+            // Real events only for the waiting clients: a difference would make every
+            // resume inside its stretch a 410, this client's own included.
             if oldest < from && oldest > floor && cache.backfillable(oldest) {
-                match self.fill_from(cache, oldest).await {
+                match self.fill_from(cache, oldest, false).await {
                     Ok(n) => return Ok(Some(n)),
                     // The older one is not to be had: this client's own may be.
                     Err(e) => {
@@ -168,7 +170,7 @@ impl Backfiller {
                     }
                 }
             }
-            self.fill_from(cache, from).await.map(Some)
+            self.fill_from(cache, from, true).await.map(Some)
         };
         let out = match tokio::time::timeout(self.timeout, run).await {
             Ok(r) => r,
@@ -199,13 +201,15 @@ impl Backfiller {
         out.map(|n| n.map_or(0, |(n, _)| n))
     }
 
-    /// One backfill from `from`; a 410 sets the floor.
+    /// One backfill from `from`; a 410 sets the floor. `difference`: when the apiserver's
+    /// watch no longer has the changes, extend with the difference instead.
     async fn fill_from(
         &self,
         cache: &ResourceCache,
         from: u64,
+        difference: bool,
     ) -> Result<(usize, Stretch), BackfillError> {
-        let out = self.fill_locked(cache, from).await;
+        let out = self.fill_locked(cache, from, difference).await;
         if let Err(BackfillError::Gone(_)) = &out {
             cache
                 .backfill_floor
@@ -218,6 +222,7 @@ impl Backfiller {
         &self,
         cache: &ResourceCache,
         from: u64,
+        difference: bool,
     ) -> Result<(usize, Stretch), BackfillError> {
         let (h, target, later) = cache.history_start();
         let pager = Pager {
@@ -241,7 +246,11 @@ impl Backfiller {
             // etcd still has the state at `from` (the Exact list) but the apiserver's watch
             // no longer has the changes after it (older than its watch cache), or they would
             // not fit the history: the difference still spares the client a relist.
-            Err(BackfillError::Gone(why)) if cache.absorbs_relists() => {
+            // The stretch then answers 410 to every resume strictly inside it (their place
+            // among the difference's events is unknown): a client there that is newer than
+            // the apiserver's window, arriving later, relists where real events could have
+            // served it. Only for a client's own resourceVersion, never for waiting ones.
+            Err(BackfillError::Gone(why)) if difference && cache.absorbs_relists() => {
                 tracing::debug!(resource = %cache.resource.label(), from, why, "no changes from the apiserver: extending with the difference");
                 cache
                     .extend_history_with_difference(from, base)

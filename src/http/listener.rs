@@ -45,6 +45,10 @@ pub trait Service: Send + Sync + 'static {
     ) -> Pin<Box<dyn Future<Output = Response<Body>> + Send>>;
     /// Connection counts and refusals.
     fn metrics(&self) -> &Metrics;
+    /// The `kind` label of this listener's connections in `kube_cache_proxy_connections`.
+    fn connection_kind(&self, tls: bool) -> &'static str {
+        if tls { "tls" } else { "insecure" }
+    }
     /// The process-wide budget of bytes produced for clients and not yet taken by their
     /// sockets ([`crate::http::budget`]), shared by every listener.
     fn downstream(&self) -> &Arc<Downstream>;
@@ -159,7 +163,7 @@ async fn accept_loop<S: Service>(
     stop: CancellationToken,
     permits: Arc<Semaphore>,
 ) {
-    let kind = if tls.is_some() { "tls" } else { "insecure" };
+    let kind = state.connection_kind(tls.is_some());
     loop {
         let permit = tokio::select! {
             _ = stop.cancelled() => return,

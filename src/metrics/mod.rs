@@ -232,7 +232,7 @@ impl Metrics {
         );
         registry.register(
             "kube_cache_proxy_connections",
-            "Open downstream connections by listener (tls, insecure)",
+            "Open downstream connections by listener (tls, insecure: the API port; admin)",
             connections.clone(),
         );
         registry.register(

@@ -54,6 +54,11 @@ impl crate::http::listener::Service for Admin {
         &self.state.metrics
     }
 
+    /// Scrapes and probes are not API clients: counted apart.
+    fn connection_kind(&self, _tls: bool) -> &'static str {
+        "admin"
+    }
+
     fn downstream(&self) -> &Arc<crate::http::budget::Downstream> {
         &self.state.downstream
     }

@@ -13,7 +13,9 @@
 //! have synced, each component is restarted with `--feature-gates=WatchListClient=false` (the
 //! LIST+WATCH start every client-go before 1.35 makes): the LISTs of pods, nodes,
 //! replicasets and deployments their informers make must then come from the cache, and the
-//! restarted pair must still scale the Deployment. How every LIST and WATCH of those
+//! restarted pair must still scale the Deployment. Phase 3 restarts both with their defaults
+//! again: their streaming lists (protobuf WATCHes with `sendInitialEvents=true`) of those
+//! resources must now come from the cache, and the pair must scale the Deployment once more. How every LIST and WATCH of those
 //! resources was served is printed per phase, from the proxy's metrics and its access log
 //! (which names the component by its User-Agent).
 
@@ -212,6 +214,28 @@ async fn controller_manager_and_scheduler_behind_the_proxy_run_a_deployment() {
     println!("phase 2 (restarted, LIST+WATCH): the Deployment scaled to 4, each Pod bound");
     let metrics_2 = metrics(&proxy).await;
 
+    // Phase 3: both restarted with their defaults again (streaming lists, protobuf). The
+    // protobuf sides have synced, so their informers' streaming lists (protobuf WATCHes with
+    // `sendInitialEvents=true`) now come from the cache. A watch's access-log line is
+    // written when it ends: the components are stopped before they are read.
+    let mark = logs.requests().len();
+    sched.unset_flag(NO_WATCH_LIST.0);
+    sched.restart().await;
+    kcm.unset_flag(NO_WATCH_LIST.0);
+    kcm.restart().await;
+    deployments
+        .patch(
+            "web",
+            &PatchParams::default(),
+            &Patch::Merge(json!({"spec": {"replicas": 5}})),
+        )
+        .await
+        .unwrap();
+    wait_scheduled(&admin, &mut kcm, &mut sched, 5).await;
+    println!(
+        "phase 3 (restarted with defaults, streaming lists): the Deployment scaled to 5, each Pod bound"
+    );
+
     // Stopped, their watches end and get their access-log lines.
     kcm.stop().await;
     sched.stop().await;
@@ -228,6 +252,16 @@ async fn controller_manager_and_scheduler_behind_the_proxy_run_a_deployment() {
         println!("{open} watches still open at the proxy after both components stopped");
     }
     report("phases 1 and 2", &metrics_2, &logs.requests());
+    let streaming: Vec<Request> = logs.requests()[mark..]
+        .iter()
+        .filter(|r| {
+            r.verb == "WATCH"
+                && r.path.contains("sendInitialEvents=true")
+                && ["kube-scheduler", "kube-controller-manager"].contains(&r.component())
+                && RESOURCES.iter().any(|(_, _, res)| r.resource == *res)
+        })
+        .cloned()
+        .collect();
     let errors = component_errors(&dir);
     println!("component log lines at error level (E...), deduplicated:\n{errors}");
     let warnings = logs.warnings();
@@ -255,6 +289,27 @@ async fn controller_manager_and_scheduler_behind_the_proxy_run_a_deployment() {
     // The scheduler read as itself: its client certificate's user, impersonated.
     for r in &sched_lists {
         assert_eq!(r.user, "system:kube-scheduler", "{r:?}");
+    }
+    // Phase 3: the restarted components' streaming lists of every resource came from the
+    // cache (a start that found an envelope missing, within its 2 s wait, would have been
+    // the apiserver's: printed, not failed).
+    let upstream: Vec<_> = streaming
+        .iter()
+        .filter(|r| r.served_by != "cache")
+        .collect();
+    println!(
+        "phase 3: {} streaming-list WATCHes of {:?}, {} not from the cache: {upstream:#?}",
+        streaming.len(),
+        RESOURCES.map(|(_, _, r)| r),
+        upstream.len()
+    );
+    for (_, _, res) in RESOURCES {
+        assert!(
+            streaming
+                .iter()
+                .any(|r| r.resource == res && r.served_by == "cache"),
+            "no streaming list of {res} from the cache after the restart with defaults: {streaming:#?}"
+        );
     }
     // And the metrics agree: phase 2 added LISTs served by the cache for each resource.
     for (_, _, r) in RESOURCES {

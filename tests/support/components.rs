@@ -110,6 +110,12 @@ impl Component {
         self.args.push(format!("{prefix}{value}"));
     }
 
+    /// Drops `--name=...` for the next starts (the component's default again).
+    pub fn unset_flag(&mut self, name: &str) {
+        let prefix = format!("--{name}=");
+        self.args.retain(|a| !a.starts_with(&prefix));
+    }
+
     /// Starts the process (a new log file).
     ///
     /// # Panics

@@ -277,15 +277,21 @@ impl InformerCheck {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn client_go_informers_converge_to_the_apiservers_state() {
-    let ns = "e2e-clientgo";
+/// The control plane and proxy with six ConfigMaps in `ns`, and the client-go checker.
+async fn env_with_objects_and_informer_check(ns: &str) -> (Env, PathBuf) {
     let env = env(ns).await;
     env.churn(ns, "pre", 6).await;
     let bin = tokio::task::spawn_blocking(kube_cache_proxy::app::dev::ensure_client_binaries)
         .await
         .unwrap()
         .unwrap();
+    (env, bin)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_go_informers_converge_to_the_apiservers_state() {
+    let ns = "e2e-clientgo";
+    let (env, bin) = env_with_objects_and_informer_check(ns).await;
     for mode in ["legacy", "watchlist", "metadata"] {
         let mut ic = InformerCheck::spawn(&bin, &env.proxy_kubeconfig, ns, &["--mode", mode]);
         let m = ic.next("MODE");
@@ -354,12 +360,7 @@ async fn configmaps_protobuf_from_cache(env: &Env, verb: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_go_protobuf_informers_converge_from_the_cache() {
     let ns = "e2e-clientgo-pb";
-    let env = env(ns).await;
-    env.churn(ns, "pre", 6).await;
-    let bin = tokio::task::spawn_blocking(kube_cache_proxy::app::dev::ensure_client_binaries)
-        .await
-        .unwrap()
-        .unwrap();
+    let (env, bin) = env_with_objects_and_informer_check(ns).await;
     let p = crate::protobuf::Direct {
         http: support::proxy::apiserver_client(&env.proxy.ca_pem, false),
         url: env.proxy.https(""),

@@ -40,9 +40,17 @@ async fn write_some(fake: &FakeApiServer, from: u64, n: u64) {
 }
 
 async fn start(fake: &FakeApiServer, backfill: bool) -> TestProxy {
+    start_with(fake, |c| c.cache.backfill = backfill).await
+}
+
+/// The proxy caching configmaps, `tweak`ed, once its cache is ready.
+async fn start_with(
+    fake: &FakeApiServer,
+    tweak: impl FnOnce(&mut kube_cache_proxy::config::Config),
+) -> TestProxy {
     let proxy = TestProxy::start(&fake.url(), |c| {
         c.cache.resources = vec!["configmaps".into()];
-        c.cache.backfill = backfill;
+        tweak(c);
     })
     .await;
     eventually("the configmaps cache to be ready", GUARD, async || {
@@ -82,6 +90,14 @@ fn selected_writes_after(fake: &FakeApiServer, rv: u64) -> Vec<(String, String, 
         }
     }
     out
+}
+
+/// The next event of a watch (here: the ERROR a refused resume gets).
+async fn first_event(r: &mut EventReader) -> Value {
+    tokio::time::timeout(GUARD, r.next())
+        .await
+        .expect("an answer within the guard")
+        .expect("an event")
 }
 
 /// Exact lists of configmaps the proxy sent upstream (its backfills' bases).
@@ -217,10 +233,7 @@ async fn a_compacted_resource_version_still_gets_410_and_backfill_can_be_turned_
             .await;
         assert_eq!(resp.status(), 200);
         let mut r = EventReader::new(resp);
-        let ev = tokio::time::timeout(GUARD, r.next())
-            .await
-            .expect("an answer within the guard")
-            .expect("an ERROR event");
+        let ev = first_event(&mut r).await;
         assert_eq!(ev["type"], "ERROR", "{ev}");
         assert_eq!(ev["object"]["code"], 410, "{ev}");
         assert_eq!(ev["object"]["reason"], "Expired", "{ev}");
@@ -298,18 +311,7 @@ async fn a_client_older_than_the_apiservers_watch_window_gets_the_difference() {
         let at = fake.writes("configmaps").last().unwrap().rv;
         write_some(&fake, 20, 16).await;
         fake.set_watch_window_start(fake.writes("configmaps").last().unwrap().rv);
-        let proxy = TestProxy::start(&fake.url(), |c| {
-            c.cache.resources = vec!["configmaps".into()];
-            c.cache.absorb_relists = absorb;
-        })
-        .await;
-        eventually("the configmaps cache to be ready", GUARD, async || {
-            let ready = proxy
-                .cache("", "v1", "configmaps")
-                .is_some_and(|c| c.is_ready());
-            ok_if(ready, "not ready")
-        })
-        .await;
+        let proxy = start_with(&fake, |c| c.cache.absorb_relists = absorb).await;
         let cache = proxy.cache("", "v1", "configmaps").unwrap();
         let oldest = cache.oldest_rv();
         assert!(oldest > at + 1, "the history starts after the client");
@@ -326,10 +328,7 @@ async fn a_client_older_than_the_apiservers_watch_window_gets_the_difference() {
         let mut r = EventReader::new(resp);
         assert_eq!(exact_lists(&fake.requests()), 1, "one Exact list at {at}");
         if !absorb {
-            let ev = tokio::time::timeout(GUARD, r.next())
-                .await
-                .expect("an answer within the guard")
-                .expect("an ERROR event");
+            let ev = first_event(&mut r).await;
             assert_eq!(ev["type"], "ERROR", "{ev}");
             assert_eq!(ev["object"]["code"], 410, "{ev}");
             proxy.shutdown().await;
@@ -409,10 +408,7 @@ async fn a_client_older_than_the_apiservers_watch_window_gets_the_difference() {
                 Some("tok"),
             )
             .await;
-        let ev = tokio::time::timeout(GUARD, EventReader::new(resp).next())
-            .await
-            .expect("an answer within the guard")
-            .expect("an ERROR event");
+        let ev = first_event(&mut EventReader::new(resp)).await;
         assert_eq!(ev["object"]["code"], 410, "{ev}");
         assert_eq!(exact_lists(&fake.requests()), 1);
         proxy.shutdown().await;

@@ -1,4 +1,6 @@
-//! Watch fan-out on this machine: deliveries/s and delivery latency of one event to 1,000 and
+//! A micro-benchmark (not the real path: no TLS, no kube-apiserver, events pushed into the
+//! cache in-process; the load driver in `loadtest/` measures the real path side by side with
+//! kube-apiserver). Watch fan-out on this machine: deliveries/s and delivery latency of one event to 1,000 and
 //! 10,000 watchers, GB/s of 1 MB objects, memory per idle watcher, upstream ingest MB/s per
 //! core, and loopback TCP throughput for scale. Prints one markdown table with each target.
 //!
@@ -1861,7 +1863,7 @@ async fn main() {
 
     println!();
     println!(
-        "kube-cache-proxy fan-out bench: {} CPUs, {threads} runtime threads; (b) client in a child process on the same CPUs, h2c, {per_conn} streams per connection",
+        "kube-cache-proxy fan-out MICRO-BENCHMARK (in-process events, a fake upstream, plain h2c: not the real path; `loadtest` measures that, TLS and a real kube-apiserver side by side): {} CPUs, {threads} runtime threads; (b) client in a child process on the same CPUs, h2c, {per_conn} streams per connection",
         std::thread::available_parallelism()
             .map(|n| n.get())
             .unwrap_or(0)

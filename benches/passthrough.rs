@@ -1,4 +1,6 @@
-//! Added latency of the passthrough path, at a fixed request rate.
+//! A micro-benchmark: added latency of the passthrough path, at a fixed request rate, against
+//! an in-process fake upstream (the real path, TLS to a real kube-apiserver, is measured by
+//! the load driver in `loadtest/`).
 //!
 //! An in-process upstream answers `GET /api/v1/namespaces/default/configmaps/x` with a fixed
 //! ~1 KiB ConfigMap. The same client sends GETs at a fixed rate alternately straight to the
@@ -188,7 +190,7 @@ async fn main() {
         l.sort();
     }
     println!(
-        "passthrough GET, {} requests per path, {} req/s in total across the three interleaved paths, {:.1}s",
+        "passthrough GET MICRO-BENCHMARK (an in-process fake upstream: not the real path; `loadtest` measures that against kube-apiserver over TLS), {} requests per path, {} req/s in total across the three interleaved paths, {:.1}s",
         n,
         rate,
         wall.as_secs_f64()

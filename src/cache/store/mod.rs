@@ -1081,15 +1081,16 @@ impl ResourceCache {
 
     /// Current objects with and without their protobuf envelope, and the envelopes' bytes.
     pub fn protobuf_coverage(&self) -> (usize, usize, usize) {
-        let s = self.read();
+        // An O(1) snapshot: the walk holds no lock (writers are not kept waiting by it).
+        let objects = self.read().objects.clone();
         let (mut with, mut bytes) = (0, 0);
-        for o in s.objects.values() {
+        for o in objects.values() {
             if let Some(b) = o.proto.get() {
                 with += 1;
                 bytes += b.len();
             }
         }
-        (with, s.objects.len() - with, bytes)
+        (with, objects.len() - with, bytes)
     }
 
     /// The resourceVersion the history starts after: a watch from it or later is served

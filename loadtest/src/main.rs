@@ -379,10 +379,20 @@ impl Env {
         self.scrape_resource("configmaps").await
     }
 
+    /// `admin`, or a new connection to the apiserver once it has closed that one: it closes
+    /// HTTP/2 connections idle for 90 s (k8s.io/apiserver `secure_serving.go`, `IdleTimeout`),
+    /// as `admin` is while a large namespace is seeded over other connections.
+    async fn admin_conn(&self) -> anyhow::Result<Conn> {
+        if self.admin.is_closed() {
+            return self.direct.connect().await;
+        }
+        Ok(self.admin.clone())
+    }
+
     /// The apiserver's request counters for `resource` (plural, core group).
     async fn scrape_resource(&self, resource: &str) -> anyhow::Result<ApiCounts> {
         let b = fetch(
-            &self.admin,
+            &self.admin_conn().await?,
             self.direct.request(Method::GET, "/metrics", None),
         )
         .await;

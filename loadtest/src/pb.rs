@@ -50,7 +50,7 @@ const FANOUT_PODS: usize = 20;
 /// Annotation padding of the fan-out's pods (about 5 KB in protobuf with the defaulted spec
 /// and the ServiceAccount token volume) and of the list's (about 1 KB).
 const FANOUT_PAD: usize = 3_600;
-const LIST_PAD: usize = 100;
+const LIST_PAD: usize = 0;
 /// The issue's latency target for watch delivery, the bar of the capacity figure.
 const P99_TARGET_MS: f64 = 50.0;
 /// How long the proxy's protobuf side may take to sync before the phase runs anyway (and
@@ -139,6 +139,17 @@ pub async fn sync_protobuf(
     }
 }
 
+/// Starts the proxy, runs `f` with it and stops it, whatever `f` returned.
+async fn with_proxy<T>(
+    env: &Env,
+    f: impl AsyncFnOnce(&ProxyChild) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    let px = env.start_proxy().await?;
+    let r = f(&px).await;
+    px.stop().await;
+    r
+}
+
 /// The proxy's pods requests of `verb` so far, by what served them: (cache, upstream).
 async fn served(px: Option<&ProxyChild>, verb: &str) -> anyhow::Result<(u64, u64)> {
     let Some(admin) = px.and_then(|p| p.admin.as_ref()) else {
@@ -164,7 +175,7 @@ async fn seed_pods(
     pad: usize,
 ) -> anyhow::Result<(f64, usize, usize)> {
     let d = &env.direct;
-    create_namespace(d, &env.admin, ns).await?;
+    create_namespace(d, &env.admin_conn().await?, ns).await?;
     let sa = format!("/api/v1/namespaces/{ns}/serviceaccounts");
     create_objects(d, &sa, 1, 1, |_| {
         r#"{"metadata":{"name":"default"}}"#.into()
@@ -192,8 +203,9 @@ async fn seed_pods(
     })
     .await?;
     let one = format!("{pods}/w-0");
-    let pb = fetch(&env.admin, Encoding::Protobuf.request(d, &one)).await?;
-    let json = fetch(&env.admin, d.request(Method::GET, &one, None)).await?;
+    let conn = env.admin_conn().await?;
+    let pb = fetch(&conn, Encoding::Protobuf.request(d, &one)).await?;
+    let json = fetch(&conn, d.request(Method::GET, &one, None)).await?;
     Ok((rate, pb.len(), json.len()))
 }
 
@@ -252,8 +264,9 @@ async fn fanout_phase(
         o.duration_s
     );
     let before = served(px, "WATCH").await?;
+    let writer = env.admin_conn().await?;
     let (result, usage) = env
-        .measure(px, watch_fanout(t, &env.direct, &env.admin, o))
+        .measure(px, watch_fanout(t, &env.direct, &writer, o))
         .await?;
     let after = served(px, "WATCH").await?;
     Ok(FanoutPhase {
@@ -289,23 +302,21 @@ pub async fn fanout(env: &Env, o: &PbOpts) -> anyhow::Result<FanoutReport> {
     for &rate in &o.rates {
         phases.push(fanout_phase(env, None, &opts(rate, Encoding::Protobuf)).await?);
     }
-    let px = env.start_proxy().await?;
-    let r = async {
-        let side = sync_protobuf(&px, FANOUT_NS, FANOUT_PODS, SYNC_WITHIN).await?;
+    let proto_side = with_proxy(env, async |px| {
+        let side = sync_protobuf(px, FANOUT_NS, FANOUT_PODS, SYNC_WITHIN).await?;
         for &rate in &o.rates {
             for encoding in [Encoding::Protobuf, Encoding::Json] {
-                phases.push(fanout_phase(env, Some(&px), &opts(rate, encoding)).await?);
+                phases.push(fanout_phase(env, Some(px), &opts(rate, encoding)).await?);
             }
         }
-        anyhow::Ok(side)
-    }
-    .await;
-    px.stop().await;
+        Ok(side)
+    })
+    .await?;
     Ok(FanoutReport {
         opts: o.clone(),
         pod_protobuf_bytes,
         pod_json_bytes,
-        proto_side: r?,
+        proto_side,
         phases,
     })
 }
@@ -526,8 +537,7 @@ pub async fn list(env: &Env, o: &PbOpts) -> anyhow::Result<ListReport> {
          {pod_json_bytes} B in JSON"
     );
     let mut phases = vec![list_phase(env, None, o).await?];
-    let px = env.start_proxy().await?;
-    let r = async {
+    let memory = with_proxy(env, async |px| {
         let memory = match px.pid {
             Some(pid) => {
                 let rss_mb = || async {
@@ -536,7 +546,7 @@ pub async fn list(env: &Env, o: &PbOpts) -> anyhow::Result<ListReport> {
                     crate::stats::rss_kb(pid).unwrap_or(0) as f64 / 1024.0
                 };
                 let rss_before_mb = rss_mb().await;
-                let side = sync_protobuf(&px, LIST_NS, o.pods, SYNC_WITHIN).await?;
+                let side = sync_protobuf(px, LIST_NS, o.pods, SYNC_WITHIN).await?;
                 let rss_synced_mb = rss_mb().await;
                 let per = |v: f64| v / side.with.max(1.0);
                 let extra = per((rss_synced_mb - rss_before_mb) * 1024.0 * 1024.0);
@@ -551,21 +561,20 @@ pub async fn list(env: &Env, o: &PbOpts) -> anyhow::Result<ListReport> {
                 })
             }
             None => {
-                sync_protobuf(&px, LIST_NS, o.pods, SYNC_WITHIN).await?;
+                sync_protobuf(px, LIST_NS, o.pods, SYNC_WITHIN).await?;
                 None
             }
         };
-        phases.push(list_phase(env, Some(&px), o).await?);
-        anyhow::Ok(memory)
-    }
-    .await;
-    px.stop().await;
+        phases.push(list_phase(env, Some(px), o).await?);
+        Ok(memory)
+    })
+    .await?;
     Ok(ListReport {
         opts: o.clone(),
         create_rate,
         pod_protobuf_bytes,
         pod_json_bytes,
-        memory: r?,
+        memory,
         phases,
     })
 }

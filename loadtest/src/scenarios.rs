@@ -987,3 +987,57 @@ pub async fn get_rate(
         latency: summarize(lat),
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    #[test]
+    fn a_pod_write_carries_its_time_in_an_annotation_and_a_configmap_write_in_data() {
+        let pod: Value = serde_json::from_str(&Churned::Pods.patch(7, 3, "")).unwrap();
+        assert_eq!(
+            pod,
+            json!({"metadata": {"annotations": {"loadtest/ts": "7", "loadtest/seq": "3"}}})
+        );
+        let cm: Value = serde_json::from_str(&Churned::ConfigMaps.patch(7, 3, "xx")).unwrap();
+        assert_eq!(cm, json!({"data": {"ts": "7", "seq": "3", "pad": "xx"}}));
+    }
+
+    #[test]
+    fn the_write_time_is_read_from_json_events_and_protobuf_frames() {
+        let line = br#"{"type":"MODIFIED","object":{"metadata":{"resourceVersion":"5","annotations":{"loadtest/ts":"9"}}}}"#;
+        let s = Encoding::Json.seen(line).unwrap();
+        assert_eq!(
+            (s.event_type.as_str(), s.resource_version.as_str(), s.ts),
+            ("MODIFIED", "5", Some(9))
+        );
+
+        // A Pod whose ObjectMeta holds name (1), resourceVersion (6) and one annotation (12),
+        // in the apiserver's envelope and watch frame.
+        fn field(n: u8, b: &[u8]) -> Vec<u8> {
+            [&[(n << 3) | 2, b.len() as u8][..], b].concat()
+        }
+        let annotation = [field(1, TS_ANNOTATION.as_bytes()), field(2, b"9")].concat();
+        let meta = [field(1, b"w-0"), field(6, b"5"), field(12, &annotation)].concat();
+        let object =
+            kube_cache_proxy::k8s::protobuf_write::object_envelope("v1", "Pod", &field(1, &meta));
+        let mut frame = Vec::new();
+        kube_cache_proxy::k8s::protobuf_write::watch_frame(&mut frame, "MODIFIED", &object)
+            .unwrap();
+        let s = Encoding::Protobuf.seen(&frame[4..]).unwrap();
+        assert_eq!(
+            (s.event_type.as_str(), s.resource_version.as_str(), s.ts),
+            ("MODIFIED", "5", Some(9))
+        );
+        // A pod without the annotation (as seeded, `0`) has no write time.
+        let meta = [field(1, b"w-0"), field(6, b"6")].concat();
+        let object =
+            kube_cache_proxy::k8s::protobuf_write::object_envelope("v1", "Pod", &field(1, &meta));
+        let mut frame = Vec::new();
+        kube_cache_proxy::k8s::protobuf_write::watch_frame(&mut frame, "ADDED", &object).unwrap();
+        assert_eq!(Encoding::Protobuf.seen(&frame[4..]).unwrap().ts, None);
+        assert!(Encoding::Protobuf.seen(b"\xff").is_none());
+    }
+}

@@ -178,6 +178,16 @@ impl Target {
     }
 }
 
+/// The `Accept` client-go sends with `ContentType: application/vnd.kubernetes.protobuf`.
+pub const ACCEPT_PROTOBUF: &str = "application/vnd.kubernetes.protobuf, application/json";
+
+/// `req` asking for `accept` instead of JSON.
+pub fn with_accept(mut req: Request<Full<Bytes>>, accept: &'static str) -> Request<Full<Bytes>> {
+    req.headers_mut()
+        .insert(http::header::ACCEPT, http::HeaderValue::from_static(accept));
+    req
+}
+
 /// Sends `req` on `conn` and returns the response head and streaming body.
 pub async fn send(conn: &Conn, req: Request<Full<Bytes>>) -> anyhow::Result<Response<Incoming>> {
     let mut c = conn.clone();
@@ -200,7 +210,8 @@ pub async fn fetch(conn: &Conn, req: Request<Full<Bytes>>) -> anyhow::Result<Byt
     Ok(body)
 }
 
-/// Reads newline-delimited watch events as raw lines.
+/// Reads a watch body: newline-delimited JSON events ([`LineReader::next`]) or the
+/// length-prefixed frames of a protobuf watch ([`LineReader::next_frame`]).
 pub struct LineReader {
     body: Incoming,
     buf: BytesMut,
@@ -214,15 +225,11 @@ impl LineReader {
         }
     }
 
-    /// The next line (without `\n`), `None` at the end of the stream.
-    pub async fn next(&mut self) -> anyhow::Result<Option<Bytes>> {
+    /// Appends the body's next data frame to the buffer; `false` at the end of the stream.
+    async fn fill(&mut self) -> anyhow::Result<bool> {
         loop {
-            if let Some(i) = self.buf.iter().position(|b| *b == b'\n') {
-                let line = self.buf.split_to(i + 1).freeze();
-                return Ok(Some(line.slice(..i)));
-            }
             match self.body.frame().await {
-                None => return Ok(None),
+                None => return Ok(false),
                 Some(Err(e)) => return Err(e.into()),
                 Some(Ok(f)) => {
                     if let Ok(mut d) = f.into_data() {
@@ -232,8 +239,39 @@ impl LineReader {
                             let n = chunk.len();
                             d.advance(n);
                         }
+                        return Ok(true);
                     }
                 }
+            }
+        }
+    }
+
+    /// The next line (without `\n`), `None` at the end of the stream.
+    pub async fn next(&mut self) -> anyhow::Result<Option<Bytes>> {
+        loop {
+            if let Some(i) = self.buf.iter().position(|b| *b == b'\n') {
+                let line = self.buf.split_to(i + 1).freeze();
+                return Ok(Some(line.slice(..i)));
+            }
+            if !self.fill().await? {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// The next protobuf watch frame's message (without its 4-byte big-endian length, as
+    /// client-go's `LengthDelimitedFrameReader` reads it), `None` at the end of the stream.
+    pub async fn next_frame(&mut self) -> anyhow::Result<Option<Bytes>> {
+        loop {
+            if let Some(len) = self.buf.first_chunk::<4>().map(|h| u32::from_be_bytes(*h)) {
+                let end = 4 + len as usize;
+                if self.buf.len() >= end {
+                    let frame = self.buf.split_to(end).freeze();
+                    return Ok(Some(frame.slice(4..)));
+                }
+            }
+            if !self.fill().await? {
+                return Ok(None);
             }
         }
     }

@@ -38,6 +38,7 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 mod client;
 mod fields;
 mod hostile;
+mod pb;
 mod proxy;
 mod report;
 mod scenarios;
@@ -59,8 +60,8 @@ use crate::client::{Conn, Target, fetch};
 use crate::fields::{FieldsOpts, FieldsResult};
 use crate::proxy::{ProxyChild, ProxyFiles};
 use crate::scenarios::{
-    FanoutOpts, FanoutResult, GetResult, ListResult, StartMode, StormResult, create_configmaps,
-    create_namespace,
+    Churned, Encoding, FanoutOpts, FanoutResult, GetResult, ListResult, StartMode, StormResult,
+    create_configmaps, create_namespace,
 };
 use crate::stats::{ApiCounts, ProcUsage, Sampler};
 
@@ -152,6 +153,26 @@ struct Args {
     sw_kib: usize,
     #[arg(long)]
     sw_no_slow: bool,
+    /// Scenarios pb-fanout and pb-list (run alone: `--only pb-fanout`, `--only pb-list`):
+    /// protobuf watchers of the fan-out...
+    #[arg(long, default_value_t = 10_000)]
+    pb_watchers: usize,
+    /// ...streams per HTTP/2 connection...
+    #[arg(long, default_value_t = 100)]
+    pb_streams_per_conn: usize,
+    /// ...writes per second, one phase per side each (e.g. `5,10,25,50`: the highest with
+    /// p99 ≤ 50 ms is reported as the capacity)...
+    #[arg(long, value_delimiter = ',', default_value = "10")]
+    pb_rates: Vec<f64>,
+    /// ...seconds of writes per phase...
+    #[arg(long, default_value_t = 10.0)]
+    pb_secs: f64,
+    /// ...pods of 1 KB the list walks (one namespace)...
+    #[arg(long, default_value_t = 100_000)]
+    pb_pods: usize,
+    /// ...and list walkers in parallel (`limit=500`).
+    #[arg(long, default_value_t = 4)]
+    pb_walkers: usize,
     /// YAML appended to the proxy child's configuration file (e.g. `server: {...}`), to
     /// compare settings in one run.
     #[arg(long)]
@@ -194,6 +215,8 @@ impl Profile {
             duration_s,
         };
         let a = |watchers, streams_per_conn, rate, objects, duration_s| FanoutOpts {
+            churned: Churned::ConfigMaps,
+            encoding: Encoding::Json,
             namespace: "lt-a".into(),
             watchers,
             streams_per_conn,
@@ -353,13 +376,28 @@ struct Env {
 
 impl Env {
     async fn scrape(&self) -> anyhow::Result<ApiCounts> {
+        self.scrape_resource("configmaps").await
+    }
+
+    /// `admin`, or a new connection to the apiserver once it has closed that one: it closes
+    /// HTTP/2 connections idle for 90 s (k8s.io/apiserver `secure_serving.go`, `IdleTimeout`),
+    /// as `admin` is while a large namespace is seeded over other connections.
+    async fn admin_conn(&self) -> anyhow::Result<Conn> {
+        if self.admin.is_closed() {
+            return self.direct.connect().await;
+        }
+        Ok(self.admin.clone())
+    }
+
+    /// The apiserver's request counters for `resource` (plural, core group).
+    async fn scrape_resource(&self, resource: &str) -> anyhow::Result<ApiCounts> {
         let b = fetch(
-            &self.admin,
+            &self.admin_conn().await?,
             self.direct.request(Method::GET, "/metrics", None),
         )
         .await;
         match (b, &self.cluster) {
-            (Ok(b), _) => Ok(ApiCounts::parse(&String::from_utf8_lossy(&b), "configmaps")),
+            (Ok(b), _) => Ok(ApiCounts::parse(&String::from_utf8_lossy(&b), resource)),
             // A cluster user may not read the apiserver's /metrics (nonResourceURLs get
             // /metrics): the request counts are then left at zero.
             (Err(_), Cluster::External { .. }) => Ok(ApiCounts::default()),
@@ -530,29 +568,35 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             }
         }
     };
-    if args.only.iter().any(|o| o == "warm-restart") {
-        let r = warm_main(&env, &args, &out, &work).await;
+    // Scenarios that run alone, each with its own report.
+    let alone = |s: &str| args.only.iter().any(|o| o == s);
+    let r = if alone("warm-restart") {
+        Some(warm_main(&env, &args, &out, &work).await.map(|()| true))
+    } else if alone("hostile-streams") {
+        Some(hostile_main(&env, &args, &out).await.map(|()| true))
+    } else if alone("slow-watcher") {
+        Some(slow_main(&env, &args, &out).await.map(|()| true))
+    } else if alone("pb-fanout") || alone("pb-list") {
+        let o = pb::PbOpts {
+            watchers: args.pb_watchers,
+            streams_per_conn: args.pb_streams_per_conn,
+            rates: args.pb_rates.clone(),
+            secs: args.pb_secs,
+            pods: args.pb_pods,
+            walkers: args.pb_walkers,
+            limit: 500,
+        };
+        let extra = args.proxy_extra_config.as_deref();
+        Some(pb::run(&env, &o, alone, &out, extra).await)
+    } else {
+        None
+    };
+    if let Some(r) = r {
         if let Cluster::Local { cp, .. } = env.cluster {
             cp.stop().await;
             let _ = std::fs::remove_dir_all(&work);
         }
-        return r.map(|()| true);
-    }
-    if args.only.iter().any(|o| o == "hostile-streams") {
-        let r = hostile_main(&env, &args, &out).await;
-        if let Cluster::Local { cp, .. } = env.cluster {
-            cp.stop().await;
-            let _ = std::fs::remove_dir_all(&work);
-        }
-        return r.map(|()| true);
-    }
-    if args.only.iter().any(|o| o == "slow-watcher") {
-        let r = slow_main(&env, &args, &out).await;
-        if let Cluster::Local { cp, .. } = env.cluster {
-            cp.stop().await;
-            let _ = std::fs::remove_dir_all(&work);
-        }
-        return r.map(|()| true);
+        return r;
     }
     let result = scenarios_all(&env, &p, &want).await;
     match env.cluster {
@@ -734,6 +778,8 @@ async fn hostile_main(env: &Env, args: &Args, out: &std::path::Path) -> anyhow::
 async fn slow_main(env: &Env, args: &Args, out: &std::path::Path) -> anyhow::Result<()> {
     let d = &env.direct;
     let o = FanoutOpts {
+        churned: Churned::ConfigMaps,
+        encoding: Encoding::Json,
         namespace: "lt-s".into(),
         watchers: args.sw_watchers,
         streams_per_conn: 10,
@@ -760,6 +806,15 @@ async fn slow_main(env: &Env, args: &Args, out: &std::path::Path) -> anyhow::Res
         args.proxy_extra_config.as_deref(),
         &rows,
     )
+}
+
+/// A JSON walk of `ns`'s ConfigMaps with `limit` (scenarios c and e).
+fn configmaps_walk(ns: &str, limit: usize) -> scenarios::WalkSpec {
+    scenarios::WalkSpec {
+        path: format!("/api/v1/namespaces/{ns}/configmaps"),
+        limit,
+        encoding: Encoding::Json,
+    }
 }
 
 /// The namespaces the driver seeds (and, on an existing cluster, deletes at the end).
@@ -945,19 +1000,12 @@ async fn scenarios_all(
                 duration_s: p.e_secs,
                 ..p.a.clone()
             };
+            let walk = configmaps_walk("lt-b", p.e_list_limit);
             let mixed = async {
                 let until = Instant::now() + std::time::Duration::from_secs_f64(p.e_secs);
                 let (watch, lists, gets) = tokio::join!(
                     scenarios::watch_fanout(t, d, &env.admin, &fan),
-                    scenarios::list_storm(
-                        t,
-                        "lt-b",
-                        p.e_list_clients,
-                        0,
-                        p.e_list_limit,
-                        p.b_objects,
-                        Some(until)
-                    ),
+                    scenarios::list_storm(t, &walk, p.e_list_clients, 0, p.b_objects, Some(until)),
                     scenarios::get_rate(t, "lt-d", p.d_objects, p.e_get_rate, p.e_secs, false),
                 );
                 anyhow::Ok(MixedResult {
@@ -1028,10 +1076,9 @@ async fn scenarios_all(
                     proxy.as_ref(),
                     scenarios::list_storm(
                         t,
-                        "lt-c",
+                        &configmaps_walk("lt-c", p.c_limit),
                         p.c_clients,
                         p.c_walks,
-                        p.c_limit,
                         p.c_objects,
                         None,
                     ),

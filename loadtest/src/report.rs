@@ -167,15 +167,15 @@ pub struct Paths {
     pub svg: PathBuf,
 }
 
-fn lat(s: &Summary) -> String {
+pub(crate) fn lat(s: &Summary) -> String {
     format!("{:.1} / {:.1} / {:.1}", s.p50_ms, s.p99_ms, s.max_ms)
 }
 
-fn proc<'a>(u: &'a Usage, name: &str) -> Option<&'a crate::stats::ProcUsage> {
+pub(crate) fn proc<'a>(u: &'a Usage, name: &str) -> Option<&'a crate::stats::ProcUsage> {
     u.procs.iter().find(|p| p.name == name)
 }
 
-fn cpu_rss(u: &Usage, name: &str) -> String {
+pub(crate) fn cpu_rss(u: &Usage, name: &str) -> String {
     proc(u, name).map_or("-".into(), |p| {
         format!(
             "{:.1} s ({:.0}%), {:.0} MB",

@@ -16,7 +16,9 @@ use http::Method;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Mutex, Semaphore, watch};
 
-use crate::client::{Conn, LineReader, Target, expect_ok, fetch, send, unix_nanos};
+use crate::client::{
+    ACCEPT_PROTOBUF, Conn, LineReader, Target, expect_ok, fetch, send, unix_nanos, with_accept,
+};
 use crate::stats::{Summary, summarize};
 
 /// The annotation client-go waits for at the end of a WatchList's initial events.
@@ -90,30 +92,46 @@ pub async fn create_configmaps(
     payload: usize,
     concurrency: usize,
 ) -> anyhow::Result<f64> {
+    let filler = "x".repeat(payload);
+    let path = format!("/api/v1/namespaces/{ns}/configmaps");
+    create_objects(t, &path, count, concurrency, |i| {
+        serde_json::json!({
+            "metadata": {"name": format!("{prefix}-{i}"), "labels": {"loadtest": prefix}},
+            "data": {"payload": filler, "ts": "0"},
+        })
+        .to_string()
+    })
+    .await
+}
+
+/// POSTs `body(i)` for `i` in `0..count` to the collection `path`, `concurrency` requests in
+/// flight over a few connections (an object that exists already is fine). Returns objects
+/// per second.
+pub async fn create_objects(
+    t: &Target,
+    path: &str,
+    count: usize,
+    concurrency: usize,
+    body: impl Fn(usize) -> String,
+) -> anyhow::Result<f64> {
     let started = Instant::now();
     let mut conns = Vec::new();
     for _ in 0..4 {
         conns.push(t.connect().await?);
     }
     let sem = Arc::new(Semaphore::new(concurrency));
-    let filler = "x".repeat(payload);
-    let path = format!("/api/v1/namespaces/{ns}/configmaps");
     let mut tasks = tokio::task::JoinSet::new();
     for i in 0..count {
         let permit = sem.clone().acquire_owned().await?;
         let conn = conns[i % conns.len()].clone();
-        let body = serde_json::json!({
-            "metadata": {"name": format!("{prefix}-{i}"), "labels": {"loadtest": prefix}},
-            "data": {"payload": filler, "ts": "0"},
-        })
-        .to_string();
-        let req = t.request(Method::POST, &path, Some(body.into()));
+        let req = t.request(Method::POST, path, Some(body(i).into()));
         tasks.spawn(async move {
             let _permit = permit;
             let resp = send(&conn, req).await?;
             let status = resp.status();
             if !(status.is_success() || status == http::StatusCode::CONFLICT) {
-                bail!("create: {status}");
+                // Not 200 either: fails with the apiserver's message.
+                expect_ok(resp, "create").await?;
             }
             anyhow::Ok(())
         });
@@ -127,15 +145,12 @@ pub async fn create_configmaps(
     Ok(count as f64 / started.elapsed().as_secs_f64())
 }
 
-/// The collection's current resourceVersion (a `limit=1` list, as cheap as lists get).
-pub async fn current_rv(t: &Target, conn: &Conn, ns: &str) -> anyhow::Result<String> {
+/// The current resourceVersion of the collection at `path` (a `limit=1` list, as cheap as
+/// lists get).
+pub async fn current_rv(t: &Target, conn: &Conn, path: &str) -> anyhow::Result<String> {
     let b = fetch(
         conn,
-        t.request(
-            Method::GET,
-            &format!("/api/v1/namespaces/{ns}/configmaps?limit=1"),
-            None,
-        ),
+        t.request(Method::GET, &format!("{path}?limit=1"), None),
     )
     .await?;
     Ok(serde_json::from_slice::<List>(&b)?
@@ -147,8 +162,129 @@ pub async fn current_rv(t: &Target, conn: &Conn, ns: &str) -> anyhow::Result<Str
 // a. Watch fan-out under churn
 // ---------------------------------------------------------------------------------------------
 
+/// The annotation a pod write carries its send time in (Unix nanoseconds; pods have no
+/// free-form `data`).
+pub const TS_ANNOTATION: &str = "loadtest/ts";
+
+/// What the fan-out's watchers watch and its writer patches.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub enum Churned {
+    /// ConfigMaps `w-{i}`, the write's time in `data.ts`.
+    ConfigMaps,
+    /// Pods `w-{i}`, the write's time in the annotation [`TS_ANNOTATION`].
+    Pods,
+}
+
+impl Churned {
+    pub fn resource(self) -> &'static str {
+        match self {
+            Churned::ConfigMaps => "configmaps",
+            Churned::Pods => "pods",
+        }
+    }
+
+    /// The merge patch of write `seq` sent at `ts`, padded with `pad` (empty: none).
+    fn patch(self, ts: u64, seq: usize, pad: &str) -> String {
+        let mut fields = serde_json::json!({"ts": ts.to_string(), "seq": seq.to_string()});
+        if !pad.is_empty() {
+            fields["pad"] = pad.into();
+        }
+        match self {
+            Churned::ConfigMaps => serde_json::json!({ "data": fields }),
+            Churned::Pods => {
+                let annotations: serde_json::Map<String, serde_json::Value> = fields
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .map(|(k, v)| (format!("loadtest/{k}"), v.clone()))
+                    .collect();
+                serde_json::json!({"metadata": {"annotations": annotations}})
+            }
+        }
+        .to_string()
+    }
+}
+
+/// How watch bodies are asked for and read.
+#[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq)]
+pub enum Encoding {
+    /// `Accept: application/json`: one JSON event per line.
+    Json,
+    /// client-go's protobuf `Accept` ([`ACCEPT_PROTOBUF`]): length-prefixed `WatchEvent`s.
+    Protobuf,
+}
+
+/// One watch event as the fan-out reads it.
+struct Seen {
+    event_type: String,
+    resource_version: String,
+    /// The writer's send time carried by the object (`data.ts` or [`TS_ANNOTATION`]).
+    ts: Option<u64>,
+}
+
+impl Encoding {
+    pub fn request(self, t: &Target, path: &str) -> http::Request<http_body_util::Full<Bytes>> {
+        let req = t.request(Method::GET, path, None);
+        match self {
+            Encoding::Json => req,
+            Encoding::Protobuf => with_accept(req, ACCEPT_PROTOBUF),
+        }
+    }
+
+    /// The next event's bytes: a JSON line or a protobuf frame's message.
+    async fn next(self, r: &mut LineReader) -> anyhow::Result<Option<Bytes>> {
+        match self {
+            Encoding::Json => r.next().await,
+            Encoding::Protobuf => r.next_frame().await,
+        }
+    }
+
+    /// Reads one event (`None`: malformed). Protobuf frames are read with the proxy's own
+    /// readers (`kube_cache_proxy::k8s::protobuf`): the event, the object's envelope, its
+    /// `ObjectMeta` and annotations.
+    fn seen(self, b: &[u8]) -> Option<Seen> {
+        use kube_cache_proxy::k8s::protobuf;
+        let ts = |v: &str| v.parse::<u64>().ok().filter(|t| *t > 0);
+        match self {
+            Encoding::Json => {
+                let ev: EventLine = serde_json::from_slice(b).ok()?;
+                let m = ev.object.metadata;
+                let from_annotation = m.annotations.as_ref().and_then(|a| a.get(TS_ANNOTATION));
+                let t = ev.object.data.and_then(|d| d.ts);
+                Some(Seen {
+                    event_type: ev.ty,
+                    ts: t
+                        .as_deref()
+                        .or(from_annotation.map(String::as_str))
+                        .and_then(ts),
+                    resource_version: m.resource_version,
+                })
+            }
+            Encoding::Protobuf => {
+                let ev = protobuf::watch_event(b)?;
+                let mut seen = Seen {
+                    event_type: ev.event_type.to_string(),
+                    resource_version: String::new(),
+                    ts: None,
+                };
+                if ev.event_type != "ERROR" {
+                    let meta = protobuf::object_meta(protobuf::envelope(ev.object)?.raw)?;
+                    seen.resource_version = meta.resource_version.to_string();
+                    seen.ts = meta
+                        .annotations()
+                        .find(|(k, _)| *k == TS_ANNOTATION)
+                        .and_then(|(_, v)| ts(v));
+                }
+                Some(seen)
+            }
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct FanoutOpts {
+    pub churned: Churned,
+    pub encoding: Encoding,
     pub namespace: String,
     pub watchers: usize,
     pub streams_per_conn: usize,
@@ -226,8 +362,13 @@ struct WatcherLog {
     last_at: Option<Instant>,
 }
 
+#[allow(
+    clippy::too_many_arguments,
+    reason = "one watcher task's inputs, each used once; a struct would only rename them"
+)]
 async fn run_watcher(
     t: Target,
+    encoding: Encoding,
     conn: Conn,
     path: String,
     start_rv: String,
@@ -248,7 +389,7 @@ async fn run_watcher(
         let url = format!(
             "{path}?watch=1&resourceVersion={rv}&allowWatchBookmarks=true&timeoutSeconds=1800"
         );
-        let opened = match send(&conn, t.request(Method::GET, &url, None)).await {
+        let opened = match send(&conn, encoding.request(&t, &url)).await {
             Ok(r) => expect_ok(r, "watch").await,
             Err(e) => Err(e),
         };
@@ -274,7 +415,7 @@ async fn run_watcher(
                 _ => {}
             }
             let line = tokio::select! {
-                l = lines.next() => l,
+                l = encoding.next(&mut lines) => l,
                 _ = until.changed() => continue,
             };
             let line = match line {
@@ -286,31 +427,25 @@ async fn run_watcher(
                 }
             };
             let now_ns = unix_nanos();
-            let Ok(ev) = serde_json::from_slice::<EventLine>(&line) else {
+            let Some(ev) = encoding.seen(&line) else {
                 log.errors += 1;
                 continue;
             };
-            match ev.ty.as_str() {
+            match ev.event_type.as_str() {
                 "ERROR" => {
                     log.errors += 1;
                     return log;
                 }
-                "BOOKMARK" => rv = ev.object.metadata.resource_version,
+                "BOOKMARK" => rv = ev.resource_version,
                 _ => {
-                    let r: u64 = ev.object.metadata.resource_version.parse().unwrap_or(0);
+                    let r: u64 = ev.resource_version.parse().unwrap_or(0);
                     log.rvs.push(r);
                     max_seen = max_seen.max(r);
                     log.last_at = Some(Instant::now());
-                    if let Some(ts) = ev
-                        .object
-                        .data
-                        .and_then(|d| d.ts)
-                        .and_then(|t| t.parse::<u64>().ok())
-                        .filter(|t| *t > 0)
-                    {
+                    if let Some(ts) = ev.ts {
                         log.lat_us.push(now_ns.saturating_sub(ts) / 1000);
                     }
-                    rv = ev.object.metadata.resource_version;
+                    rv = ev.resource_version;
                 }
             }
         }
@@ -325,8 +460,12 @@ pub async fn watch_fanout(
     writer: &Conn,
     o: &FanoutOpts,
 ) -> anyhow::Result<FanoutResult> {
-    let start_rv = current_rv(direct, writer, &o.namespace).await?;
-    let path = format!("/api/v1/namespaces/{}/configmaps", o.namespace);
+    let path = format!(
+        "/api/v1/namespaces/{}/{}",
+        o.namespace,
+        o.churned.resource()
+    );
+    let start_rv = current_rv(direct, writer, &path).await?;
     let n_conns = o.watchers.div_ceil(o.streams_per_conn.max(1));
     let mut conns = Vec::with_capacity(n_conns);
     for _ in 0..n_conns {
@@ -338,6 +477,7 @@ pub async fn watch_fanout(
     for i in 0..o.watchers {
         watchers.spawn(run_watcher(
             target.clone(),
+            o.encoding,
             conns[i / o.streams_per_conn.max(1)].clone(),
             path.clone(),
             start_rv.clone(),
@@ -375,16 +515,10 @@ pub async fn watch_fanout(
         let written = written.clone();
         let errors = write_errors.clone();
         let pad = pad.clone();
+        let churned = o.churned;
         writes.spawn(async move {
             let _permit = permit;
-            let body = if pad.is_empty() {
-                format!(r#"{{"data":{{"ts":"{}","seq":"{seq}"}}}}"#, unix_nanos())
-            } else {
-                format!(
-                    r#"{{"data":{{"ts":"{}","seq":"{seq}","pad":"{pad}"}}}}"#,
-                    unix_nanos()
-                )
-            };
+            let body = churned.patch(unix_nanos(), seq, &pad);
             match fetch(
                 &conn,
                 direct.request(Method::PATCH, &path, Some(Bytes::from(body))),
@@ -615,6 +749,9 @@ pub struct ListResult {
     pub walks: usize,
     pub pages: usize,
     pub items: usize,
+    /// Pages other than a walk's last that held fewer items than `limit` asked for (the
+    /// apiserver fills every page but the last).
+    pub short_pages: usize,
     /// Walks that did not return exactly the expected number of objects.
     pub wrong_counts: usize,
     pub errors: usize,
@@ -626,52 +763,100 @@ pub struct ListResult {
     pub walk_time: Summary,
 }
 
-/// One `limit`-paged walk over `path`: (page latencies in µs, items, bytes).
-async fn walk(
-    t: &Target,
-    conn: &Conn,
-    path: &str,
-    limit: usize,
-) -> anyhow::Result<(Vec<u64>, usize, u64)> {
-    let mut pages = Vec::new();
-    let mut items = 0;
-    let mut bytes = 0u64;
-    let mut cont: Option<String> = None;
-    loop {
-        let url = match &cont {
-            None => format!("{path}?limit={limit}"),
-            Some(c) => format!("{path}?limit={limit}&continue={c}"),
-        };
-        let t0 = Instant::now();
-        let b = fetch(conn, t.request(Method::GET, &url, None)).await?;
-        pages.push(t0.elapsed().as_micros() as u64);
-        bytes += b.len() as u64;
-        let l: List = serde_json::from_slice(&b)?;
-        items += l.items.len();
-        match l.metadata.continue_.filter(|c| !c.is_empty()) {
-            Some(c) => cont = Some(c),
-            None => return Ok((pages, items, bytes)),
+/// What a list walk asks for: the collection, the page size, the encoding.
+#[derive(Debug, Clone)]
+pub struct WalkSpec {
+    /// The collection, e.g. `/api/v1/namespaces/lt-c/configmaps`.
+    pub path: String,
+    pub limit: usize,
+    pub encoding: Encoding,
+}
+
+/// The parts of a protobuf list (`metav1.List`'s layout, shared by every `*List` kind:
+/// k8s.io/apimachinery `generated.proto`) a walk reads; items stay undecoded slices of the
+/// body.
+#[derive(Clone, PartialEq, prost::Message)]
+struct ProtoList {
+    #[prost(message, optional, tag = "1")]
+    metadata: Option<ProtoListMeta>,
+    #[prost(bytes = "bytes", repeated, tag = "2")]
+    items: Vec<Bytes>,
+}
+
+#[derive(Clone, PartialEq, prost::Message)]
+struct ProtoListMeta {
+    #[prost(string, tag = "3")]
+    continue_: String,
+}
+
+impl WalkSpec {
+    /// One page: its items and continue token (`None` on the last page).
+    fn page(&self, body: &Bytes) -> anyhow::Result<(usize, Option<String>)> {
+        match self.encoding {
+            Encoding::Json => {
+                let l: List = serde_json::from_slice(body)?;
+                Ok((
+                    l.items.len(),
+                    l.metadata.continue_.filter(|c| !c.is_empty()),
+                ))
+            }
+            Encoding::Protobuf => {
+                let env = kube_cache_proxy::k8s::protobuf::envelope(body)
+                    .context("a list page that is not a protobuf object")?;
+                let l = <ProtoList as prost::Message>::decode(body.slice_ref(env.raw))?;
+                let cont = l.metadata.map(|m| m.continue_).filter(|c| !c.is_empty());
+                Ok((l.items.len(), cont))
+            }
         }
     }
 }
 
-/// Scenario c: `clients` parallel clients (one connection each) walk `ns`'s ConfigMaps with
-/// `limit`, `walks` times each, or until `until` when given.
+/// One walk's pages: latency (µs) and items of each.
+struct Walked {
+    pages: Vec<(u64, usize)>,
+    bytes: u64,
+}
+
+/// One `limit`-paged walk.
+async fn walk(t: &Target, conn: &Conn, spec: &WalkSpec) -> anyhow::Result<Walked> {
+    let mut w = Walked {
+        pages: Vec::new(),
+        bytes: 0,
+    };
+    let mut cont: Option<String> = None;
+    loop {
+        let url = match &cont {
+            None => format!("{}?limit={}", spec.path, spec.limit),
+            Some(c) => format!("{}?limit={}&continue={c}", spec.path, spec.limit),
+        };
+        let t0 = Instant::now();
+        let b = fetch(conn, spec.encoding.request(t, &url)).await?;
+        let us = t0.elapsed().as_micros() as u64;
+        w.bytes += b.len() as u64;
+        let (items, next) = spec.page(&b)?;
+        w.pages.push((us, items));
+        match next {
+            Some(c) => cont = Some(c),
+            None => return Ok(w),
+        }
+    }
+}
+
+/// Scenario c: `clients` parallel clients (one connection each) walk `spec`, `walks` times
+/// each, or until `until` when given.
 pub async fn list_storm(
     target: &Target,
-    ns: &str,
+    spec: &WalkSpec,
     clients: usize,
     walks: usize,
-    limit: usize,
     expected_items: usize,
     until: Option<Instant>,
 ) -> anyhow::Result<ListResult> {
-    let path = format!("/api/v1/namespaces/{ns}/configmaps");
     let started = Instant::now();
     let mut tasks = tokio::task::JoinSet::new();
     for _ in 0..clients {
         let t = target.clone();
-        let path = path.clone();
+        let spec = spec.clone();
         tasks.spawn(async move {
             let conn = t.connect().await?;
             let mut out = Vec::new();
@@ -685,8 +870,8 @@ pub async fn list_storm(
                     break;
                 }
                 let t0 = Instant::now();
-                let r = walk(&t, &conn, &path, limit).await;
-                out.push(r.map(|(p, n, b)| (p, n, b, t0.elapsed().as_micros() as u64)));
+                let r = walk(&t, &conn, &spec).await;
+                out.push(r.map(|w| (w, t0.elapsed().as_micros() as u64)));
                 i += 1;
             }
             anyhow::Ok(out)
@@ -700,15 +885,18 @@ pub async fn list_storm(
     while let Some(res) = tasks.join_next().await {
         for w in res?? {
             match w {
-                Ok((mut p, n, b, us)) => {
+                Ok((w, us)) => {
+                    let n: usize = w.pages.iter().map(|p| p.1).sum();
                     r.walks += 1;
-                    r.pages += p.len();
+                    r.pages += w.pages.len();
                     r.items += n;
-                    r.bytes += b;
+                    r.bytes += w.bytes;
+                    let but_last = &w.pages[..w.pages.len().saturating_sub(1)];
+                    r.short_pages += but_last.iter().filter(|p| p.1 < spec.limit).count();
                     if n != expected_items {
                         r.wrong_counts += 1;
                     }
-                    pages.append(&mut p);
+                    pages.extend(w.pages.iter().map(|p| p.0));
                     walk_times.push(us);
                 }
                 Err(e) => {
@@ -798,4 +986,58 @@ pub async fn get_rate(
         errors,
         latency: summarize(lat),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::*;
+
+    #[test]
+    fn a_pod_write_carries_its_time_in_an_annotation_and_a_configmap_write_in_data() {
+        let pod: Value = serde_json::from_str(&Churned::Pods.patch(7, 3, "")).unwrap();
+        assert_eq!(
+            pod,
+            json!({"metadata": {"annotations": {"loadtest/ts": "7", "loadtest/seq": "3"}}})
+        );
+        let cm: Value = serde_json::from_str(&Churned::ConfigMaps.patch(7, 3, "xx")).unwrap();
+        assert_eq!(cm, json!({"data": {"ts": "7", "seq": "3", "pad": "xx"}}));
+    }
+
+    #[test]
+    fn the_write_time_is_read_from_json_events_and_protobuf_frames() {
+        let line = br#"{"type":"MODIFIED","object":{"metadata":{"resourceVersion":"5","annotations":{"loadtest/ts":"9"}}}}"#;
+        let s = Encoding::Json.seen(line).unwrap();
+        assert_eq!(
+            (s.event_type.as_str(), s.resource_version.as_str(), s.ts),
+            ("MODIFIED", "5", Some(9))
+        );
+
+        // A Pod whose ObjectMeta holds name (1), resourceVersion (6) and one annotation (12),
+        // in the apiserver's envelope and watch frame.
+        fn field(n: u8, b: &[u8]) -> Vec<u8> {
+            [&[(n << 3) | 2, b.len() as u8][..], b].concat()
+        }
+        let annotation = [field(1, TS_ANNOTATION.as_bytes()), field(2, b"9")].concat();
+        let meta = [field(1, b"w-0"), field(6, b"5"), field(12, &annotation)].concat();
+        let object =
+            kube_cache_proxy::k8s::protobuf_write::object_envelope("v1", "Pod", &field(1, &meta));
+        let mut frame = Vec::new();
+        kube_cache_proxy::k8s::protobuf_write::watch_frame(&mut frame, "MODIFIED", &object)
+            .unwrap();
+        let s = Encoding::Protobuf.seen(&frame[4..]).unwrap();
+        assert_eq!(
+            (s.event_type.as_str(), s.resource_version.as_str(), s.ts),
+            ("MODIFIED", "5", Some(9))
+        );
+        // A pod without the annotation (as seeded, `0`) has no write time.
+        let meta = [field(1, b"w-0"), field(6, b"6")].concat();
+        let object =
+            kube_cache_proxy::k8s::protobuf_write::object_envelope("v1", "Pod", &field(1, &meta));
+        let mut frame = Vec::new();
+        kube_cache_proxy::k8s::protobuf_write::watch_frame(&mut frame, "ADDED", &object).unwrap();
+        assert_eq!(Encoding::Protobuf.seen(&frame[4..]).unwrap().ts, None);
+        assert!(Encoding::Protobuf.seen(b"\xff").is_none());
+    }
 }

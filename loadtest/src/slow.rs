@@ -166,10 +166,10 @@ pub async fn run(
     o: &FanoutOpts,
     with_slow: bool,
 ) -> anyhow::Result<SlowResult> {
-    let rv = current_rv(direct, writer, &o.namespace).await?;
+    let collection = format!("/api/v1/namespaces/{}/configmaps", o.namespace);
+    let rv = current_rv(direct, writer, &collection).await?;
     let path = format!(
-        "/api/v1/namespaces/{}/configmaps?watch=1&resourceVersion={rv}&allowWatchBookmarks=true&timeoutSeconds=1800",
-        o.namespace
+        "{collection}?watch=1&resourceVersion={rv}&allowWatchBookmarks=true&timeoutSeconds=1800"
     );
     let slow = match with_slow {
         true => Some(open(t, &path).await?),

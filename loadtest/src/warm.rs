@@ -37,7 +37,7 @@ pub struct WarmResult {
 
 /// Sum of the samples of `metric` (lines starting with `metric{` or `metric `) whose labels
 /// contain every one of `with`.
-fn sum(text: &str, metric: &str, with: &[&str]) -> f64 {
+pub(crate) fn sum(text: &str, metric: &str, with: &[&str]) -> f64 {
     text.lines()
         .filter(|l| l.starts_with(&format!("{metric}{{")) || l.starts_with(&format!("{metric} ")))
         .filter(|l| with.iter().all(|w| l.contains(w)))
@@ -45,7 +45,8 @@ fn sum(text: &str, metric: &str, with: &[&str]) -> f64 {
         .sum()
 }
 
-async fn metrics(t: &Target) -> anyhow::Result<String> {
+/// A target's `/metrics` text.
+pub(crate) async fn metrics(t: &Target) -> anyhow::Result<String> {
     let c = t.connect().await?;
     let b = fetch(&c, t.request(Method::GET, "/metrics", None)).await?;
     Ok(String::from_utf8_lossy(&b).into_owned())

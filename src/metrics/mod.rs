@@ -97,6 +97,15 @@ pub struct ReasonLabels {
     pub reason: String,
 }
 
+/// A read the cache path handed to the apiserver, and why (`reason`: a fixed string of
+/// `read::delegate`, e.g. `resource not cached`, `resourceVersion not reached`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PassthroughLabels {
+    pub verb: String,
+    pub resource: String,
+    pub reason: String,
+}
+
 pub struct Metrics {
     registry: Mutex<Registry>,
     pub requests: Family<RequestLabels, Counter>,
@@ -121,6 +130,8 @@ pub struct Metrics {
     /// Body bytes written for clients by encoding, counted as each chunk leaves, so a
     /// long watch is counted while it runs (`kube_cache_proxy_response_bytes_total`).
     pub response_bytes: Family<EncodingLabels, Counter>,
+    /// Reads passed through to the apiserver by reason (`kube_cache_proxy_passthrough_total`).
+    pub passthrough: Family<PassthroughLabels, Counter>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -167,6 +178,12 @@ impl Metrics {
         let degraded_reads = Counter::default();
         let responses = Family::<EncodingLabels, Counter>::default();
         let response_bytes = Family::<EncodingLabels, Counter>::default();
+        let passthrough = Family::<PassthroughLabels, Counter>::default();
+        registry.register(
+            "kube_cache_proxy_passthrough",
+            "Reads (get, list, watch) of resources handed to the apiserver instead of the cache, by verb, resource and reason",
+            passthrough.clone(),
+        );
         registry.register(
             "kube_cache_proxy_responses",
             "Responses on the API port by verb, resource, body encoding (json, protobuf, cbor, yaml, other, none) and what served them",
@@ -254,6 +271,7 @@ impl Metrics {
             degraded_reads,
             responses,
             response_bytes,
+            passthrough,
         }
     }
 

@@ -830,8 +830,19 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
                     (status.into_response(), "cache")
                 }
                 Err(NotServed::Delegate(why)) => {
-                    if info.is_resource_request && info.verb != "create" {
+                    if info.is_resource_request
+                        && matches!(info.verb.as_str(), "get" | "list" | "watch")
+                    {
                         tracing::trace!(reason = why, path = %path, "passthrough");
+                        state
+                            .metrics
+                            .passthrough
+                            .get_or_create(&crate::metrics::PassthroughLabels {
+                                verb: info.verb.clone(),
+                                resource: info.resource.clone(),
+                                reason: why.into(),
+                            })
+                            .inc();
                     }
                     let (resp, by) = Box::pin(forward_within_quota(
                         state,

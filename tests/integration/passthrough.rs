@@ -141,6 +141,28 @@ async fn every_verb_passes_through_with_the_callers_own_token() {
         );
         assert!(!r.headers.contains_key("impersonate-user"));
     }
+    // Reads handed to the apiserver are counted with their reason; writes are not reads.
+    let metrics = proxy.admin_get("/metrics").await.1;
+    let passed = |verb: &str| -> Vec<(String, f64)> {
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("kube_cache_proxy_passthrough_total{"))
+            .filter(|l| l.contains(&format!("verb=\"{verb}\"")))
+            .filter(|l| l.contains("resource=\"configmaps\""))
+            .map(|l| {
+                let (labels, v) = l.rsplit_once(' ').unwrap();
+                (labels.to_string(), v.parse().unwrap())
+            })
+            .collect()
+    };
+    let total = |verb| passed(verb).iter().map(|(_, v)| v).sum::<f64>();
+    assert_eq!((total("get"), total("list")), (4.0, 2.0), "{metrics}");
+    for (labels, _) in passed("get").into_iter().chain(passed("list")) {
+        assert!(labels.contains("reason=\""), "{labels}");
+    }
+    for verb in ["create", "update", "patch", "delete"] {
+        assert!(passed(verb).is_empty(), "{verb}: {metrics}");
+    }
     proxy.shutdown().await;
 }
 

@@ -164,6 +164,33 @@ async fn served(px: Option<&ProxyChild>, verb: &str) -> anyhow::Result<(u64, u64
     Ok((by("cache"), by("upstream")))
 }
 
+/// The proxy's pods reads of `verb` (lowercase) it handed to the apiserver so far, by reason
+/// (`kube_cache_proxy_passthrough_total`).
+async fn passthrough_reasons(
+    px: Option<&ProxyChild>,
+    verb: &str,
+) -> anyhow::Result<std::collections::BTreeMap<String, u64>> {
+    let mut out = std::collections::BTreeMap::new();
+    let Some(admin) = px.and_then(|p| p.admin.as_ref()) else {
+        return Ok(out);
+    };
+    let text = metrics(admin).await?;
+    let verb = format!("verb=\"{verb}\"");
+    for l in text.lines().filter(|l| {
+        l.starts_with("kube_cache_proxy_passthrough_total{")
+            && l.contains(PODS)
+            && l.contains(&verb)
+    }) {
+        let reason = l
+            .split_once("reason=\"")
+            .and_then(|(_, r)| r.split_once('"'))
+            .map_or("?", |(r, _)| r);
+        let v = l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+        *out.entry(reason.to_string()).or_default() += v.unwrap_or(0.0) as u64;
+    }
+    Ok(out)
+}
+
 /// Creates `ns`, its ServiceAccount `default` (the ServiceAccount admission plugin rejects
 /// pods without it, and no controller-manager creates it here) and `count` pods `w-{i}`
 /// carrying `pad` bytes in an annotation, straight at the apiserver. Returns pods per
@@ -224,6 +251,8 @@ pub struct FanoutPhase {
     /// passed through to the apiserver).
     pub watches_from_cache: u64,
     pub watches_passed_through: u64,
+    /// Why the passed-through ones were (`kube_cache_proxy_passthrough_total` deltas).
+    pub passthrough_reasons: std::collections::BTreeMap<String, u64>,
 }
 
 impl FanoutPhase {
@@ -264,11 +293,17 @@ async fn fanout_phase(
         o.duration_s
     );
     let before = served(px, "WATCH").await?;
+    let reasons_before = passthrough_reasons(px, "watch").await?;
     let writer = env.admin_conn().await?;
     let (result, usage) = env
         .measure(px, watch_fanout(t, &env.direct, &writer, o))
         .await?;
     let after = served(px, "WATCH").await?;
+    let mut passthrough_reasons = passthrough_reasons(px, "watch").await?;
+    for (reason, n) in passthrough_reasons.iter_mut() {
+        *n -= reasons_before.get(reason).copied().unwrap_or(0).min(*n);
+    }
+    passthrough_reasons.retain(|_, n| *n > 0);
     Ok(FanoutPhase {
         side: t.side,
         encoding: o.encoding,
@@ -277,6 +312,7 @@ async fn fanout_phase(
         usage,
         watches_from_cache: after.0 - before.0,
         watches_passed_through: after.1 - before.1,
+        passthrough_reasons,
     })
 }
 
@@ -338,8 +374,13 @@ fn fanout_checks(r: &FanoutReport) -> Vec<Check> {
                 name: format!("{what}: every watch served from the cache"),
                 pass: p.watches_passed_through == 0 && p.watches_from_cache > 0,
                 detail: format!(
-                    "{} from the cache, {} passed through",
-                    p.watches_from_cache, p.watches_passed_through
+                    "{} from the cache, {} passed through{}",
+                    p.watches_from_cache,
+                    p.watches_passed_through,
+                    p.passthrough_reasons
+                        .iter()
+                        .map(|(r, n)| format!("; {n}: {r}"))
+                        .collect::<String>()
                 ),
             });
         }

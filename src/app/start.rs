@@ -172,6 +172,9 @@ pub fn build_state(
     }
     let authn = Arc::new(authn.with_caches(caches.clone()));
     let tenancy = Arc::new(crate::tenancy::Tenancy::new(&config.tenants));
+    let l = &config.lists;
+    let consistency =
+        crate::read::consistency::Consistency::new(upstream.clone(), l.consistency_timeout);
     let watch = crate::read::watch::WatchConfig {
         bookmark_interval: c.bookmark_interval,
         filtered_bookmark_interval: c.filtered_bookmark_interval,
@@ -182,9 +185,9 @@ pub fn build_state(
                 c.backfill_timeout,
             )
         }),
+        consistency: Some(consistency.clone()),
         ..Default::default()
     };
-    let l = &config.lists;
     let lists = crate::read::list::ListConfig {
         wait_for_rv: l.wait_for_resource_version,
         gzip_min_bytes: l.gzip_min_bytes,
@@ -193,8 +196,6 @@ pub fn build_state(
         ..Default::default()
     };
     keys.spawn_reloader(config.tokens.reload_interval);
-    let consistency =
-        crate::read::consistency::Consistency::new(upstream.clone(), l.consistency_timeout);
     let metrics = Metrics::new();
     metrics.register_collector(Box::new(crate::read::consistency::ConsistencyCollector(
         consistency.clone(),

@@ -47,6 +47,8 @@ pub struct Stats {
     pub probe_watches: std::sync::atomic::AtomicU64,
     pub probe_failures: std::sync::atomic::AtomicU64,
     pub fallbacks: std::sync::atomic::AtomicU64,
+    /// Reads at a resourceVersion the cache had not reached that joined a probe round.
+    pub reach_probes: std::sync::atomic::AtomicU64,
     /// Time unset-resourceVersion reads waited for confirmation, by mode.
     pub waits: prometheus_client::metrics::family::Family<
         ModeLabels,
@@ -61,6 +63,7 @@ impl Default for Stats {
             probe_watches: Default::default(),
             probe_failures: Default::default(),
             fallbacks: Default::default(),
+            reach_probes: Default::default(),
             waits: prometheus_client::metrics::family::Family::new_with_constructor(|| {
                 prometheus_client::metrics::histogram::Histogram::new([
                     0.001, 0.005, 0.025, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0,
@@ -114,6 +117,11 @@ impl prometheus_client::collector::Collector for ConsistencyCollector {
                 "Unset-resourceVersion reads passed to the apiserver because the cache could not be confirmed",
                 st.fallbacks.load(Relaxed),
             ),
+            (
+                "kube_cache_proxy_consistency_reach_probes",
+                "Reads and watches at a resourceVersion the cache had not reached that joined a probe round to get there",
+                st.reach_probes.load(Relaxed),
+            ),
         ] {
             let c = ConstCounter::new(v);
             let e = enc.encode_descriptor(name, help, None, c.metric_type())?;
@@ -122,6 +130,10 @@ impl prometheus_client::collector::Collector for ConsistencyCollector {
         Ok(())
     }
 }
+
+/// How long a read at a resourceVersion the cache has not reached waits for the resource's
+/// own events before it joins a probe round ([`Consistency::reach`]).
+pub const REACH_QUIET: Duration = Duration::from_millis(100);
 
 /// One resource's probe rounds.
 struct Rounds {
@@ -306,6 +318,48 @@ impl Consistency {
             return delegate(crate::read::NOT_CONFIRMED);
         }
         Ok(cache.current())
+    }
+
+    /// Whether `cache` reaches `rv` within `bound`. A resourceVersion the apiserver gave out
+    /// (a passed-through or consistent read, a write's response, another replica's list) is
+    /// often ahead of one resource's cache only because other resources' writes moved etcd's
+    /// revision: no event of this resource will bring the cache there until its next write
+    /// or the apiserver's next periodic bookmark, a minute away. kube-apiserver's watch cache
+    /// asks etcd for progress while a reader waits; the proxy, after [`REACH_QUIET`] without
+    /// the cache getting there, joins a probe round (shared by every reader of the resource
+    /// waiting meanwhile), which advances the cache to the current revision once it proved
+    /// that nothing of the resource changed in between. A resourceVersion beyond the current
+    /// revision stays unreached (the apiserver then answers it, as it answers such reads).
+    pub async fn reach(
+        self: &Arc<Self>,
+        cache: &Arc<ResourceCache>,
+        rv: u64,
+        bound: Duration,
+    ) -> bool {
+        use std::sync::atomic::Ordering::Relaxed;
+        if cache.rv() >= rv {
+            return true;
+        }
+        let deadline = tokio::time::Instant::now() + bound;
+        if cache.wait_for_rv(rv, REACH_QUIET.min(bound)).await {
+            return true;
+        }
+        if self.upstream.reachability().outage().is_some() || cache.unhealthy().is_some() {
+            return cache
+                .wait_for_rv(rv, deadline - tokio::time::Instant::now())
+                .await;
+        }
+        self.stats.reach_probes.fetch_add(1, Relaxed);
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        tokio::select! {
+            reached = cache.wait_for_rv(rv, left) => reached,
+            _ = tokio::time::timeout(left, self.confirm(cache)) => {
+                // The probe ended (confirmed or not): whatever it proved is in the cache's
+                // resourceVersion now; the rest of the bound is for the resource's own events.
+                let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                cache.rv() >= rv || cache.wait_for_rv(rv, left).await
+            }
+        }
     }
 
     /// Joins the next probe round of `cache` that starts after now; true when it confirmed

@@ -403,8 +403,10 @@ pub struct ListContext<'a> {
     /// Largest page the proxy writes (adaptive paging); `None`: the client's limit.
     pub page_cap: Option<u64>,
     /// Asked whether a continue token's resourceVersion is compacted upstream (the token
-    /// then gets the apiserver's 410 whatever the proxy still holds); `None`: never.
-    pub compaction: Option<&'a crate::read::consistency::Consistency>,
+    /// then gets the apiserver's 410 whatever the proxy still holds), and to bring the cache
+    /// to a resourceVersion it has not reached (`Consistency::reach`); `None`: never asked,
+    /// the list only waits for its resource's events.
+    pub upstream: Option<&'a Arc<crate::read::consistency::Consistency>>,
     /// The apiserver's protobuf instead of `enc` (`read::router::PROTOBUF`): pages are
     /// assembled from the objects' protobuf envelopes, or the apiserver answers when one is
     /// missing.
@@ -426,6 +428,15 @@ fn expired_continue(cx: &ListContext<'_>, after: ObjectKey) -> Status {
          show up in the list.",
     )
     .with_continue(token)
+}
+
+/// Whether `cache` reached `rv` within the configured wait, the apiserver probed when it
+/// does not come by itself (`Consistency::reach`).
+async fn reach(cache: &Arc<ResourceCache>, cx: &ListContext<'_>, rv: u64) -> bool {
+    match cx.upstream {
+        Some(c) => c.reach(cache, rv, cx.cfg.wait_for_rv).await,
+        None => cache.wait_for_rv(rv, cx.cfg.wait_for_rv).await,
+    }
 }
 
 /// Serves a list. `latest` is the current state the consistency policy allows for an
@@ -506,11 +517,11 @@ async fn list_inner(
             } else {
                 if t.rv > cache.rv() {
                     // Issued by a replica whose cache is ahead.
-                    cache.wait_for_rv(t.rv, cx.cfg.wait_for_rv).await;
+                    reach(cache, cx, t.rv).await;
                 }
                 // Expired when the apiserver would expire it: once etcd compacted its revision.
                 let age = cx.keys.age(&t);
-                if let Some(c) = cx.compaction
+                if let Some(c) = cx.upstream
                     && age >= cx.cfg.compaction_check_after
                     && c.compacted(cache, t.rv).await
                 {
@@ -541,7 +552,7 @@ async fn list_inner(
             };
             let snap = match at {
                 ReadAt::Exact(n) => {
-                    if cache.rv() < n && !cache.wait_for_rv(n, cx.cfg.wait_for_rv).await {
+                    if cache.rv() < n && !reach(cache, cx, n).await {
                         return delegate(crate::read::NOT_REACHED);
                     }
                     let Some(snap) = cache.snapshot_at(n) else {
@@ -550,7 +561,7 @@ async fn list_inner(
                     snap
                 }
                 ReadAt::NotOlderThan(n) => {
-                    if cache.rv() < n && !cache.wait_for_rv(n, cx.cfg.wait_for_rv).await {
+                    if cache.rv() < n && !reach(cache, cx, n).await {
                         return delegate(crate::read::NOT_REACHED);
                     }
                     cache.current()
@@ -882,7 +893,7 @@ mod tests {
             binding: Binding::new(&[b"t", b"me"]),
             accepts_gzip: true,
             page_cap: None,
-            compaction: None,
+            upstream: None,
             protobuf: false,
         };
         let mut w = Walk {
@@ -1044,7 +1055,7 @@ mod tests {
                 binding: Binding::new(&[b"t", b"me"]),
                 accepts_gzip: gz,
                 page_cap: None,
-                compaction: None,
+                upstream: None,
                 protobuf: false,
             };
             let mut cont = None;
@@ -1176,7 +1187,7 @@ mod tests {
                     binding: Binding::new(&[binding]),
                     accepts_gzip: false,
                     page_cap: None,
-                    compaction: None,
+                    upstream: None,
                     protobuf: false,
                 };
                 let p = ListParams {

@@ -42,6 +42,9 @@ pub struct WatchConfig {
     /// Extends a cache's history back from the apiserver for a watch older than it
     /// (`cache.backfill`); `None`: such a watch gets 410 Expired.
     pub backfill: Option<crate::cache::reflector::backfill::Backfiller>,
+    /// Brings a cache to a resourceVersion it has not reached by a probe of the apiserver
+    /// (`Consistency::reach`); `None`: the watch only waits for its resource's events.
+    pub consistency: Option<Arc<crate::read::consistency::Consistency>>,
 }
 
 impl Default for WatchConfig {
@@ -52,6 +55,7 @@ impl Default for WatchConfig {
             default_timeout: Duration::from_secs(1800),
             wait_for_rv: Duration::from_secs(3),
             backfill: None,
+            consistency: None,
         }
     }
 }
@@ -157,7 +161,10 @@ pub async fn serve(
     let (start, wait) = plan::watch_start(&params, cache.rv());
     if let Some(n) = wait
         && n > cache.rv()
-        && !cache.wait_for_rv(n, cfg.wait_for_rv).await
+        && !match &cfg.consistency {
+            Some(c) => c.reach(&cache, n, cfg.wait_for_rv).await,
+            None => cache.wait_for_rv(n, cfg.wait_for_rv).await,
+        }
     {
         return delegate(crate::read::NOT_REACHED);
     }

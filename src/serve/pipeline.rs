@@ -210,7 +210,7 @@ async fn serve_from_cache(
                 binding: list_binding(&id, info, &params, filter.namespaces.as_deref()),
                 accepts_gzip: accepts_gzip(req.headers()),
                 page_cap: state.paging.downstream_cap().map(|c| c as u64),
-                compaction: Some(&state.consistency),
+                upstream: Some(&state.consistency),
                 protobuf,
             };
             crate::telemetry::in_span(

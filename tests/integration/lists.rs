@@ -719,3 +719,116 @@ async fn a_cluster_scoped_resource_under_a_namespace_path_goes_to_the_apiserver(
         );
     }
 }
+
+/// A resourceVersion the cache of one resource has not reached because other resources'
+/// writes moved the revision (a pod written after the last ConfigMap): lists and watches of
+/// ConfigMaps at it are still served from the cache, which a probe of the apiserver brings
+/// there (kube-apiserver's watch cache asks etcd for progress in that case), instead of each
+/// waiting for a bookmark and then passing through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resource_version_moved_by_other_resources_is_reached_by_a_probe_not_passed_through() {
+    let (fake, proxy) = setup(|_| {}).await;
+    // No periodic bookmark comes to move the ConfigMaps cache meanwhile: the interval
+    // applies after each watch's next bookmark, which brings the cache to a pod's revision.
+    fake.faults()
+        .set_bookmark_interval(Duration::from_secs(3600));
+    let first = fake
+        .create(
+            "/api/v1/namespaces/a/pods",
+            json!({"metadata": {"name": "p0"}, "spec": {"containers": [{"name": "c", "image": "i"}]}}),
+        )
+        .await;
+    let first: u64 = first["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    let cms = state.caches.get("", "v1", "configmaps").unwrap();
+    eventually(
+        "the ConfigMaps cache's last periodic bookmark",
+        GUARD,
+        async || ok_if(cms.rv() >= first, format!("at {}", cms.rv())),
+    )
+    .await;
+    let pod = fake
+        .create(
+            "/api/v1/namespaces/a/pods",
+            json!({"metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "image": "i"}]}}),
+        )
+        .await;
+    let rv: u64 = pod["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(cms.rv() < rv, "the ConfigMaps cache is at {}", cms.rv());
+    fake.clear_requests();
+    let base = "/api/v1/namespaces/a/configmaps";
+    let passed_through = || {
+        fake.requests()
+            .iter()
+            .filter(|r| r.path == base)
+            .map(|r| r.query.clone().unwrap_or_default())
+            .collect::<Vec<_>>()
+    };
+
+    let (code, v) = get(
+        &proxy,
+        &format!("{base}?resourceVersion={rv}&resourceVersionMatch=NotOlderThan"),
+        "alice",
+    )
+    .await;
+    assert_eq!(code, 200, "{v}");
+    let list_rv: u64 = v["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(list_rv >= rv, "listed at {list_rv}, asked for {rv}");
+    assert_eq!(names(&v).len(), 7);
+
+    // A watch from it, as an informer whose list came from elsewhere: from the cache, and
+    // the next ConfigMap write arrives on it.
+    let c = plain_client(true);
+    let r = c
+        .request(
+            http::Request::get(proxy.http(&format!("{base}?watch=1&resourceVersion={rv}")))
+                .header("authorization", "Bearer alice")
+                .body(http_body_util::Full::default())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut events = crate::support::proxy::EventReader::new(r);
+    fake.create(base, json!({"metadata": {"name": "after"}}))
+        .await;
+    let ev = tokio::time::timeout(GUARD, events.next())
+        .await
+        .expect("no event")
+        .expect("stream ended");
+    assert_eq!(ev["type"], "ADDED", "{ev}");
+    assert_eq!(ev["object"]["metadata"]["name"], "after");
+
+    // Neither went to the apiserver: only the probe's limit=1 list and its short watch from
+    // the cache's own resourceVersion did (on the collection of every namespace).
+    assert_eq!(passed_through(), Vec::<String>::new());
+    use std::sync::atomic::Ordering::Relaxed;
+    assert!(state.consistency.stats.reach_probes.load(Relaxed) >= 1);
+    let watches = fake
+        .requests()
+        .iter()
+        .filter(|r| {
+            r.query.as_deref().unwrap_or("").contains("watch=") && r.path.ends_with("/configmaps")
+        })
+        .map(|r| r.query.clone().unwrap_or_default())
+        .collect::<Vec<_>>();
+    assert!(
+        watches
+            .iter()
+            .all(|q| !q.contains(&format!("resourceVersion={rv}&"))),
+        "{watches:?}"
+    );
+    proxy.shutdown().await;
+}

@@ -329,8 +329,8 @@ pub struct StormRow {
 #[derive(Debug, Clone, Serialize)]
 pub struct GetRow {
     pub side: &'static str,
-    /// The proxy's `lists.consistency` (`bounded`, its default, or `strict`); `-` on the
-    /// apiserver.
+    /// The proxy's `lists.consistency` (`bounded`, its default, or `strict`; `as configured`
+    /// for an existing cluster's proxy); `-` on the apiserver.
     pub consistency: &'static str,
     pub result: GetResult,
     pub usage: Usage,
@@ -1048,34 +1048,24 @@ async fn scenarios_all(env: &Env, p: &Profile, want: &dyn Fn(&str) -> bool) -> a
         }
     }
     if want("d") {
-        // The apiserver; the proxy with its default consistency (`bounded`); a proxy with
-        // `strict`, for unset-resourceVersion GETs only (the driver's own proxies only).
-        for (via_proxy, consistency) in [(false, "-"), (true, "bounded"), (true, "strict")] {
-            let (proxy, kinds) = match (via_proxy, consistency) {
-                (false, _) => (
-                    None,
-                    &[GetKind::Quorum, GetKind::Rv0, GetKind::Passthrough][..],
-                ),
-                (true, "bounded") => (
-                    Some(env.start_proxy().await?),
-                    &[GetKind::Quorum, GetKind::Rv0, GetKind::Passthrough][..],
-                ),
-                _ => match env
-                    .start_proxy_variant("strict", "lists:\n  consistency: strict")
-                    .await?
-                {
-                    Some(px) => (Some(px), &[GetKind::Quorum][..]),
-                    None => continue,
-                },
-            };
-            say!(
-                "d. GETs via {} (consistency {consistency})",
-                side(via_proxy)
-            );
-            let r = get_phases(env, proxy.as_ref(), consistency, kinds, p).await;
-            if let Some(px) = proxy {
-                px.stop().await;
-            }
+        // The apiserver; the proxy with its default consistency (`bounded`; an existing
+        // cluster's proxy as it is configured); the driver's own proxy with `strict`, for
+        // unset-resourceVersion GETs only.
+        const ALL: &[GetKind] = &[GetKind::Quorum, GetKind::Rv0, GetKind::Passthrough];
+        say!("d. GETs via apiserver");
+        dd.extend(get_phases(env, None, "-", ALL, p).await?);
+        let local = matches!(env.cluster, Cluster::Local { .. });
+        let mode = if local { "bounded" } else { "as configured" };
+        say!("d. GETs via proxy (consistency {mode})");
+        let px = env.start_proxy().await?;
+        let r = get_phases(env, Some(&px), mode, ALL, p).await;
+        px.stop().await;
+        dd.extend(r?);
+        let strict = "lists:\n  consistency: strict";
+        if let Some(px) = env.start_proxy_variant("strict", strict).await? {
+            say!("d. GETs via proxy (consistency strict)");
+            let r = get_phases(env, Some(&px), "strict", &[GetKind::Quorum], p).await;
+            px.stop().await;
             dd.extend(r?);
         }
     }

@@ -692,17 +692,26 @@ pub fn real_path(run: &Run) -> String {
         run.machine.loadavg_at_start,
         run.loadavg_at_end,
     );
-    let mut row = |cells: [&str; 7]| {
+    fn row(s: &mut String, cells: [&str; 7]) {
         let _ = writeln!(s, "| {} |", cells.join(" | "));
-    };
-    let ms = |v: f64| format!("{v:.1} ms");
-    let ratio = |a: f64, p: f64| {
+    }
+    fn ms(v: f64) -> String {
+        format!("{v:.1} ms")
+    }
+    fn ratio(a: f64, p: f64) -> String {
         if p > 0.0 {
             format!("{:.1}×", a / p)
         } else {
             "-".into()
         }
-    };
+    }
+    /// A row comparing the apiserver's p99 and the proxy's, when both were measured.
+    fn pair(s: &mut String, id: &str, what: &str, rows: &[(&str, f64)]) {
+        let side = |name: &str| rows.iter().find(|r| r.0 == name).map(|r| r.1);
+        if let (Some(a), Some(p)) = (side("apiserver"), side("proxy")) {
+            row(s, [id, what, "-", &ms(a), &ms(p), &ratio(a, p), "-"]);
+        }
+    }
     let yes = |b: bool| if b { "yes" } else { "**no**" };
     // P1: the sweep's first rate (both sides ran it), the capacity, CPU per delivery.
     let first = |side: &str| run.a.iter().find(|p| p.side == side);
@@ -717,15 +726,18 @@ pub fn real_path(run: &Run) -> String {
         } else {
             "- (fewer watchers)"
         };
-        row([
-            "P1",
-            &what,
-            "≤ 50 ms at 10,000 watchers",
-            &ms(a.result.latency.p99_ms),
-            &ms(p.result.latency.p99_ms),
-            &ratio(a.result.latency.p99_ms, p.result.latency.p99_ms),
-            met,
-        ]);
+        row(
+            &mut s,
+            [
+                "P1",
+                &what,
+                "≤ 50 ms at 10,000 watchers",
+                &ms(a.result.latency.p99_ms),
+                &ms(p.result.latency.p99_ms),
+                &ratio(a.result.latency.p99_ms, p.result.latency.p99_ms),
+                met,
+            ],
+        );
         let cap = |side: &str| Capacity::of(&run.a, side, Encoding::Json);
         let (ca, cp) = (cap("apiserver"), cap("proxy"));
         // Higher is better here: the proxy's over the apiserver's, a lower bound while the
@@ -736,41 +748,39 @@ pub fn real_path(run: &Run) -> String {
             (Some(a), Some(p)) => ratio(p, a),
             _ => "-".into(),
         };
-        row([
-            "P1",
-            &format!(
-                "capacity: the highest write rate of {:?}/s within p99 ≤ {P99_TARGET_MS} ms, nothing missed",
-                run.profile.a_rates
-            ),
-            "-",
-            &ca.to_string(),
-            &cp.to_string(),
-            &cap_ratio,
-            "-",
-        ]);
+        row(
+            &mut s,
+            [
+                "P1",
+                &format!(
+                    "capacity: the highest write rate of {:?}/s within p99 ≤ {P99_TARGET_MS} ms, nothing missed",
+                    run.profile.a_rates
+                ),
+                "-",
+                &ca.to_string(),
+                &cp.to_string(),
+                &cap_ratio,
+                "-",
+            ],
+        );
         let us = |p: &FanoutPhase, name| {
             p.cpu_us_per_delivery(name)
                 .map_or("-".into(), |v| format!("{v:.2} µs"))
         };
         let r = cpu_ratio(&run.a, Encoding::Json, p.rate);
-        row([
-            "P1",
-            &format!("CPU per delivery at {}/s (each side's own process)", p.rate),
-            "proxy ≥ 5× fewer",
-            &us(a, "kube-apiserver"),
-            &us(p, "proxy"),
-            &r.map_or("-".into(), |r| format!("{r:.1}×")),
-            r.map_or("-", |r| yes(r >= 5.0)),
-        ]);
+        row(
+            &mut s,
+            [
+                "P1",
+                &format!("CPU per delivery at {}/s (each side's own process)", p.rate),
+                "proxy ≥ 5× fewer",
+                &us(a, "kube-apiserver"),
+                &us(p, "proxy"),
+                &r.map_or("-".into(), |r| format!("{r:.1}×")),
+                r.map_or("-", |r| yes(r >= 5.0)),
+            ],
+        );
     }
-    // The other rows compare the apiserver's p99 and the proxy's.
-    let mut pair = |id: &str, what: &str, rows: &[(&str, f64)]| {
-        let side = |name: &str| rows.iter().find(|r| r.0 == name).map(|r| r.1);
-        match (side("apiserver"), side("proxy")) {
-            (Some(a), Some(p)) => row([id, what, "-", &ms(a), &ms(p), &ratio(a, p), "-"]),
-            _ => row([id, what, "-", "-", "-", "-", "-"]),
-        }
-    };
     let c: Vec<_> = run
         .c
         .iter()
@@ -782,6 +792,7 @@ pub fn real_path(run: &Run) -> String {
         .map(|r| format!("{:.0}", pages_per_walk(&r.result)))
         .collect();
     pair(
+        &mut s,
         "P2",
         &format!(
             "list page p99, {} ConfigMaps, `limit={}` (pages per walk: {})",
@@ -791,7 +802,18 @@ pub fn real_path(run: &Run) -> String {
         ),
         &c,
     );
-    pair("P3", "idle watch stream memory: not measured here", &[]);
+    row(
+        &mut s,
+        [
+            "P3",
+            "idle watch stream memory: not measured here",
+            "-",
+            "-",
+            "-",
+            "-",
+            "-",
+        ],
+    );
     for mode in [StartMode::Legacy, StartMode::WatchList] {
         let b: Vec<_> = run
             .b
@@ -800,6 +822,7 @@ pub fn real_path(run: &Run) -> String {
             .map(|r| (r.side, r.result.time_to_sync.p99_ms))
             .collect();
         pair(
+            &mut s,
             "P4",
             &format!(
                 "informer sync p99, {mode:?}, {} clients at once",
@@ -821,6 +844,7 @@ pub fn real_path(run: &Run) -> String {
             .map(|r| (r.side, r.result.latency.p99_ms))
             .collect();
         pair(
+            &mut s,
             "P5/P6",
             &format!(
                 "GET p99, {} at {:.0}/s (proxy: {})",
@@ -841,25 +865,31 @@ pub fn real_path(run: &Run) -> String {
                     format!("{:.2} / {:.2} ms", l.p50_ms, l.p99_ms)
                 })
         };
-        row([
-            "P7",
-            "passthrough GET p50 / p99 (Leases, not cached); proxy minus apiserver",
-            "+≤ 0.2 ms p50, +≤ 2 ms p99",
-            &at("apiserver"),
-            &format!("{} ({d50:+.2} / {d99:+.2} ms)", at("proxy")),
-            "-",
-            yes(d50 <= 0.2 && d99 <= 2.0),
-        ]);
+        row(
+            &mut s,
+            [
+                "P7",
+                "passthrough GET p50 / p99 (Leases, not cached); proxy minus apiserver",
+                "+≤ 0.2 ms p50, +≤ 2 ms p99",
+                &at("apiserver"),
+                &format!("{} ({d50:+.2} / {d99:+.2} ms)", at("proxy")),
+                "-",
+                yes(d50 <= 0.2 && d99 <= 2.0),
+            ],
+        );
     }
-    row([
-        "P8",
-        "ingest GB per CPU-second: not measured here",
-        "-",
-        "-",
-        "-",
-        "-",
-        "-",
-    ]);
+    row(
+        &mut s,
+        [
+            "P8",
+            "ingest GB per CPU-second: not measured here",
+            "-",
+            "-",
+            "-",
+            "-",
+            "-",
+        ],
+    );
     s
 }
 

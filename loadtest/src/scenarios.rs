@@ -1026,7 +1026,12 @@ pub async fn get_rate(
     while let Some(r) = tasks.join_next().await {
         match r? {
             Ok(us) => lat.push(us),
-            Err(_) => errors += 1,
+            Err(e) => {
+                if errors == 0 {
+                    say!("{} GET on {}: {e:#}", kind.as_str(), target.side);
+                }
+                errors += 1;
+            }
         }
     }
     let wall = started.elapsed().as_secs_f64();

@@ -23,7 +23,7 @@ use http::Method;
 use serde::Serialize;
 
 use crate::client::{Target, fetch};
-use crate::scenarios::{GetResult, get_rate};
+use crate::scenarios::{GetKind, GetResult, get_rate};
 use crate::slow::{Gate, Gated};
 use crate::stats::{Summary, summarize};
 
@@ -145,7 +145,7 @@ pub async fn run(
     admin: Option<&Target>,
 ) -> anyhow::Result<HostileResult> {
     let rss_mb = || crate::stats::rss_kb(pid).unwrap_or(0) as f64 / 1024.0;
-    let gets = |secs: f64| get_rate(t, &o.namespace, o.objects, o.get_rate, secs, true);
+    let gets = |secs: f64| get_rate(t, &o.namespace, o.objects, o.get_rate, secs, GetKind::Rv0);
     let gets_before = gets(5.0).await?;
     let rss_before_mb = rss_mb();
     let path = format!(

@@ -44,6 +44,7 @@ mod report;
 mod scenarios;
 mod slow;
 mod stats;
+mod sweep;
 mod warm;
 
 use std::collections::BTreeMap;
@@ -58,12 +59,13 @@ use serde::Serialize;
 
 use crate::client::{Conn, Target, fetch};
 use crate::fields::{FieldsOpts, FieldsResult};
-use crate::proxy::{ProxyChild, ProxyFiles};
+use crate::proxy::{ProxyChild, ProxyFiles, ServedBy, served};
 use crate::scenarios::{
-    Churned, Encoding, FanoutOpts, FanoutResult, GetResult, ListResult, StartMode, StormResult,
-    create_configmaps, create_namespace,
+    Churned, Encoding, FanoutOpts, FanoutResult, GetKind, GetResult, ListResult, StartMode,
+    StormResult, create_configmaps, create_namespace,
 };
 use crate::stats::{ApiCounts, ProcUsage, Sampler};
+use crate::sweep::FanoutPhase;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -101,13 +103,15 @@ struct Args {
     /// Scenarios to run, e.g. `a,b` (default: all).
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
-    /// Overrides: scenario a watchers, streams per HTTP/2 connection, writes per second.
+    /// Overrides: scenario a watchers, streams per HTTP/2 connection, writes per second (a
+    /// list, e.g. `10,25,50`: one phase per side each, in increasing order up to the first
+    /// that misses p99 ≤ 50 ms or misses an event; the highest within is the capacity).
     #[arg(long)]
     watchers: Option<usize>,
     #[arg(long)]
     streams_per_conn: Option<usize>,
-    #[arg(long)]
-    churn_rate: Option<f64>,
+    #[arg(long, value_delimiter = ',')]
+    churn_rate: Vec<f64>,
     /// Override: scenario b clients.
     #[arg(long)]
     clients: Option<usize>,
@@ -184,6 +188,8 @@ struct Args {
 pub struct Profile {
     pub name: String,
     pub a: FanoutOpts,
+    /// Scenario a's write rates (`a.rate` is each in turn).
+    pub a_rates: Vec<f64>,
     pub b_clients: usize,
     pub b_objects: usize,
     pub c_objects: usize,
@@ -230,7 +236,8 @@ impl Profile {
         match name {
             "smoke" => Ok(Profile {
                 name: name.into(),
-                a: a(20, 10, 20.0, 10, 3.0),
+                a: a(20, 10, 10.0, 10, 1.5),
+                a_rates: vec![10.0, 20.0],
                 b_clients: 10,
                 b_objects: 30,
                 c_objects: 1_000,
@@ -251,7 +258,9 @@ impl Profile {
             }),
             "default" => Ok(Profile {
                 name: name.into(),
-                a: a(1_000, 100, 50.0, 50, 30.0),
+                // The P1: 10,000 watchers, 100 per connection.
+                a: a(10_000, 100, 5.0, 50, 10.0),
+                a_rates: vec![5.0, 10.0, 25.0, 50.0, 100.0],
                 b_clients: 200,
                 b_objects: 300,
                 c_objects: 100_000,
@@ -289,6 +298,13 @@ pub struct Usage {
     pub access_reviews: u64,
 }
 
+impl Usage {
+    /// The usage of process `name` (`proxy`, `kube-apiserver`, `etcd`, `driver`).
+    pub fn proc(&self, name: &str) -> Option<&ProcUsage> {
+        self.procs.iter().find(|p| p.name == name)
+    }
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct Row<T> {
     pub side: &'static str,
@@ -307,6 +323,36 @@ pub struct StormRow {
     pub upstream_lists: u64,
     /// Upstream configmaps watches open with every client synced, minus those open before.
     pub upstream_watches_opened: i64,
+}
+
+/// One phase of scenario d.
+#[derive(Debug, Clone, Serialize)]
+pub struct GetRow {
+    pub side: &'static str,
+    /// The proxy's `lists.consistency` (`bounded`, its default, or `strict`; `as configured`
+    /// for an existing cluster's proxy); `-` on the apiserver.
+    pub consistency: &'static str,
+    pub result: GetResult,
+    pub usage: Usage,
+    /// The proxy's GETs of the phase's resource, by what served them.
+    pub served: ServedBy,
+    /// `kube_cache_proxy_consistency_probes_total` during the phase: the upstream
+    /// current-revision probes of `strict`.
+    pub probes: u64,
+}
+
+impl GetRow {
+    /// The row's name in reports: the kind, and on the proxy's side for unset-resourceVersion
+    /// reads the consistency mode that served them.
+    pub fn label(&self) -> String {
+        match (self.result.kind, self.side) {
+            (GetKind::Quorum, "proxy") => format!("quorum, {}", self.consistency),
+            (GetKind::Passthrough, _) => {
+                format!("passthrough ({})", GetKind::Passthrough.resource())
+            }
+            (k, _) => k.as_str().into(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -339,13 +385,18 @@ pub struct Run {
     pub machine: Machine,
     pub profile: Profile,
     pub loopback_gbps: f64,
+    /// `/proc/loadavg` (1, 5, 15 minutes) when the scenarios ended.
+    pub loadavg_at_end: String,
     /// ConfigMaps created per second while seeding scenario c (straight to the apiserver).
     pub c_create_rate: Option<f64>,
     pub wall_s: f64,
-    pub a: Vec<Row<FanoutResult>>,
+    /// Scenario a's phases: per side, one per rate of its sweep.
+    pub a: Vec<FanoutPhase>,
+    /// The JSON size of one of scenario a's ConfigMaps as seeded (an event carries about this).
+    pub a_object_bytes: Option<usize>,
     pub b: Vec<StormRow>,
     pub c: Vec<Row<ListResult>>,
-    pub d: Vec<Row<GetResult>>,
+    pub d: Vec<GetRow>,
     pub e: Vec<Row<MixedResult>>,
     pub f: Vec<Row<FieldsResult>>,
     pub checks: Vec<Check>,
@@ -419,6 +470,29 @@ impl Env {
         v
     }
 
+    /// Starts a proxy with `yaml` added to its configuration (a variant named `name`); `None`
+    /// on an existing cluster (its proxy's configuration is not the driver's).
+    async fn start_proxy_variant(
+        &self,
+        name: &str,
+        yaml: &str,
+    ) -> anyhow::Result<Option<ProxyChild>> {
+        match &self.cluster {
+            Cluster::Local {
+                files,
+                proxy_bin,
+                token,
+                ..
+            } => {
+                let files = files.variant(name, yaml)?;
+                Ok(Some(
+                    ProxyChild::start(&files, proxy_bin.as_deref(), token).await?,
+                ))
+            }
+            Cluster::External { .. } => Ok(None),
+        }
+    }
+
     async fn start_proxy(&self) -> anyhow::Result<ProxyChild> {
         match &self.cluster {
             Cluster::Local {
@@ -490,8 +564,8 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     if let Some(v) = args.streams_per_conn {
         p.a.streams_per_conn = v;
     }
-    if let Some(v) = args.churn_rate {
-        p.a.rate = v;
+    if !args.churn_rate.is_empty() {
+        p.a_rates = args.churn_rate.clone();
     }
     if let Some(v) = args.clients {
         p.b_clients = v;
@@ -615,7 +689,16 @@ async fn run(args: Args) -> anyhow::Result<bool> {
             }
         }
     }
-    let (a, b, c, d, e, f, c_create_rate) = result?;
+    let All {
+        a,
+        a_object_bytes,
+        b,
+        c,
+        d,
+        e,
+        f,
+        c_create_rate,
+    } = result?;
 
     let mut run = Run {
         date: report::utc_now(),
@@ -623,9 +706,11 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         machine,
         profile: p,
         loopback_gbps,
+        loadavg_at_end: report::loadavg(),
         c_create_rate,
         wall_s: started.elapsed().as_secs_f64(),
         a,
+        a_object_bytes,
         b,
         c,
         d,
@@ -847,21 +932,20 @@ fn out_dir(
     Ok(cache.join("kube-cache-proxy").join("loadtest"))
 }
 
-type AllResults = (
-    Vec<Row<FanoutResult>>,
-    Vec<StormRow>,
-    Vec<Row<ListResult>>,
-    Vec<Row<GetResult>>,
-    Vec<Row<MixedResult>>,
-    Vec<Row<FieldsResult>>,
-    Option<f64>,
-);
+/// What [`scenarios_all`] measured.
+#[derive(Default)]
+struct All {
+    a: Vec<FanoutPhase>,
+    a_object_bytes: Option<usize>,
+    b: Vec<StormRow>,
+    c: Vec<Row<ListResult>>,
+    d: Vec<GetRow>,
+    e: Vec<Row<MixedResult>>,
+    f: Vec<Row<FieldsResult>>,
+    c_create_rate: Option<f64>,
+}
 
-async fn scenarios_all(
-    env: &Env,
-    p: &Profile,
-    want: &dyn Fn(&str) -> bool,
-) -> anyhow::Result<AllResults> {
+async fn scenarios_all(env: &Env, p: &Profile, want: &dyn Fn(&str) -> bool) -> anyhow::Result<All> {
     let d = &env.direct;
     say!("seeding ...");
     for ns in SEEDED {
@@ -870,32 +954,37 @@ async fn scenarios_all(
     create_configmaps(d, "lt-a", "w", p.a.objects, 512, 64).await?;
     create_configmaps(d, "lt-b", "b", p.b_objects, 512, 64).await?;
     create_configmaps(d, "lt-d", "d", p.d_objects, 512, 64).await?;
+    scenarios::create_leases(d, "lt-d", p.d_objects).await?;
 
-    let (mut a, mut b, mut c, mut dd, mut e, mut f) =
-        (vec![], vec![], vec![], vec![], vec![], vec![]);
+    let mut all = All::default();
+    let (b, c, dd, e, f) = (&mut all.b, &mut all.c, &mut all.d, &mut all.e, &mut all.f);
     if want("a") {
+        let w0 = "/api/v1/namespaces/lt-a/configmaps/w-0";
+        all.a_object_bytes = Some(
+            fetch(&env.admin, d.request(Method::GET, w0, None))
+                .await?
+                .len(),
+        );
         for via_proxy in [false, true] {
-            say!("a. watch fan-out via {}", side(via_proxy));
+            say!(
+                "a. watch fan-out via {}: rates {:?}/s",
+                side(via_proxy),
+                p.a_rates
+            );
             let proxy = if via_proxy {
                 Some(env.start_proxy().await?)
             } else {
                 None
             };
-            let t = proxy.as_ref().map_or(d, |p| &p.target);
-            let (result, usage) = env
-                .measure(
-                    proxy.as_ref(),
-                    scenarios::watch_fanout(t, d, &env.admin, &p.a),
-                )
-                .await?;
-            a.push(Row {
-                side: side(via_proxy),
-                result,
-                usage,
-            });
+            let r = sweep::sweep(env, proxy.as_ref(), &p.a_rates, |rate| FanoutOpts {
+                rate,
+                ..p.a.clone()
+            })
+            .await;
             if let Some(px) = proxy {
                 px.stop().await;
             }
+            all.a.extend(r?);
         }
     }
     if want("b") {
@@ -959,30 +1048,25 @@ async fn scenarios_all(
         }
     }
     if want("d") {
-        for via_proxy in [false, true] {
-            say!("d. GETs via {}", side(via_proxy));
-            let proxy = if via_proxy {
-                Some(env.start_proxy().await?)
-            } else {
-                None
-            };
-            let t = proxy.as_ref().map_or(d, |p| &p.target);
-            for rv0 in [false, true] {
-                let (result, usage) = env
-                    .measure(
-                        proxy.as_ref(),
-                        scenarios::get_rate(t, "lt-d", p.d_objects, p.d_rate, p.d_secs, rv0),
-                    )
-                    .await?;
-                dd.push(Row {
-                    side: side(via_proxy),
-                    result,
-                    usage,
-                });
-            }
-            if let Some(px) = proxy {
-                px.stop().await;
-            }
+        // The apiserver; the proxy with its default consistency (`bounded`; an existing
+        // cluster's proxy as it is configured); the driver's own proxy with `strict`, for
+        // unset-resourceVersion GETs only.
+        const ALL: &[GetKind] = &[GetKind::Quorum, GetKind::Rv0, GetKind::Passthrough];
+        say!("d. GETs via apiserver");
+        dd.extend(get_phases(env, None, "-", ALL, p).await?);
+        let local = matches!(env.cluster, Cluster::Local { .. });
+        let mode = if local { "bounded" } else { "as configured" };
+        say!("d. GETs via proxy (consistency {mode})");
+        let px = env.start_proxy().await?;
+        let r = get_phases(env, Some(&px), mode, ALL, p).await;
+        px.stop().await;
+        dd.extend(r?);
+        let strict = "lists:\n  consistency: strict";
+        if let Some(px) = env.start_proxy_variant("strict", strict).await? {
+            say!("d. GETs via proxy (consistency strict)");
+            let r = get_phases(env, Some(&px), "strict", &[GetKind::Quorum], p).await;
+            px.stop().await;
+            dd.extend(r?);
         }
     }
     if want("e") {
@@ -1006,7 +1090,14 @@ async fn scenarios_all(
                 let (watch, lists, gets) = tokio::join!(
                     scenarios::watch_fanout(t, d, &env.admin, &fan),
                     scenarios::list_storm(t, &walk, p.e_list_clients, 0, p.b_objects, Some(until)),
-                    scenarios::get_rate(t, "lt-d", p.d_objects, p.e_get_rate, p.e_secs, false),
+                    scenarios::get_rate(
+                        t,
+                        "lt-d",
+                        p.d_objects,
+                        p.e_get_rate,
+                        p.e_secs,
+                        GetKind::Quorum
+                    ),
                 );
                 anyhow::Ok(MixedResult {
                     watch: watch?,
@@ -1057,12 +1148,11 @@ async fn scenarios_all(
             }
         }
     }
-    let mut c_create_rate = None;
     if want("c") {
         say!("c. creating {} ConfigMaps ...", p.c_objects);
         let rate = create_configmaps(d, "lt-c", "c", p.c_objects, 256, 128).await?;
         say!("c. created at {rate:.0}/s");
-        c_create_rate = Some(rate);
+        all.c_create_rate = Some(rate);
         for via_proxy in [false, true] {
             say!("c. paginated list storm via {}", side(via_proxy));
             let proxy = if via_proxy {
@@ -1094,7 +1184,49 @@ async fn scenarios_all(
             }
         }
     }
-    Ok((a, b, c, dd, e, f, c_create_rate))
+    Ok(all)
+}
+
+/// Scenario d's phases on one side: GETs of each of `kinds`, measured, with the proxy's GETs
+/// by what served them and its consistency probes.
+async fn get_phases(
+    env: &Env,
+    px: Option<&ProxyChild>,
+    consistency: &'static str,
+    kinds: &[GetKind],
+    p: &Profile,
+) -> anyhow::Result<Vec<GetRow>> {
+    let t = px.map_or(&env.direct, |p| &p.target);
+    let probes = async || -> anyhow::Result<u64> {
+        Ok(match px.and_then(|p| p.admin.as_ref()) {
+            Some(admin) => stats::sum(
+                &stats::metrics(admin).await?,
+                "kube_cache_proxy_consistency_probes_total",
+                &[],
+            ) as u64,
+            None => 0,
+        })
+    };
+    let mut rows = Vec::new();
+    for &kind in kinds {
+        let before = (served(px, kind.resource(), "GET").await?, probes().await?);
+        let (result, usage) = env
+            .measure(
+                px,
+                scenarios::get_rate(t, "lt-d", p.d_objects, p.d_rate, p.d_secs, kind),
+            )
+            .await?;
+        let after = (served(px, kind.resource(), "GET").await?, probes().await?);
+        rows.push(GetRow {
+            side: t.side,
+            consistency,
+            result,
+            usage,
+            served: after.0.since(before.0),
+            probes: after.1.saturating_sub(before.1),
+        });
+    }
+    Ok(rows)
 }
 
 #[cfg(test)]

@@ -32,13 +32,14 @@ use http::Method;
 use serde::Serialize;
 
 use crate::client::fetch;
-use crate::proxy::ProxyChild;
-use crate::report::{cpu_rss, lat, proc};
+use crate::proxy::{ProxyChild, ServedBy, served};
+use crate::report::{cpu_rss, lat};
 use crate::scenarios::{
-    Churned, Encoding, FanoutOpts, FanoutResult, ListResult, WalkSpec, create_namespace,
-    create_objects, list_storm, watch_fanout,
+    Churned, Encoding, FanoutOpts, ListResult, WalkSpec, create_namespace, create_objects,
+    list_storm,
 };
-use crate::warm::{metrics, sum};
+use crate::stats::{metrics, sum};
+use crate::sweep::{Capacity, FanoutPhase, P99_TARGET_MS, fanout_phase, watches_from_cache};
 use crate::{Check, Env, Usage};
 
 /// The fan-out's namespace and the list walk's.
@@ -51,8 +52,6 @@ const FANOUT_PODS: usize = 20;
 /// and the ServiceAccount token volume) and of the list's (about 1 KB).
 const FANOUT_PAD: usize = 3_600;
 const LIST_PAD: usize = 0;
-/// The issue's latency target for watch delivery, the bar of the capacity figure.
-const P99_TARGET_MS: f64 = 50.0;
 /// How long the proxy's protobuf side may take to sync before the phase runs anyway (and
 /// says so): 100,000 pods arrive as one upstream watch's initial events.
 const SYNC_WITHIN: Duration = Duration::from_secs(300);
@@ -150,47 +149,6 @@ async fn with_proxy<T>(
     r
 }
 
-/// The proxy's pods requests of `verb` so far, by what served them: (cache, upstream).
-async fn served(px: Option<&ProxyChild>, verb: &str) -> anyhow::Result<(u64, u64)> {
-    let Some(admin) = px.and_then(|p| p.admin.as_ref()) else {
-        return Ok((0, 0));
-    };
-    let text = metrics(admin).await?;
-    let verb = format!("verb=\"{verb}\"");
-    let by = |b: &str| {
-        let b = format!("served_by=\"{b}\"");
-        sum(&text, "kube_cache_proxy_requests_total", &[PODS, &verb, &b]) as u64
-    };
-    Ok((by("cache"), by("upstream")))
-}
-
-/// The proxy's pods reads of `verb` (lowercase) it handed to the apiserver so far, by reason
-/// (`kube_cache_proxy_passthrough_total`).
-async fn passthrough_reasons(
-    px: Option<&ProxyChild>,
-    verb: &str,
-) -> anyhow::Result<std::collections::BTreeMap<String, u64>> {
-    let mut out = std::collections::BTreeMap::new();
-    let Some(admin) = px.and_then(|p| p.admin.as_ref()) else {
-        return Ok(out);
-    };
-    let text = metrics(admin).await?;
-    let verb = format!("verb=\"{verb}\"");
-    for l in text.lines().filter(|l| {
-        l.starts_with("kube_cache_proxy_passthrough_total{")
-            && l.contains(PODS)
-            && l.contains(&verb)
-    }) {
-        let reason = l
-            .split_once("reason=\"")
-            .and_then(|(_, r)| r.split_once('"'))
-            .map_or("?", |(r, _)| r);
-        let v = l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
-        *out.entry(reason.to_string()).or_default() += v.unwrap_or(0.0) as u64;
-    }
-    Ok(out)
-}
-
 /// Creates `ns`, its ServiceAccount `default` (the ServiceAccount admission plugin rejects
 /// pods without it, and no controller-manager creates it here) and `count` pods `w-{i}`
 /// carrying `pad` bytes in an annotation, straight at the apiserver. Returns pods per
@@ -241,79 +199,12 @@ async fn seed_pods(
 // ---------------------------------------------------------------------------------------------
 
 #[derive(Debug, Clone, Serialize)]
-pub struct FanoutPhase {
-    pub side: &'static str,
-    pub encoding: Encoding,
-    pub rate: f64,
-    pub result: FanoutResult,
-    pub usage: Usage,
-    /// The proxy's pods WATCH requests during the phase, by what served them (the cache, or
-    /// passed through to the apiserver).
-    pub watches_from_cache: u64,
-    pub watches_passed_through: u64,
-    /// Why the passed-through ones were (`kube_cache_proxy_passthrough_total` deltas).
-    pub passthrough_reasons: std::collections::BTreeMap<String, u64>,
-}
-
-impl FanoutPhase {
-    /// CPU µs of process `name` per delivery over the phase.
-    fn cpu_us_per_delivery(&self, name: &str) -> Option<f64> {
-        let p = proc(&self.usage, name)?;
-        (self.result.deliveries > 0).then(|| p.cpu_s * 1e6 / self.result.deliveries as f64)
-    }
-
-    fn passes(&self) -> bool {
-        self.result.missed == 0
-            && self.result.duplicated == 0
-            && self.result.latency.p99_ms <= P99_TARGET_MS
-    }
-}
-
-#[derive(Debug, Clone, Serialize)]
 pub struct FanoutReport {
     pub opts: PbOpts,
     pub pod_protobuf_bytes: usize,
     pub pod_json_bytes: usize,
     pub proto_side: ProtoSide,
     pub phases: Vec<FanoutPhase>,
-}
-
-async fn fanout_phase(
-    env: &Env,
-    px: Option<&ProxyChild>,
-    o: &FanoutOpts,
-) -> anyhow::Result<FanoutPhase> {
-    let t = px.map_or(&env.direct, |p| &p.target);
-    say!(
-        "pb-fanout via {} in {:?}: {} watchers, {}/s for {}s",
-        t.side,
-        o.encoding,
-        o.watchers,
-        o.rate,
-        o.duration_s
-    );
-    let before = served(px, "WATCH").await?;
-    let reasons_before = passthrough_reasons(px, "watch").await?;
-    let writer = env.admin_conn().await?;
-    let (result, usage) = env
-        .measure(px, watch_fanout(t, &env.direct, &writer, o))
-        .await?;
-    let after = served(px, "WATCH").await?;
-    let mut passthrough_reasons = passthrough_reasons(px, "watch").await?;
-    for (reason, n) in passthrough_reasons.iter_mut() {
-        *n -= reasons_before.get(reason).copied().unwrap_or(0).min(*n);
-    }
-    passthrough_reasons.retain(|_, n| *n > 0);
-    Ok(FanoutPhase {
-        side: t.side,
-        encoding: o.encoding,
-        rate: o.rate,
-        result,
-        usage,
-        watches_from_cache: after.0 - before.0,
-        watches_passed_through: after.1 - before.1,
-        passthrough_reasons,
-    })
 }
 
 /// Scenario pb-fanout: the apiserver in protobuf, then one proxy in protobuf and in JSON, at
@@ -370,46 +261,10 @@ fn fanout_checks(r: &FanoutReport) -> Vec<Check> {
             ),
         });
         if p.side == "proxy" {
-            out.push(Check {
-                name: format!("{what}: every watch served from the cache"),
-                pass: p.watches_passed_through == 0 && p.watches_from_cache > 0,
-                detail: format!(
-                    "{} from the cache, {} passed through{}",
-                    p.watches_from_cache,
-                    p.watches_passed_through,
-                    p.passthrough_reasons
-                        .iter()
-                        .map(|(r, n)| format!("; {n}: {r}"))
-                        .collect::<String>()
-                ),
-            });
+            out.push(watches_from_cache(&what, &p.watches));
         }
     }
     out
-}
-
-/// The highest rate at which `side` in `encoding` delivered with p99 ≤ 50 ms and nothing
-/// missed, and whether it passed at the highest rate tried too (then it is a lower bound).
-fn capacity(r: &FanoutReport, side: &str, encoding: Encoding) -> String {
-    let tried: Vec<&FanoutPhase> = r
-        .phases
-        .iter()
-        .filter(|p| p.side == side && p.encoding == encoding)
-        .collect();
-    let best = tried
-        .iter()
-        .filter(|p| p.passes())
-        .map(|p| p.rate)
-        .fold(None, |m: Option<f64>, r| Some(m.map_or(r, |m| m.max(r))));
-    let top = tried.iter().map(|p| p.rate).fold(0.0, f64::max);
-    match best {
-        None => "none of the rates tried".into(),
-        Some(b) if b >= top => format!(
-            "≥ {b}/s ({:.0} deliveries/s; the highest rate tried)",
-            b * r.opts.watchers as f64
-        ),
-        Some(b) => format!("{b}/s ({:.0} deliveries/s)", b * r.opts.watchers as f64),
-    }
 }
 
 pub fn fanout_markdown(r: &FanoutReport) -> String {
@@ -463,7 +318,7 @@ pub fn fanout_markdown(r: &FanoutReport) -> String {
             f.missed,
             f.duplicated,
             if p.side == "proxy" {
-                format!("{} / {}", p.watches_from_cache, p.watches_passed_through)
+                format!("{} / {}", p.watches.cache, p.watches.upstream)
             } else {
                 "-".into()
             },
@@ -480,9 +335,9 @@ pub fn fanout_markdown(r: &FanoutReport) -> String {
          the watchers, not a capacity):\n\n\
          - apiserver, protobuf: {}\n- proxy, protobuf: {}\n- proxy, JSON: {}\n",
         o.rates,
-        capacity(r, "apiserver", Encoding::Protobuf),
-        capacity(r, "proxy", Encoding::Protobuf),
-        capacity(r, "proxy", Encoding::Json),
+        Capacity::of(&r.phases, "apiserver", Encoding::Protobuf),
+        Capacity::of(&r.phases, "proxy", Encoding::Protobuf),
+        Capacity::of(&r.phases, "proxy", Encoding::Json),
     ));
     if o.rates.len() == 1 {
         s.push_str("\nOne rate was tried: this is a fixed-rate measurement, not a capacity.\n");
@@ -503,8 +358,7 @@ pub struct ListPhase {
     /// upstream, every client's included).
     pub apiserver_lists: u64,
     /// The proxy's pods LIST requests during the walks, by what served them.
-    pub pages_from_cache: u64,
-    pub pages_passed_through: u64,
+    pub pages: ServedBy,
 }
 
 /// The memory of the protobuf representation in the proxy.
@@ -548,22 +402,21 @@ async fn list_phase(env: &Env, px: Option<&ProxyChild>, o: &PbOpts) -> anyhow::R
     };
     let before = (
         env.scrape_resource("pods").await?,
-        served(px, "LIST").await?,
+        served(px, "pods", "LIST").await?,
     );
     let (result, usage) = env
         .measure(px, list_storm(t, &spec, o.walkers, 1, o.pods, None))
         .await?;
     let after = (
         env.scrape_resource("pods").await?,
-        served(px, "LIST").await?,
+        served(px, "pods", "LIST").await?,
     );
     Ok(ListPhase {
         side: t.side,
         result,
         usage,
         apiserver_lists: after.0.delta(&before.0).get("LIST").copied().unwrap_or(0),
-        pages_from_cache: after.1.0 - before.1.0,
-        pages_passed_through: after.1.1 - before.1.1,
+        pages: after.1.since(before.1),
     })
 }
 
@@ -640,10 +493,10 @@ fn list_checks(r: &ListReport) -> Vec<Check> {
         if p.side == "proxy" {
             out.push(Check {
                 name: "pb-list proxy: every page served from the cache".into(),
-                pass: p.pages_passed_through == 0 && p.apiserver_lists == 0,
+                pass: p.pages.upstream == 0 && p.apiserver_lists == 0,
                 detail: format!(
                     "{} from the cache, {} passed through; the apiserver counted {} pods LISTs",
-                    p.pages_from_cache, p.pages_passed_through, p.apiserver_lists
+                    p.pages.cache, p.pages.upstream, p.apiserver_lists
                 ),
             });
         }
@@ -690,7 +543,7 @@ pub fn list_markdown(r: &ListReport) -> String {
             l.mb_per_s / 1000.0,
             p.apiserver_lists,
             if p.side == "proxy" {
-                format!("{} / {}", p.pages_from_cache, p.pages_passed_through)
+                format!("{} / {}", p.pages.cache, p.pages.upstream)
             } else {
                 "-".into()
             },

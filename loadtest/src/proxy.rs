@@ -16,7 +16,10 @@ use clap::Parser as _;
 use http::Method;
 use kube_cache_proxy::app::cli::{Cli, Command};
 
+use serde::Serialize;
+
 use crate::client::{Target, fetch};
+use crate::stats::{metrics, sum};
 
 /// `loadtest serve-proxy ARGS`: the `serve` command of `kube-cache-proxy`, with ARGS.
 pub fn serve_main(args: Vec<String>) -> anyhow::Result<()> {
@@ -47,6 +50,8 @@ pub struct ProxyFiles {
     pub key: PathBuf,
     pub ca_pem: String,
     pub log: PathBuf,
+    /// `--proxy-extra-config`, kept for [`ProxyFiles::variant`].
+    extra: Option<String>,
 }
 
 impl ProxyFiles {
@@ -65,21 +70,131 @@ impl ProxyFiles {
             key: dir.join("proxy-tls.key"),
             ca_pem,
             log: dir.join("proxy.log"),
+            extra: extra.map(str::to_string),
         };
         std::fs::write(&f.kubeconfig, upstream_kubeconfig)?;
-        // The proxy's defaults, except a fixed upstream page size (500): the scenarios measure
-        // serving, and scenario b checks that the proxy's initial sync is ONE upstream LIST
-        // request per resource; adaptive upstream pages (tests/integration/paging.rs) would split
-        // it into a varying number of page requests.
-        let mut config = "paging:\n  adaptUpstream: false\n".to_string();
-        if let Some(extra) = extra {
-            config.push_str(extra);
-            config.push('\n');
-        }
-        std::fs::write(&f.config, config)?;
+        std::fs::write(&f.config, config(&[extra]))?;
         std::fs::write(&f.cert, cert)?;
         std::fs::write(&f.key, key)?;
         Ok(f)
+    }
+
+    /// The same files with `yaml` added to the configuration (in `proxy-config-{name}.yaml`
+    /// beside the first), for a phase that compares a setting in the same run. The run's
+    /// `--proxy-extra-config` is kept (it must not set the same top-level key as `yaml`).
+    pub fn variant(&self, name: &str, yaml: &str) -> anyhow::Result<ProxyFiles> {
+        let dir = self
+            .config
+            .parent()
+            .context("the proxy's config directory")?;
+        let path = dir.join(format!("proxy-config-{name}.yaml"));
+        std::fs::write(&path, config(&[self.extra.as_deref(), Some(yaml)]))?;
+        Ok(ProxyFiles {
+            kubeconfig: self.kubeconfig.clone(),
+            config: path,
+            cert: self.cert.clone(),
+            key: self.key.clone(),
+            ca_pem: self.ca_pem.clone(),
+            log: self.log.clone(),
+            extra: self.extra.clone(),
+        })
+    }
+}
+
+/// The proxy's configuration file: its defaults, except a fixed upstream page size (500): the
+/// scenarios measure serving, and scenario b checks that the proxy's initial sync is ONE
+/// upstream LIST request per resource; adaptive upstream pages (tests/integration/paging.rs)
+/// would split it into a varying number of page requests. Then each of `extra`.
+fn config(extra: &[Option<&str>]) -> String {
+    let mut config = "paging:\n  adaptUpstream: false\n".to_string();
+    for e in extra.iter().flatten() {
+        config.push_str(e);
+        config.push('\n');
+    }
+    config
+}
+
+/// A proxy's requests for one resource and verb, by what served them
+/// (`kube_cache_proxy_requests_total{served_by}` on its admin listener).
+#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+pub struct ServedBy {
+    pub cache: u64,
+    pub upstream: u64,
+    /// Why the passed-through ones went to the apiserver
+    /// (`kube_cache_proxy_passthrough_total{reason}`).
+    pub reasons: std::collections::BTreeMap<String, u64>,
+}
+
+impl ServedBy {
+    /// Reads `resource` (plural, e.g. `configmaps`) and `verb` (`GET`, `LIST`, `WATCH`) from
+    /// the proxy's metrics text.
+    pub fn read(text: &str, resource: &str, verb: &str) -> ServedBy {
+        let (resource, verb) = (
+            format!("resource=\"{resource}\""),
+            format!("verb=\"{verb}\""),
+        );
+        let by = |b: &str| {
+            let b = format!("served_by=\"{b}\"");
+            sum(
+                text,
+                "kube_cache_proxy_requests_total",
+                &[&resource, &verb, &b],
+            ) as u64
+        };
+        let lower = verb.to_lowercase();
+        let mut reasons = std::collections::BTreeMap::new();
+        for l in text.lines().filter(|l| {
+            l.starts_with("kube_cache_proxy_passthrough_total{")
+                && l.contains(&resource)
+                && l.contains(&lower)
+        }) {
+            let reason = l
+                .split_once("reason=\"")
+                .and_then(|(_, r)| r.split_once('"'))
+                .map_or("?", |(r, _)| r);
+            let n = l.rsplit(' ').next().and_then(|v| v.parse::<f64>().ok());
+            *reasons.entry(reason.to_string()).or_default() += n.unwrap_or(0.0) as u64;
+        }
+        ServedBy {
+            cache: by("cache"),
+            upstream: by("upstream"),
+            reasons,
+        }
+    }
+
+    /// What was served between `before` and `self`.
+    pub fn since(self, before: ServedBy) -> ServedBy {
+        let mut reasons = self.reasons;
+        for (r, n) in reasons.iter_mut() {
+            *n = n.saturating_sub(before.reasons.get(r).copied().unwrap_or(0));
+        }
+        reasons.retain(|_, n| *n > 0);
+        ServedBy {
+            cache: self.cache.saturating_sub(before.cache),
+            upstream: self.upstream.saturating_sub(before.upstream),
+            reasons,
+        }
+    }
+
+    /// `; N: reason` for each reason, for a check's detail.
+    pub fn reasons_text(&self) -> String {
+        self.reasons
+            .iter()
+            .map(|(r, n)| format!("; {n}: {r}"))
+            .collect()
+    }
+}
+
+/// [`ServedBy`] of the proxy `px` so far (zero without one, or for a proxy the driver did not
+/// start: it has no admin listener to read).
+pub async fn served(
+    px: Option<&ProxyChild>,
+    resource: &str,
+    verb: &str,
+) -> anyhow::Result<ServedBy> {
+    match px.and_then(|p| p.admin.as_ref()) {
+        Some(admin) => Ok(ServedBy::read(&metrics(admin).await?, resource, verb)),
+        None => Ok(ServedBy::default()),
     }
 }
 
@@ -214,5 +329,36 @@ impl ProxyChild {
         {
             let _ = child.kill().await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ServedBy;
+
+    #[test]
+    fn served_by_reads_counts_and_passthrough_reasons_of_one_resource_and_verb() {
+        let at = |watch_cache: u64, not_reached: u64| {
+            format!(
+                "kube_cache_proxy_requests_total{{verb=\"WATCH\",resource=\"pods\",served_by=\"cache\"}} {watch_cache}\n\
+                 kube_cache_proxy_requests_total{{verb=\"WATCH\",resource=\"pods\",served_by=\"upstream\"}} {not_reached}\n\
+                 kube_cache_proxy_requests_total{{verb=\"LIST\",resource=\"pods\",served_by=\"upstream\"}} 9\n\
+                 kube_cache_proxy_passthrough_total{{verb=\"watch\",resource=\"pods\",reason=\"resourceVersion not reached\"}} {not_reached}\n\
+                 kube_cache_proxy_passthrough_total{{verb=\"list\",resource=\"pods\",reason=\"selector\"}} 9\n\
+                 kube_cache_proxy_passthrough_total{{verb=\"watch\",resource=\"nodes\",reason=\"selector\"}} 4\n"
+            )
+        };
+        let before = ServedBy::read(&at(10, 2), "pods", "WATCH");
+        assert_eq!((before.cache, before.upstream), (10, 2));
+        let after = ServedBy::read(&at(25, 5), "pods", "WATCH");
+        let d = after.since(before);
+        assert_eq!((d.cache, d.upstream), (15, 3));
+        assert_eq!(d.reasons_text(), "; 3: resourceVersion not reached");
+        let same = ServedBy::read(&at(25, 5), "pods", "WATCH").since(ServedBy::read(
+            &at(25, 5),
+            "pods",
+            "WATCH",
+        ));
+        assert_eq!(same.reasons_text(), "");
     }
 }

@@ -4,9 +4,11 @@ use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
 use crate::fields::FieldsResult;
-use crate::scenarios::{FanoutResult, StartMode};
+use crate::proxy::ServedBy;
+use crate::scenarios::{Encoding, FanoutResult, GetKind, ListResult, StartMode};
 use crate::stats::Summary;
-use crate::{Check, Machine, Row, Run, Usage};
+use crate::sweep::{Capacity, FanoutPhase, P99_TARGET_MS, cpu_ratio, watches_from_cache};
+use crate::{Check, GetRow, Machine, Row, Run, Usage};
 
 pub fn utc_now() -> String {
     cmd("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]).unwrap_or_else(|| "unknown".into())
@@ -54,13 +56,18 @@ pub fn machine() -> Machine {
             .unwrap_or_default()
             .trim()
             .to_string(),
-        loadavg_at_start: std::fs::read_to_string("/proc/loadavg")
-            .unwrap_or_default()
-            .split_whitespace()
-            .take(3)
-            .collect::<Vec<_>>()
-            .join(" "),
+        loadavg_at_start: loadavg(),
     }
+}
+
+/// The 1, 5 and 15 minute load averages (`/proc/loadavg`).
+pub fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 fn check(name: impl Into<String>, pass: bool, detail: String) -> Check {
@@ -72,8 +79,10 @@ fn check(name: impl Into<String>, pass: bool, detail: String) -> Check {
 }
 
 fn fanout_checks(scenario: &str, side: &str, r: &FanoutResult, out: &mut Vec<Check>) {
+    let scenario = format!("{scenario} {side}");
+    let scenario = scenario.trim_end();
     out.push(check(
-        format!("{scenario} {side}: no missed or duplicated events"),
+        format!("{scenario}: no missed or duplicated events"),
         r.missed == 0 && r.duplicated == 0 && r.watch_errors == 0,
         format!(
             "missed {}, duplicated {}, watch errors {}, rewatches {}",
@@ -81,7 +90,7 @@ fn fanout_checks(scenario: &str, side: &str, r: &FanoutResult, out: &mut Vec<Che
         ),
     ));
     out.push(check(
-        format!("{scenario} {side}: every write reached every watcher"),
+        format!("{scenario}: every write reached every watcher"),
         r.write_errors == 0 && r.deliveries == (r.writes * r.watchers) as u64,
         format!(
             "{} writes ({} failed) x {} watchers, {} deliveries",
@@ -93,8 +102,23 @@ fn fanout_checks(scenario: &str, side: &str, r: &FanoutResult, out: &mut Vec<Che
 /// Correctness checks; any failure makes the driver exit 1.
 pub fn checks(run: &Run) -> Vec<Check> {
     let mut out = Vec::new();
-    for r in &run.a {
-        fanout_checks("a", r.side, &r.result, &mut out);
+    // Every write reaches every watcher at each side's first (lowest) rate; above it the sweep
+    // looks for the rate where a side falls behind, and a miss there ends the sweep (it
+    // limits the capacity) rather than failing the run. Nothing is ever delivered twice.
+    for (i, r) in run.a.iter().enumerate() {
+        let what = format!("a {} at {}/s", r.side, r.rate);
+        if run.a[..i].iter().all(|q| q.side != r.side) {
+            fanout_checks(&what, "", &r.result, &mut out);
+        } else {
+            out.push(check(
+                format!("{what}: no duplicated events"),
+                r.result.duplicated == 0,
+                format!("duplicated {}", r.result.duplicated),
+            ));
+        }
+        if r.side == "proxy" && r.watches != ServedBy::default() {
+            out.push(watches_from_cache(&what, &r.watches));
+        }
     }
     let clients = run.profile.b_clients as u64;
     for r in &run.b {
@@ -135,13 +159,52 @@ pub fn checks(run: &Run) -> Vec<Check> {
                 l.walks, l.errors, l.wrong_counts
             ),
         ));
+        out.push(check(
+            format!("c {}: full pages of `limit` items", r.side),
+            l.short_pages == 0,
+            format!("{} short pages before a walk's last", l.short_pages),
+        ));
+    }
+    if run.c.len() > 1 {
+        let per_walk: Vec<String> = run
+            .c
+            .iter()
+            .map(|r| format!("{} {:.1}", r.side, pages_per_walk(&r.result)))
+            .collect();
+        out.push(check(
+            "c: the same pages per walk on both sides (equal `limit` semantics)",
+            run.c
+                .windows(2)
+                .all(|w| pages_per_walk(&w[0].result) == pages_per_walk(&w[1].result)),
+            format!("pages per walk: {}", per_walk.join(", ")),
+        ));
     }
     for r in &run.d {
+        let what = format!("d {} {}", r.side, r.label());
         out.push(check(
-            format!("d {} {}: no errors", r.side, r.result.kind),
+            format!("{what}: no errors"),
             r.result.errors == 0,
             format!("{} of {} failed", r.result.errors, r.result.requests),
         ));
+        // On the driver's own proxy (its metrics readable): what must have served them.
+        if r.side != "proxy" || r.served == ServedBy::default() {
+            continue;
+        }
+        let expected = match r.result.kind {
+            GetKind::Passthrough => Some(("upstream", r.served.cache == 0)),
+            GetKind::Rv0 => Some(("the cache", r.served.upstream == 0)),
+            GetKind::Quorum => None,
+        };
+        if let Some((by, pass)) = expected {
+            out.push(check(
+                format!("{what}: every GET served by {by}"),
+                pass,
+                format!(
+                    "{} from the cache, {} passed through",
+                    r.served.cache, r.served.upstream
+                ),
+            ));
+        }
     }
     for r in &run.f {
         fields_checks(r, &mut out);
@@ -161,6 +224,11 @@ pub fn checks(run: &Run) -> Vec<Check> {
     out
 }
 
+/// Pages per walk (the same on both sides when `limit` means the same).
+fn pages_per_walk(l: &ListResult) -> f64 {
+    l.pages as f64 / l.walks.max(1) as f64
+}
+
 pub struct Paths {
     pub json: PathBuf,
     pub md: PathBuf,
@@ -172,7 +240,7 @@ pub(crate) fn lat(s: &Summary) -> String {
 }
 
 pub(crate) fn proc<'a>(u: &'a Usage, name: &str) -> Option<&'a crate::stats::ProcUsage> {
-    u.procs.iter().find(|p| p.name == name)
+    u.proc(name)
 }
 
 pub(crate) fn cpu_rss(u: &Usage, name: &str) -> String {
@@ -210,24 +278,38 @@ fn usage_row(md: &mut String, scenario: &str, side: &str, u: &Usage) {
     );
 }
 
-fn fanout_table(md: &mut String, rows: &[(&str, &FanoutResult)]) {
+fn fanout_sweep_table(md: &mut String, phases: &[FanoutPhase]) {
     md.push_str(
-        "| side | watchers (connections) | writes (per s) | deliveries | deliveries/s | latency p50 / p99 / max (ms) | missed | duplicated | rewatches |\n|---|---|---|---|---|---|---|---|---|\n",
+        "| side | rate/s (achieved) | watchers (connections) | deliveries | deliveries/s | latency p50 / p99 / max (ms) | missed | duplicated | rewatches | within target | watches cache / passed through | proxy CPU, RSS | proxy µs/delivery | kube-apiserver CPU, RSS | apiserver µs/delivery | driver CPU |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
-    for (side, r) in rows {
+    let us = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+    for p in phases {
+        let r = &p.result;
         let _ = writeln!(
             md,
-            "| {side} | {} ({}) | {} ({:.1}) | {} | {:.0} | {} | {} | {} | {} |",
+            "| {} | {} ({:.1}) | {} ({}) | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            p.side,
+            p.rate,
+            r.write_rate,
             r.watchers,
             r.connections,
-            r.writes,
-            r.write_rate,
             r.deliveries,
             r.deliveries_per_s,
             lat(&r.latency),
             r.missed,
             r.duplicated,
-            r.rewatches
+            r.rewatches,
+            if p.passes() { "yes" } else { "**no**" },
+            if p.side == "proxy" {
+                format!("{} / {}", p.watches.cache, p.watches.upstream)
+            } else {
+                "-".into()
+            },
+            cpu_rss(&p.usage, "proxy"),
+            us(p.cpu_us_per_delivery("proxy")),
+            cpu_rss(&p.usage, "kube-apiserver"),
+            us(p.cpu_us_per_delivery("kube-apiserver")),
+            cpu_rss(&p.usage, "driver"),
         );
     }
 }
@@ -303,6 +385,7 @@ pub fn markdown(run: &Run, svg_name: &str) -> String {
         run.loopback_gbps
     );
     let _ = writeln!(md, "\n![p99 latency, proxy vs apiserver]({svg_name})\n");
+    let _ = writeln!(md, "## Real path\n\n{}", real_path(run));
 
     md.push_str("## Checks\n\n| check | result | detail |\n|---|---|---|\n");
     for c in &run.checks {
@@ -318,11 +401,21 @@ pub fn markdown(run: &Run, svg_name: &str) -> String {
     if !run.a.is_empty() {
         let _ = writeln!(
             md,
-            "\n## a. Watch fan-out\n\n{} watchers on the ConfigMaps of one namespace, {} HTTP/2 streams per connection, while {:.0} merge patches/s over {} objects go straight to the apiserver for {:.0} s. Latency is from the timestamp the writer puts in the object (just before its PATCH) to the watcher reading the event, so both sides include the apiserver's write path. Missed and duplicated events are counted per watcher against the resourceVersions the writer got back.\n",
-            p.a.watchers, p.a.streams_per_conn, p.a.rate, p.a.objects, p.a.duration_s
+            "\n## a. Watch fan-out\n\n{} watchers on the ConfigMaps of one namespace ({} B each in JSON as seeded), {} HTTP/2 streams per connection, JSON, while merge patches over {} objects go straight to the apiserver for {} s at each rate of {:?}/s: one phase per rate and side, in increasing order, a side's sweep ending at its first rate that misses the target (p99 ≤ {P99_TARGET_MS} ms with nothing missed or duplicated). The proxy's phases run on one proxy process. Latency is from the timestamp the writer puts in the object (just before its PATCH) to the watcher reading the event, so both sides include the apiserver's write path. Missed and duplicated events are counted per watcher against the resourceVersions the writer got back. CPU per delivery: each process's CPU over the phase (opening the watches included) over the deliveries; the apiserver also serves the writes in both sides' phases.\n",
+            p.a.watchers,
+            run.a_object_bytes.map_or("?".into(), |b| b.to_string()),
+            p.a.streams_per_conn,
+            p.a.objects,
+            p.a.duration_s,
+            p.a_rates
         );
-        let rows: Vec<_> = run.a.iter().map(|r| (r.side, &r.result)).collect();
-        fanout_table(&mut md, &rows);
+        fanout_sweep_table(&mut md, &run.a);
+        let _ = writeln!(
+            md,
+            "\nCapacity, the highest rate within target (at one rate, deliveries/s are that rate × the watchers on both sides, not a capacity):\n\n- apiserver: {}\n- proxy: {}",
+            Capacity::of(&run.a, "apiserver", Encoding::Json),
+            Capacity::of(&run.a, "proxy", Encoding::Json),
+        );
     }
 
     if !run.b.is_empty() {
@@ -378,15 +471,17 @@ pub fn markdown(run: &Run, svg_name: &str) -> String {
                 r.result.pages
             );
         }
-        md.push_str("| side | walks | pages | page latency p50 / p99 / max (ms) | walk time p50 / max (s) | objects/s | MB/s | upstream LISTs |\n|---|---|---|---|---|---|---|---|\n");
+        md.push_str("A short page is one before a walk's last with fewer than `limit` items: the apiserver returns min(limit, remaining), so both sides must show none and the same pages per walk (checked).\n\n| side | walks | pages | pages per walk | short pages | page latency p50 / p99 / max (ms) | walk time p50 / max (s) | objects/s | MB/s | upstream LISTs |\n|---|---|---|---|---|---|---|---|---|---|\n");
         for r in &run.c {
             let l = &r.result;
             let _ = writeln!(
                 md,
-                "| {} | {} | {} | {} | {:.2} / {:.2} | {:.0} | {:.1} | {} |",
+                "| {} | {} | {} | {:.1} | {} | {} | {:.2} / {:.2} | {:.0} | {:.1} | {} |",
                 r.side,
                 l.walks,
                 l.pages,
+                pages_per_walk(l),
+                l.short_pages,
                 lat(&l.page_latency),
                 l.walk_time.p50_ms / 1000.0,
                 l.walk_time.max_ms / 1000.0,
@@ -404,21 +499,34 @@ pub fn markdown(run: &Run, svg_name: &str) -> String {
     if !run.d.is_empty() {
         let _ = writeln!(
             md,
-            "\n## d. GETs at a fixed rate\n\n{:.0} GETs/s for {:.0} s, open loop, over one HTTP/2 connection, of {} ConfigMaps. `quorum` (no resourceVersion) asks for the most recent state: the apiserver reads it at etcd's current revision; the proxy serves it from its cache under its consistency policy (`bounded` by default: while its upstream watch is up and after its own writes are reflected; `strict` would confirm the current revision upstream first). `rv0` (`resourceVersion=0`) may be served from a cache: the proxy's, or the apiserver's watch cache.\n",
+            "\n## d. GETs at a fixed rate\n\n{:.0} GETs/s for {:.0} s, open loop, over one HTTP/2 connection, of {} ConfigMaps. `quorum` (no resourceVersion) asks for the most recent state: the apiserver reads it at etcd's current revision; the proxy answers under its consistency mode, named in the row: `bounded` (its default) serves it from its cache while its upstream watch is up and after its own writes are reflected, so it is not a consistent read; `strict` (a second proxy with `lists.consistency: strict`) confirms the apiserver's current revision first (one probe shared by the reads waiting for it) and then serves from the cache. `rv0` (`resourceVersion=0`) may be served from a cache: the proxy's, or the apiserver's watch cache.\n",
             p.d_rate, p.d_secs, p.d_objects
         );
-        md.push_str("| side | kind | achieved/s | latency p50 / p99 / max (ms) | errors | upstream GETs |\n|---|---|---|---|---|---|\n");
+        md.push_str("`passthrough`: GETs of Leases (coordination.k8s.io), which the proxy's default configuration does not cache, so every one passes through to the apiserver: the proxy's own cost on the path. `served by`: the proxy's own count of the row's GETs by what served them (`kube_cache_proxy_requests_total{served_by}` on its admin listener); `probes`: its upstream current-revision probes (`kube_cache_proxy_consistency_probes_total`, strict only); `upstream configmaps GETs`: the apiserver's count.\n\n| side | kind | achieved/s | latency p50 / p99 / max (ms) | errors | served by (proxy: cache / passed through) | probes | upstream configmaps GETs |\n|---|---|---|---|---|---|---|---|\n");
         for r in &run.d {
             let g = &r.result;
             let _ = writeln!(
                 md,
-                "| {} | {} | {:.0} | {} | {} | {} |",
+                "| {} | {} | {:.0} | {} | {} | {} | {} | {} |",
                 r.side,
-                g.kind,
+                r.label(),
                 g.achieved_rate,
                 lat(&g.latency),
                 g.errors,
+                served_by(r),
+                if r.side == "proxy" {
+                    r.probes.to_string()
+                } else {
+                    "-".into()
+                },
                 r.usage.configmaps_requests.get("GET").copied().unwrap_or(0)
+            );
+        }
+        if let Some(d) = passthrough_delta(run) {
+            let _ = writeln!(
+                md,
+                "\nPassthrough, proxy minus apiserver: p50 {:+.2} ms (target ≤ +0.2), p99 {:+.2} ms (target ≤ +2).",
+                d.0, d.1
             );
         }
     }
@@ -520,13 +628,15 @@ pub fn markdown(run: &Run, svg_name: &str) -> String {
             usage_row(md, s, r.side, &r.usage);
         }
     }
-    rows(&mut md, "a", &run.a);
+    for r in &run.a {
+        usage_row(&mut md, &format!("a {}/s", r.rate), r.side, &r.usage);
+    }
     for r in &run.b {
         usage_row(&mut md, &format!("b {:?}", r.mode), r.side, &r.usage);
     }
     rows(&mut md, "c", &run.c);
     for r in &run.d {
-        usage_row(&mut md, &format!("d {}", r.result.kind), r.side, &r.usage);
+        usage_row(&mut md, &format!("d {}", r.label()), r.side, &r.usage);
     }
     rows(&mut md, "e", &run.e);
     for r in &run.f {
@@ -538,6 +648,249 @@ pub fn markdown(run: &Run, svg_name: &str) -> String {
         );
     }
     md
+}
+
+/// What served a proxy row's requests, in a few words.
+fn served_label(s: &ServedBy) -> &'static str {
+    match (s.cache, s.upstream) {
+        (0, 0) => "served by: not read",
+        (_, 0) => "from the cache",
+        (0, _) => "passed through",
+        _ => "cache and passed through",
+    }
+}
+
+/// A d row's served-by cell: the proxy's own count, `-` on the apiserver.
+fn served_by(r: &GetRow) -> String {
+    if r.side != "proxy" {
+        return "-".into();
+    }
+    format!("{} / {}", r.served.cache, r.served.upstream)
+}
+
+/// The passthrough GETs' (p50, p99) through the proxy minus straight, in ms.
+pub fn passthrough_delta(run: &Run) -> Option<(f64, f64)> {
+    let at = |side: &str| {
+        run.d
+            .iter()
+            .find(|r| r.side == side && r.result.kind == GetKind::Passthrough)
+            .map(|r| &r.result.latency)
+    };
+    let (a, p) = (at("apiserver")?, at("proxy")?);
+    Some((p.p50_ms - a.p50_ms, p.p99_ms - a.p99_ms))
+}
+
+/// The issue's real-path table: target, apiserver, proxy and their ratio per benchmark, with
+/// the machine's loopback throughput, load average and the commit.
+pub fn real_path(run: &Run) -> String {
+    let mut s = format!(
+        "Commit {}, {} CPUs, loopback TCP {:.2} GB/s, load average {} at start and {} at the end.\n\n\
+         | | benchmark | target | kube-apiserver | proxy | ratio (> 1: the proxy better) | met |\n|---|---|---|---|---|---|---|\n",
+        run.commit,
+        run.machine.cpus,
+        run.loopback_gbps,
+        run.machine.loadavg_at_start,
+        run.loadavg_at_end,
+    );
+    fn row(s: &mut String, cells: [&str; 7]) {
+        let _ = writeln!(s, "| {} |", cells.join(" | "));
+    }
+    fn ms(v: f64) -> String {
+        format!("{v:.1} ms")
+    }
+    fn ratio(a: f64, p: f64) -> String {
+        if p > 0.0 {
+            format!("{:.1}×", a / p)
+        } else {
+            "-".into()
+        }
+    }
+    /// A row comparing the apiserver's p99 and the proxy's, when both were measured.
+    fn pair(s: &mut String, id: &str, what: &str, rows: &[(&str, f64)]) {
+        let side = |name: &str| rows.iter().find(|r| r.0 == name).map(|r| r.1);
+        if let (Some(a), Some(p)) = (side("apiserver"), side("proxy")) {
+            row(s, [id, what, "-", &ms(a), &ms(p), &ratio(a, p), "-"]);
+        }
+    }
+    let yes = |b: bool| if b { "yes" } else { "**no**" };
+    // P1: the sweep's first rate (both sides ran it), the capacity, CPU per delivery.
+    let first = |side: &str| run.a.iter().find(|p| p.side == side);
+    if let (Some(a), Some(p)) = (first("apiserver"), first("proxy")) {
+        let bytes = run.a_object_bytes.map_or("?".into(), |b| b.to_string());
+        let what = format!(
+            "watch fan-out, {} watchers ({} per connection), {bytes} B ConfigMaps, {}/s: p99 write → receipt",
+            p.result.watchers, run.profile.a.streams_per_conn, p.rate
+        );
+        let met = if p.result.watchers >= 10_000 {
+            yes(p.passes())
+        } else {
+            "- (fewer watchers)"
+        };
+        row(
+            &mut s,
+            [
+                "P1",
+                &what,
+                "≤ 50 ms at 10,000 watchers",
+                &ms(a.result.latency.p99_ms),
+                &ms(p.result.latency.p99_ms),
+                &ratio(a.result.latency.p99_ms, p.result.latency.p99_ms),
+                met,
+            ],
+        );
+        let cap = |side: &str| Capacity::of(&run.a, side, Encoding::Json);
+        let (ca, cp) = (cap("apiserver"), cap("proxy"));
+        // Higher is better here: the proxy's over the apiserver's, a lower bound while the
+        // proxy passed its highest rate, unknown while the apiserver passed its own.
+        let cap_ratio = match (ca.deliveries_per_s, cp.deliveries_per_s) {
+            (Some(_), Some(_)) if ca.at_highest_tried => "-".into(),
+            (Some(a), Some(p)) if cp.at_highest_tried => format!("≥ {}", ratio(p, a)),
+            (Some(a), Some(p)) => ratio(p, a),
+            _ => "-".into(),
+        };
+        row(
+            &mut s,
+            [
+                "P1",
+                &format!(
+                    "capacity: the highest write rate of {:?}/s within p99 ≤ {P99_TARGET_MS} ms, nothing missed",
+                    run.profile.a_rates
+                ),
+                "-",
+                &ca.to_string(),
+                &cp.to_string(),
+                &cap_ratio,
+                "-",
+            ],
+        );
+        let us = |p: &FanoutPhase, name| {
+            p.cpu_us_per_delivery(name)
+                .map_or("-".into(), |v| format!("{v:.2} µs"))
+        };
+        let r = cpu_ratio(&run.a, Encoding::Json, p.rate);
+        row(
+            &mut s,
+            [
+                "P1",
+                &format!("CPU per delivery at {}/s (each side's own process)", p.rate),
+                "proxy ≥ 5× fewer",
+                &us(a, "kube-apiserver"),
+                &us(p, "proxy"),
+                &r.map_or("-".into(), |r| format!("{r:.1}×")),
+                r.map_or("-", |r| yes(r >= 5.0)),
+            ],
+        );
+    }
+    let c: Vec<_> = run
+        .c
+        .iter()
+        .map(|r| (r.side, r.result.page_latency.p99_ms))
+        .collect();
+    let per_walk: Vec<String> = run
+        .c
+        .iter()
+        .map(|r| format!("{:.0}", pages_per_walk(&r.result)))
+        .collect();
+    pair(
+        &mut s,
+        "P2",
+        &format!(
+            "list page p99, {} ConfigMaps, `limit={}` (pages per walk: {})",
+            run.profile.c_objects,
+            run.profile.c_limit,
+            per_walk.join(" / ")
+        ),
+        &c,
+    );
+    row(
+        &mut s,
+        [
+            "P3",
+            "idle watch stream memory: not measured here",
+            "-",
+            "-",
+            "-",
+            "-",
+            "-",
+        ],
+    );
+    for mode in [StartMode::Legacy, StartMode::WatchList] {
+        let b: Vec<_> = run
+            .b
+            .iter()
+            .filter(|r| r.mode == mode)
+            .map(|r| (r.side, r.result.time_to_sync.p99_ms))
+            .collect();
+        pair(
+            &mut s,
+            "P4",
+            &format!(
+                "informer sync p99, {mode:?}, {} clients at once",
+                run.profile.b_clients
+            ),
+            &b,
+        );
+    }
+    let proxied = run
+        .d
+        .iter()
+        .filter(|r| r.side == "proxy" && r.result.kind != GetKind::Passthrough);
+    for r in proxied {
+        let rows: Vec<_> = run
+            .d
+            .iter()
+            .filter(|a| a.side == "apiserver" && a.result.kind == r.result.kind)
+            .chain([r])
+            .map(|r| (r.side, r.result.latency.p99_ms))
+            .collect();
+        pair(
+            &mut s,
+            "P5/P6",
+            &format!(
+                "GET p99, {} at {:.0}/s (proxy: {})",
+                r.label(),
+                r.result.target_rate,
+                served_label(&r.served)
+            ),
+            &rows,
+        );
+    }
+    if let Some((d50, d99)) = passthrough_delta(run) {
+        let at = |side: &str| {
+            run.d
+                .iter()
+                .find(|r| r.side == side && r.result.kind == GetKind::Passthrough)
+                .map_or("-".into(), |r| {
+                    let l = &r.result.latency;
+                    format!("{:.2} / {:.2} ms", l.p50_ms, l.p99_ms)
+                })
+        };
+        row(
+            &mut s,
+            [
+                "P7",
+                "passthrough GET p50 / p99 (Leases, not cached); proxy minus apiserver",
+                "+≤ 0.2 ms p50, +≤ 2 ms p99",
+                &at("apiserver"),
+                &format!("{} ({d50:+.2} / {d99:+.2} ms)", at("proxy")),
+                "-",
+                yes(d50 <= 0.2 && d99 <= 2.0),
+            ],
+        );
+    }
+    row(
+        &mut s,
+        [
+            "P8",
+            "ingest GB per CPU-second: not measured here",
+            "-",
+            "-",
+            "-",
+            "-",
+            "-",
+        ],
+    );
+    s
 }
 
 /// (label, proxy p99, apiserver p99) per scenario, for the plot and the headline.
@@ -554,12 +907,15 @@ pub fn p99_pairs(run: &Run) -> Vec<(String, f64, f64)> {
         .iter()
         .map(|r| (r.side, r.result.latency.p99_ms))
         .collect();
-    pair(
-        &mut v,
-        "a. watch delivery".into(),
-        find(&a, "proxy"),
-        find(&a, "apiserver"),
-    );
+    // Each side's first phase: the sweep's lowest rate, run by both.
+    if let Some(first) = run.a.first() {
+        pair(
+            &mut v,
+            format!("a. watch delivery at {}/s", first.rate),
+            find(&a, "proxy"),
+            find(&a, "apiserver"),
+        );
+    }
     for mode in [StartMode::Legacy, StartMode::WatchList] {
         let b: Vec<_> = run
             .b
@@ -600,18 +956,18 @@ pub fn p99_pairs(run: &Run) -> Vec<(String, f64, f64)> {
         find(&c, "proxy"),
         find(&c, "apiserver"),
     );
-    for kind in ["quorum", "rv0"] {
-        let d: Vec<_> = run
+    // Each proxy row of d beside the apiserver's row of the same kind, named with the
+    // consistency mode and what served it.
+    for r in run.d.iter().filter(|r| r.side == "proxy") {
+        let direct = run
             .d
             .iter()
-            .filter(|r| r.result.kind == kind)
-            .map(|r| (r.side, r.result.latency.p99_ms))
-            .collect();
+            .find(|a| a.side == "apiserver" && a.result.kind == r.result.kind);
         pair(
             &mut v,
-            format!("d. GET {kind}"),
-            find(&d, "proxy"),
-            find(&d, "apiserver"),
+            format!("d. GET {} ({})", r.label(), served_label(&r.served)),
+            Some(r.result.latency.p99_ms),
+            direct.map(|a| a.result.latency.p99_ms),
         );
     }
     let e: Vec<_> = run
@@ -697,13 +1053,14 @@ const END: &str = "<!-- headline:end -->";
 /// The headline block of loadtest/README.md.
 pub fn headline(run: &Run, md_name: &str) -> String {
     let mut s = format!(
-        "Latest `{}` run: {} on {} CPUs ({}), commit {}, loopback TCP {:.2} GB/s; full report: [results/{md_name}](results/{md_name}).\n\n| p99 latency (ms) | proxy | kube-apiserver |\n|---|---|---|\n",
+        "Latest `{}` run: {} on {} CPUs ({}), commit {}, loopback TCP {:.2} GB/s; full report: [results/{md_name}](results/{md_name}).\n\n{}\n| p99 latency (ms) | proxy | kube-apiserver |\n|---|---|---|\n",
         run.profile.name,
         run.date,
         run.machine.cpus,
         run.machine.cpu_model,
         run.commit,
-        run.loopback_gbps
+        run.loopback_gbps,
+        real_path(run)
     );
     for (label, p, a) in p99_pairs(run) {
         let _ = writeln!(s, "| {label} | {p:.1} | {a:.1} |");
@@ -715,17 +1072,14 @@ pub fn headline(run: &Run, md_name: &str) -> String {
             r.result.clients, r.side, r.upstream_lists, r.upstream_watches_opened
         );
     }
-    for r in &run.a {
-        let _ = writeln!(
-            s,
-            "\nWatch fan-out, {}: {:.0} deliveries/s to {} watchers, {} missed, {} duplicated; {} access reviews.",
-            r.side,
-            r.result.deliveries_per_s,
-            r.result.watchers,
-            r.result.missed,
-            r.result.duplicated,
-            r.usage.access_reviews
-        );
+    for side in ["apiserver", "proxy"] {
+        if run.a.iter().any(|p| p.side == side) {
+            let _ = writeln!(
+                s,
+                "\nWatch fan-out capacity, {side}: {}.",
+                Capacity::of(&run.a, side, Encoding::Json)
+            );
+        }
     }
     s
 }

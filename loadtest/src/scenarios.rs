@@ -920,10 +920,70 @@ pub async fn list_storm(
 // d. GETs at a fixed rate
 // ---------------------------------------------------------------------------------------------
 
+/// What the GETs of scenario d ask for.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum GetKind {
+    /// ConfigMaps `d-{i}` without a resourceVersion: the most recent state (the apiserver
+    /// reads etcd; the proxy serves it under its consistency mode).
+    #[default]
+    Quorum,
+    /// ConfigMaps `d-{i}` with `resourceVersion=0`: any cache may answer.
+    Rv0,
+    /// Leases `d-{i}` (coordination.k8s.io), which the proxy's default configuration does not
+    /// cache ("left out on purpose", config/kube-cache-proxy.yaml): every GET passes through.
+    Passthrough,
+}
+
+impl GetKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GetKind::Quorum => "quorum",
+            GetKind::Rv0 => "rv0",
+            GetKind::Passthrough => "passthrough",
+        }
+    }
+
+    /// The resource as the proxy's metrics name it.
+    pub fn resource(self) -> &'static str {
+        match self {
+            GetKind::Quorum | GetKind::Rv0 => "configmaps",
+            GetKind::Passthrough => LEASES,
+        }
+    }
+
+    /// The path of object `d-{i}` in `ns`.
+    fn path(self, ns: &str, i: usize) -> String {
+        match self {
+            GetKind::Quorum => format!("/api/v1/namespaces/{ns}/configmaps/d-{i}"),
+            GetKind::Rv0 => format!("/api/v1/namespaces/{ns}/configmaps/d-{i}?resourceVersion=0"),
+            GetKind::Passthrough => format!("{}/d-{i}", leases_path(ns)),
+        }
+    }
+}
+
+/// The uncached resource of [`GetKind::Passthrough`].
+pub const LEASES: &str = "leases";
+
+fn leases_path(ns: &str) -> String {
+    format!("/apis/coordination.k8s.io/v1/namespaces/{ns}/leases")
+}
+
+/// Creates `count` Leases `d-{i}` in `ns` (the objects of [`GetKind::Passthrough`]).
+pub async fn create_leases(t: &Target, ns: &str, count: usize) -> anyhow::Result<f64> {
+    create_objects(t, &leases_path(ns), count, 8, |i| {
+        serde_json::json!({
+            "metadata": {"name": format!("d-{i}"), "labels": {"loadtest": "d"}},
+            "spec": {"holderIdentity": format!("loadtest-{i}"), "leaseDurationSeconds": 15},
+        })
+        .to_string()
+    })
+    .await
+}
+
 #[derive(Debug, Clone, Default, Serialize)]
 pub struct GetResult {
-    /// `quorum` (no resourceVersion: the apiserver must answer) or `rv0` (`resourceVersion=0`).
-    pub kind: String,
+    pub kind: GetKind,
     pub target_rate: f64,
     pub achieved_rate: f64,
     pub requests: usize,
@@ -931,15 +991,15 @@ pub struct GetResult {
     pub latency: Summary,
 }
 
-/// Scenario d: GETs of `d-{i}` in `ns` at `rate` per second for `secs`, open loop, over one
-/// HTTP/2 connection (as one client-go process would).
+/// Scenario d: GETs of `d-{i}` (`kind`) in `ns` at `rate` per second for `secs`, open loop,
+/// over one HTTP/2 connection (as one client-go process would).
 pub async fn get_rate(
     target: &Target,
     ns: &str,
     objects: usize,
     rate: f64,
     secs: f64,
-    rv0: bool,
+    kind: GetKind,
 ) -> anyhow::Result<GetResult> {
     let conn = target.connect().await?;
     let total = (rate * secs).round() as usize;
@@ -951,15 +1011,7 @@ pub async fn get_rate(
     for i in 0..total {
         tick.tick().await;
         let permit = sem.clone().acquire_owned().await?;
-        let q = if rv0 { "?resourceVersion=0" } else { "" };
-        let req = target.request(
-            Method::GET,
-            &format!(
-                "/api/v1/namespaces/{ns}/configmaps/d-{}{q}",
-                i % objects.max(1)
-            ),
-            None,
-        );
+        let req = target.request(Method::GET, &kind.path(ns, i % objects.max(1)), None);
         let conn = conn.clone();
         tasks.spawn(async move {
             let _permit = permit;
@@ -974,12 +1026,17 @@ pub async fn get_rate(
     while let Some(r) = tasks.join_next().await {
         match r? {
             Ok(us) => lat.push(us),
-            Err(_) => errors += 1,
+            Err(e) => {
+                if errors == 0 {
+                    say!("{} GET on {}: {e:#}", kind.as_str(), target.side);
+                }
+                errors += 1;
+            }
         }
     }
     let wall = started.elapsed().as_secs_f64();
     Ok(GetResult {
-        kind: if rv0 { "rv0" } else { "quorum" }.into(),
+        kind,
         target_rate: rate,
         achieved_rate: lat.len() as f64 / wall,
         requests: total,

@@ -1,11 +1,14 @@
-//! Percentiles, process CPU/RSS from /proc, kube-apiserver's request counters from /metrics,
-//! and the loopback TCP measurement.
+//! Percentiles, process CPU/RSS from /proc, request counters from `/metrics` texts (the
+//! apiserver's and the proxy's), and the loopback TCP measurement.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use http::Method;
 use serde::Serialize;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+use crate::client::{Target, fetch};
 
 /// Latency summary in milliseconds.
 #[derive(Debug, Clone, Default, Serialize)]
@@ -248,9 +251,33 @@ pub async fn loopback_gbps(total: u64) -> anyhow::Result<f64> {
     Ok(got as f64 / end.duration_since(t0).as_secs_f64() / 1e9)
 }
 
+/// Sum of the samples of `metric` (lines starting with `metric{` or `metric `) whose labels
+/// contain every one of `with`.
+pub fn sum(text: &str, metric: &str, with: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{metric}{{")) || l.starts_with(&format!("{metric} ")))
+        .filter(|l| with.iter().all(|w| l.contains(w)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// A target's `/metrics` text.
+pub async fn metrics(t: &Target) -> anyhow::Result<String> {
+    let c = t.connect().await?;
+    let b = fetch(&c, t.request(Method::GET, "/metrics", None)).await?;
+    Ok(String::from_utf8_lossy(&b).into_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn sums_samples_by_labels() {
+        let text = "a_total{verb=\"LIST\",x=\"1\"} 3\na_total{verb=\"GET\"} 5\na_total{verb=\"LIST\"} 2\nab_total{verb=\"LIST\"} 7\n";
+        assert_eq!(sum(text, "a_total", &["verb=\"LIST\""]), 5.0);
+        assert_eq!(sum(text, "a_total", &[]), 10.0);
+    }
 
     #[test]
     fn percentiles_are_nearest_rank() {

@@ -13,11 +13,11 @@
 
 use std::time::Instant;
 
-use http::Method;
 use serde::Serialize;
 
-use crate::client::{Target, fetch};
+use crate::client::Target;
 use crate::proxy::{ProxyChild, ProxyFiles};
+use crate::stats::{metrics, sum};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct WarmResult {
@@ -33,23 +33,6 @@ pub struct WarmResult {
     pub warm_proxy_lists: f64,
     pub warm_started_caches: usize,
     pub caches: usize,
-}
-
-/// Sum of the samples of `metric` (lines starting with `metric{` or `metric `) whose labels
-/// contain every one of `with`.
-pub(crate) fn sum(text: &str, metric: &str, with: &[&str]) -> f64 {
-    text.lines()
-        .filter(|l| l.starts_with(&format!("{metric}{{")) || l.starts_with(&format!("{metric} ")))
-        .filter(|l| with.iter().all(|w| l.contains(w)))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
-}
-
-/// A target's `/metrics` text.
-pub(crate) async fn metrics(t: &Target) -> anyhow::Result<String> {
-    let c = t.connect().await?;
-    let b = fetch(&c, t.request(Method::GET, "/metrics", None)).await?;
-    Ok(String::from_utf8_lossy(&b).into_owned())
 }
 
 /// One start: (seconds to ready, apiserver LISTs meanwhile, the proxy's own metrics).
@@ -173,14 +156,4 @@ pub fn markdown(r: &WarmResult) -> String {
         r.state_files,
         r.state_mb,
     )
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn sums_samples_by_labels() {
-        let text = "a_total{verb=\"LIST\",x=\"1\"} 3\na_total{verb=\"GET\"} 5\na_total{verb=\"LIST\"} 2\nab_total{verb=\"LIST\"} 7\n";
-        assert_eq!(super::sum(text, "a_total", &["verb=\"LIST\""]), 5.0);
-        assert_eq!(super::sum(text, "a_total", &[]), 10.0);
-    }
 }

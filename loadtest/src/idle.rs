@@ -134,6 +134,12 @@ async fn counted(t: &Target, admin: &Target) -> f64 {
     }
 }
 
+/// Bytes of RSS per open stream: the growth from `before_kb` to `open_kb` (KiB) over
+/// `streams` (a shrink is negative, not hidden).
+fn per_stream(before_kb: u64, open_kb: u64, streams: usize) -> f64 {
+    (open_kb as f64 - before_kb as f64) * 1024.0 / streams.max(1) as f64
+}
+
 /// The 1-minute load average (`/proc/loadavg`).
 pub fn load_avg() -> f64 {
     std::fs::read_to_string("/proc/loadavg")
@@ -215,7 +221,6 @@ pub async fn run(t: &Target, pid: u32, o: &IdleOpts, admin: &Target) -> anyhow::
     } else {
         (0.0, 0.0)
     };
-    let grown = rss_open_kb as f64 - rss_before_kb as f64;
     Ok(IdleResult {
         side: t.side,
         streams_opened,
@@ -224,7 +229,7 @@ pub async fn run(t: &Target, pid: u32, o: &IdleOpts, admin: &Target) -> anyhow::
         rss_before_kb,
         rss_open_kb,
         rss_after_kb,
-        bytes_per_stream: grown * 1024.0 / streams_opened.max(1) as f64,
+        bytes_per_stream: per_stream(rss_before_kb, rss_open_kb, streams_opened),
         lines_read,
         ended_early,
         load_avg,
@@ -263,4 +268,17 @@ pub fn markdown(o: &IdleOpts, rows: &[IdleResult]) -> String {
         ));
     }
     s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_per_stream_is_the_rss_growth_over_the_streams_open() {
+        assert_eq!(per_stream(30_000, 70_000, 10_000), 4096.0);
+        assert_eq!(per_stream(70_000, 69_000, 1_000), -1024.0);
+        // No stream opened: the growth itself, not a division by zero.
+        assert_eq!(per_stream(1, 2, 0), 1024.0);
+    }
 }

@@ -31,13 +31,17 @@ macro_rules! say {
 static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
 
 /// The allocator of the `kube-cache-proxy` binary (`src/main.rs`): the proxy child is this
-/// binary (`serve-proxy`), and must run as the real one does.
+/// binary (`serve-proxy`), and must run as the real one does. Feature `system-alloc` leaves
+/// the system's malloc in place instead, for heap profilers that interpose it (heaptrack)
+/// and to compare allocators (`loadtest/README.md`, idle-streams).
+#[cfg(not(feature = "system-alloc"))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 mod client;
 mod fields;
 mod hostile;
+mod idle;
 mod pb;
 mod proxy;
 mod report;
@@ -142,6 +146,21 @@ struct Args {
     /// ...and MB of one LIST page timed afterwards (0: none).
     #[arg(long, default_value_t = 10)]
     hs_list_mb: usize,
+    /// Scenario idle-streams (run alone: `--only idle-streams`): watch streams...
+    #[arg(long, default_value_t = 10_000)]
+    is_streams: usize,
+    /// ...per HTTP/2 connection...
+    #[arg(long, default_value_t = 100)]
+    is_per_conn: usize,
+    /// ...seconds the target settles once all are open, before its RSS is read...
+    #[arg(long, default_value_t = 10.0)]
+    is_settle: f64,
+    /// ...seconds after closing them that RSS is read again...
+    #[arg(long, default_value_t = 10.0)]
+    is_after: f64,
+    /// ...and connections opening their streams at once.
+    #[arg(long, default_value_t = 8)]
+    is_opening: usize,
     /// Scenario slow-watcher (run alone: `--only slow-watcher`): normal watchers...
     #[arg(long, default_value_t = 100)]
     sw_watchers: usize,
@@ -648,6 +667,8 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         Some(warm_main(&env, &args, &out, &work).await.map(|()| true))
     } else if alone("hostile-streams") {
         Some(hostile_main(&env, &args, &out).await.map(|()| true))
+    } else if alone("idle-streams") {
+        Some(idle_main(&env, &args, &out).await.map(|()| true))
     } else if alone("slow-watcher") {
         Some(slow_main(&env, &args, &out).await.map(|()| true))
     } else if alone("pb-fanout") || alone("pb-list") {
@@ -854,6 +875,44 @@ async fn hostile_main(env: &Env, args: &Args, out: &std::path::Path) -> anyhow::
         out,
         "hostile-streams",
         hostile::markdown(&o, args.hs_kb, &rows),
+        args.proxy_extra_config.as_deref(),
+        &rows,
+    )
+}
+
+/// Scenario idle-streams (`idle.rs`), apiserver then proxy, with its own report.
+async fn idle_main(env: &Env, args: &Args, out: &std::path::Path) -> anyhow::Result<()> {
+    let d = &env.direct;
+    let Cluster::Local { cp, .. } = &env.cluster else {
+        anyhow::bail!("idle-streams reads the RSS of local processes: not with --kubeconfig");
+    };
+    let o = idle::IdleOpts {
+        namespace: "lt-i".into(),
+        streams: args.is_streams,
+        per_conn: args.is_per_conn,
+        settle_s: args.is_settle,
+        after_s: args.is_after,
+        opening: args.is_opening,
+        // Longer than any hold: no stream ends while held.
+        timeout_s: 3600,
+    };
+    say!("seeding lt-i (20 ConfigMaps of 512 B) ...");
+    create_namespace(d, &env.admin, "lt-i").await?;
+    create_configmaps(d, "lt-i", "i", 20, 512, 8).await?;
+    let mut rows = Vec::new();
+    say!("idle-streams via apiserver");
+    rows.push(idle::run(d, cp.pids()[1], &o, d).await?);
+    say!("idle-streams via proxy");
+    let px = env.start_proxy().await?;
+    let pid = px.pid.context("proxy pid")?;
+    let admin = px.admin.clone().context("proxy admin listener")?;
+    let r = idle::run(&px.target, pid, &o, &admin).await;
+    px.stop().await;
+    rows.push(r?);
+    write_scenario_report(
+        out,
+        "idle-streams",
+        idle::markdown(&o, &rows),
         args.proxy_extra_config.as_deref(),
         &rows,
     )

@@ -645,9 +645,12 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         .map(str::to_string);
 
     let audit_id = req.headers().get(AUDIT_ID).cloned();
-    // The access-log line, when this request is sampled (`serve::access`).
-    let mut access =
-        crate::serve::access::sampled(&state.config.log).then(|| crate::serve::access::Entry {
+    // The access-log line, when this request is sampled (`serve::access`). Boxed: the entry
+    // lives as long as the response body (a watch's whole stream), and unboxed its ~270 bytes
+    // were part of every stream's body even when nothing is logged (docs/architecture.md,
+    // "Memory of an idle watch stream").
+    let mut access = crate::serve::access::sampled(&state.config.log).then(|| {
+        Box::new(crate::serve::access::Entry {
             method: method.to_string(),
             path: req
                 .uri()
@@ -656,7 +659,8 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
             user_agent: crate::serve::access::header(req.headers(), header::USER_AGENT),
             peer: conn.peer,
             ..Default::default()
-        });
+        })
+    });
     // Refusals before routing (bad path, CONNECT, oversized headers) log here.
     let refuse = |status: Status| {
         let mut r = status.into_response();
@@ -963,13 +967,13 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
     state.metrics.responses.get_or_create(&enc).inc();
     let bytes_metric = state.metrics.response_bytes.get_or_create(&enc).clone();
     let (parts, b) = resp.into_parts();
-    let sent = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    // Per request only for a request the access log writes.
-    let b = body::boxed(crate::http::drain::Counted::new(
-        b,
-        bytes_metric,
-        access.is_some().then(|| sent.clone()),
-    ));
+    // Only for a request the access log writes.
+    let sent = access
+        .is_some()
+        .then(|| Arc::new(std::sync::atomic::AtomicU64::new(0)));
+    // Counted and Tracked share the one box below (a box each cost every watch stream an
+    // allocation for as long as it is open).
+    let b = crate::http::drain::Counted::new(b, bytes_metric, sent.clone());
     if let Some(t) = &traced {
         t.set(crate::telemetry::Attr::new(
             "kcp.served_by",
@@ -990,10 +994,8 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         }
         inflight.dec();
         if let Some(a) = access {
-            a.emit(
-                sent.load(std::sync::atomic::Ordering::Relaxed),
-                start.elapsed(),
-            );
+            let sent = sent.map_or(0, |s| s.load(std::sync::atomic::Ordering::Relaxed));
+            a.emit(sent, start.elapsed());
         }
     });
     Response::from_parts(parts, body::boxed(b))

@@ -21,7 +21,7 @@ use http::Method;
 use serde::Serialize;
 
 use crate::client::{LineReader, Target, expect_ok, fetch, send};
-use crate::warm::{metrics, sum};
+use crate::stats::{metrics, sum};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct IdleOpts {

@@ -1,0 +1,218 @@
+//! The protobuf side's envelopes on the cache's object versions: attaching them as they
+//! come, the memory bound they are charged to, and what readers ask of them.
+
+use bytes::Bytes;
+use parking_lot::RwLockReadGuard;
+
+use super::*;
+
+impl ResourceCache {
+    /// Attaches the protobuf envelope of the object version `key` at `rv` (from the
+    /// resource's protobuf stream) to the version the JSON side holds: the current object,
+    /// or the history's event at `rv` (an object since changed or deleted). A version the
+    /// JSON side has not reached yet waits until it applies it; one it has passed without
+    /// holding (trimmed from the history) is dropped.
+    pub fn attach_protobuf(&self, key: &ObjectKey, rv: u64, envelope: Bytes) -> Attached {
+        if self.proto_shed.is_cancelled() {
+            return Attached::Dropped;
+        }
+        // Its own allocation: the envelope arrives as a slice of a network chunk holding
+        // other frames, which it would otherwise keep alive as long as the object version.
+        let envelope = Bytes::copy_from_slice(&envelope);
+        let s = self.read();
+        if let Some(o) = s.objects.get(key)
+            && o.meta.resource_version == rv
+        {
+            let n = envelope.len() as u64;
+            if o.proto.set(envelope) {
+                self.charge_protobuf(n, s);
+            }
+            self.proto_attached.notify_waiters();
+            return Attached::Now;
+        }
+        let i = s.history.partition_point(|e| e.rv < rv);
+        if let Some(e) = s.history.get(i)
+            && e.rv == rv
+            && e.object.meta.name == key.name
+            && e.object.meta.namespace == key.namespace
+        {
+            let n = envelope.len() as u64;
+            if e.object.proto.set(envelope) {
+                self.charge_protobuf(n, s);
+            }
+            self.proto_attached.notify_waiters();
+            return Attached::Now;
+        }
+        if rv <= s.rv && self.is_ready() {
+            return Attached::Dropped;
+        }
+        // Under the read lock: the JSON side applies `rv` only after, and finds it.
+        let mut p = self.proto_pending.lock();
+        if p.len() >= PROTO_PENDING_MAX {
+            let at = s.rv;
+            p.retain(|(_, r), _| *r > at);
+        }
+        if p.len() < PROTO_PENDING_MAX {
+            p.insert((key.clone(), rv), envelope);
+        }
+        self.proto_pending_len
+            .store(p.len(), std::sync::atomic::Ordering::Relaxed);
+        Attached::Later
+    }
+
+    /// Takes a waiting protobuf envelope for an object version the JSON side now applies.
+    pub(super) fn take_pending_protobuf(&self, o: &CachedObject) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.proto_pending_len.load(Relaxed) == 0 {
+            return;
+        }
+        let mut p = self.proto_pending.lock();
+        if let Some(b) = p.remove(&(o.key(), o.meta.resource_version)) {
+            let n = b.len() as u64;
+            if o.proto.set(b) && !self.cfg.proto_budget.charge(n) {
+                // Called under the write lock: the shedding happens once it is released.
+                self.proto_charged.fetch_add(n, Relaxed);
+                self.proto_over.store(true, Relaxed);
+                return;
+            }
+            self.proto_charged.fetch_add(n, Relaxed);
+        }
+        self.proto_pending_len.store(p.len(), Relaxed);
+    }
+
+    /// Charges an attached envelope to the protobuf bound; over it, the resource is shed
+    /// (after `s`, the read lock, is released).
+    pub(super) fn charge_protobuf(&self, n: u64, s: RwLockReadGuard<'_, State>) {
+        self.proto_charged
+            .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        let within = self.cfg.proto_budget.charge(n);
+        drop(s);
+        if !within {
+            self.shed_protobuf();
+        }
+    }
+
+    /// Sheds this resource's protobuf representation (see [`crate::cache::proto_budget`]):
+    /// its side stops, protobuf reads and watches go to the apiserver, and the current
+    /// objects drop their envelopes (history events and retained snapshots keep theirs until
+    /// they age out). Idempotent.
+    pub fn shed_protobuf(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.proto_shed.is_cancelled() {
+            return;
+        }
+        self.proto_shed.cancel();
+        self.proto_synced.store(0, Relaxed);
+        tracing::warn!(
+            resource = %self.resource.label(),
+            used = self.cfg.proto_budget.used(),
+            max = self.cfg.proto_budget.max(),
+            "the protobuf representation reached cache.protobufMaxBytes: this resource's protobuf side stops and its protobuf requests go to the apiserver"
+        );
+        {
+            let mut s = self.write();
+            let with: Vec<(ObjectKey, Arc<CachedObject>)> = s
+                .objects
+                .iter()
+                .filter(|(_, o)| o.proto.get().is_some())
+                .map(|(k, o)| (k.clone(), Arc::new(o.without_protobuf())))
+                .collect();
+            for (k, o) in with {
+                s.objects.insert(k, o);
+            }
+            self.proto_hub.close_all(CloseReason::Relist);
+        }
+        self.proto_pending.lock().clear();
+        self.proto_pending_len.store(0, Relaxed);
+        self.cfg
+            .proto_budget
+            .release(self.proto_charged.swap(0, Relaxed));
+    }
+
+    /// Corrects this cache's charge to the exact bytes of its current objects' envelopes
+    /// (replaced and deleted versions give theirs back), or sheds it when an attachment made
+    /// under the write lock took the total over the bound. Called periodically while the
+    /// protobuf side runs.
+    pub fn reconcile_protobuf(&self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.proto_over.swap(false, Relaxed) {
+            self.shed_protobuf();
+            return;
+        }
+        if self.proto_shed.is_cancelled() {
+            return;
+        }
+        let (_, _, exact) = self.protobuf_coverage();
+        let exact = exact as u64;
+        let before = self.proto_charged.swap(exact, Relaxed);
+        if exact >= before {
+            if !self.cfg.proto_budget.charge(exact - before) {
+                self.shed_protobuf();
+            }
+        } else {
+            self.cfg.proto_budget.release(before - exact);
+        }
+    }
+
+    /// Drops waiting protobuf envelopes of versions at or before `rv` (the JSON side
+    /// passed them without holding them: e.g. a relist that skipped them).
+    pub(super) fn prune_pending_protobuf(&self, rv: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.proto_pending_len.load(Relaxed) == 0 {
+            return;
+        }
+        let mut p = self.proto_pending.lock();
+        p.retain(|(_, r), _| *r > rv);
+        self.proto_pending_len.store(p.len(), Relaxed);
+    }
+
+    /// The process-wide protobuf bound this cache charges.
+    pub fn protobuf_budget(&self) -> &crate::cache::proto_budget::ProtoBudget {
+        &self.cfg.proto_budget
+    }
+
+    /// Whether protobuf reads can be served: the protobuf side has synced and is running.
+    pub fn protobuf_ready(&self) -> bool {
+        self.proto_synced.load(std::sync::atomic::Ordering::Relaxed) > 0
+            && self.is_ready()
+            && !self.proto_shed.is_cancelled()
+    }
+
+    /// A protobuf reader came: the registry starts this resource's protobuf side once.
+    pub fn want_protobuf(&self) {
+        if !self.cfg.proto_budget.enabled() || self.proto_shed.is_cancelled() {
+            return;
+        }
+        if !self
+            .proto_wanted
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            self.proto_wanted_tx.send_replace(true);
+        }
+    }
+
+    /// Whether a protobuf reader has come (the protobuf side runs).
+    pub fn protobuf_started(&self) -> bool {
+        self.proto_wanted.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Resolves once a protobuf reader has come (see [`Self::want_protobuf`]).
+    pub async fn protobuf_wanted(&self) {
+        let mut rx = self.proto_wanted_tx.subscribe();
+        let _ = rx.wait_for(|w| *w).await;
+    }
+
+    /// Current objects with and without their protobuf envelope, and the envelopes' bytes.
+    pub fn protobuf_coverage(&self) -> (usize, usize, usize) {
+        // An O(1) snapshot: the walk holds no lock (writers are not kept waiting by it).
+        let objects = self.read().objects.clone();
+        let (mut with, mut bytes) = (0, 0);
+        for o in objects.values() {
+            if let Some(b) = o.proto.get() {
+                with += 1;
+                bytes += b.len();
+            }
+        }
+        (with, objects.len() - with, bytes)
+    }
+}

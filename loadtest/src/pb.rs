@@ -298,11 +298,10 @@ pub fn fanout_markdown(r: &FanoutReport) -> String {
         r.proto_side.without,
         r.proto_side.bytes / 1e6,
     );
-    let us = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.1}"));
     for p in &r.phases {
         let f = &p.result;
         s.push_str(&format!(
-            "| {} | {} | {} ({:.1}) | {} ({}) | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} ({:.1}) | {} ({}) | {} | {:.0} | {} | {} | {} | {} |\n",
             p.side,
             match p.encoding {
                 Encoding::Json => "json",
@@ -317,16 +316,7 @@ pub fn fanout_markdown(r: &FanoutReport) -> String {
             lat(&f.latency),
             f.missed,
             f.duplicated,
-            if p.side == "proxy" {
-                format!("{} / {}", p.watches.cache, p.watches.upstream)
-            } else {
-                "-".into()
-            },
-            cpu_rss(&p.usage, "proxy"),
-            us(p.cpu_us_per_delivery("proxy")),
-            cpu_rss(&p.usage, "kube-apiserver"),
-            us(p.cpu_us_per_delivery("kube-apiserver")),
-            cpu_rss(&p.usage, "driver"),
+            crate::report::served_and_cost_cells(p),
         ));
     }
     s.push_str(&format!(

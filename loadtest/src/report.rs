@@ -243,6 +243,34 @@ pub(crate) fn proc<'a>(u: &'a Usage, name: &str) -> Option<&'a crate::stats::Pro
     u.proc(name)
 }
 
+/// Scenario b's time-to-sync p99 of `mode`, per side.
+fn sync_p99_by_side(run: &Run, mode: StartMode) -> Vec<(&'static str, f64)> {
+    run.b
+        .iter()
+        .filter(|r| r.mode == mode)
+        .map(|r| (r.side, r.result.time_to_sync.p99_ms))
+        .collect()
+}
+
+/// A fan-out report row's last cells: the proxy's watches by what served them, then CPU and
+/// RSS of the proxy, kube-apiserver and the driver, with the first two's µs per delivery.
+pub(crate) fn served_and_cost_cells(p: &FanoutPhase) -> String {
+    let us = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
+    let watches = if p.side == "proxy" {
+        format!("{} / {}", p.watches.cache, p.watches.upstream)
+    } else {
+        "-".into()
+    };
+    format!(
+        "{watches} | {} | {} | {} | {} | {}",
+        cpu_rss(&p.usage, "proxy"),
+        us(p.cpu_us_per_delivery("proxy")),
+        cpu_rss(&p.usage, "kube-apiserver"),
+        us(p.cpu_us_per_delivery("kube-apiserver")),
+        cpu_rss(&p.usage, "driver"),
+    )
+}
+
 pub(crate) fn cpu_rss(u: &Usage, name: &str) -> String {
     proc(u, name).map_or("-".into(), |p| {
         format!(
@@ -282,12 +310,11 @@ fn fanout_sweep_table(md: &mut String, phases: &[FanoutPhase]) {
     md.push_str(
         "| side | rate/s (achieved) | watchers (connections) | deliveries | deliveries/s | latency p50 / p99 / max (ms) | missed | duplicated | rewatches | within target | watches cache / passed through | proxy CPU, RSS | proxy µs/delivery | kube-apiserver CPU, RSS | apiserver µs/delivery | driver CPU |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
-    let us = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}"));
     for p in phases {
         let r = &p.result;
         let _ = writeln!(
             md,
-            "| {} | {} ({:.1}) | {} ({}) | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} ({:.1}) | {} ({}) | {} | {:.0} | {} | {} | {} | {} | {} | {} |",
             p.side,
             p.rate,
             r.write_rate,
@@ -300,16 +327,7 @@ fn fanout_sweep_table(md: &mut String, phases: &[FanoutPhase]) {
             r.duplicated,
             r.rewatches,
             if p.passes() { "yes" } else { "**no**" },
-            if p.side == "proxy" {
-                format!("{} / {}", p.watches.cache, p.watches.upstream)
-            } else {
-                "-".into()
-            },
-            cpu_rss(&p.usage, "proxy"),
-            us(p.cpu_us_per_delivery("proxy")),
-            cpu_rss(&p.usage, "kube-apiserver"),
-            us(p.cpu_us_per_delivery("kube-apiserver")),
-            cpu_rss(&p.usage, "driver"),
+            served_and_cost_cells(p),
         );
     }
 }
@@ -815,12 +833,7 @@ pub fn real_path(run: &Run) -> String {
         ],
     );
     for mode in [StartMode::Legacy, StartMode::WatchList] {
-        let b: Vec<_> = run
-            .b
-            .iter()
-            .filter(|r| r.mode == mode)
-            .map(|r| (r.side, r.result.time_to_sync.p99_ms))
-            .collect();
+        let b = sync_p99_by_side(run, mode);
         pair(
             &mut s,
             "P4",
@@ -917,12 +930,7 @@ pub fn p99_pairs(run: &Run) -> Vec<(String, f64, f64)> {
         );
     }
     for mode in [StartMode::Legacy, StartMode::WatchList] {
-        let b: Vec<_> = run
-            .b
-            .iter()
-            .filter(|r| r.mode == mode)
-            .map(|r| (r.side, r.result.time_to_sync.p99_ms))
-            .collect();
+        let b = sync_p99_by_side(run, mode);
         pair(
             &mut v,
             format!("b. {mode:?} time to sync"),

@@ -53,18 +53,9 @@ async fn get_url(url: String) -> (u16, String) {
 }
 
 async fn watch(proxy: &TestProxy, query: &str) -> EventReader {
-    let c = plain_client(false);
-    let r = c
-        .request(
-            http::Request::get(proxy.http(&format!("{WIDGETS}?watch=1&{query}")))
-                .header("authorization", "Bearer alice")
-                .body(http_body_util::Full::default())
-                .unwrap(),
-        )
+    proxy
+        .watch_plain(&format!("{WIDGETS}?watch=1&{query}"), "alice", false)
         .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    EventReader::new(r)
 }
 
 async fn metrics(proxy: &TestProxy) -> String {

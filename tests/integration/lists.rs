@@ -790,18 +790,13 @@ async fn a_resource_version_moved_by_other_resources_is_reached_by_a_probe_not_p
 
     // A watch from it, as an informer whose list came from elsewhere: from the cache, and
     // the next ConfigMap write arrives on it.
-    let c = plain_client(true);
-    let r = c
-        .request(
-            http::Request::get(proxy.http(&format!("{base}?watch=1&resourceVersion={rv}")))
-                .header("authorization", "Bearer alice")
-                .body(http_body_util::Full::default())
-                .unwrap(),
+    let mut events = proxy
+        .watch_plain(
+            &format!("{base}?watch=1&resourceVersion={rv}"),
+            "alice",
+            true,
         )
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let mut events = crate::support::proxy::EventReader::new(r);
+        .await;
     fake.create(base, json!({"metadata": {"name": "after"}}))
         .await;
     let ev = tokio::time::timeout(GUARD, events.next())

@@ -198,6 +198,22 @@ impl TestProxy {
     }
 
     /// A kubeconfig (YAML) for the proxy's TLS listener with a bearer token.
+    /// A watch through the plain listener (HTTP/2 when `h2c`) as the bearer `token`;
+    /// panics unless the proxy answers 200.
+    pub async fn watch_plain(&self, path_and_query: &str, token: &str, h2c: bool) -> EventReader {
+        let r = plain_client(h2c)
+            .request(
+                Request::get(self.http(path_and_query))
+                    .header("authorization", format!("Bearer {token}"))
+                    .body(Full::default())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "watch {path_and_query}");
+        EventReader::new(r)
+    }
+
     pub fn kubeconfig_yaml(&self, token: &str) -> String {
         kube_cache_proxy::app::dev::ControlPlane::kubeconfig_yaml(
             &self.https(""),

@@ -708,16 +708,23 @@ async fn a_configured_resource_not_yet_discovered_keeps_the_proxy_unready() {
     })
     .await;
     let c = proxy.client(None, false);
-    let body = eventually("a successful upstream probe", BOUND, async || {
-        let r = c.get(&proxy.admin("/readyz?verbose"), None).await;
-        let code = r.status();
-        let body = body_string(r).await;
-        if body.contains("[+]upstream ok") {
-            assert_eq!(code, 500, "{body}");
-            return Ok(body);
-        }
-        Err(body)
-    })
+    // The upstream probe and discovery are separate rounds: wait for both to have answered
+    // (before discovery's first answer every resource reads "discovery has not succeeded yet").
+    let body = eventually(
+        "a successful upstream probe and discovery",
+        BOUND,
+        async || {
+            let r = c.get(&proxy.admin("/readyz?verbose"), None).await;
+            let code = r.status();
+            let body = body_string(r).await;
+            if body.contains("[+]upstream ok") && !body.contains("discovery has not succeeded yet")
+            {
+                assert_eq!(code, 500, "{body}");
+                return Ok(body);
+            }
+            Err(body)
+        },
+    )
     .await;
     // The reason is named (what to fix), not withheld.
     assert!(

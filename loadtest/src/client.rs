@@ -142,9 +142,14 @@ impl Target {
         let name = ServerName::try_from(self.host.to_string())?;
         let tls = self.tls.connect(name, tcp).await?;
         let (send, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
-            // client-go's window sizes are Go's defaults; adaptive windows keep large lists
-            // from being flow-control bound on loopback.
-            .adaptive_window(true)
+            // client-go's windows: Go's HTTP/2 transport defaults (4 MiB per stream, 1 GiB per
+            // connection). Not hyper's adaptive windows, which start at 64 KiB: with a
+            // connection window that small, h2's client (0.4.20) counts the server's split
+            // DATA frames when hundreds of responses are written at once and closes the
+            // connection with ENHANCE_YOUR_CALM (`too_many_data_frames`) — a client limit
+            // client-go does not have, which made scenario d's strict row fail.
+            .initial_stream_window_size(4 << 20)
+            .initial_connection_window_size(1 << 30)
             .max_concurrent_reset_streams(10_000)
             .handshake(TokioIo::new(tls))
             .await?;

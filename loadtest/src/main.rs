@@ -561,6 +561,13 @@ fn main() -> anyhow::Result<()> {
         return proxy::serve_main(argv.split_off(2));
     }
     let args = Args::parse();
+    // The driver's own client logs (its HTTP/2 connections), on stderr, only when asked for.
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     STARTED.get_or_init(Instant::now);
     let rt = tokio::runtime::Runtime::new()?;
     let ok = rt.block_on(run(args))?;

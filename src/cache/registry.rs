@@ -752,8 +752,7 @@ impl crate::cache::reflector::proto::ProtoSink for ResourceCache {
                 Some((e.kind.to_string(), bytes::Bytes::copy_from_slice(rest)));
         }
         if initial_events_end {
-            self.proto_synced
-                .fetch_max(rv.max(1), std::sync::atomic::Ordering::Relaxed);
+            self.protobuf_synced(rv);
         }
     }
 

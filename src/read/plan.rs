@@ -144,6 +144,15 @@ fn parse_bool(v: &str) -> Option<bool> {
 }
 
 impl WatchParams {
+    /// A watch resuming from a resourceVersion it has seen (not "", not "0", no initial
+    /// events): what a client's informer sends after every disconnect.
+    pub fn resumes(&self) -> bool {
+        self.resource_version
+            .as_deref()
+            .is_some_and(|rv| !rv.is_empty() && rv != "0")
+            && self.send_initial_events != Some(true)
+    }
+
     /// `None` when the query holds something the cache does not implement exactly.
     pub fn parse(query: Option<&str>) -> Option<WatchParams> {
         let mut p = WatchParams {

@@ -392,7 +392,12 @@ pub fn route(
     {
         cache.want_protobuf();
     }
-    if !cache.is_ready() {
+    // A watch resuming from a resourceVersion waits for the cache instead (`watch::serve`):
+    // right after the proxy starts, the apiserver may no longer have that history (it
+    // restarted too) and its 410 would make the client relist, while the cache can extend
+    // its history back (`cache.backfill`) once synced.
+    let resume = || info.verb == "watch" && WatchParams::parse(query).is_some_and(|p| p.resumes());
+    if !cache.is_ready() && !resume() {
         return delegate("cache not synced");
     }
     // A cluster-scoped resource under a namespaced path (`/api/v1/namespaces/x/namespaces`,
@@ -408,9 +413,19 @@ pub fn route(
     };
     match info.verb.as_str() {
         "watch" if info.name.is_empty() || info.name_from_selector => {
-            let (enc, protobuf) = with_protobuf(&cache, negotiate(ReadKind::Watch))?;
             let Some(params) = WatchParams::parse(query) else {
                 return delegate("watch parameters");
+            };
+            let (enc, protobuf) = match negotiate(ReadKind::Watch) {
+                // A resume waits for a starting protobuf side in `watch::serve`, as for the
+                // cache itself above.
+                Err(PROTOBUF) if params.resumes() && cache.protobuf_coming() => {
+                    (Encoding::Json, true)
+                }
+                Err(PROTOBUF_METADATA) if params.resumes() && cache.protobuf_coming() => {
+                    (Encoding::Metadata, true)
+                }
+                n => with_protobuf(&cache, n)?,
             };
             // A watch without resourceVersion asks for the most recent state; while the
             // upstream watch is down or unconfirmed the cache may be behind, so the

@@ -131,6 +131,15 @@ impl Proto {
 
 type InitialItem = (Arc<CachedObject>, Option<Arc<Event>>, Delivery);
 
+/// A resume before `what` of the cache synced: 429, as kube-apiserver answers watches while
+/// its watch cache initializes.
+fn starting(cache: &ResourceCache, what: &str) -> crate::k8s::status::Status {
+    crate::read::watch_unreachable(format!(
+        "the proxy's {what} of {} is still syncing: watch again",
+        cache.resource.label()
+    ))
+}
+
 /// Serves a watch from `cache`, or hands it to the apiserver (cache not ready, or the wait for
 /// a newer resourceVersion failed). `protobuf`: in the apiserver's protobuf (from the
 /// objects' envelopes), `enc` then saying whole objects or metadata.
@@ -143,9 +152,23 @@ pub async fn serve(
     cfg: &WatchConfig,
     drain: CancellationToken,
 ) -> Served {
+    // A resume that came before the cache (or its protobuf side, started by the first
+    // protobuf reader) has synced waits for it, as kube-apiserver's watches wait for its
+    // initializing watch cache; then 429 with Retry-After, on which clients watch again
+    // rather than relist. Other watches are the apiserver's meanwhile (see `router`).
+    let resumes = params.resumes();
+    if !cache.is_ready() && !cache.wait_ready(cfg.wait_for_rv).await {
+        return Ok(starting(&cache, "cache").into_response());
+    }
     let proto = if protobuf {
+        if resumes && !cache.protobuf_ready() && cache.protobuf_coming() {
+            cache.wait_protobuf_ready(cfg.wait_for_rv).await;
+        }
         match Proto::new(&cache, enc == Encoding::Metadata) {
             Some(p) if cache.protobuf_ready() => Some(p),
+            _ if resumes && cache.protobuf_coming() => {
+                return Ok(starting(&cache, "protobuf representation").into_response());
+            }
             _ => return delegate("protobuf side not synced"),
         }
     } else {
@@ -765,6 +788,73 @@ mod tests {
                 "DELETED".into(),
                 with_resource_version(&get, "211").unwrap()
             )]
+        );
+    }
+
+    /// A resume that came before the cache synced (right after the proxy started) waits for
+    /// the sync and is served from the cache; without a sync within the wait, 429 with
+    /// Retry-After (clients watch again), never a hand-off to the apiserver.
+    // Paused time: the bounded wait expires when the runtime is idle.
+    #[tokio::test(start_paused = true)]
+    async fn a_resume_before_the_cache_synced_waits_for_it_or_gets_429() {
+        let q = "watch=1&resourceVersion=5&allowWatchBookmarks=true";
+        let cfg = WatchConfig::default();
+        let resume = |cache: Arc<ResourceCache>, protobuf: bool| {
+            let cfg = cfg.clone();
+            async move {
+                serve(
+                    cache,
+                    WatchParams::parse(Some(q)).unwrap(),
+                    Filter::default(),
+                    Encoding::Json,
+                    protobuf,
+                    &cfg,
+                    CancellationToken::new(),
+                )
+                .await
+            }
+        };
+
+        // Synced while the resume waits: served from the cache, from its resourceVersion.
+        let cache = ResourceCache::new(configmaps(), StoreConfig::default());
+        let waiting = tokio::spawn(resume(cache.clone(), false));
+        tokio::task::yield_now().await;
+        assert!(!waiting.is_finished(), "the resume waits for the sync");
+        cache.replace(Vec::new(), 5);
+        let resp = waiting.await.unwrap().expect("served from the cache");
+        assert_eq!(resp.status(), http::StatusCode::OK);
+        let mut b = resp.into_body();
+        cache.apply(EventKind::Added, cm(6));
+        let e = next(&mut b).await.unwrap();
+        assert!(
+            e.starts_with("{\"type\":\"ADDED\"") && e.contains("\"resourceVersion\":\"6\""),
+            "{e}"
+        );
+
+        // Never synced within the wait: 429, the apiserver's answer while its watch cache
+        // initializes.
+        let cold = ResourceCache::new(configmaps(), StoreConfig::default());
+        let resp = resume(cold, false).await.expect("answered by the proxy");
+        assert_eq!(resp.status(), http::StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "1");
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        let status: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(status["reason"], "TooManyRequests", "{status}");
+
+        // The same for a protobuf resume while the protobuf side, started by the first
+        // protobuf reader, has not synced.
+        cache.want_protobuf();
+        assert!(cache.protobuf_coming() && !cache.protobuf_ready());
+        let resp = resume(cache.clone(), true)
+            .await
+            .expect("answered by the proxy");
+        assert_eq!(resp.status(), http::StatusCode::TOO_MANY_REQUESTS);
+        // With no protobuf side coming (never asked for), the apiserver serves it.
+        let other = ResourceCache::new(configmaps(), StoreConfig::default());
+        other.replace(Vec::new(), 5);
+        assert!(
+            resume(other, true).await.is_err(),
+            "handed to the apiserver"
         );
     }
 

@@ -17,6 +17,7 @@ use k8s_openapi::api::core::v1::ConfigMap;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::{WatchStreamExt, reflector, watcher};
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
+use kube_cache_proxy::cache::reflector::backfill::BackfillStats;
 use serde_json::json;
 
 pub(crate) const BOUND: Duration = Duration::from_secs(60);
@@ -553,7 +554,7 @@ async fn client_go_informers_behind_the_proxy_do_not_relist_when_the_apiserver_r
 /// each ends with exactly the apiserver's state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_go_informers_do_not_relist_when_the_proxy_restarts_with_its_saved_state() {
-    proxy_restart("e2e-proxy-restart", true).await;
+    proxy_restart("e2e-proxy-restart", Restart::Warm).await;
 }
 
 /// The same without `cache.stateDir`: the restarted proxy lists afresh, after the writes
@@ -563,10 +564,32 @@ async fn client_go_informers_do_not_relist_when_the_proxy_restarts_with_its_save
 /// informers get exactly what they missed: no relist either.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_go_informers_do_not_relist_when_the_proxy_restarts_without_saved_state() {
-    proxy_restart("e2e-proxy-cold", false).await;
+    proxy_restart("e2e-proxy-cold", Restart::Cold).await;
 }
 
-async fn proxy_restart(ns: &str, warm: bool) {
+/// As above, and kube-apiserver is killed and restarted while the proxy is down: its new
+/// watch cache starts at etcd's current revision, so it answers the backfill's watch from the
+/// informers' resourceVersion with 410 (too old), though etcd still has that revision. The
+/// proxy then extends its history with the difference between the Exact list at that
+/// resourceVersion (read from etcd) and its cache (`Stretch::Difference`): the informers
+/// get ordinary events for what changed and still do not relist.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_go_informers_do_not_relist_when_the_proxy_and_the_apiserver_restart() {
+    proxy_restart("e2e-proxy-cold-api", Restart::ColdWithApiserver).await;
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Restart {
+    /// With `cache.stateDir`: the saved state is loaded.
+    Warm,
+    /// Without: a fresh cache, whose history the informers' resumes backfill.
+    Cold,
+    /// Without, and kube-apiserver restarted while the proxy is down.
+    ColdWithApiserver,
+}
+
+async fn proxy_restart(ns: &str, how: Restart) {
+    let warm = how == Restart::Warm;
     let state = tempfile::tempdir().unwrap();
     let state_dir = state.path().to_path_buf();
     let mut env = env_with(ns, |c| {
@@ -597,6 +620,9 @@ async fn proxy_restart(ns: &str, warm: bool) {
     env.proxy.running.take().unwrap().shutdown().await;
     let stopped = t.elapsed();
     let during = env.churn(ns, "during", 3).await;
+    if how == Restart::ColdWithApiserver {
+        env.cp.kill_and_restart_apiserver().await.unwrap();
+    }
     let t_up = std::time::Instant::now();
     env.proxy.restart(|_| {}).await;
     let started = t_up.elapsed();
@@ -634,26 +660,39 @@ async fn proxy_restart(ns: &str, warm: bool) {
     }
     let e = entry(&state).unwrap();
     let lists: u64 = e.reflector.stats().snapshot().lists.iter().sum();
-    let filled = state.watch.backfill.as_ref().map_or(0, |b| {
-        b.counters.filled.load(std::sync::atomic::Ordering::Relaxed)
-    });
-    if warm {
-        assert_eq!(lists, 0, "the restarted proxy listed configmaps upstream");
-    } else {
-        assert_eq!(lists, 1, "the cold proxy lists configmaps once");
-        assert!(filled >= 1, "the informers' resumes were backfilled");
+    let backfills = |c: fn(&BackfillStats) -> &std::sync::atomic::AtomicU64| {
+        state.watch.backfill.as_ref().map_or(0, |b| {
+            c(&b.counters).load(std::sync::atomic::Ordering::Relaxed)
+        })
+    };
+    let (filled, differences) = (backfills(|c| &c.filled), backfills(|c| &c.differences));
+    match how {
+        Restart::Warm => assert_eq!(lists, 0, "the restarted proxy listed configmaps upstream"),
+        Restart::Cold => {
+            assert_eq!(lists, 1, "the cold proxy lists configmaps once");
+            assert!(filled >= 1, "the informers' resumes were backfilled");
+        }
+        Restart::ColdWithApiserver => {
+            assert_eq!(lists, 1, "the cold proxy lists configmaps once");
+            assert!(
+                differences >= 1,
+                "the informers' resumes were extended with the difference \
+                 ({filled} backfilled with the apiserver's events instead)"
+            );
+        }
     }
     for (mode, accept, ic) in informers {
         assert_started_once(mode, accept, &ic.finish());
     }
     println!(
         "proxy ({}) stopped gracefully in {stopped:?}, started in {started:?}, configmaps \
-         cache ready {ready:?} after the start ({lists} upstream LISTs, {filled} backfills), \
-         every informer had the writes made while it was down {resumed:?} after the start",
-        if warm {
-            "saved state"
-        } else {
-            "no saved state"
+         cache ready {ready:?} after the start ({lists} upstream LISTs, {filled} backfills, \
+         {differences} differences), every informer had the writes made while it was down \
+         {resumed:?} after the start",
+        match how {
+            Restart::Warm => "saved state",
+            Restart::Cold => "no saved state",
+            Restart::ColdWithApiserver => "no saved state, kube-apiserver restarted",
         }
     );
     env.proxy.shutdown().await;

@@ -478,6 +478,14 @@ impl ResourceCache {
         self.readiness() == Readiness::Ready
     }
 
+    /// Waits (bounded) until the cache has synced; false on timeout or once stopped.
+    pub async fn wait_ready(&self, bound: Duration) -> bool {
+        let mut r = self.ready_tx.subscribe();
+        tokio::time::timeout(bound, r.wait_for(|s| *s != Readiness::Pending))
+            .await
+            .is_ok_and(|r| r.is_ok_and(|s| *s == Readiness::Ready))
+    }
+
     pub fn unhealthy(&self) -> Option<String> {
         self.unhealthy.lock().clone()
     }

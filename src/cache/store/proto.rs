@@ -191,6 +191,27 @@ impl ResourceCache {
         }
     }
 
+    /// Whether this resource's protobuf side was started and may still sync: a protobuf
+    /// reader came, protobuf is enabled and the side was not shed for its memory budget.
+    pub fn protobuf_coming(&self) -> bool {
+        self.cfg.proto_budget.enabled()
+            && !self.proto_shed.is_cancelled()
+            && self.proto_wanted.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The protobuf side's initial state has come, up to `rv`; wakes the watches waiting
+    /// for it ([`Self::wait_protobuf_ready`]).
+    pub fn protobuf_synced(&self, rv: u64) {
+        self.proto_synced
+            .fetch_max(rv.max(1), std::sync::atomic::Ordering::Relaxed);
+        self.proto_attached.notify_waiters();
+    }
+
+    /// Waits (bounded) until the protobuf side has synced ([`Self::protobuf_ready`]).
+    pub async fn wait_protobuf_ready(&self, bound: Duration) -> bool {
+        wait_attached(&self.proto_attached, || self.protobuf_ready(), bound).await
+    }
+
     /// Whether a protobuf reader has come (the protobuf side runs).
     pub fn protobuf_started(&self) -> bool {
         self.proto_wanted.load(std::sync::atomic::Ordering::Relaxed)

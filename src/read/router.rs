@@ -392,12 +392,16 @@ pub fn route(
     {
         cache.want_protobuf();
     }
-    // A watch resuming from a resourceVersion waits for the cache instead (`watch::serve`):
-    // right after the proxy starts, the apiserver may no longer have that history (it
-    // restarted too) and its 410 would make the client relist, while the cache can extend
-    // its history back (`cache.backfill`) once synced.
-    let resume = || info.verb == "watch" && WatchParams::parse(query).is_some_and(|p| p.resumes());
-    if !cache.is_ready() && !resume() {
+    // A watch resuming from a resourceVersion waits for a starting cache instead
+    // (`watch::serve`): right after the proxy starts, the apiserver may no longer have that
+    // history (it restarted too) and its 410 would make the client relist, while the cache
+    // can extend its history back (`cache.backfill`) once synced.
+    let waits = || {
+        cache.starting()
+            && info.verb == "watch"
+            && WatchParams::parse(query).is_some_and(|p| p.resumes())
+    };
+    if !cache.is_ready() && !waits() {
         return delegate("cache not synced");
     }
     // A cluster-scoped resource under a namespaced path (`/api/v1/namespaces/x/namespaces`,

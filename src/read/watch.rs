@@ -131,15 +131,6 @@ impl Proto {
 
 type InitialItem = (Arc<CachedObject>, Option<Arc<Event>>, Delivery);
 
-/// A resume before `what` of the cache synced: 429, as kube-apiserver answers watches while
-/// its watch cache initializes.
-fn starting(cache: &ResourceCache, what: &str) -> crate::k8s::status::Status {
-    crate::read::watch_unreachable(format!(
-        "the proxy's {what} of {} is still syncing: watch again",
-        cache.resource.label()
-    ))
-}
-
 /// Serves a watch from `cache`, or hands it to the apiserver (cache not ready, or the wait for
 /// a newer resourceVersion failed). `protobuf`: in the apiserver's protobuf (from the
 /// objects' envelopes), `enc` then saying whole objects or metadata.
@@ -152,23 +143,19 @@ pub async fn serve(
     cfg: &WatchConfig,
     drain: CancellationToken,
 ) -> Served {
-    // A resume that came before the cache (or its protobuf side, started by the first
-    // protobuf reader) has synced waits for it, as kube-apiserver's watches wait for its
-    // initializing watch cache; then 429 with Retry-After, on which clients watch again
-    // rather than relist. Other watches are the apiserver's meanwhile (see `router`).
-    let resumes = params.resumes();
+    // A resume that came while the cache (or its protobuf side, started by the first
+    // protobuf reader) is starting waits for it, bounded, as kube-apiserver's watches wait
+    // for its initializing watch cache; without the sync it goes to the apiserver as before
+    // (a cache that does not sync must not keep its clients from being served).
     if !cache.is_ready() && !cache.wait_ready(cfg.wait_for_rv).await {
-        return Ok(starting(&cache, "cache").into_response());
+        return delegate("cache not synced");
     }
     let proto = if protobuf {
-        if resumes && !cache.protobuf_ready() && cache.protobuf_coming() {
+        if params.resumes() && cache.protobuf_coming() {
             cache.wait_protobuf_ready(cfg.wait_for_rv).await;
         }
         match Proto::new(&cache, enc == Encoding::Metadata) {
             Some(p) if cache.protobuf_ready() => Some(p),
-            _ if resumes && cache.protobuf_coming() => {
-                return Ok(starting(&cache, "protobuf representation").into_response());
-            }
             _ => return delegate("protobuf side not synced"),
         }
     } else {
@@ -791,12 +778,12 @@ mod tests {
         );
     }
 
-    /// A resume that came before the cache synced (right after the proxy started) waits for
-    /// the sync and is served from the cache; without a sync within the wait, 429 with
-    /// Retry-After (clients watch again), never a hand-off to the apiserver.
+    /// A resume that came while the cache was starting (right after the proxy started) waits
+    /// for the sync and is served from the cache; without a sync within the wait it goes to
+    /// the apiserver, as before. The same for a starting protobuf side.
     // Paused time: the bounded wait expires when the runtime is idle.
     #[tokio::test(start_paused = true)]
-    async fn a_resume_before_the_cache_synced_waits_for_it_or_gets_429() {
+    async fn a_resume_while_the_cache_is_starting_waits_for_its_sync() {
         let q = "watch=1&resourceVersion=5&allowWatchBookmarks=true";
         let cfg = WatchConfig::default();
         let resume = |cache: Arc<ResourceCache>, protobuf: bool| {
@@ -817,6 +804,7 @@ mod tests {
 
         // Synced while the resume waits: served from the cache, from its resourceVersion.
         let cache = ResourceCache::new(configmaps(), StoreConfig::default());
+        assert!(cache.starting());
         let waiting = tokio::spawn(resume(cache.clone(), false));
         tokio::task::yield_now().await;
         assert!(!waiting.is_finished(), "the resume waits for the sync");
@@ -831,31 +819,31 @@ mod tests {
             "{e}"
         );
 
-        // Never synced within the wait: 429, the apiserver's answer while its watch cache
-        // initializes.
+        // Never synced: handed to the apiserver once the wait is over, not refused.
         let cold = ResourceCache::new(configmaps(), StoreConfig::default());
-        let resp = resume(cold, false).await.expect("answered by the proxy");
-        assert_eq!(resp.status(), http::StatusCode::TOO_MANY_REQUESTS);
-        assert_eq!(resp.headers()[header::RETRY_AFTER], "1");
-        let body = resp.into_body().collect().await.unwrap().to_bytes();
-        let status: serde_json::Value = serde_json::from_slice(&body).unwrap();
-        assert_eq!(status["reason"], "TooManyRequests", "{status}");
+        let t0 = Instant::now();
+        assert!(
+            resume(cold, false).await.is_err(),
+            "handed to the apiserver"
+        );
+        assert!(t0.elapsed() >= cfg.wait_for_rv, "after the wait");
 
-        // The same for a protobuf resume while the protobuf side, started by the first
-        // protobuf reader, has not synced.
+        // A protobuf resume while the protobuf side, started by the first protobuf reader,
+        // has not synced: the same wait, then the apiserver.
         cache.want_protobuf();
-        assert!(cache.protobuf_coming() && !cache.protobuf_ready());
-        let resp = resume(cache.clone(), true)
-            .await
-            .expect("answered by the proxy");
-        assert_eq!(resp.status(), http::StatusCode::TOO_MANY_REQUESTS);
-        // With no protobuf side coming (never asked for), the apiserver serves it.
+        assert!(cache.protobuf_coming());
+        let t0 = Instant::now();
+        assert!(resume(cache.clone(), true).await.is_err());
+        assert!(t0.elapsed() >= cfg.wait_for_rv);
+        // With no protobuf side coming (never asked for), the apiserver serves it at once.
         let other = ResourceCache::new(configmaps(), StoreConfig::default());
         other.replace(Vec::new(), 5);
+        let t0 = Instant::now();
         assert!(
             resume(other, true).await.is_err(),
             "handed to the apiserver"
         );
+        assert!(t0.elapsed() < cfg.wait_for_rv);
     }
 
     #[test]

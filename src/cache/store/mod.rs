@@ -165,6 +165,12 @@ impl Retained {
 }
 
 /// Readiness of a resource's cache (k8s.io/apiserver `cacher/ready.go`).
+/// How long after its creation (the proxy's start, or a resource discovered later) a cache,
+/// or after its first protobuf reader its protobuf side, counts as starting: a watch resuming
+/// meanwhile waits for the sync (`read::watch`); later, a cache or side that has still not
+/// synced is failing, and reads pass through at once as before.
+pub const STARTING: Duration = Duration::from_secs(30);
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Readiness {
     /// Not synced yet: requests pass through.
@@ -234,6 +240,11 @@ pub struct ResourceCache {
     pub proto_bookmark: Mutex<Option<(String, Bytes)>>,
     proto_wanted: std::sync::atomic::AtomicBool,
     proto_wanted_tx: watch::Sender<bool>,
+    /// When the first protobuf reader came (`want_protobuf`).
+    proto_wanted_at: std::sync::OnceLock<Instant>,
+    /// When this cache was created: a cache still pending after [`STARTING`] is not about
+    /// to sync (the proxy may not list it), so reads stop waiting for it.
+    created: Instant,
     /// Protobuf watchers: fed by their own dispatcher, which passes each event on once the
     /// envelopes its frames are made from have come (`Event::proto_ready`), in order, so a
     /// protobuf watch waits for the protobuf side once per event, not once per watcher.
@@ -415,6 +426,8 @@ impl ResourceCache {
             proto_bookmark: Default::default(),
             proto_wanted: Default::default(),
             proto_wanted_tx: watch::channel(false).0,
+            proto_wanted_at: Default::default(),
+            created: Instant::now(),
             proto_hub: proto_hub.clone(),
             proto_attached: proto_attached.clone(),
             proto_waits_expired: proto_waits_expired.clone(),
@@ -476,6 +489,12 @@ impl ResourceCache {
 
     pub fn is_ready(&self) -> bool {
         self.readiness() == Readiness::Ready
+    }
+
+    /// Whether the cache is in its first sync and young enough to be about to finish it
+    /// (created less than [`STARTING`] ago): a resuming watch may wait for it.
+    pub fn starting(&self) -> bool {
+        self.readiness() == Readiness::Pending && self.created.elapsed() < STARTING
     }
 
     /// Waits (bounded) until the cache has synced; false on timeout or once stopped.

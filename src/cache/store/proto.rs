@@ -187,16 +187,22 @@ impl ResourceCache {
             .proto_wanted
             .swap(true, std::sync::atomic::Ordering::Relaxed)
         {
+            let _ = self.proto_wanted_at.set(Instant::now());
             self.proto_wanted_tx.send_replace(true);
         }
     }
 
-    /// Whether this resource's protobuf side was started and may still sync: a protobuf
-    /// reader came, protobuf is enabled and the side was not shed for its memory budget.
+    /// Whether this resource's protobuf side is starting: the first protobuf reader came
+    /// less than [`STARTING`] ago, protobuf is enabled, the side was not shed for its memory
+    /// budget and has not synced yet.
     pub fn protobuf_coming(&self) -> bool {
         self.cfg.proto_budget.enabled()
             && !self.proto_shed.is_cancelled()
-            && self.proto_wanted.load(std::sync::atomic::Ordering::Relaxed)
+            && self
+                .proto_wanted_at
+                .get()
+                .is_some_and(|t| t.elapsed() < STARTING)
+            && !self.protobuf_ready()
     }
 
     /// The protobuf side's initial state has come, up to `rv`; wakes the watches waiting

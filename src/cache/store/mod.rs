@@ -238,9 +238,8 @@ pub struct ResourceCache {
     /// A protobuf BOOKMARK object's bytes after its resourceVersion, learnt from the
     /// apiserver's own (`protobuf_write::bookmark_rest`): the kind's empty fields.
     pub proto_bookmark: Mutex<Option<(String, Bytes)>>,
-    proto_wanted: std::sync::atomic::AtomicBool,
     proto_wanted_tx: watch::Sender<bool>,
-    /// When the first protobuf reader came (`want_protobuf`).
+    /// When the first protobuf reader came (`want_protobuf`); unset: none has.
     proto_wanted_at: std::sync::OnceLock<Instant>,
     /// When this cache was created: a cache still pending after [`STARTING`] is not about
     /// to sync (the proxy may not list it), so reads stop waiting for it.
@@ -424,7 +423,6 @@ impl ResourceCache {
             proto_pending_len: Default::default(),
             proto_synced: Default::default(),
             proto_bookmark: Default::default(),
-            proto_wanted: Default::default(),
             proto_wanted_tx: watch::channel(false).0,
             proto_wanted_at: Default::default(),
             created: Instant::now(),

@@ -183,11 +183,7 @@ impl ResourceCache {
         if !self.cfg.proto_budget.enabled() || self.proto_shed.is_cancelled() {
             return;
         }
-        if !self
-            .proto_wanted
-            .swap(true, std::sync::atomic::Ordering::Relaxed)
-        {
-            let _ = self.proto_wanted_at.set(Instant::now());
+        if self.proto_wanted_at.set(Instant::now()).is_ok() {
             self.proto_wanted_tx.send_replace(true);
         }
     }
@@ -220,7 +216,7 @@ impl ResourceCache {
 
     /// Whether a protobuf reader has come (the protobuf side runs).
     pub fn protobuf_started(&self) -> bool {
-        self.proto_wanted.load(std::sync::atomic::Ordering::Relaxed)
+        self.proto_wanted_at.get().is_some()
     }
 
     /// Resolves once a protobuf reader has come (see [`Self::want_protobuf`]).

@@ -42,6 +42,7 @@ mod client;
 mod fields;
 mod hostile;
 mod idle;
+mod ingest;
 mod pb;
 mod proxy;
 mod report;
@@ -128,6 +129,12 @@ struct Args {
     /// Scenario warm-restart (run alone: `--only warm-restart`): ConfigMaps seeded (1 KB).
     #[arg(long, default_value_t = 100_000)]
     warm_objects: usize,
+    /// Scenario ingest (run alone: `--only ingest`): ConfigMaps seeded...
+    #[arg(long, default_value_t = 20_000)]
+    ingest_objects: usize,
+    /// ...of this many KiB each.
+    #[arg(long, default_value_t = 10)]
+    ingest_kib: usize,
     /// Scenario hostile-streams (run alone: `--only hostile-streams`): connections...
     #[arg(long, default_value_t = 10)]
     hs_conns: usize,
@@ -672,6 +679,8 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     let alone = |s: &str| args.only.iter().any(|o| o == s);
     let r = if alone("warm-restart") {
         Some(warm_main(&env, &args, &out, &work).await.map(|()| true))
+    } else if alone("ingest") {
+        Some(ingest_main(&env, &args, &out).await.map(|()| true))
     } else if alone("hostile-streams") {
         Some(hostile_main(&env, &args, &out).await.map(|()| true))
     } else if alone("idle-streams") {
@@ -808,6 +817,51 @@ async fn warm_main(
         out,
         "warm-restart",
         warm::markdown(&r),
+        args.proxy_extra_config.as_deref(),
+        &r,
+    )
+}
+
+/// Scenario ingest (`ingest.rs`): the proxy's CPU per byte taken in, initial LIST and watch
+/// events, with its own report.
+async fn ingest_main(env: &Env, args: &Args, out: &std::path::Path) -> anyhow::Result<()> {
+    let d = &env.direct;
+    let Cluster::Local { cp, .. } = &env.cluster else {
+        anyhow::bail!("ingest starts the proxy itself and reads its CPU: not with --kubeconfig");
+    };
+    say!(
+        "seeding lt-i ({} ConfigMaps of {} KiB) ...",
+        args.ingest_objects,
+        args.ingest_kib
+    );
+    create_namespace(d, &env.admin, "lt-i").await?;
+    let t = std::time::Instant::now();
+    create_configmaps(
+        d,
+        "lt-i",
+        "i",
+        args.ingest_objects,
+        args.ingest_kib * 1024,
+        64,
+    )
+    .await?;
+    say!(
+        "seeded in {:.0} s; proxy cold start, then a patch of each",
+        t.elapsed().as_secs_f64()
+    );
+    let pids = cp.pids();
+    let o = ingest::IngestOpts {
+        namespace: "lt-i",
+        objects: args.ingest_objects,
+        object_kib: args.ingest_kib,
+        idle_s: 5.0,
+        settle_timeout: std::time::Duration::from_secs(120),
+    };
+    let r = ingest::run(d, &o, (pids[0], pids[1]), || env.start_proxy()).await?;
+    write_scenario_report(
+        out,
+        "ingest",
+        ingest::markdown(&r),
         args.proxy_extra_config.as_deref(),
         &r,
     )

@@ -824,7 +824,7 @@ pub fn real_path(run: &Run) -> String {
         &mut s,
         [
             "P3",
-            "idle watch stream memory: not measured here",
+            "idle watch stream memory: `--only idle-streams`, not this profile",
             "-",
             "-",
             "-",
@@ -895,7 +895,7 @@ pub fn real_path(run: &Run) -> String {
         &mut s,
         [
             "P8",
-            "ingest GB per CPU-second: not measured here",
+            "ingest GB per CPU-second: `--only ingest`, not this profile",
             "-",
             "-",
             "-",

@@ -62,6 +62,12 @@ fn cpu_ticks(pid: u32) -> Option<u64> {
     Some(f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?)
 }
 
+/// CPU seconds (`utime + stime`) `pid` has used since it started.
+pub fn cpu_seconds(pid: u32) -> Option<f64> {
+    static TCK: std::sync::OnceLock<f64> = std::sync::OnceLock::new();
+    Some(cpu_ticks(pid)? as f64 / *TCK.get_or_init(clk_tck))
+}
+
 /// VmRSS of `pid` in KiB.
 pub fn rss_kb(pid: u32) -> Option<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;

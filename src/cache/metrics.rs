@@ -41,6 +41,12 @@ struct ResultLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabels {
+    resource: String,
+    phase: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ServedByLabels {
     resource: String,
     served_by: String,
@@ -60,6 +66,8 @@ impl Collector for CacheCollector {
         let expired = Family::<ReasonLabels, Counter>::default();
         let events_sent = Family::<ResourceLabels, Counter>::default();
         let relists = Family::<ReasonLabels, Counter>::default();
+        let received = Family::<PhaseLabels, Counter>::default();
+        let upstream_events = Family::<ResourceLabels, Counter>::default();
         let absorbed = Family::<ResourceLabels, Counter>::default();
         let absorbed_events = Family::<ResourceLabels, Counter>::default();
         let warm = Family::<ResourceLabels, Gauge>::default();
@@ -139,6 +147,15 @@ impl Collector for CacheCollector {
                     + e.cache.proto_hub.stats.events_sent.load(Relaxed),
             );
             let snap = e.reflector.stats().snapshot();
+            for (phase, n) in [("list", snap.list_bytes), ("watch", snap.watch_bytes)] {
+                received
+                    .get_or_create(&PhaseLabels {
+                        resource: resource.clone(),
+                        phase: phase.into(),
+                    })
+                    .inc_by(n);
+            }
+            upstream_events.get_or_create(&l).inc_by(snap.events);
             for reason in RelistReason::ALL {
                 relists
                     .get_or_create(&ReasonLabels {
@@ -309,6 +326,18 @@ impl Collector for CacheCollector {
             "kube_cache_proxy_upstream_relists",
             "Upstream LISTs by reason (initial, expired, ...)",
             &relists,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_upstream_received_bytes",
+            "Bytes of upstream response bodies the cache's reflector took in (JSON), by phase: list (LIST pages) or watch (watch streams)",
+            &received,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_upstream_watch_events",
+            "ADDED/MODIFIED/DELETED events the cache's reflector took in from its upstream watch",
+            &upstream_events,
         )?;
         emit(
             &mut enc,

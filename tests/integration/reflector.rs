@@ -322,6 +322,12 @@ async fn initial_sync_lists_in_pages_from_one_snapshot_and_replaces_once() {
         (stats.lists(RelistReason::Initial), stats.list_pages),
         (1, 3)
     );
+    // The pages' bodies are counted (`kube_cache_proxy_upstream_received_bytes_total`): at
+    // least the five objects' names are in them.
+    assert!(
+        stats.list_bytes >= 5 * r#""name":"cm-0""#.len() as u64,
+        "{stats:?}"
+    );
     h.stop().await;
 }
 
@@ -330,16 +336,12 @@ async fn events_after_sync_are_applied_in_order() {
     let h = Harness::start(2, config()).await;
     h.synced().await;
     let before = h.sink.calls().len();
+    let bytes_before = h.handle.stats().snapshot().watch_bytes;
 
-    h.fake
-        .create(CMS, json!({"metadata": {"name": "new"}}))
-        .await;
-    h.fake
-        .update(
-            &format!("{CMS}/cm-0"),
-            json!({"metadata": {"name": "cm-0"}, "data": {"k": "v"}}),
-        )
-        .await;
+    let created = json!({"metadata": {"name": "new"}});
+    let updated = json!({"metadata": {"name": "cm-0"}, "data": {"k": "v"}});
+    h.fake.create(CMS, created.clone()).await;
+    h.fake.update(&format!("{CMS}/cm-0"), updated.clone()).await;
     h.fake.delete(&format!("{CMS}/cm-1")).await;
     let rv = h.fake.current_rv();
 
@@ -364,6 +366,11 @@ async fn events_after_sync_are_applied_in_order() {
             (EventKind::Deleted, "cm-1".to_string(), rv),
         ]
     );
+    // The watch's bytes are counted: each event line holds its object, a superset of what
+    // was written.
+    let read = h.handle.stats().snapshot().watch_bytes - bytes_before;
+    let written = (created.to_string().len() + updated.to_string().len()) as u64;
+    assert!(read > written, "{read} bytes read, {written} written");
     h.stop().await;
 }
 

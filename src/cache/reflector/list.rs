@@ -1,7 +1,6 @@
 //! The LIST side: one page parsed in a single pass ([`parse_list_page`]), and the pager that
 //! GETs every page of a collection into a side buffer.
 
-use bytes::Bytes;
 use http::{Request, header};
 use http_body_util::BodyExt as _;
 use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
@@ -135,6 +134,10 @@ impl Pager<'_> {
         let path = self.resource.collection_path(None);
         let mut items: Vec<CachedObject> = Vec::new();
         let mut cont: Option<String> = None;
+        // One buffer for every page of this list: a page is copied object by object out of
+        // it, so it is free again once parsed, and a large list does not allocate (and fault
+        // in) a fresh multi-megabyte buffer per page. Dropped with the list.
+        let mut page_buf: Vec<u8> = Vec::new();
         loop {
             let on_continue = cont.is_some();
             // Read per page: an adaptive size follows the load even during a long list (the
@@ -157,9 +160,11 @@ impl Pager<'_> {
                 },
             };
             ReflectorStats::inc(&self.stats.list_pages);
-            let body = self.get_page(&pq).await.map_err(|e| (e, on_continue))?;
-            let page = parse_list_page(&body, self.resource).map_err(|e| (e, on_continue))?;
-            drop(body);
+            self.get_page(&pq, &mut page_buf)
+                .await
+                .map_err(|e| (e, on_continue))?;
+            ReflectorStats::add(&self.stats.list_bytes, page_buf.len());
+            let page = parse_list_page(&page_buf, self.resource).map_err(|e| (e, on_continue))?;
             if let Some(rem) = page.remaining {
                 items.reserve(usize::try_from(rem).unwrap_or(MAX_RESERVE).min(MAX_RESERVE));
             }
@@ -171,8 +176,8 @@ impl Pager<'_> {
         }
     }
 
-    /// GETs one list page and returns its body.
-    async fn get_page(&self, pq: &str) -> Result<Bytes, ReflectorError> {
+    /// GETs one list page into `buf` (cleared first).
+    async fn get_page(&self, pq: &str, buf: &mut Vec<u8>) -> Result<(), ReflectorError> {
         const WHAT: &str = "list";
         let req = Request::get(self.upstream.uri(pq))
             .header(header::ACCEPT, "application/json")
@@ -188,14 +193,18 @@ impl Pager<'_> {
             if !resp.status().is_success() {
                 return Err(error_response(WHAT, resp).await);
             }
-            resp.into_body()
-                .collect()
-                .await
-                .map(|c| c.to_bytes())
-                .map_err(|e| ReflectorError::Body {
+            buf.clear();
+            let mut body = resp.into_body();
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|e| ReflectorError::Body {
                     what: WHAT,
                     source: e.into(),
-                })
+                })?;
+                if let Ok(data) = frame.into_data() {
+                    buf.extend_from_slice(&data);
+                }
+            }
+            Ok(())
         };
         let timeout = self.cfg.request_timeout;
         let timed = async {

@@ -50,6 +50,7 @@ impl RelistReason {
 pub struct ReflectorStats {
     pub(super) lists: [AtomicU64; RelistReason::ALL.len()],
     pub(super) list_pages: AtomicU64,
+    pub(super) list_bytes: AtomicU64,
     pub(super) list_errors: AtomicU64,
     pub(super) syncs: AtomicU64,
     pub(super) watch_starts: AtomicU64,
@@ -58,6 +59,7 @@ pub struct ReflectorStats {
     pub(super) watch_clean_ends: AtomicU64,
     pub(super) events: AtomicU64,
     pub(super) bookmarks: AtomicU64,
+    pub(super) watch_bytes: AtomicU64,
     pub(super) stalls: AtomicU64,
     pub(super) backoffs: AtomicU64,
     pub(super) last_rv: AtomicU64,
@@ -70,6 +72,8 @@ pub struct StatsSnapshot {
     pub lists: [u64; RelistReason::ALL.len()],
     /// LIST page requests sent.
     pub list_pages: u64,
+    /// Bytes of the LIST pages' bodies received (as decoded by the HTTP layer).
+    pub list_bytes: u64,
     /// LIST attempts that failed.
     pub list_errors: u64,
     /// Completed lists delivered with `replace`.
@@ -86,6 +90,8 @@ pub struct StatsSnapshot {
     pub events: u64,
     /// BOOKMARK events delivered.
     pub bookmarks: u64,
+    /// Bytes of the watches' bodies received (every line: events, bookmarks, errors).
+    pub watch_bytes: u64,
     /// Watches dropped for silence ([`ReflectorConfig::stall_timeout`]).
     pub stalls: u64,
     /// Backoff sleeps.
@@ -106,6 +112,7 @@ impl ReflectorStats {
         StatsSnapshot {
             lists: RelistReason::ALL.map(|r| get(&self.lists[r.index()])),
             list_pages: get(&self.list_pages),
+            list_bytes: get(&self.list_bytes),
             list_errors: get(&self.list_errors),
             syncs: get(&self.syncs),
             watch_starts: get(&self.watch_starts),
@@ -114,6 +121,7 @@ impl ReflectorStats {
             watch_clean_ends: get(&self.watch_clean_ends),
             events: get(&self.events),
             bookmarks: get(&self.bookmarks),
+            watch_bytes: get(&self.watch_bytes),
             stalls: get(&self.stalls),
             backoffs: get(&self.backoffs),
             last_rv: get(&self.last_rv),
@@ -122,6 +130,10 @@ impl ReflectorStats {
 
     pub(super) fn inc(counter: &AtomicU64) {
         counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(super) fn add(counter: &AtomicU64, n: usize) {
+        counter.fetch_add(n as u64, Ordering::Relaxed);
     }
 }
 

@@ -385,6 +385,7 @@ impl Reflector {
             let Ok(data) = frame.into_data() else {
                 continue; // trailers
             };
+            ReflectorStats::add(&self.stats.watch_bytes, data.len());
             if let Err(e) = lines.push(data, &mut batch) {
                 return WatchEnd::Broken(e);
             }

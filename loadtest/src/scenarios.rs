@@ -114,6 +114,22 @@ pub async fn create_objects(
     concurrency: usize,
     body: impl Fn(usize) -> String,
 ) -> anyhow::Result<f64> {
+    send_each(t, count, concurrency, "create", |i| {
+        t.request(Method::POST, path, Some(body(i).into()))
+    })
+    .await
+}
+
+/// Sends `req(i)` for `i` in `0..count`, `concurrency` requests in flight over a few
+/// connections; any answer but success (or 409 Conflict: an object that exists already)
+/// fails with the apiserver's message. Returns requests per second.
+pub async fn send_each(
+    t: &Target,
+    count: usize,
+    concurrency: usize,
+    what: &'static str,
+    req: impl Fn(usize) -> http::Request<http_body_util::Full<Bytes>>,
+) -> anyhow::Result<f64> {
     let started = Instant::now();
     let mut conns = Vec::new();
     for _ in 0..4 {
@@ -124,14 +140,14 @@ pub async fn create_objects(
     for i in 0..count {
         let permit = sem.clone().acquire_owned().await?;
         let conn = conns[i % conns.len()].clone();
-        let req = t.request(Method::POST, path, Some(body(i).into()));
+        let req = req(i);
         tasks.spawn(async move {
             let _permit = permit;
             let resp = send(&conn, req).await?;
             let status = resp.status();
             if !(status.is_success() || status == http::StatusCode::CONFLICT) {
                 // Not 200 either: fails with the apiserver's message.
-                expect_ok(resp, "create").await?;
+                expect_ok(resp, what).await?;
             }
             anyhow::Ok(())
         });

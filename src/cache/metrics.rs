@@ -68,6 +68,7 @@ impl Collector for CacheCollector {
         let relists = Family::<ReasonLabels, Counter>::default();
         let received = Family::<PhaseLabels, Counter>::default();
         let upstream_events = Family::<ResourceLabels, Counter>::default();
+        let proto_resyncs = Family::<ResourceLabels, Counter>::default();
         let absorbed = Family::<ResourceLabels, Counter>::default();
         let absorbed_events = Family::<ResourceLabels, Counter>::default();
         let warm = Family::<ResourceLabels, Gauge>::default();
@@ -147,13 +148,24 @@ impl Collector for CacheCollector {
                     + e.cache.proto_hub.stats.events_sent.load(Relaxed),
             );
             let snap = e.reflector.stats().snapshot();
-            for (phase, n) in [("list", snap.list_bytes), ("watch", snap.watch_bytes)] {
-                received
-                    .get_or_create(&PhaseLabels {
-                        resource: resource.clone(),
-                        phase: phase.into(),
-                    })
-                    .inc_by(n);
+            let proto = e.proto_stats().map(|s| s.snapshot());
+            let phases = [
+                ("list", Some(snap.list_bytes)),
+                ("watch", Some(snap.watch_bytes)),
+                ("protobuf", proto.as_ref().map(|p| p.bytes)),
+            ];
+            for (phase, n) in phases {
+                if let Some(n) = n {
+                    received
+                        .get_or_create(&PhaseLabels {
+                            resource: resource.clone(),
+                            phase: phase.into(),
+                        })
+                        .inc_by(n);
+                }
+            }
+            if let Some(p) = &proto {
+                proto_resyncs.get_or_create(&l).inc_by(p.restarts);
             }
             upstream_events.get_or_create(&l).inc_by(snap.events);
             for reason in RelistReason::ALL {
@@ -330,8 +342,14 @@ impl Collector for CacheCollector {
         emit(
             &mut enc,
             "kube_cache_proxy_upstream_received_bytes",
-            "Bytes of upstream response bodies the cache's reflector took in (JSON), by phase: list (LIST pages) or watch (watch streams)",
+            "Bytes of upstream response bodies the cache took in, by phase: list (the reflector's LIST pages), watch (its watch stream), protobuf (the protobuf side's watch, once started)",
             &received,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_protobuf_side_resyncs",
+            "Times the protobuf side started over with the apiserver's whole protobuf state (a watch with initial events after it had delivered some)",
+            &proto_resyncs,
         )?;
         emit(
             &mut enc,

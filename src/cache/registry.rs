@@ -31,6 +31,7 @@ use tokio_util::sync::CancellationToken;
 use super::discovery::{self, Crd, Discovery, Plan, Selection};
 use super::persist::{Persist, PersistError};
 use super::{ReflectorSink, Resource, ResourceCache, StoreConfig};
+use crate::cache::reflector::proto::ProtoStats;
 use crate::cache::reflector::{Reflector, ReflectorConfig, ReflectorHandle, ReflectorStatus};
 use crate::http::body;
 use crate::upstream::{As, Upstream};
@@ -55,6 +56,8 @@ pub struct CacheEntry {
     stop: CancellationToken,
     /// The CRD's uid for a custom resource, else empty.
     uid: String,
+    /// The protobuf side's counters, once its first protobuf reader started it.
+    proto_stats: Arc<std::sync::OnceLock<Arc<ProtoStats>>>,
 }
 
 impl CacheEntry {
@@ -69,7 +72,14 @@ impl CacheEntry {
             reflector,
             stop,
             uid: String::new(),
+            proto_stats: Default::default(),
         }
+    }
+
+    /// The counters of the resource's protobuf side; `None` until a protobuf reader started
+    /// it (and for custom resources, which have none).
+    pub fn proto_stats(&self) -> Option<&ProtoStats> {
+        self.proto_stats.get().map(|s| &**s)
     }
 }
 
@@ -227,13 +237,15 @@ impl Caches {
         };
         // The protobuf side: a second upstream watch, in protobuf, started when the first
         // protobuf reader of this built-in resource comes (custom resources have none).
+        let proto_stats: Arc<std::sync::OnceLock<Arc<ProtoStats>>> = Default::default();
         if !resource.custom {
-            let (c, up, cfg, stop, r) = (
+            let (c, up, cfg, stop, r, stats) = (
                 cache.clone(),
                 upstream.clone(),
                 reflector.clone(),
                 stop.clone(),
                 resource.clone(),
+                proto_stats.clone(),
             );
             tokio::spawn(async move {
                 tokio::select! {
@@ -250,6 +262,7 @@ impl Caches {
                     cfg,
                     side_stop.clone(),
                 );
+                let _ = stats.set(side.stats().clone());
                 let mut tick = tokio::time::interval(PROTO_RECONCILE);
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
@@ -276,6 +289,7 @@ impl Caches {
             reflector: handle,
             stop,
             uid,
+            proto_stats,
         });
         let mut spawned = self.spawned.lock();
         spawned.retain(|w| w.strong_count() > 0);

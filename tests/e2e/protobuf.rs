@@ -790,6 +790,20 @@ async fn protobuf_lists_and_gets_through_the_proxy_are_the_apiservers_bytes_from
     };
     let (rv, items) = check_whole("whole list").await;
     assert_eq!(items.len(), 7);
+    // The protobuf side's upstream watch is counted as taken in: every item came whole, in
+    // its envelope, with its initial events.
+    let (code, m) = proxy.admin_get("/metrics").await;
+    assert_eq!(code, 200);
+    let taken_in = crate::support::watch_validator::sum_metric(
+        &m,
+        "kube_cache_proxy_upstream_received_bytes_total",
+        &["resource=\"configmaps\"", "phase=\"protobuf\""],
+    );
+    let item_bytes: usize = items.iter().map(Vec::len).sum();
+    assert!(
+        taken_in >= item_bytes as f64,
+        "the protobuf side took in {taken_in} bytes, less than its {item_bytes} bytes of items"
+    );
 
     // Pages of 3 with the proxy's continue tokens: each page is the apiserver's page at the
     // same resourceVersion but for the token.

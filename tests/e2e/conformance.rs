@@ -15,7 +15,8 @@
 //!   It runs with the other e2e tests (about 7 minutes: both runs, with the compaction test).
 //! - `whole_selection` (ignored; `cargo test --test e2e conformance::whole_selection --
 //!   --ignored --nocapture`) runs everything linked in, minus [`SKIPS`] (each with its reason,
-//!   also tabled in docs/architecture.md).
+//!   also tabled in docs/architecture.md); with `KCP_CONFORMANCE_FOCUS=<ginkgo focus>`, only
+//!   the specs that focus selects.
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -89,11 +90,20 @@ fn ci_subset() -> Selection {
     }
 }
 
+/// The whole selection, or the part of it that `KCP_CONFORMANCE_FOCUS` (a ginkgo focus
+/// regular expression) names, to look at a few specs both ways without the whole run.
 fn whole_selection() -> Selection {
-    Selection {
-        name: "whole-selection",
-        focus: format!(r"\[sig-api-machinery\] |{NODE_API_TESTS}"),
-        skip: &[],
+    match std::env::var("KCP_CONFORMANCE_FOCUS") {
+        Ok(focus) if !focus.is_empty() => Selection {
+            name: "focused",
+            focus,
+            skip: &[],
+        },
+        _ => Selection {
+            name: "whole-selection",
+            focus: format!(r"\[sig-api-machinery\] |{NODE_API_TESTS}"),
+            skip: &[],
+        },
     }
 }
 

@@ -11,6 +11,10 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() {
+    // Before the process allocates much (`app::memory` says why).
+    if let Err(e) = kube_cache_proxy::app::memory::disable_transparent_huge_pages() {
+        eprintln!("warning: transparent huge pages stay on: {e}");
+    }
     let cli = Cli::parse();
     if let Err(e) = run(cli).await {
         // One line: the error and its causes, each once (no Debug dump, no backtrace: these

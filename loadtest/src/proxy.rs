@@ -23,6 +23,8 @@ use crate::stats::{metrics, sum};
 
 /// `loadtest serve-proxy ARGS`: the `serve` command of `kube-cache-proxy`, with ARGS.
 pub fn serve_main(args: Vec<String>) -> anyhow::Result<()> {
+    // As the real binary's `main` does.
+    kube_cache_proxy::app::memory::disable_transparent_huge_pages()?;
     let argv = ["kube-cache-proxy".to_string(), "serve".to_string()]
         .into_iter()
         .chain(args);

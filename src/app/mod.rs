@@ -6,4 +6,5 @@ pub mod cli;
 pub mod collectors;
 #[cfg(feature = "dev")]
 pub mod dev;
+pub mod memory;
 pub mod start;

@@ -3,14 +3,12 @@
 //! Transparent huge pages are turned off for the process. mimalloc asks the kernel for them
 //! (`madvise(MADV_HUGEPAGE)` on its arenas), so a burst that touches fresh memory (thousands
 //! of watches opening at once) faults in whole 2 MiB pages, zeroed, however little of each
-//! it uses. Measured with the load driver's scenario a (10,000 watchers, 100 per TLS
-//! connection, 5 writes/s, real kube-apiserver, 2 shared cores; five runs each way,
-//! alternating): with them the proxy's peak RSS was 198–372 MB (up to 360 MB of it huge
-//! pages) and it used 6.2–7.7 µs of CPU per delivery; without them 62–104 MB in four runs
-//! (202 MB in one) and 5.2–5.5 µs (6.8 in one), p99 the same (85–104 ms). The kernel
-//! zeroing huge pages (`clear_page_erms` under `do_huge_pmd_anonymous_page`) was the
-//! largest item of a profile of the proxy over a whole fan-out run. docs/architecture.md,
-//! "Memory bounds", has the figures.
+//! it uses. In the load driver's scenario a (10,000 watchers, 100 per TLS connection, real
+//! kube-apiserver, 2 shared cores) huge pages were up to 360 of the proxy's 372 MB peak RSS;
+//! with them off they are 4 MB (those mapped before `main`). The scenario's peak RSS and CPU
+//! per delivery are bimodal whatever this setting (about 70 MB and 5.3 µs, or about 400 MB
+//! and 8.4 µs, from run to run), so what huge pages cost beyond their own pages is not
+//! established. docs/architecture.md, "Memory bounds", has the figures.
 
 /// Turns transparent huge pages off for this process (`prctl(PR_SET_THP_DISABLE)`, which
 /// holds whatever the system's THP mode, and whatever mimalloc asks for). Call it first thing

@@ -12,13 +12,15 @@
 //!   | SHA-256 of everything before (32 bytes)
 //! chunk:    u8 last (0 or 1) | u32 length | bytes (sealed: ciphertext and tag)
 //! payload (the chunks' bytes, opened, in order):
-//!           u64 objects | per object of the state at the history's start: u32 length, body
-//!           u64 events  | per event: u8 kind, u64 age in ms, u32 length, body
+//!           u64 objects | per object of the state at the history's start: object
+//!           u64 events  | per event: u8 kind, u64 age in ms, object
+//! object:   u32 length | body (JSON) | u32 length | protobuf envelope (length 0: none)
 //! ```
 //!
 //! All integers are little endian. The header names where the state came from (the
 //! upstream's URL, the resource, a custom resource's CRD uid), its resourceVersions and when
-//! it was written. A file that is partial or corrupt (checksum), of another format, from
+//! it was written, and what the protobuf side needs to resume (see [`ProtoImage`]). A file
+//! that is partial or corrupt (checksum), of another format, from
 //! another upstream, resource or CRD, or older than `cache.stateMaxAge` is ignored with a log
 //! line and never served; the cache then lists as on a cold start.
 //!
@@ -40,8 +42,9 @@ use sha2::{Digest, Sha256};
 use super::{CachedObject, EventKind, Resource};
 
 const MAGIC: &[u8; 8] = b"KCPSTATE";
-/// The file layout's version; a file of another is ignored.
-pub const FORMAT: u32 = 1;
+/// The file layout's version; a file of another is ignored. 2: objects carry their
+/// protobuf envelopes.
+pub const FORMAT: u32 = 2;
 /// A header longer than this is not one of ours.
 const MAX_HEADER: usize = 1 << 20;
 
@@ -61,6 +64,25 @@ pub struct Image {
     pub base: Vec<Arc<CachedObject>>,
     /// The history after `oldest_rv`, oldest first, with each event's age.
     pub events: Vec<(EventKind, Duration, Arc<CachedObject>)>,
+    /// The protobuf side's part; the envelopes themselves travel on the objects
+    /// ([`CachedObject::proto`]).
+    pub protobuf: ProtoImage,
+}
+
+/// What a restarted proxy needs to serve protobuf readers at once, as before it stopped:
+/// without it every protobuf watch resuming after a restart would wait for envelopes the new
+/// protobuf side never brings (those of history events) and go to the apiserver.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct ProtoImage {
+    /// The protobuf side had synced and every object of the state at the image's
+    /// resourceVersion had its envelope: the side resumes its watch from there (no second
+    /// copy of the whole state from the apiserver) and protobuf reads are served at once.
+    pub complete: bool,
+    /// The side had started (a protobuf reader came): the restarted proxy starts it too.
+    pub started: bool,
+    /// The kind's protobuf bookmark template, (kind, the bytes after its metadata), as
+    /// learnt from the apiserver's bookmarks (`read::watch`).
+    pub bookmark: Option<(String, Bytes)>,
 }
 
 /// Where and how caches are saved (`cache.stateDir`).
@@ -144,6 +166,15 @@ struct Header {
     writer: String,
     /// The sealing key's id and the nonce (hex), when sealed.
     sealed: Option<(String, String)>,
+    /// [`ProtoImage::complete`].
+    #[serde(default)]
+    protobuf_complete: bool,
+    /// [`ProtoImage::started`].
+    #[serde(default)]
+    protobuf_started: bool,
+    /// [`ProtoImage::bookmark`]: (kind, base64 of the bytes).
+    #[serde(default)]
+    protobuf_bookmark: Option<(String, String)>,
 }
 
 fn kind_byte(k: EventKind) -> u8 {
@@ -202,6 +233,15 @@ impl Persist {
             saved_at_unix_ms: unix_ms(SystemTime::now()),
             writer: env!("CARGO_PKG_VERSION").to_string(),
             sealed: None,
+            protobuf_complete: image.protobuf.complete,
+            protobuf_started: image.protobuf.started,
+            protobuf_bookmark: image.protobuf.bookmark.as_ref().map(|(kind, rest)| {
+                use base64::Engine as _;
+                (
+                    kind.clone(),
+                    base64::engine::general_purpose::STANDARD.encode(rest),
+                )
+            }),
         };
         let seal = match self.keys.first() {
             Some((id, key)) => {
@@ -239,17 +279,27 @@ impl Persist {
         }
         let put = |w: &mut Chunks<_>, b: &[u8]| w.put(b).map_err(io(&tmp));
         put(&mut w, &(image.base.len() as u64).to_le_bytes())?;
+        // Envelopes only of a side that runs (a shed one's history keeps some for a while).
+        let with_protobuf = image.protobuf.started;
+        let object = |w: &mut Chunks<_>, o: &CachedObject| {
+            put(w, &body_len(o))?;
+            put(w, &o.body)?;
+            let envelope = match o.proto.get() {
+                Some(b) if with_protobuf => &b[..],
+                _ => &[][..],
+            };
+            put(w, &len_u32(envelope.len()))?;
+            put(w, envelope)
+        };
         for o in &image.base {
-            put(&mut w, &body_len(o))?;
-            put(&mut w, &o.body)?;
+            object(&mut w, o)?;
         }
         put(&mut w, &(image.events.len() as u64).to_le_bytes())?;
         for (kind, age, o) in &image.events {
             put(&mut w, &[kind_byte(*kind)])?;
             let ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
             put(&mut w, &ms.to_le_bytes())?;
-            put(&mut w, &body_len(o))?;
-            put(&mut w, &o.body)?;
+            object(&mut w, o)?;
         }
         let bytes = w.finish().map_err(io(&tmp))?;
         std::fs::rename(&tmp, &path).map_err(io(&path))?;
@@ -372,12 +422,23 @@ impl Persist {
             return Err(PersistError::Corrupt("trailing bytes"));
         }
         let mut rd = Reader(&payload);
+        let api_version = r.api_version();
         let object = |rd: &mut Reader<'_>| -> Result<Arc<CachedObject>, PersistError> {
             let len = rd.u32()? as usize;
             let body = Bytes::copy_from_slice(rd.take(len)?);
-            CachedObject::parse(body, r)
-                .map(Arc::new)
-                .map_err(|_| PersistError::Corrupt("an object does not parse"))
+            let o = CachedObject::parse(body, r)
+                .map_err(|_| PersistError::Corrupt("an object does not parse"))?;
+            let len = rd.u32()? as usize;
+            if len > 0 {
+                // Served to protobuf readers as it is: it must be one of this resource's.
+                let envelope = Bytes::copy_from_slice(rd.take(len)?);
+                match crate::k8s::protobuf::envelope(&envelope) {
+                    Some(e) if e.kind == r.kind && e.api_version == api_version => {}
+                    _ => return Err(PersistError::Corrupt("a protobuf envelope")),
+                }
+                o.proto.set(envelope);
+            }
+            Ok(Arc::new(o))
         };
         let n = rd.u64()?;
         let mut base = Vec::with_capacity(usize::try_from(n.min(1 << 20)).unwrap_or(0));
@@ -399,6 +460,16 @@ impl Persist {
         if !rd.0.is_empty() {
             return Err(PersistError::Corrupt("trailing payload"));
         }
+        let bookmark = match header.protobuf_bookmark {
+            None => None,
+            Some((kind, rest)) => {
+                use base64::Engine as _;
+                let rest = base64::engine::general_purpose::STANDARD
+                    .decode(rest)
+                    .map_err(|_| PersistError::Corrupt("the protobuf bookmark"))?;
+                Some((kind, Bytes::from(rest)))
+            }
+        };
         Ok(Image {
             rv: header.rv,
             oldest_rv: header.oldest_rv,
@@ -406,6 +477,11 @@ impl Persist {
             absorbed: header.absorbed,
             base,
             events,
+            protobuf: ProtoImage {
+                complete: header.protobuf_complete,
+                started: header.protobuf_started,
+                bookmark,
+            },
         })
     }
 }
@@ -414,9 +490,11 @@ impl Persist {
 const CHUNK: usize = 4 << 20;
 
 fn body_len(o: &CachedObject) -> [u8; 4] {
-    u32::try_from(o.body.len())
-        .unwrap_or(u32::MAX)
-        .to_le_bytes()
+    len_u32(o.body.len())
+}
+
+fn len_u32(n: usize) -> [u8; 4] {
+    u32::try_from(n).unwrap_or(u32::MAX).to_le_bytes()
 }
 
 /// The nonce of chunk `index`: the file's random nonce with the index in its last 8 bytes.
@@ -584,7 +662,41 @@ mod tests {
                 (EventKind::Deleted, Duration::from_secs(2), cm("b", 15)),
                 (EventKind::Added, Duration::from_secs(1), cm("c", 18)),
             ],
+            protobuf: ProtoImage::default(),
         }
+    }
+
+    /// A ConfigMap's protobuf envelope whose message is `raw` (the bytes are opaque to the
+    /// state file; only the type meta is checked when loading).
+    fn envelope(raw: &[u8]) -> Bytes {
+        Bytes::from(crate::k8s::protobuf_write::object_envelope(
+            "v1",
+            "ConfigMap",
+            raw,
+        ))
+    }
+
+    /// The image of a cache whose protobuf side ran: envelopes on some objects, the
+    /// bookmark template, complete or not.
+    fn image_with_protobuf(complete: bool) -> Image {
+        let i = image();
+        i.base[0].proto.set(envelope(b"a5"));
+        i.events[0].2.proto.set(envelope(b"a12"));
+        i.events[2].2.proto.set(envelope(b"c18"));
+        Image {
+            protobuf: ProtoImage {
+                complete,
+                started: true,
+                bookmark: Some(("ConfigMap".into(), Bytes::from_static(b"\x0a\x00"))),
+            },
+            ..i
+        }
+    }
+
+    /// Each object's envelope (or none), in the image's order.
+    fn envelopes(i: &Image) -> Vec<Option<Bytes>> {
+        let objects = i.base.iter().chain(i.events.iter().map(|e| &e.2));
+        objects.map(|o| o.proto.get().cloned()).collect()
     }
 
     fn persist(dir: &Path, keys: Vec<(String, [u8; 32])>) -> Persist {
@@ -648,6 +760,7 @@ mod tests {
             absorbed: vec![],
             base,
             events: vec![],
+            protobuf: ProtoImage::default(),
         };
         for keys in [vec![], vec![("k1".to_string(), [7u8; 32])]] {
             let dir = tempfile::tempdir().unwrap();
@@ -655,6 +768,63 @@ mod tests {
             let saved = p.save(&configmaps(), "", &img).unwrap();
             assert!(saved.bytes > 2 * CHUNK as u64);
             assert_eq!(p.load(&configmaps(), "").unwrap().unwrap(), img);
+        }
+    }
+
+    /// The protobuf side's part comes back as saved, plain and sealed: each object's
+    /// envelope (objects without one stay without), whether the side can resume, and the
+    /// bookmark template.
+    #[test]
+    fn envelopes_and_the_protobuf_sides_state_round_trip() {
+        for complete in [false, true] {
+            for keys in [vec![], vec![("k1".to_string(), [7u8; 32])]] {
+                let dir = tempfile::tempdir().unwrap();
+                let p = persist(dir.path(), keys);
+                let img = image_with_protobuf(complete);
+                p.save(&configmaps(), "", &img).unwrap();
+                let got = p.load(&configmaps(), "").unwrap().unwrap();
+                assert_eq!(got.protobuf, img.protobuf);
+                assert_eq!(envelopes(&got), envelopes(&img));
+                assert_eq!(
+                    envelopes(&got).iter().filter(|e| e.is_some()).count(),
+                    3,
+                    "three of the five objects had an envelope"
+                );
+            }
+        }
+    }
+
+    /// Envelopes of a side that was not running (shed: some history events keep theirs)
+    /// are not written: nothing would charge them to the protobuf bound after a restart.
+    #[test]
+    fn envelopes_of_a_side_that_is_not_running_are_not_saved() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = persist(dir.path(), vec![]);
+        let mut img = image_with_protobuf(false);
+        img.protobuf = ProtoImage::default();
+        p.save(&configmaps(), "", &img).unwrap();
+        let got = p.load(&configmaps(), "").unwrap().unwrap();
+        assert!(envelopes(&got).iter().all(Option::is_none));
+    }
+
+    /// An envelope that is not one of this resource's (another kind, or not an envelope)
+    /// refuses the whole file, even when the checksum holds (a file written by a buggy or
+    /// foreign writer): it would be served to protobuf readers as it is.
+    #[test]
+    fn a_file_with_an_envelope_of_another_kind_is_refused() {
+        let other = Bytes::from(crate::k8s::protobuf_write::object_envelope(
+            "v1", "Secret", b"x",
+        ));
+        for bad in [other, Bytes::from_static(b"not an envelope")] {
+            let dir = tempfile::tempdir().unwrap();
+            let p = persist(dir.path(), vec![]);
+            let img = image_with_protobuf(true);
+            img.base[1].proto.set(bad);
+            p.save(&configmaps(), "", &img).unwrap();
+            assert!(matches!(
+                p.load(&configmaps(), ""),
+                Err(PersistError::Corrupt("a protobuf envelope"))
+            ));
         }
     }
 

@@ -252,15 +252,19 @@ impl Caches {
                     () = stop.cancelled() => return,
                     () = c.protobuf_wanted() => {}
                 }
-                tracing::info!(resource = %r.label(), "a protobuf reader came: starting the protobuf side");
+                // Resumed where a warm restart's saved state left it, else from the whole
+                // state (`ResourceCache::restore_protobuf`).
+                let from = c.take_protobuf_resume();
+                tracing::info!(resource = %r.label(), resume_from = ?from, "a protobuf reader came or was restored: starting the protobuf side");
                 // Stopped at shutdown, or for good when the protobuf bound sheds the resource.
                 let side_stop = stop.child_token();
-                let side = crate::cache::reflector::proto::ProtoSide::spawn(
+                let side = crate::cache::reflector::proto::ProtoSide::spawn_from(
                     r,
                     up,
                     c.clone() as Arc<dyn crate::cache::reflector::proto::ProtoSink>,
                     cfg,
                     side_stop.clone(),
+                    from,
                 );
                 let _ = stats.set(side.stats().clone());
                 let mut tick = tokio::time::interval(PROTO_RECONCILE);

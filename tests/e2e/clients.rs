@@ -616,6 +616,7 @@ async fn proxy_restart(ns: &str, how: Restart) {
     }
 
     // Down: graceful shutdown (watches end cleanly, states saved); writes go on meanwhile.
+    let down_at = unix_millis();
     let t = std::time::Instant::now();
     env.proxy.running.take().unwrap().shutdown().await;
     let stopped = t.elapsed();
@@ -624,6 +625,7 @@ async fn proxy_restart(ns: &str, how: Restart) {
         env.cp.kill_and_restart_apiserver().await.unwrap();
     }
     let t_up = std::time::Instant::now();
+    let up_at = unix_millis();
     env.proxy.restart(|_| {}).await;
     let started = t_up.elapsed();
     let entry = |state: &kube_cache_proxy::serve::state::State| {
@@ -667,7 +669,24 @@ async fn proxy_restart(ns: &str, how: Restart) {
     };
     let (filled, differences) = (backfills(|c| &c.filled), backfills(|c| &c.differences));
     match how {
-        Restart::Warm => assert_eq!(lists, 0, "the restarted proxy listed configmaps upstream"),
+        Restart::Warm => {
+            assert_eq!(lists, 0, "the restarted proxy listed configmaps upstream");
+            // The protobuf side ran before the stop: it started again at once, resumed from
+            // the saved state, and the protobuf informer's re-watch came from the cache
+            // (its history's envelopes were saved too) instead of waiting for envelopes
+            // that never come and going to the apiserver.
+            let side = e.proto_stats().map(|s| s.snapshot());
+            assert!(
+                side.as_ref()
+                    .is_some_and(|s| s.watch_starts >= 1 && s.initial_watches == 0),
+                "the protobuf side resumed from the saved state: {side:?}"
+            );
+            let from_cache = configmaps_protobuf_from_cache(&env, "WATCH").await;
+            assert!(
+                from_cache >= 1.0,
+                "the protobuf informer's re-watch was served from the cache"
+            );
+        }
         Restart::Cold => {
             assert_eq!(lists, 1, "the cold proxy lists configmaps once");
             assert!(filled >= 1, "the informers' resumes were backfilled");
@@ -681,14 +700,21 @@ async fn proxy_restart(ns: &str, how: Restart) {
             );
         }
     }
+    let mut timelines = Vec::new();
     for (mode, accept, ic) in informers {
-        assert_started_once(mode, accept, &ic.finish());
+        let errs = ic.finish();
+        assert_started_once(mode, accept, &errs);
+        timelines.push(format!(
+            "{mode}/{accept}: {}",
+            request_timeline(&errs, down_at, up_at)
+        ));
     }
     println!(
         "proxy ({}) stopped gracefully in {stopped:?}, started in {started:?}, configmaps \
          cache ready {ready:?} after the start ({lists} upstream LISTs, {filled} backfills, \
          {differences} differences), every informer had the writes made while it was down \
-         {resumed:?} after the start",
+         {resumed:?} after the start; the informers' requests from the stop on (ms after the \
+         start; - before it): {timelines:#?}",
         match how {
             Restart::Warm => "saved state",
             Restart::Cold => "no saved state",
@@ -1060,6 +1086,54 @@ async fn a_hundred_watchers_cost_the_apiserver_one_watch() {
 
 /// Counts of a finished informer-check's requests: (LISTs, WATCHes) of configmaps, and its
 /// watch and decode errors.
+/// Now, in Unix milliseconds: the clock `informer-check` stamps its lines with (`at=`).
+fn unix_millis() -> i64 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+    i64::try_from(now.unwrap().as_millis()).unwrap()
+}
+
+/// An informer-check's requests and outcomes stamped at or after `from` (Unix ms), each as
+/// its time relative to `zero` in ms, what it asked (watch or list, resourceVersion) and how
+/// it ended: where a resume after a restart spent its time.
+fn request_timeline(errs: &[String], from: i64, zero: i64) -> String {
+    let at = |l: &str| -> Option<i64> {
+        let (_, t) = l.rsplit_once(" at=")?;
+        t.split(':').next()?.parse().ok()
+    };
+    let mut out = Vec::new();
+    for l in errs {
+        let Some(t) = at(l).filter(|t| *t >= from) else {
+            continue;
+        };
+        let what = if let Some(r) = l.strip_prefix("REQUEST ") {
+            let query = r.split(['?', ' ']).nth(2).unwrap_or("");
+            let rv = query
+                .split('&')
+                .find_map(|p| p.strip_prefix("resourceVersion="))
+                .unwrap_or("-");
+            let verb = if query.contains("watch=true") {
+                "watch"
+            } else {
+                "list"
+            };
+            format!("{verb} rv={rv}")
+        } else if let Some(o) = l.strip_prefix("OUTCOME ") {
+            match o.split_once(" at=") {
+                Some((head, tail)) => {
+                    let status = head.rsplit(' ').next().unwrap_or("");
+                    let err = tail.split_once(": ").map_or("", |(_, e)| e);
+                    format!("-> {status} {err}").trim_end().to_string()
+                }
+                None => continue,
+            }
+        } else {
+            continue;
+        };
+        out.push(format!("{:+} {what}", t - zero));
+    }
+    out.join(", ")
+}
+
 pub(crate) fn informer_traffic(errs: &[String]) -> (usize, usize, Vec<&String>) {
     let requests = errs
         .iter()

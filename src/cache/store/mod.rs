@@ -17,7 +17,7 @@ use parking_lot::{Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use tokio::sync::{mpsc, watch};
 
 use super::event::{Delivery, Event};
-use super::persist::Image;
+use super::persist::{Image, ProtoImage};
 use super::{CachedObject, EventKind, ObjectKey, ReflectorSink, Resource};
 use crate::cache::hub::{CloseReason, Filter, Hub, Subscription};
 
@@ -241,6 +241,9 @@ pub struct ResourceCache {
     proto_wanted_tx: watch::Sender<bool>,
     /// When the first protobuf reader came (`want_protobuf`); unset: none has.
     proto_wanted_at: std::sync::OnceLock<Instant>,
+    /// Where the protobuf side resumes its watch after a warm restart whose saved state
+    /// had every envelope (`restore_protobuf`); taken once by the registry.
+    proto_resume: Mutex<Option<u64>>,
     /// When this cache was created: a cache still pending after [`STARTING`] is not about
     /// to sync (the proxy may not list it), so reads stop waiting for it.
     created: Instant,
@@ -425,6 +428,7 @@ impl ResourceCache {
             proto_bookmark: Default::default(),
             proto_wanted_tx: watch::channel(false).0,
             proto_wanted_at: Default::default(),
+            proto_resume: Default::default(),
             created: Instant::now(),
             proto_hub: proto_hub.clone(),
             proto_attached: proto_attached.clone(),
@@ -808,6 +812,7 @@ impl ResourceCache {
                 s.relist_rv,
             )
         };
+        let protobuf = self.protobuf_image(&objects);
         rewind(&mut objects, None, &history);
         let now = Instant::now();
         Some(Image {
@@ -826,6 +831,7 @@ impl ResourceCache {
                     )
                 })
                 .collect(),
+            protobuf,
         })
     }
 
@@ -834,7 +840,9 @@ impl ResourceCache {
     /// received), ready at the image's resourceVersion. The cache is marked unconfirmed
     /// until its upstream watch, resumed from that resourceVersion, proves it (reads that
     /// need the latest state go to the apiserver until then). An image that does not hold
-    /// together (events out of order, objects newer than their place) is refused whole.
+    /// together (events out of order, objects newer than their place) is refused whole. A
+    /// protobuf side that ran before the save starts again with its envelopes
+    /// ([`Self::restore_protobuf`]).
     pub fn restore(&self, image: Image) -> Result<(), RestoreError> {
         let Image {
             rv,
@@ -843,12 +851,23 @@ impl ResourceCache {
             absorbed,
             base,
             events,
+            protobuf,
         } = image;
         if rv < oldest_rv {
             return Err(RestoreError("resourceVersion before the history's start"));
         }
+        // Envelopes only for a protobuf side that starts again: nothing else would charge
+        // them to the protobuf bound (a proxy restarted with protobuf off).
+        let keep_protobuf = protobuf.started && self.cfg.proto_budget.enabled();
+        let strip = |o: Arc<CachedObject>| {
+            if keep_protobuf || o.proto.get().is_none() {
+                o
+            } else {
+                Arc::new(o.without_protobuf())
+            }
+        };
         let mut objects = Objects::new();
-        for o in base {
+        for o in base.into_iter().map(strip) {
             if o.meta.resource_version > oldest_rv {
                 return Err(RestoreError("an object newer than the history's start"));
             }
@@ -860,6 +879,7 @@ impl ResourceCache {
         let mut history = VecDeque::with_capacity(events.len());
         let mut last = oldest_rv;
         for (kind, age, object) in events {
+            let object = strip(object);
             let at = object.meta.resource_version;
             if at <= last || at > rv {
                 return Err(RestoreError("history out of order"));
@@ -903,6 +923,7 @@ impl ResourceCache {
         ));
         let _ = self.dispatch.send(Dispatch::Progress(rv));
         drop(s);
+        self.restore_protobuf(rv, protobuf);
         self.rv_tx.send_replace(rv);
         self.ready_tx.send_replace(Readiness::Ready);
         tracing::info!(resource = %self.resource.label(), rv, objects = self.len(), history = self.read().history.len(), "cache restored from its saved state");

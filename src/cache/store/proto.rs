@@ -225,6 +225,49 @@ impl ResourceCache {
         let _ = rx.wait_for(|w| *w).await;
     }
 
+    /// The protobuf side's part of a saved state whose current objects are `objects` (see
+    /// [`ProtoImage`]).
+    pub(super) fn protobuf_image(&self, objects: &Objects) -> ProtoImage {
+        use std::sync::atomic::Ordering::Relaxed;
+        let started = self.protobuf_started() && !self.proto_shed.is_cancelled();
+        let bookmark = self.proto_bookmark.lock().clone();
+        let complete = started
+            && bookmark.is_some()
+            && self.proto_synced.load(Relaxed) > 0
+            && objects.values().all(|o| o.proto.get().is_some());
+        ProtoImage {
+            complete,
+            started,
+            bookmark,
+        }
+    }
+
+    /// After a warm restart (the envelopes came on the restored objects): a protobuf side
+    /// that had started before starts again at once, since its readers are coming back.
+    /// When the saved state had every envelope it resumes its watch from `rv` and protobuf
+    /// reads are served at once, resumed watches from the restored history included;
+    /// otherwise it starts over with the whole state and reads wait for it, as on a first
+    /// start.
+    pub(super) fn restore_protobuf(&self, rv: u64, p: ProtoImage) {
+        if !p.started || !self.cfg.proto_budget.enabled() {
+            return;
+        }
+        if let Some(b) = p.bookmark {
+            *self.proto_bookmark.lock() = Some(b);
+        }
+        if p.complete {
+            *self.proto_resume.lock() = Some(rv);
+            self.protobuf_synced(rv);
+        }
+        self.want_protobuf();
+    }
+
+    /// Where the protobuf side resumes its watch from, after a warm restart whose saved
+    /// state had every envelope (see [`Self::restore_protobuf`]); `None` afterwards.
+    pub fn take_protobuf_resume(&self) -> Option<u64> {
+        self.proto_resume.lock().take()
+    }
+
     /// Current objects with and without their protobuf envelope, and the envelopes' bytes.
     pub fn protobuf_coverage(&self) -> (usize, usize, usize) {
         // An O(1) snapshot: the walk holds no lock (writers are not kept waiting by it).

@@ -453,6 +453,70 @@ async fn a_restored_cache_is_the_cache_it_was_saved_from() {
     assert!(!c.is_ready());
 }
 
+/// A warm restart keeps the protobuf side's work: restored from a state whose every
+/// current object had its envelope, the cache serves protobuf at once (ready, the bookmark
+/// template known, history events with their envelopes) and its side resumes from the
+/// saved resourceVersion; from a state missing one, the side starts over (started, not
+/// ready, no resume point) but the history keeps what it had; a side that never ran, or a
+/// proxy with protobuf turned off, starts nothing.
+#[tokio::test]
+async fn a_restored_cache_resumes_its_protobuf_side_only_from_a_complete_state() {
+    let r = Resource::core("pods", "Pod", true);
+    let env = |s: &str| Bytes::from(s.to_string());
+    let key = |n: &str| ObjectKey::new("a", n);
+    let a = ResourceCache::new(r.clone(), StoreConfig::default());
+    a.replace(vec![pod("a", "p", None, 10), pod("a", "q", None, 11)], 12);
+    let never = a.image().unwrap();
+    assert_eq!(never.protobuf, ProtoImage::default());
+    a.want_protobuf();
+    a.attach_protobuf(&key("p"), 10, env("p10"));
+    a.attach_protobuf(&key("q"), 11, env("q11"));
+    *a.proto_bookmark.lock() = Some(("Pod".into(), env("rest")));
+    a.protobuf_synced(12);
+    a.apply(EventKind::Modified, pod("a", "p", None, 13));
+    assert_eq!(a.attach_protobuf(&key("p"), 13, env("p13")), Attached::Now);
+    let complete = a.image().unwrap();
+    assert!(complete.protobuf.complete && complete.protobuf.started);
+    a.apply(EventKind::Added, pod("a", "r", None, 14));
+    let partial = a.image().unwrap();
+    assert!(!partial.protobuf.complete && partial.protobuf.started);
+
+    let history_envelope = |c: &ResourceCache| {
+        let (events, _) = c.changes_since(12).unwrap();
+        events[0].object.proto.get().cloned()
+    };
+    let b = ResourceCache::new(r.clone(), StoreConfig::default());
+    b.restore(complete).unwrap();
+    assert!(b.protobuf_started() && b.protobuf_ready());
+    assert_eq!(b.take_protobuf_resume(), Some(13));
+    assert_eq!(b.take_protobuf_resume(), None, "taken once");
+    assert_eq!(*b.proto_bookmark.lock(), Some(("Pod".into(), env("rest"))));
+    assert_eq!(b.protobuf_coverage(), (2, 0, 6));
+    assert_eq!(history_envelope(&b), Some(env("p13")));
+
+    let c = ResourceCache::new(r.clone(), StoreConfig::default());
+    c.restore(partial.clone()).unwrap();
+    assert!(c.protobuf_started() && !c.protobuf_ready());
+    assert_eq!(c.take_protobuf_resume(), None);
+    assert_eq!(history_envelope(&c), Some(env("p13")));
+
+    let d = ResourceCache::new(r.clone(), StoreConfig::default());
+    d.restore(never).unwrap();
+    assert!(!d.protobuf_started() && d.take_protobuf_resume().is_none());
+
+    let off = ResourceCache::new(
+        r,
+        StoreConfig {
+            proto_budget: Arc::new(crate::cache::proto_budget::ProtoBudget::new(0)),
+            ..StoreConfig::default()
+        },
+    );
+    off.restore(partial).unwrap();
+    assert!(!off.protobuf_started() && !off.protobuf_ready());
+    assert_eq!(off.protobuf_coverage(), (0, 3, 0), "envelopes dropped");
+    assert_eq!(history_envelope(&off), None);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(64))]
     /// The node index always equals one rebuilt from the objects: live, at every

@@ -99,6 +99,8 @@ impl ProtoSide {
         from: Option<u64>,
     ) -> ProtoSideHandle {
         let stats = Arc::new(ProtoStats::default());
+        // Resumed from a state the sink holds whole: synced until a restart says otherwise.
+        stats.synced.store(from.is_some(), Ordering::Relaxed);
         let span = tracing::info_span!("proto_side", resource = %resource.label());
         let side = ProtoSide {
             api_version: resource.api_version(),

@@ -349,8 +349,9 @@ func dump(store cache.Store) ([]byte, error) {
 	return json.Marshal(entries)
 }
 
-// logRequests logs each request's method, URL and Accept header to stderr; with jsonOnly it
-// first drops the Accept header's protobuf clauses.
+// logRequests logs each request's method, URL, Accept header and time to stderr, then its
+// outcome (status or transport error) and time; with jsonOnly it first drops the Accept
+// header's protobuf clauses.
 type logRequests struct {
 	next     http.RoundTripper
 	jsonOnly bool
@@ -367,8 +368,16 @@ func (l logRequests) RoundTrip(r *http.Request) (*http.Response, error) {
 		r = r.Clone(r.Context())
 		r.Header.Set("Accept", strings.Join(kept, ","))
 	}
-	fmt.Fprintf(os.Stderr, "REQUEST %s %s accept=%s\n", r.Method, r.URL.String(), r.Header.Get("Accept"))
-	return l.next.RoundTrip(r)
+	// at= is the wall clock in Unix milliseconds, so a test can place each request and its
+	// outcome against the moments it restarted something (the same machine's clock).
+	fmt.Fprintf(os.Stderr, "REQUEST %s %s accept=%s at=%d\n", r.Method, r.URL.String(), r.Header.Get("Accept"), time.Now().UnixMilli())
+	resp, err := l.next.RoundTrip(r)
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "OUTCOME %s failed at=%d: %v\n", r.URL.Path, time.Now().UnixMilli(), err)
+	} else {
+		fmt.Fprintf(os.Stderr, "OUTCOME %s %d at=%d\n", r.URL.Path, resp.StatusCode, time.Now().UnixMilli())
+	}
+	return resp, err
 }
 
 // watchFieldsHeader adds the proxy's opt-in field-level change filter header to every request

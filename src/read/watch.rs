@@ -127,6 +127,20 @@ impl Proto {
             _ => o.proto.get().is_some(),
         }
     }
+
+    /// Whether a starting point's entry that is not ready never will be: the envelopes its
+    /// frame is made from are of versions at or before `synced`, the protobuf side's
+    /// initial state, which attached every envelope it had for versions the JSON side
+    /// held before it said it had synced. Such versions are those of history events older
+    /// than the side (a backfilled stretch after a cold start, say): the side brings only
+    /// the state it starts from and what follows.
+    fn never_ready(&self, item: &InitialItem, initial_is_state: bool, synced: u64) -> bool {
+        let rv = match &item.1 {
+            Some(ev) if !initial_is_state => ev.rv,
+            _ => item.0.meta.resource_version,
+        };
+        rv <= synced && !self.ready(item, initial_is_state)
+    }
 }
 
 type InitialItem = (Arc<CachedObject>, Option<Arc<Event>>, Delivery);
@@ -211,11 +225,12 @@ pub async fn serve(
     let initial: VecDeque<_> = reg.initial.into();
     let initial_is_state = start == Start::Initial;
     // A protobuf watch starts once its starting point's envelopes are all there (the
-    // protobuf side is normally milliseconds behind); the apiserver serves it otherwise.
+    // protobuf side is normally milliseconds behind); the apiserver serves it otherwise,
+    // at once when one of them will never come.
     if let Some(p) = &proto {
+        use std::sync::atomic::Ordering::Relaxed;
         let done = std::sync::atomic::AtomicUsize::new(0);
         let all_ready = || {
-            use std::sync::atomic::Ordering::Relaxed;
             let mut i = done.load(Relaxed);
             while i < initial.len() && p.ready(&initial[i], initial_is_state) {
                 i += 1;
@@ -223,8 +238,20 @@ pub async fn serve(
             done.store(i, Relaxed);
             i == initial.len()
         };
-        if !all_ready() && !cache.wait_protobuf(all_ready, PROTO_START_WAIT).await {
-            return delegate("protobuf envelopes of the starting point missing");
+        let never = || {
+            let synced = cache.proto_synced.load(Relaxed);
+            initial
+                .iter()
+                .skip(done.load(Relaxed))
+                .any(|item| p.never_ready(item, initial_is_state, synced))
+        };
+        if !all_ready() {
+            cache
+                .wait_protobuf(|| all_ready() || never(), PROTO_START_WAIT)
+                .await;
+            if !all_ready() {
+                return delegate("protobuf envelopes of the starting point missing");
+            }
         }
     }
     let timeout = params.timeout.unwrap_or_else(|| {
@@ -775,6 +802,80 @@ mod tests {
                 "DELETED".into(),
                 with_resource_version(&get, "211").unwrap()
             )]
+        );
+    }
+
+    /// A protobuf resume whose starting point holds a version older than the protobuf
+    /// side's initial state and without its envelope (a history event from before the side
+    /// started: after a cold restart, a backfilled stretch) goes to the apiserver at once:
+    /// that envelope never comes. One whose missing envelope is of a version after the
+    /// side's sync waits for it, as before, and is served from the cache once it comes.
+    // Paused time: a wait would advance the clock by `PROTO_START_WAIT` without wall time.
+    #[tokio::test(start_paused = true)]
+    async fn a_protobuf_resume_waits_only_for_envelopes_that_can_still_come() {
+        use crate::k8s::protobuf_write::tests::real;
+        use crate::k8s::protobuf_write::with_resource_version;
+        let r = configmaps();
+        let json = |rv: u64| {
+            CachedObject::parse(
+                Bytes::from(format!(
+                    r#"{{"metadata":{{"name":"c2","namespace":"pb","resourceVersion":"{rv}"}}}}"#
+                )),
+                &r,
+            )
+            .unwrap()
+        };
+        let get = unhex(real::GET_C2);
+        let at = |rv: u64| Bytes::from(with_resource_version(&get, &rv.to_string()).unwrap());
+        let key = crate::cache::ObjectKey::new("pb", "c2");
+        let cache = ResourceCache::new(r.clone(), StoreConfig::default());
+        cache.replace(vec![json(203)], 209);
+        // 210 happened before the protobuf side started: only 211, the state it starts
+        // from, gets an envelope; it syncs at 211.
+        cache.apply(EventKind::Modified, json(210));
+        cache.apply(EventKind::Modified, json(211));
+        cache.want_protobuf();
+        cache.attach_protobuf(&key, 211, at(211));
+        let bm = unhex(real::CM_BOOKMARK);
+        let bm_object = proto_frames(&bm).remove(0).1;
+        crate::cache::reflector::proto::ProtoSink::bookmark(&*cache, 211, true, bm_object.into());
+        assert!(cache.protobuf_ready());
+        let cfg = WatchConfig::default();
+        let resume = |from: u64| {
+            let (cache, cfg) = (cache.clone(), cfg.clone());
+            async move {
+                let q = format!("watch=1&resourceVersion={from}&allowWatchBookmarks=true");
+                serve(
+                    cache,
+                    WatchParams::parse(Some(&q)).unwrap(),
+                    Filter::default(),
+                    Encoding::Json,
+                    true,
+                    &cfg,
+                    CancellationToken::new(),
+                )
+                .await
+            }
+        };
+        let t0 = Instant::now();
+        assert!(resume(209).await.is_err(), "handed to the apiserver");
+        assert_eq!(t0.elapsed(), Duration::ZERO, "at once, without waiting");
+
+        // 212's envelope can still come: the resume waits for it and is served.
+        cache.apply(EventKind::Modified, json(212));
+        let waiting = tokio::spawn(resume(211));
+        tokio::task::yield_now().await;
+        assert!(
+            !waiting.is_finished(),
+            "the resume waits for 212's envelope"
+        );
+        cache.attach_protobuf(&key, 212, at(212));
+        let resp = waiting.await.unwrap().expect("served from the cache");
+        let mut b = resp.into_body();
+        let f = b.frame().await.unwrap().unwrap().into_data().unwrap();
+        assert_eq!(
+            proto_frames(&f),
+            vec![("MODIFIED".into(), at(212).to_vec())]
         );
     }
 

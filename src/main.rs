@@ -9,12 +9,31 @@ use kube_cache_proxy::app::cli::{self, Cli, Command};
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() {
+/// mimalloc's collection of the calling thread's heap, called by idle runtime threads
+/// (`app::memory::runtime` says why).
+fn release_idle_memory() {
+    // SAFETY: `mi_collect` has no preconditions: it only frees what the calling thread's
+    // heap no longer uses (blocks other threads freed, empty pages) and may be called from
+    // any thread at any time; mimalloc is this process's allocator.
+    unsafe { libmimalloc_sys::mi_collect(false) }
+}
+
+fn main() {
     // Before the process allocates much (`app::memory` says why).
     if let Err(e) = kube_cache_proxy::app::memory::disable_transparent_huge_pages() {
         eprintln!("warning: transparent huge pages stay on: {e}");
     }
+    let rt = match kube_cache_proxy::app::memory::runtime(release_idle_memory) {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: starting the runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    rt.block_on(async_main());
+}
+
+async fn async_main() {
     let cli = Cli::parse();
     if let Err(e) = run(cli).await {
         // One line: the error and its causes, each once (no Debug dump, no backtrace: these

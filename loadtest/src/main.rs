@@ -38,6 +38,19 @@ static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::n
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
+/// As the binary's: mimalloc's collection of the calling thread's heap, for the proxy
+/// child's idle runtime threads (`kube_cache_proxy::app::memory::runtime`).
+#[cfg(not(feature = "system-alloc"))]
+fn release_idle_memory() {
+    // SAFETY: `mi_collect` has no preconditions: it only frees what the calling thread's
+    // heap no longer uses and may be called from any thread at any time.
+    unsafe { libmimalloc_sys::mi_collect(false) }
+}
+
+/// The system's malloc has no such call.
+#[cfg(feature = "system-alloc")]
+fn release_idle_memory() {}
+
 mod client;
 mod fields;
 mod hostile;

@@ -23,8 +23,10 @@ use crate::stats::{metrics, sum};
 
 /// `loadtest serve-proxy ARGS`: the `serve` command of `kube-cache-proxy`, with ARGS.
 pub fn serve_main(args: Vec<String>) -> anyhow::Result<()> {
-    // As the real binary's `main` does.
-    kube_cache_proxy::app::memory::disable_transparent_huge_pages()?;
+    // As the real binary's `main` does (a kernel without the setting only warns).
+    if let Err(e) = kube_cache_proxy::app::memory::disable_transparent_huge_pages() {
+        eprintln!("warning: transparent huge pages stay as the system sets them: {e}");
+    }
     let argv = ["kube-cache-proxy".to_string(), "serve".to_string()]
         .into_iter()
         .chain(args);
@@ -32,7 +34,7 @@ pub fn serve_main(args: Vec<String>) -> anyhow::Result<()> {
         bail!("serve-proxy takes the flags of `kube-cache-proxy serve`");
     };
     let cfg = args.resolve()?;
-    let rt = tokio::runtime::Runtime::new()?;
+    let rt = kube_cache_proxy::app::memory::runtime(crate::release_idle_memory)?;
     rt.block_on(async move {
         kube_cache_proxy::app::cli::init_logging(&cfg.log.level, cfg.log.format);
         kube_cache_proxy::http::tls::install_crypto_provider();

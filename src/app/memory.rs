@@ -1,4 +1,5 @@
-//! The process's memory settings, applied once at start.
+//! The process's memory settings, applied once at start: transparent huge pages off, and
+//! the runtime whose idle worker threads give freed memory back ([`runtime`]).
 //!
 //! Transparent huge pages are turned off for the process. mimalloc asks the kernel for them
 //! (`madvise(MADV_HUGEPAGE)` on its arenas), so a burst that touches fresh memory (thousands
@@ -29,6 +30,91 @@ pub fn disable_transparent_huge_pages() -> Result<(), std::io::Error> {
 #[cfg(not(target_os = "linux"))]
 pub fn disable_transparent_huge_pages() -> Result<(), std::io::Error> {
     Ok(())
+}
+
+/// How often at most an idle worker thread gives memory back (see [`runtime`]).
+pub const RELEASE_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// The tokio runtime the proxy runs on: multi-threaded with every driver, as
+/// `#[tokio::main]` builds it, plus `release_idle_memory` called by a worker thread when it
+/// goes idle, at most once per [`RELEASE_EVERY`] per thread.
+///
+/// The binary that picks the global allocator passes its collection call (mimalloc's
+/// `mi_collect`; this crate forbids the `unsafe` such a call needs). What a thread
+/// allocated and another freed stays in the first thread's heap until that thread
+/// allocates again, so after a burst (10,000 hostile watch streams closed at once) an idle
+/// proxy kept tens of MB it no longer used: in the load driver's `hostile-streams`
+/// scenario RSS 10 s after the streams closed was 84 MB against 37 MB before them, and
+/// 58 MB after 5 s of light traffic woke the threads (docs/architecture.md, "Memory
+/// bounds"). Collecting on park gives it back once the threads rest; at most once a second,
+/// since a collection visits the thread's pages.
+///
+/// # Errors
+/// The runtime builder's.
+pub fn runtime(release_idle_memory: fn()) -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .on_thread_park(move || {
+            if due(std::time::Instant::now()) {
+                release_idle_memory();
+            }
+        })
+        .build()
+}
+
+/// Whether this thread's next release is due at `now` (it then is not before
+/// [`RELEASE_EVERY`] has passed).
+fn due(now: std::time::Instant) -> bool {
+    thread_local! {
+        static NEXT: std::cell::Cell<Option<std::time::Instant>> = const { std::cell::Cell::new(None) };
+    }
+    NEXT.with(|next| {
+        if next.get().is_some_and(|t| now < t) {
+            return false;
+        }
+        next.set(Some(now + RELEASE_EVERY));
+        true
+    })
+}
+
+#[cfg(test)]
+mod release_tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Instant;
+
+    static RELEASED: AtomicUsize = AtomicUsize::new(0);
+
+    /// A thread's releases are at least [`super::RELEASE_EVERY`] apart, each thread
+    /// counting its own.
+    #[test]
+    fn an_idle_thread_releases_at_most_once_per_interval() {
+        let t0 = Instant::now();
+        assert!(super::due(t0), "the first park releases");
+        assert!(!super::due(t0));
+        assert!(!super::due(t0 + super::RELEASE_EVERY / 2));
+        assert!(super::due(t0 + super::RELEASE_EVERY));
+        assert!(!super::due(t0 + super::RELEASE_EVERY));
+        let other = std::thread::spawn(move || super::due(t0)).join().unwrap();
+        assert!(other, "another thread has its own interval");
+    }
+
+    /// The runtime calls the release when its workers go idle.
+    #[test]
+    fn the_runtime_releases_memory_when_its_workers_park() {
+        let rt = super::runtime(|| {
+            RELEASED.fetch_add(1, Ordering::SeqCst);
+        })
+        .unwrap();
+        rt.block_on(async {
+            // Work spawned onto the workers; they park once it is done.
+            for _ in 0..4 {
+                tokio::spawn(async {}).await.unwrap();
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        });
+        drop(rt);
+        assert!(RELEASED.load(Ordering::SeqCst) >= 1);
+    }
 }
 
 #[cfg(all(test, target_os = "linux"))]

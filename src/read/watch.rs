@@ -644,6 +644,14 @@ mod tests {
         (cache, resp.into_body(), drain)
     }
 
+    /// The ConfigMap `pb/c2` at `rv` in JSON, the object `protobuf_write::tests::real`'s
+    /// captured protobuf bytes are of.
+    fn c2(rv: u64) -> CachedObject {
+        let raw =
+            format!(r#"{{"metadata":{{"name":"c2","namespace":"pb","resourceVersion":"{rv}"}}}}"#);
+        CachedObject::parse(Bytes::from(raw), &configmaps()).unwrap()
+    }
+
     async fn next(b: &mut Body) -> Option<String> {
         let f = b.frame().await?.unwrap();
         Some(String::from_utf8(f.into_data().unwrap().to_vec()).unwrap())
@@ -740,15 +748,7 @@ mod tests {
         use crate::k8s::protobuf_write::tests::real;
         use crate::k8s::protobuf_write::with_resource_version;
         let r = configmaps();
-        let json = |rv: u64| {
-            CachedObject::parse(
-                Bytes::from(format!(
-                    r#"{{"metadata":{{"name":"c2","namespace":"pb","resourceVersion":"{rv}"}}}}"#
-                )),
-                &r,
-            )
-            .unwrap()
-        };
+        let json = c2;
         let cache = ResourceCache::new(r.clone(), StoreConfig::default());
         cache.replace(vec![json(203)], 209);
         let get = unhex(real::GET_C2);
@@ -816,15 +816,7 @@ mod tests {
         use crate::k8s::protobuf_write::tests::real;
         use crate::k8s::protobuf_write::with_resource_version;
         let r = configmaps();
-        let json = |rv: u64| {
-            CachedObject::parse(
-                Bytes::from(format!(
-                    r#"{{"metadata":{{"name":"c2","namespace":"pb","resourceVersion":"{rv}"}}}}"#
-                )),
-                &r,
-            )
-            .unwrap()
-        };
+        let json = c2;
         let get = unhex(real::GET_C2);
         let at = |rv: u64| Bytes::from(with_resource_version(&get, &rv.to_string()).unwrap());
         let key = crate::cache::ObjectKey::new("pb", "c2");

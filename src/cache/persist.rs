@@ -323,14 +323,18 @@ impl Persist {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(source) => return Err(PersistError::Io { path, source }),
         };
-        self.decode(r, uid, &file, SystemTime::now()).map(Some)
+        self.decode(r, uid, file, SystemTime::now()).map(Some)
     }
 
+    /// Decodes a whole file. The payload is assembled in the file's own buffer (each chunk,
+    /// opened in place when sealed, moved down over the chunk headers before it): with
+    /// 100,000 objects, fresh memory the kernel must zero was most of a warm start's time
+    /// (`perf`: `clear_page_erms` 58% of the samples), and this spares one copy of the file.
     fn decode(
         &self,
         r: &Resource,
         uid: &str,
-        file: &[u8],
+        mut file: Vec<u8>,
         now: SystemTime,
     ) -> Result<Image, PersistError> {
         if file.len() < MAGIC.len() + 4 || &file[..MAGIC.len()] != MAGIC {
@@ -346,18 +350,20 @@ impl Persist {
         if file.len() < 32 + MAGIC.len() + 8 {
             return Err(PersistError::Corrupt("too short"));
         }
-        let (content, sum) = file.split_at(file.len() - 32);
-        if Sha256::digest(content)[..] != *sum {
+        let content_len = file.len() - 32;
+        if Sha256::digest(&file[..content_len])[..] != file[content_len..] {
             return Err(PersistError::Corrupt("checksum mismatch"));
         }
-        let mut rd = Reader(&content[MAGIC.len() + 4..]);
+        file.truncate(content_len);
+        let mut rd = Reader(&file[MAGIC.len() + 4..]);
         let hlen = rd.u32()? as usize;
         if hlen > MAX_HEADER {
             return Err(PersistError::Corrupt("header too long"));
         }
-        let header_json = rd.take(hlen)?;
+        let header_json = rd.take(hlen)?.to_vec();
+        let chunks_at = file.len() - rd.0.len();
         let header: Header =
-            serde_json::from_slice(header_json).map_err(|_| PersistError::Corrupt("header"))?;
+            serde_json::from_slice(&header_json).map_err(|_| PersistError::Corrupt("header"))?;
         let want = self.identity(r, uid);
         if header.identity != want {
             return Err(PersistError::Foreign(format!(
@@ -387,41 +393,48 @@ impl Persist {
                 Some((seal_key(key), n))
             }
         };
-        let mut payload = Vec::with_capacity(rd.0.len());
+        // The payload goes to `chunks_at..end`, each chunk's bytes moved down over the
+        // headers (and, sealed, tags) before them: it never overtakes what it reads.
+        let (mut at, mut end) = (chunks_at, chunks_at);
         let mut index = 0u64;
         loop {
-            let last = match rd.take(1)?[0] {
+            let head = file
+                .get(at..at + 5)
+                .ok_or(PersistError::Corrupt("truncated"))?;
+            let last = match head[0] {
                 0 => false,
                 1 => true,
                 _ => return Err(PersistError::Corrupt("chunk flag")),
             };
-            let len = rd.u32()? as usize;
-            let chunk = rd.take(len)?;
-            match &key {
-                None => payload.extend_from_slice(chunk),
-                Some((key, base)) => {
-                    let at = payload.len();
-                    payload.extend_from_slice(chunk);
-                    let plain = key
-                        .open_in_place(
-                            chunk_nonce(base, index),
-                            ring::aead::Aad::from(chunk_aad(header_json, index, last)),
-                            &mut payload[at..],
-                        )
-                        .map_err(|_| PersistError::Corrupt("does not open with its key"))?
-                        .len();
-                    payload.truncate(at + plain);
-                }
-            }
+            let len = u32::from_le_bytes(head[1..5].try_into().expect("4 bytes")) as usize;
+            let start = at + 5;
+            let stop = start
+                .checked_add(len)
+                .filter(|e| *e <= file.len())
+                .ok_or(PersistError::Corrupt("truncated"))?;
+            let plain = match &key {
+                None => len,
+                Some((key, base)) => key
+                    .open_in_place(
+                        chunk_nonce(base, index),
+                        ring::aead::Aad::from(chunk_aad(&header_json, index, last)),
+                        &mut file[start..stop],
+                    )
+                    .map_err(|_| PersistError::Corrupt("does not open with its key"))?
+                    .len(),
+            };
+            file.copy_within(start..start + plain, end);
+            end += plain;
+            at = stop;
             index += 1;
             if last {
                 break;
             }
         }
-        if !rd.0.is_empty() {
+        if at != file.len() {
             return Err(PersistError::Corrupt("trailing bytes"));
         }
-        let mut rd = Reader(&payload);
+        let mut rd = Reader(&file[chunks_at..end]);
         let api_version = r.api_version();
         let object = |rd: &mut Reader<'_>| -> Result<Arc<CachedObject>, PersistError> {
             let len = rd.u32()? as usize;
@@ -843,10 +856,13 @@ mod tests {
         for i in (0..file.len()).step_by(7) {
             let mut bad = file.clone();
             bad[i] ^= 0x40;
-            assert!(p.decode(&r, "", &bad, now).is_err(), "flipped byte {i}");
+            assert!(p.decode(&r, "", bad, now).is_err(), "flipped byte {i}");
         }
         for cut in [0, 5, 12, file.len() / 2, file.len() - 1] {
-            assert!(p.decode(&r, "", &file[..cut], now).is_err(), "cut at {cut}");
+            assert!(
+                p.decode(&r, "", file[..cut].to_vec(), now).is_err(),
+                "cut at {cut}"
+            );
         }
         let other = |f: &dyn Fn(&mut Persist)| {
             let mut q = persist(dir.path(), key.clone());
@@ -872,18 +888,21 @@ mod tests {
             ),
         ];
         for (what, q, uid) in cases {
-            assert!(q.decode(&r, uid, &file, now).is_err(), "{what}");
+            assert!(q.decode(&r, uid, file.clone(), now).is_err(), "{what}");
         }
         let pods = Resource::core("pods", "Pod", true);
-        assert!(p.decode(&pods, "", &file, now).is_err(), "another resource");
+        assert!(
+            p.decode(&pods, "", file.clone(), now).is_err(),
+            "another resource"
+        );
         let later = now + Duration::from_secs(7200);
         assert!(matches!(
-            p.decode(&r, "", &file, later),
+            p.decode(&r, "", file.clone(), later),
             Err(PersistError::Stale { .. })
         ));
         // A rotated key file still opens it while the old key is listed.
         let rotated = other(&|q| q.keys.insert(0, ("k2".into(), [9u8; 32])));
-        assert!(rotated.decode(&r, "", &file, now).is_ok());
+        assert!(rotated.decode(&r, "", file.clone(), now).is_ok());
     }
 
     /// Secrets are written only sealed.

@@ -105,15 +105,22 @@ mod release_tests {
             RELEASED.fetch_add(1, Ordering::SeqCst);
         })
         .unwrap();
-        rt.block_on(async {
-            // Work spawned onto the workers; they park once it is done.
+        // Work spawned onto the workers; they park once it is done. Waits for the first
+        // release however slow the machine (bounded only so a broken hook fails).
+        let released = rt.block_on(async {
             for _ in 0..4 {
                 tokio::spawn(async {}).await.unwrap();
             }
-            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+            for _ in 0..6000 {
+                if RELEASED.load(Ordering::SeqCst) >= 1 {
+                    return true;
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+            false
         });
         drop(rt);
-        assert!(RELEASED.load(Ordering::SeqCst) >= 1);
+        assert!(released, "no worker called the release when it parked");
     }
 }
 

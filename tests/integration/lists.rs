@@ -628,11 +628,20 @@ async fn a_continue_token_expires_when_its_revision_is_compacted_upstream() {
         let token = first["metadata"]["continue"].as_str().unwrap().to_string();
         format!("{base}?limit=2&continue={token}")
     };
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    let cache = state.caches.get("", "v1", "configmaps").unwrap();
+    // A write anywhere, then the cache has it: walk B must start at a newer revision than
+    // walk A (the probe's answer is shared per revision).
     let later = async |name: &str| {
         fake.create(
             "/api/v1/namespaces/b/configmaps",
             json!({"metadata": {"name": name}}),
         )
+        .await;
+        let want = fake.current_rv();
+        eventually("the cache to have the write", GUARD, async || {
+            ok_if(cache.rv() >= want, cache.rv())
+        })
         .await;
     };
     // Walk A's first page; then a write anywhere.

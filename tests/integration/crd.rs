@@ -92,6 +92,19 @@ fn widgets_synced(c: &kube_cache_proxy::cache::registry::Caches) -> bool {
         .is_some_and(|c| c.is_ready() && c.unhealthy().is_none())
 }
 
+/// Waits until the widgets cache is synced and has every write the fake has made. Its list
+/// follows the CRD's watch event, so it may come before the widgets written right after the
+/// CRD: those then reach the synced cache only over its upstream watch, later.
+async fn widgets_synced_with_every_write(proxy: &TestProxy, fake: &FakeApiServer, what: &str) {
+    let want = fake.current_rv();
+    until(proxy, what, |c| {
+        widgets_synced(c)
+            && c.get("example.com", "v1", "widgets")
+                .is_some_and(|w| w.rv() >= want)
+    })
+    .await;
+}
+
 fn names(list: &Value) -> Vec<String> {
     list["items"]
         .as_array()
@@ -133,7 +146,7 @@ async fn crd_lifecycle(resources: &[&str]) {
     for n in ["w1", "w2"] {
         fake.create(WIDGETS, widget(n)).await;
     }
-    until(&proxy, "widgets synced", widgets_synced).await;
+    widgets_synced_with_every_write(&proxy, &fake, "widgets synced with w1 and w2").await;
     // A field the cache cannot evaluate for a custom resource goes to the apiserver, which
     // answers (here: rejects) it; never silently ignored.
     let (code, body) = get(&proxy, &format!("{WIDGETS}?fieldSelector=spec.color%3Dred")).await;
@@ -240,7 +253,7 @@ async fn crd_lifecycle(resources: &[&str]) {
     // Re-created under the same name: a fresh cache with only the new objects.
     fake.create(CRDS, crd()).await;
     fake.create(WIDGETS, widget("fresh")).await;
-    until(&proxy, "widgets synced again", widgets_synced).await;
+    widgets_synced_with_every_write(&proxy, &fake, "widgets synced again, with fresh").await;
     let (lists, watches) = upstream_widget_requests(&fake);
     let (code, body) = get(&proxy, &format!("{WIDGETS}?resourceVersion=0")).await;
     assert_eq!(code, 200, "{body}");

@@ -842,6 +842,60 @@ async fn bookmarks_arrive_periodically_with_only_kind_api_version_and_resource_v
 }
 
 #[tokio::test]
+async fn a_new_bookmark_period_applies_to_open_watches_at_once() {
+    let srv = FakeApiServer::start().await;
+    srv.faults()
+        .set_bookmark_interval(Duration::from_secs(3600));
+    let rv = srv.current_rv();
+    let mut w = Watch::open(
+        &client(),
+        format!(
+            "{}/api/v1/configmaps?watch=1&resourceVersion={rv}&allowWatchBookmarks=true",
+            srv.url()
+        ),
+    )
+    .await;
+    // Shorter: a bookmark comes now, not an hour after the watch began.
+    srv.faults()
+        .set_bookmark_interval(Duration::from_millis(20));
+    assert_eq!(w.event().await["type"], "BOOKMARK");
+    // Longer: once set, no bookmark carries a later revision (here a pod's, written before
+    // the ConfigMap whose event ends the check); those queued before carry an earlier one.
+    srv.faults()
+        .set_bookmark_interval(Duration::from_secs(3600));
+    let pod = srv
+        .create(
+            "/api/v1/namespaces/default/pods",
+            json!({"metadata": {"name": "p"}, "spec": {"containers": [{"name": "c", "image": "i"}]}}),
+        )
+        .await;
+    let pod_rv: u64 = pod["metadata"]["resourceVersion"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    srv.create(
+        "/api/v1/namespaces/default/configmaps",
+        json!({"metadata": {"name": "after"}}),
+    )
+    .await;
+    loop {
+        let ev = w.event().await;
+        if ev["type"] == "ADDED" {
+            assert_eq!(ev["object"]["metadata"]["name"], "after");
+            break;
+        }
+        assert_eq!(ev["type"], "BOOKMARK", "{ev}");
+        let at: u64 = ev["object"]["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert!(at < pod_rv, "a bookmark at {at}, after the period grew");
+    }
+}
+
+#[tokio::test]
 async fn watch_selectors_turn_objects_entering_and_leaving_the_selection_into_added_and_deleted() {
     let srv = FakeApiServer::start().await;
     let base = "/api/v1/namespaces/default/configmaps";

@@ -116,7 +116,9 @@ struct Shared {
     fail_next: Mutex<(usize, u16)>,
     delay: Mutex<Duration>,
     refuse: AtomicBool,
-    bookmark_interval: Mutex<Duration>,
+    /// The period of bookmarks (see [`Faults::set_bookmark_interval`]); open watches follow
+    /// its changes at once.
+    bookmark_interval: tokio::sync::watch::Sender<Duration>,
     /// Tokens and user names that are not authorized for anything (see [`Faults::deny`]).
     deny: Mutex<HashSet<String>>,
     impersonators: Mutex<HashSet<String>>,
@@ -161,7 +163,7 @@ impl FakeApiServer {
             fail_next: Mutex::new((0, 500)),
             delay: Mutex::new(Duration::ZERO),
             refuse: AtomicBool::new(false),
-            bookmark_interval: Mutex::new(DEFAULT_BOOKMARK_INTERVAL),
+            bookmark_interval: tokio::sync::watch::channel(DEFAULT_BOOKMARK_INTERVAL).0,
             deny: Mutex::new(HashSet::new()),
             impersonators: Mutex::new(HashSet::new()),
             only_in: Mutex::new(std::collections::HashMap::new()),
@@ -456,9 +458,14 @@ impl Faults {
     }
 
     /// Period of BOOKMARK events on watches with `allowWatchBookmarks=true` (default 1 s).
-    /// Applies from each watch's next bookmark on.
+    /// Applies at once, also to open watches: each one's next periodic bookmark comes one new
+    /// period after its last one (or its start), at once if that has passed. Once this
+    /// returns, no watch sends a periodic bookmark the new period does not call for, so a
+    /// long period set before a write keeps that write's revision out of bookmarks.
     pub fn set_bookmark_interval(&self, d: Duration) {
-        *lock(&self.shared.bookmark_interval) = d.max(Duration::from_millis(1));
+        self.shared
+            .bookmark_interval
+            .send_replace(d.max(Duration::from_millis(1)));
     }
 }
 

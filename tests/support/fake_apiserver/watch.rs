@@ -166,7 +166,8 @@ pub(super) async fn watch(
         kind,
         start_rv,
         bookmarks: p.allow_bookmarks,
-        next_bookmark: after(now, *lock(&shared.bookmark_interval)),
+        last_bookmark: now,
+        interval: shared.bookmark_interval.subscribe(),
         pre_deadline_bookmark: p
             .timeout
             .filter(|t| *t > PRE_DEADLINE_BOOKMARK)
@@ -206,7 +207,10 @@ pub(super) struct WatchStream {
     /// The resourceVersion the watch starts after.
     pub(super) start_rv: u64,
     pub(super) bookmarks: bool,
-    pub(super) next_bookmark: Instant,
+    /// When the last periodic bookmark was sent (the watch's start before the first).
+    pub(super) last_bookmark: Instant,
+    /// The bookmark period ([`Shared::bookmark_interval`]): a change applies at once.
+    pub(super) interval: tokio::sync::watch::Receiver<Duration>,
     pub(super) pre_deadline_bookmark: Option<Instant>,
     pub(super) deadline: Option<Instant>,
     pub(super) done: bool,
@@ -219,9 +223,10 @@ impl WatchStream {
         }
         loop {
             let far = after(Instant::now(), FAR_FUTURE);
+            let next_bookmark = after(self.last_bookmark, *self.interval.borrow_and_update());
             let bookmark_at = match self.pre_deadline_bookmark {
-                Some(pre) if pre < self.next_bookmark => pre,
-                _ => self.next_bookmark,
+                Some(pre) if pre < next_bookmark => pre,
+                _ => next_bookmark,
             };
             tokio::select! {
                 biased;
@@ -240,14 +245,24 @@ impl WatchStream {
                     self.finish();
                     return None;
                 }
+                // A new period: the next bookmark is due at another time. (The sender lives
+                // in `shared`, which this stream holds: `changed` never fails.)
+                _ = self.interval.changed(), if self.bookmarks => {}
                 _ = tokio::time::sleep_until(bookmark_at), if self.bookmarks => {
-                    if self.pre_deadline_bookmark.is_some_and(|pre| pre <= Instant::now()) {
-                        self.pre_deadline_bookmark = None;
-                    } else {
-                        self.next_bookmark =
-                            after(Instant::now(), *lock(&self.shared.bookmark_interval));
-                    }
                     let store = self.shared.store();
+                    let now = Instant::now();
+                    if self.pre_deadline_bookmark.is_some_and(|pre| pre <= now) {
+                        self.pre_deadline_bookmark = None;
+                    } else if after(self.last_bookmark, *self.shared.bookmark_interval.borrow())
+                        <= now
+                    {
+                        self.last_bookmark = now;
+                    } else {
+                        // The period grew after this timer was set, and the new one is read
+                        // under the store lock: a write made after `set_bookmark_interval`
+                        // returned never reaches a bookmark the new period does not call for.
+                        continue;
+                    }
                     // Queued while holding the lock: every event up to store.rv is already
                     // in the queue ahead of it.
                     // Never below where the watch started (a watch from a future resourceVersion).

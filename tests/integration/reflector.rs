@@ -689,22 +689,25 @@ async fn cancellation_during_backoff_stops_promptly() {
 
 #[tokio::test]
 async fn compaction_mid_list_restarts_the_list_unpaged() {
-    let h = Harness::start_with(5, config(), |f| {
-        f.faults().set_delay(Duration::from_millis(300))
-    })
-    .await;
-    // The second page's request is logged before the fake's delay; compact while it waits so
-    // its continue token's snapshot is gone when it is served.
+    // The first page is answered; the second page's request freezes the fake on arrival and
+    // waits while the snapshot its continue token names is compacted away.
+    let h = Harness::start_with(5, config(), |f| f.faults().freeze_at(2)).await;
     eventually("the second page's request", WAIT, async || {
         let requests = configmap_requests(&h.fake).len();
         ok_if(requests >= 2, requests)
     })
     .await;
+    assert_eq!(
+        h.fake.requests().len(),
+        2,
+        "only the first two pages were asked for: {:#?}",
+        h.fake.requests()
+    );
     h.fake
         .create(CMS, json!({"metadata": {"name": "mid-list"}}))
         .await;
     h.fake.compact(h.fake.current_rv());
-    h.fake.faults().set_delay(Duration::ZERO);
+    h.fake.faults().set_freeze(false);
     h.synced().await;
 
     let reps = replaces(&h.sink.calls());

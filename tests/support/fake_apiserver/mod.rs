@@ -129,6 +129,9 @@ struct Shared {
     fail_reviews: AtomicBool,
     /// While true, requests are accepted and never answered (see [`Faults::set_freeze`]).
     frozen: tokio::sync::watch::Sender<bool>,
+    /// Requests to come until the one that freezes the fake on arrival, counting it (see
+    /// [`Faults::freeze_at`]).
+    freeze_at: Mutex<Option<usize>>,
     /// The ServiceAccount issuer and JWKS served (see [`Faults::set_jwks`]).
     jwks: Mutex<Option<(String, String)>>,
     /// The `/metrics` text for the n-th scrape (see [`Faults::set_metrics`]), and scrapes so far.
@@ -139,6 +142,25 @@ struct Shared {
 impl Shared {
     fn store(&self) -> MutexGuard<'_, Store> {
         lock(&self.store)
+    }
+
+    /// See [`Faults::set_freeze`].
+    fn freeze(&self, on: bool) {
+        self.store().hold_events(on);
+        self.frozen.send_replace(on);
+    }
+
+    /// Counts a request's arrival toward [`Faults::freeze_at`], freezing at the chosen one.
+    fn arrived(&self) {
+        let mut at = lock(&self.freeze_at);
+        match *at {
+            Some(n) if n <= 1 => {
+                *at = None;
+                self.freeze(true);
+            }
+            Some(n) => *at = Some(n - 1),
+            None => {}
+        }
     }
 }
 
@@ -170,6 +192,7 @@ impl FakeApiServer {
             review_delay: Mutex::new(Duration::ZERO),
             fail_reviews: AtomicBool::new(false),
             frozen: tokio::sync::watch::channel(false).0,
+            freeze_at: Mutex::new(None),
             jwks: Mutex::new(None),
             metrics: Mutex::new((Arc::new(|_| String::new()), 0)),
             shutdown: CancellationToken::new(),
@@ -367,8 +390,15 @@ impl Faults {
     /// answered and open watches deliver nothing; off, the waiting requests are answered and
     /// the held watch events delivered, in order.
     pub fn set_freeze(&self, on: bool) {
-        self.shared.store().hold_events(on);
-        self.shared.frozen.send_replace(on);
+        self.shared.freeze(on);
+    }
+
+    /// The `n`-th request from now on (counting from 1) freezes the fake on its arrival, as
+    /// [`Faults::set_freeze`]`(true)` would just before it: the requests before it are
+    /// answered, it and every later one wait for `set_freeze(false)`. E.g. `freeze_at(2)`
+    /// serves a list's first page and holds its second.
+    pub fn freeze_at(&self, n: usize) {
+        *lock(&self.shared.freeze_at) = Some(n.max(1));
     }
 
     /// While on, new connections are closed right after accept, and requests arriving on

@@ -55,6 +55,7 @@ pub(super) async fn handle(
         headers: parts.headers.clone(),
         body: body.clone(),
     });
+    shared.arrived();
 
     if shared.refuse.load(Ordering::SeqCst) {
         return Err("connection refused by fault injection".into());

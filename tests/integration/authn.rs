@@ -11,6 +11,7 @@ use crate::support::fake_apiserver::FakeApiServer;
 use crate::support::proxy::TestProxy;
 use jsonwebtoken::{Algorithm, EncodingKey, Header, jwk};
 use kube_cache_proxy::auth::authn::AuthnMethod;
+use kube_cache_proxy::metrics::KindLabels;
 use serde_json::json;
 
 const GUARD: Duration = Duration::from_secs(20);
@@ -87,10 +88,38 @@ async fn concurrent_identical_requests_share_one_token_review_and_one_access_rev
     assert_eq!(count(&fake, "/subjectaccessreviews"), 2);
 
     // A review the apiserver cannot answer is shared by its flight, never cached: the
-    // requests fail closed (503) and the next one asks again.
+    // requests fail closed (503) and the next one asks again. The review is held until all
+    // five requests are in the proxy (its in-flight gauge, raised before authentication with
+    // no wait between) and the one TokenReview has reached the apiserver: a request joining
+    // only after the failure would start a second flight.
+    let inflight = state
+        .metrics
+        .inflight
+        .get_or_create(&KindLabels {
+            kind: "readOnly".into(),
+        })
+        .clone();
+    eventually("the earlier requests to be done", GUARD, async || {
+        ok_if(inflight.get() == 0, inflight.get())
+    })
+    .await;
     fake.faults().fail_reviews(true);
+    fake.faults().hold_reviews(true);
     let all = futures_util::future::join_all((0..5).map(|_| client.get(&url, Some("carol"))));
-    let statuses: Vec<u16> = all.await.iter().map(|r| r.status().as_u16()).collect();
+    let release = async {
+        eventually(
+            "the five requests in the proxy and their TokenReview held",
+            GUARD,
+            async || {
+                let (requests, reviews) = (inflight.get(), count(&fake, "/tokenreviews"));
+                ok_if(requests == 5 && reviews >= 3, (requests, reviews))
+            },
+        )
+        .await;
+        fake.faults().hold_reviews(false);
+    };
+    let (all, ()) = tokio::join!(all, release);
+    let statuses: Vec<u16> = all.iter().map(|r| r.status().as_u16()).collect();
     assert_eq!(statuses, vec![503; 5]);
     assert_eq!(count(&fake, "/tokenreviews"), 3, "alice, bob, carol once");
     fake.faults().fail_reviews(false);

@@ -127,6 +127,8 @@ struct Shared {
     review_delay: Mutex<Duration>,
     /// While set, access and token reviews answer 500 (see [`Faults::fail_reviews`]).
     fail_reviews: AtomicBool,
+    /// While true, access and token reviews wait unanswered (see [`Faults::hold_reviews`]).
+    reviews_held: tokio::sync::watch::Sender<bool>,
     /// While true, requests are accepted and never answered (see [`Faults::set_freeze`]).
     frozen: tokio::sync::watch::Sender<bool>,
     /// Requests to come until the one that freezes the fake on arrival, counting it (see
@@ -191,6 +193,7 @@ impl FakeApiServer {
             only_in: Mutex::new(std::collections::HashMap::new()),
             review_delay: Mutex::new(Duration::ZERO),
             fail_reviews: AtomicBool::new(false),
+            reviews_held: tokio::sync::watch::channel(false).0,
             frozen: tokio::sync::watch::channel(false).0,
             freeze_at: Mutex::new(None),
             jwks: Mutex::new(None),
@@ -435,6 +438,13 @@ impl Faults {
     /// concurrent identical reviews overlap.
     pub fn set_review_delay(&self, d: Duration) {
         *lock(&self.shared.review_delay) = d;
+    }
+
+    /// While on, SubjectAccessReviews and TokenReviews (nothing else) arrive (they are in
+    /// [`FakeApiServer::requests`]) and wait unanswered; off, the waiting ones are answered.
+    /// A test holds a review until every request that should share it is known to wait.
+    pub fn hold_reviews(&self, on: bool) {
+        self.shared.reviews_held.send_replace(on);
     }
 
     /// While on, SubjectAccessReviews and TokenReviews (nothing else) answer 500.

@@ -374,6 +374,11 @@ pub(super) async fn route(
         }
         "/apis/authorization.k8s.io/v1/subjectaccessreviews"
         | "/apis/authentication.k8s.io/v1/tokenreviews" => {
+            let _ = shared
+                .reviews_held
+                .subscribe()
+                .wait_for(|held| !*held)
+                .await;
             let d = *lock(&shared.review_delay);
             tokio::time::sleep(d).await;
             if shared.fail_reviews.load(Ordering::SeqCst) {

@@ -97,7 +97,7 @@ pub fn build_state(
     upstream: Upstream,
     authn: crate::auth::authn::Authenticator,
 ) -> Arc<State> {
-    let drain = CancellationToken::new();
+    let drain = crate::http::drain::Drain::new();
     let c = &config.cache;
     let store = crate::cache::StoreConfig {
         history_max_events: c.history_max_events,
@@ -157,7 +157,7 @@ pub fn build_state(
         store,
         reflector.clone(),
         persist,
-        drain.clone(),
+        drain.token(),
     );
     let authz = Arc::new(
         crate::auth::authz::Authorizer::new(
@@ -168,7 +168,7 @@ pub fn build_state(
         .with_stale_while_unreachable(config.authentication.stale_while_unreachable),
     );
     if c.authorization_follow_rbac {
-        authz.follow_rbac(&caches, drain.clone());
+        authz.follow_rbac(&caches, drain.token());
     }
     let authn = Arc::new(authn.with_caches(caches.clone()));
     let tenancy = Arc::new(crate::tenancy::Tenancy::new(&config.tenants));
@@ -371,10 +371,10 @@ pub async fn start(config: Config, kube: &kube::Config) -> Result<Running, Start
     )?;
     let state = build_state(config, upstream, authn);
     state.spawn_upstream_probe();
-    state.authn.spawn_jwks_refresher(state.drain.clone());
+    state.authn.spawn_jwks_refresher(state.drain.token());
     state
         .paging
-        .spawn(state.upstream.clone(), state.drain.clone());
+        .spawn(state.upstream.clone(), state.drain.token());
     let stop = CancellationToken::new();
     let save_on_stop = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let task = {

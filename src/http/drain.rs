@@ -2,14 +2,70 @@
 //! accounting that lasts as long as the body does.
 
 use std::pin::Pin;
-use std::task::{Context, Poll, ready};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::Instant;
 
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
-use tokio_util::sync::WaitForCancellationFutureOwned;
+use tokio_util::sync::{
+    CancellationToken, WaitForCancellationFuture, WaitForCancellationFutureOwned,
+};
 
 use crate::http::body::BoxError;
+
+/// The process's drain signal: a cancellation token whose state is also kept in an atomic
+/// flag, which every frame of every long-running body reads. `CancellationToken::is_cancelled`
+/// (and polling its future) locks the token's mutex, and this token is shared by every open
+/// stream: one watch event fanned out to 10,000 watchers took that one lock 10,000 times,
+/// from every worker thread. The flag is set before the token fires, so a task the token
+/// wakes sees it.
+#[derive(Clone, Default)]
+pub struct Drain {
+    token: CancellationToken,
+    flag: Arc<AtomicBool>,
+}
+
+impl std::fmt::Debug for Drain {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Drain")
+            .field("draining", &self.is_cancelled())
+            .finish()
+    }
+}
+
+impl Drain {
+    pub fn new() -> Drain {
+        Drain::default()
+    }
+
+    /// Starts draining: every long-running body ends at its next boundary.
+    pub fn cancel(&self) {
+        self.flag.store(true, Ordering::Release);
+        self.token.cancel();
+    }
+
+    /// Whether draining started: one atomic load.
+    pub fn is_cancelled(&self) -> bool {
+        self.flag.load(Ordering::Acquire)
+    }
+
+    /// Completes when draining starts.
+    pub fn cancelled(&self) -> WaitForCancellationFuture<'_> {
+        self.token.cancelled()
+    }
+
+    /// [`Drain::cancelled`], owning its token.
+    pub fn cancelled_owned(&self) -> WaitForCancellationFutureOwned {
+        self.token.clone().cancelled_owned()
+    }
+
+    /// The token, for a background task that only waits for it.
+    pub fn token(&self) -> CancellationToken {
+        self.token.clone()
+    }
+}
 
 pin_project_lite::pin_project! {
     /// Ends a streaming body cleanly when the drain token fires.
@@ -23,6 +79,10 @@ pin_project_lite::pin_project! {
         inner: B,
         #[pin]
         drain: WaitForCancellationFutureOwned,
+        signal: Drain,
+        // The waker `drain` was last polled with: while it is the task's, the flag is read
+        // instead of polling `drain` (which locks the shared token) on every frame.
+        drain_waker: Option<Waker>,
         line_framed: bool,
         at_boundary: bool,
         draining: bool,
@@ -32,10 +92,12 @@ pin_project_lite::pin_project! {
 }
 
 impl<B> DrainBody<B> {
-    pub fn new(inner: B, drain: tokio_util::sync::CancellationToken, line_framed: bool) -> Self {
+    pub fn new(inner: B, drain: &Drain, line_framed: bool) -> Self {
         DrainBody {
             inner,
             drain: drain.cancelled_owned(),
+            signal: drain.clone(),
+            drain_waker: None,
             line_framed,
             at_boundary: true,
             draining: false,
@@ -71,8 +133,17 @@ where
         if *this.done {
             return Poll::Ready(None);
         }
-        if !*this.draining && this.drain.as_mut().poll(cx).is_ready() {
-            *this.draining = true;
+        if !*this.draining {
+            let registered = this
+                .drain_waker
+                .as_ref()
+                .is_some_and(|w| w.will_wake(cx.waker()));
+            *this.draining = if registered {
+                this.signal.is_cancelled()
+            } else {
+                *this.drain_waker = Some(cx.waker().clone());
+                this.drain.as_mut().poll(cx).is_ready()
+            };
         }
         if *this.draining && (*this.at_boundary || !*this.line_framed) {
             *this.done = true;
@@ -246,9 +317,8 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
-    use futures_util::stream;
+    use futures_util::{StreamExt as _, stream};
     use http_body_util::{BodyExt, StreamBody};
-    use tokio_util::sync::CancellationToken;
 
     fn frames(parts: &[&'static str]) -> impl HttpBody<Data = Bytes, Error = BoxError> {
         StreamBody::new(stream::iter(
@@ -261,10 +331,10 @@ mod tests {
 
     #[tokio::test]
     async fn drain_ends_watch_streams_on_an_event_boundary() {
-        let token = CancellationToken::new();
+        let token = Drain::new();
         let mut b = std::pin::pin!(DrainBody::new(
             frames(&["{\"a\":1}\n{\"b\"", ":2}\n{\"c\":3}\n", "{\"d\":4}\n"]),
-            token.clone(),
+            &token,
             true,
         ));
         let first = b.frame().await.unwrap().unwrap().into_data().unwrap();
@@ -278,10 +348,10 @@ mod tests {
 
     #[tokio::test]
     async fn drain_at_a_boundary_ends_at_once() {
-        let token = CancellationToken::new();
+        let token = Drain::new();
         let mut b = std::pin::pin!(DrainBody::new(
             frames(&["{\"a\":1}\n", "{\"b\":2}\n"]),
-            token.clone(),
+            &token,
             true
         ));
         b.frame().await.unwrap().unwrap();
@@ -289,10 +359,42 @@ mod tests {
         assert!(b.frame().await.is_none());
     }
 
+    /// A body waiting for its next frame ends when the drain starts: the token wakes it,
+    /// and the flag it then reads is already set. Polled once by another waker before, it
+    /// registers the task's own.
+    #[tokio::test]
+    async fn a_drain_wakes_a_waiting_body() {
+        use futures_util::FutureExt as _;
+        let token = Drain::new();
+        let first = Ok::<_, BoxError>(Frame::data(Bytes::from_static(b"{}\n")));
+        let inner = StreamBody::new(stream::iter([first]).chain(stream::pending()));
+        let mut b = Box::pin(DrainBody::new(inner, &token, true));
+        assert_eq!(
+            b.frame().await.unwrap().unwrap().into_data().unwrap(),
+            "{}\n"
+        );
+        assert!(
+            b.frame().now_or_never().is_none(),
+            "waits for its next frame"
+        );
+        let (polled_tx, polled_rx) = tokio::sync::oneshot::channel();
+        let waiting = tokio::spawn(async move {
+            let mut next = b.frame();
+            assert!(futures_util::poll!(&mut next).is_pending());
+            polled_tx.send(()).unwrap();
+            next.await.is_none()
+        });
+        polled_rx.await.unwrap();
+        assert!(!token.is_cancelled());
+        token.cancel();
+        assert!(token.is_cancelled());
+        assert!(waiting.await.unwrap(), "ended cleanly");
+    }
+
     #[tokio::test]
     async fn without_drain_the_body_passes_through_whole() {
-        let token = CancellationToken::new();
-        let b = DrainBody::new(frames(&["x\n", "y", "z\n"]), token, true);
+        let token = Drain::new();
+        let b = DrainBody::new(frames(&["x\n", "y", "z\n"]), &token, true);
         assert_eq!(b.collect().await.unwrap().to_bytes(), "x\nyz\n");
     }
 
@@ -307,10 +409,9 @@ mod tests {
                 Err::<Frame<Bytes>, BoxError>("connection lost".into()),
             ]))
         };
-        let plain = DrainBody::new(failing(), CancellationToken::new(), true);
+        let plain = DrainBody::new(failing(), &Drain::new(), true);
         assert!(plain.collect().await.is_err());
-        let clean =
-            DrainBody::new(failing(), CancellationToken::new(), true).ending_cleanly_on_error();
+        let clean = DrainBody::new(failing(), &Drain::new(), true).ending_cleanly_on_error();
         assert_eq!(clean.collect().await.unwrap().to_bytes(), "{\"a\":1}\n");
     }
 

@@ -17,12 +17,13 @@ use std::task::{Context, Poll, Waker};
 use http::{HeaderValue, Response, header};
 use http_body::Frame;
 use tokio::time::{Instant, Sleep};
-use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use crate::cache::event::{Delivery, Encoding, Event, bookmark_frame, encode_frame};
 use crate::cache::hub::{Filter, Item, Subscription};
 use crate::cache::{CachedObject, ResourceCache, Start, WatchError};
 use crate::http::body::{self, Body};
+use crate::http::drain::Drain;
 use crate::read::plan::{self, WatchParams};
 use crate::read::{Served, delegate};
 
@@ -155,7 +156,7 @@ pub async fn serve(
     enc: Encoding,
     protobuf: bool,
     cfg: &WatchConfig,
-    drain: CancellationToken,
+    drain: Drain,
 ) -> Served {
     // A resume that came while the cache (or its protobuf side, started by the first
     // protobuf reader) is starting waits for it, bounded, as kube-apiserver's watches wait
@@ -328,7 +329,7 @@ struct WatchState {
     next_bookmark: Instant,
     bookmark_interval: Duration,
     deadline_bookmark: Option<Instant>,
-    drain: CancellationToken,
+    drain: Drain,
     /// The waker the drain future and the deadline were last polled with (see
     /// [`WatchBody`]).
     drain_waker: Option<Waker>,
@@ -623,13 +624,10 @@ mod tests {
         CachedObject::parse(Bytes::from(raw), &configmaps()).unwrap()
     }
 
-    async fn watch(
-        query: &str,
-        cfg: &WatchConfig,
-    ) -> (Arc<ResourceCache>, Body, CancellationToken) {
+    async fn watch(query: &str, cfg: &WatchConfig) -> (Arc<ResourceCache>, Body, Drain) {
         let cache = ResourceCache::new(configmaps(), StoreConfig::default());
         cache.replace(Vec::new(), 1);
-        let drain = CancellationToken::new();
+        let drain = Drain::new();
         let resp = serve(
             cache.clone(),
             WatchParams::parse(Some(query)).unwrap(),
@@ -764,7 +762,7 @@ mod tests {
                 Encoding::Json,
                 true,
                 &cfg,
-                CancellationToken::new(),
+                Drain::new(),
             )
         };
         assert!(serve_pb(cache.clone()).await.is_err());
@@ -844,7 +842,7 @@ mod tests {
                     Encoding::Json,
                     true,
                     &cfg,
-                    CancellationToken::new(),
+                    Drain::new(),
                 )
                 .await
             }
@@ -889,7 +887,7 @@ mod tests {
                     Encoding::Json,
                     protobuf,
                     &cfg,
-                    CancellationToken::new(),
+                    Drain::new(),
                 )
                 .await
             }

@@ -134,7 +134,7 @@ pub async fn forward(
     identity::strip_hop_by_hop(resp.headers_mut());
     let (parts, incoming) = resp.into_parts();
     let body = if long_running {
-        let b = DrainBody::new(incoming, state.drain.clone(), line_framed);
+        let b = DrainBody::new(incoming, &state.drain, line_framed);
         if info.verb == "watch" {
             body::boxed(b.ending_cleanly_on_error())
         } else {

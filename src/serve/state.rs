@@ -6,7 +6,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::Request;
-use tokio_util::sync::CancellationToken;
 
 use crate::auth::identity::CertIdentity;
 use crate::config::Config;
@@ -43,7 +42,7 @@ pub struct State {
     /// The adaptive page-size controller.
     pub paging: Arc<crate::paging::Paging>,
     /// Cancelled when draining starts: long-running responses end cleanly.
-    pub drain: CancellationToken,
+    pub drain: crate::http::drain::Drain,
     /// Bytes produced for clients and not yet taken by their sockets, over all connections
     /// of both listeners (`server.downstreamBufferBytes`).
     pub downstream: Arc<crate::http::budget::Downstream>,

@@ -50,8 +50,6 @@ struct EventLine {
 struct EventObject {
     #[serde(default)]
     metadata: ObjectMeta,
-    #[serde(default)]
-    data: Option<ChurnData>,
 }
 
 #[derive(Deserialize, Default)]
@@ -62,10 +60,66 @@ struct ObjectMeta {
     annotations: Option<HashMap<String, String>>,
 }
 
+/// What the fan-out reads of a JSON event, borrowed from its line (one per delivery, on the
+/// cores the proxy and the apiserver share: nothing is allocated).
 #[derive(Deserialize)]
-struct ChurnData {
-    #[serde(default)]
-    ts: Option<String>,
+struct SeenLine<'a> {
+    #[serde(rename = "type")]
+    ty: &'a str,
+    #[serde(borrow)]
+    object: SeenObject<'a>,
+}
+
+#[derive(Deserialize)]
+struct SeenObject<'a> {
+    #[serde(default, borrow)]
+    metadata: SeenMeta<'a>,
+    #[serde(default, borrow)]
+    data: Option<SeenData<'a>>,
+}
+
+#[derive(Deserialize, Default)]
+struct SeenMeta<'a> {
+    #[serde(rename = "resourceVersion", default)]
+    resource_version: &'a str,
+    #[serde(default, borrow)]
+    annotations: Option<TsAnnotation<'a>>,
+}
+
+#[derive(Deserialize)]
+struct SeenData<'a> {
+    #[serde(default, borrow)]
+    ts: Option<&'a str>,
+}
+
+/// The [`TS_ANNOTATION`] of an object's annotations; the others are skipped unread.
+struct TsAnnotation<'a>(Option<&'a str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for TsAnnotation<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for V<'a> {
+            type Value = TsAnnotation<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("annotations")
+            }
+            fn visit_map<M: serde::de::MapAccess<'de>>(
+                self,
+                mut m: M,
+            ) -> Result<Self::Value, M::Error> {
+                let mut ts = None;
+                while let Some(k) = m.next_key::<&'de str>()? {
+                    if k == TS_ANNOTATION {
+                        ts = Some(m.next_value::<&'de str>()?);
+                    } else {
+                        m.next_value::<serde::de::IgnoredAny>()?;
+                    }
+                }
+                Ok(TsAnnotation(ts))
+            }
+        }
+        d.deserialize_map(V(std::marker::PhantomData))
+    }
 }
 
 /// Creates namespace `ns` (an existing one is fine).
@@ -231,9 +285,9 @@ pub enum Encoding {
 }
 
 /// One watch event as the fan-out reads it.
-struct Seen {
-    event_type: String,
-    resource_version: String,
+struct Seen<'a> {
+    event_type: &'a str,
+    resource_version: &'a str,
     /// The writer's send time carried by the object (`data.ts` or [`TS_ANNOTATION`]).
     ts: Option<u64>,
 }
@@ -258,34 +312,31 @@ impl Encoding {
     /// Reads one event (`None`: malformed). Protobuf frames are read with the proxy's own
     /// readers (`kube_cache_proxy::k8s::protobuf`): the event, the object's envelope, its
     /// `ObjectMeta` and annotations.
-    fn seen(self, b: &[u8]) -> Option<Seen> {
+    fn seen(self, b: &[u8]) -> Option<Seen<'_>> {
         use kube_cache_proxy::k8s::protobuf;
         let ts = |v: &str| v.parse::<u64>().ok().filter(|t| *t > 0);
         match self {
             Encoding::Json => {
-                let ev: EventLine = serde_json::from_slice(b).ok()?;
+                let ev: SeenLine = serde_json::from_slice(b).ok()?;
                 let m = ev.object.metadata;
-                let from_annotation = m.annotations.as_ref().and_then(|a| a.get(TS_ANNOTATION));
+                let from_annotation = m.annotations.and_then(|a| a.0);
                 let t = ev.object.data.and_then(|d| d.ts);
                 Some(Seen {
                     event_type: ev.ty,
-                    ts: t
-                        .as_deref()
-                        .or(from_annotation.map(String::as_str))
-                        .and_then(ts),
+                    ts: t.or(from_annotation).and_then(ts),
                     resource_version: m.resource_version,
                 })
             }
             Encoding::Protobuf => {
                 let ev = protobuf::watch_event(b)?;
                 let mut seen = Seen {
-                    event_type: ev.event_type.to_string(),
-                    resource_version: String::new(),
+                    event_type: ev.event_type,
+                    resource_version: "",
                     ts: None,
                 };
                 if ev.event_type != "ERROR" {
                     let meta = protobuf::object_meta(protobuf::envelope(ev.object)?.raw)?;
-                    seen.resource_version = meta.resource_version.to_string();
+                    seen.resource_version = meta.resource_version;
                     seen.ts = meta
                         .annotations()
                         .find(|(k, _)| *k == TS_ANNOTATION)
@@ -401,6 +452,10 @@ async fn run_watcher(
     let mut rv = start_rv;
     let mut max_seen = 0u64;
     let mut first = true;
+    // The stop signal, read with an atomic version check per event; a change wakes the
+    // watcher through one waiter registered for the whole run (not one per event).
+    let mut state = *until.borrow_and_update();
+    let mut stop = Box::pin(changed(until.clone()));
     loop {
         let url = format!(
             "{path}?watch=1&resourceVersion={rv}&allowWatchBookmarks=true&timeoutSeconds=1800"
@@ -425,14 +480,21 @@ async fn run_watcher(
         }
         let mut lines = LineReader::new(resp);
         loop {
-            match *until.borrow() {
+            if until.has_changed().unwrap_or(false) {
+                state = *until.borrow_and_update();
+            }
+            match state {
                 Until::Stop => return log,
                 Until::Rv(target) if max_seen >= target => return log,
                 _ => {}
             }
             let line = tokio::select! {
+                biased;
                 l = encoding.next(&mut lines) => l,
-                _ = until.changed() => continue,
+                rx = &mut stop => {
+                    stop = Box::pin(changed(rx));
+                    continue;
+                }
             };
             let line = match line {
                 Ok(Some(l)) => l,
@@ -447,12 +509,12 @@ async fn run_watcher(
                 log.errors += 1;
                 continue;
             };
-            match ev.event_type.as_str() {
+            match ev.event_type {
                 "ERROR" => {
                     log.errors += 1;
                     return log;
                 }
-                "BOOKMARK" => rv = ev.resource_version,
+                "BOOKMARK" => ev.resource_version.clone_into(&mut rv),
                 _ => {
                     let r: u64 = ev.resource_version.parse().unwrap_or(0);
                     log.rvs.push(r);
@@ -461,12 +523,20 @@ async fn run_watcher(
                     if let Some(ts) = ev.ts {
                         log.lat_us.push(now_ns.saturating_sub(ts) / 1000);
                     }
-                    rv = ev.resource_version;
+                    ev.resource_version.clone_into(&mut rv);
                 }
             }
         }
         log.rewatches += 1;
     }
+}
+
+/// Completes when `rx` sees a change (never once its sender is gone), handing it back.
+async fn changed(mut rx: watch::Receiver<Until>) -> watch::Receiver<Until> {
+    if rx.changed().await.is_err() {
+        std::future::pending::<()>().await;
+    }
+    rx
 }
 
 /// Scenario a: watchers on `target`, churn written to the apiserver through `writer`.
@@ -1083,9 +1153,24 @@ mod tests {
         let line = br#"{"type":"MODIFIED","object":{"metadata":{"resourceVersion":"5","annotations":{"loadtest/ts":"9"}}}}"#;
         let s = Encoding::Json.seen(line).unwrap();
         assert_eq!(
-            (s.event_type.as_str(), s.resource_version.as_str(), s.ts),
+            (s.event_type, s.resource_version, s.ts),
             ("MODIFIED", "5", Some(9))
         );
+        // A ConfigMap as the apiserver sends it: other annotations (escaped values are
+        // skipped, not read), managedFields naming `f:ts`, the time in `data.ts`.
+        let line = br#"{"type":"MODIFIED","object":{"kind":"ConfigMap","metadata":{"name":"w-1","resourceVersion":"77","annotations":{"a":"{\"x\":\"\u003cy\u003e\"}","b":"2"},"managedFields":[{"fieldsV1":{"f:data":{"f:ts":{}}}}]},"data":{"pad":"p","ts":"12","seq":"4"}}}"#;
+        let s = Encoding::Json.seen(line).unwrap();
+        assert_eq!(
+            (s.event_type, s.resource_version, s.ts),
+            ("MODIFIED", "77", Some(12))
+        );
+        let bookmark = br#"{"type":"BOOKMARK","object":{"kind":"ConfigMap","metadata":{"resourceVersion":"80","creationTimestamp":null}}}"#;
+        let s = Encoding::Json.seen(bookmark).unwrap();
+        assert_eq!(
+            (s.event_type, s.resource_version, s.ts),
+            ("BOOKMARK", "80", None)
+        );
+        assert!(Encoding::Json.seen(b"{\"type\":").is_none());
 
         // A Pod whose ObjectMeta holds name (1), resourceVersion (6) and one annotation (12),
         // in the apiserver's envelope and watch frame.
@@ -1101,7 +1186,7 @@ mod tests {
             .unwrap();
         let s = Encoding::Protobuf.seen(&frame[4..]).unwrap();
         assert_eq!(
-            (s.event_type.as_str(), s.resource_version.as_str(), s.ts),
+            (s.event_type, s.resource_version, s.ts),
             ("MODIFIED", "5", Some(9))
         );
         // A pod without the annotation (as seeded, `0`) has no write time.

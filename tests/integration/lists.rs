@@ -695,11 +695,13 @@ async fn a_cluster_scoped_resource_under_a_namespace_path_goes_to_the_apiserver(
     })
     .await;
     let state = proxy.running.as_ref().unwrap().state.clone();
+    // Synced and its watch confirmed: until then a read without resourceVersion passes
+    // through (bounded consistency).
     eventually("the namespaces cache to sync", GUARD, async || {
         let ready = state
             .caches
             .get("", "v1", "namespaces")
-            .is_some_and(|c| c.is_ready());
+            .is_some_and(|c| c.is_ready() && c.unhealthy().is_none());
         ok_if(ready, "not synced")
     })
     .await;

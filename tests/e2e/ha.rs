@@ -47,11 +47,13 @@ async fn two_replicas(ns: &str, dir: &Path) -> (Env, TestProxy) {
     (env, b)
 }
 
+/// Synced, and its upstream watch confirmed: until then a list without resourceVersion
+/// passes through (bounded consistency) and its continue token is the apiserver's.
 async fn wait_ready(p: &TestProxy) {
     eventually("the replica's configmaps cache", BOUND, async || {
         ok_if(
             p.cache("", "v1", "configmaps")
-                .is_some_and(|c| c.is_ready()),
+                .is_some_and(|c| c.is_ready() && c.unhealthy().is_none()),
             "not ready",
         )
     })

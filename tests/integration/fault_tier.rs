@@ -268,10 +268,12 @@ fn tweak(c: &mut Config) {
 }
 
 async fn synced_cache(proxy: &TestProxy) -> Arc<ResourceCache> {
+    // Synced and its watch confirmed: until then `unhealthy()` is already set, and the
+    // ApiserverRestart fault's wait for the proxy to notice the outage would prove nothing.
     eventually_sync("the configmaps cache to sync", GUARD, || {
         proxy
             .cache("", "v1", "configmaps")
-            .filter(|c| c.is_ready())
+            .filter(|c| c.is_ready() && c.unhealthy().is_none())
             .ok_or("not synced")
     })
     .await

@@ -51,11 +51,13 @@ async fn setup(receiver: Option<&OtlpReceiver>, ratio: f64) -> (FakeApiServer, T
     })
     .await;
     let state = proxy.running.as_ref().unwrap().state.clone();
+    // Synced and its watch confirmed: until then a list without resourceVersion passes
+    // through (bounded consistency), and the traced list must be the cache's.
     eventually("the configmaps cache to sync", GUARD, async || {
         let ready = state
             .caches
             .get("", "v1", "configmaps")
-            .is_some_and(|c| c.is_ready());
+            .is_some_and(|c| c.is_ready() && c.unhealthy().is_none());
         ok_if(ready, ready)
     })
     .await;

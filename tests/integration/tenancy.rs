@@ -62,13 +62,18 @@ async fn setup_with(
     })
     .await;
     let state = proxy.running.as_ref().unwrap().state.clone();
+    // Synced and their watches confirmed: until then a list without resourceVersion (the
+    // page walks below) passes through (bounded consistency), neither filtered nor bound.
     eventually(
         "the configmaps and namespaces caches to sync",
         GUARD,
         async || {
-            let synced = ["configmaps", "namespaces"]
-                .iter()
-                .all(|r| state.caches.get("", "v1", r).is_some_and(|c| c.is_ready()));
+            let synced = ["configmaps", "namespaces"].iter().all(|r| {
+                state
+                    .caches
+                    .get("", "v1", r)
+                    .is_some_and(|c| c.is_ready() && c.unhealthy().is_none())
+            });
             ok_if(synced, "not synced")
         },
     )

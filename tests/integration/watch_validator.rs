@@ -86,10 +86,15 @@ async fn start_proxy_absorbing(fake: &FakeApiServer, absorb_relists: bool) -> Te
 
 async fn wait_synced(proxy: &TestProxy) {
     let state = &proxy.running.as_ref().unwrap().state;
+    // Synced and their watches confirmed: until then a most-recent watch passes through
+    // (bounded consistency), and the run counts watches served from the cache.
     eventually("the proxy's caches to sync", GUARD, async || {
-        let synced = ["configmaps", "pods"]
-            .iter()
-            .all(|r| state.caches.get("", "v1", r).is_some_and(|c| c.is_ready()));
+        let synced = ["configmaps", "pods"].iter().all(|r| {
+            state
+                .caches
+                .get("", "v1", r)
+                .is_some_and(|c| c.is_ready() && c.unhealthy().is_none())
+        });
         ok_if(synced, "not synced")
     })
     .await;

@@ -34,9 +34,18 @@ static STARTED: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::n
 /// binary (`serve-proxy`), and must run as the real one does. Feature `system-alloc` leaves
 /// the system's malloc in place instead, for heap profilers that interpose it (heaptrack)
 /// and to compare allocators (`loadtest/README.md`, idle-streams).
-#[cfg(not(feature = "system-alloc"))]
+#[cfg(not(any(feature = "system-alloc", feature = "count-alloc")))]
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
+/// Feature `count-alloc`: mimalloc, with the bytes allocated counted (now, and the most since
+/// last read), for the proxy child's heap over time (`alloc_trace`).
+#[cfg(all(feature = "count-alloc", not(feature = "system-alloc")))]
+#[global_allocator]
+static ALLOCATOR: alloc_trace::Counting = alloc_trace::Counting;
+
+#[cfg(feature = "count-alloc")]
+mod alloc_trace;
 
 /// As the binary's: mimalloc's collection of the calling thread's heap, for the proxy
 /// child's idle runtime threads (`kube_cache_proxy::app::memory::runtime`).

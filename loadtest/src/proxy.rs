@@ -34,6 +34,8 @@ pub fn serve_main(args: Vec<String>) -> anyhow::Result<()> {
         bail!("serve-proxy takes the flags of `kube-cache-proxy serve`");
     };
     let cfg = args.resolve()?;
+    #[cfg(feature = "count-alloc")]
+    crate::alloc_trace::start();
     let rt = kube_cache_proxy::app::memory::runtime(crate::release_idle_memory)?;
     rt.block_on(async move {
         kube_cache_proxy::app::cli::init_logging(&cfg.log.level, cfg.log.format);

@@ -153,17 +153,27 @@ impl Event {
 /// Encodes one watch frame from an object body (JSON without kind/apiVersion).
 pub fn encode_frame(resource: &Resource, ty: &str, body: &[u8], enc: Encoding) -> Bytes {
     let mut b = BytesMut::with_capacity(body.len() + 96);
-    b.put_slice(b"{\"type\":\"");
-    b.put_slice(ty.as_bytes());
-    b.put_slice(b"\",\"object\":");
-    put_object(&mut b, resource, body, enc);
-    b.put_slice(b"}\n");
+    put_frame(&mut b, resource, ty, body, enc);
     b.freeze()
 }
 
+/// Appends one watch frame (as [`encode_frame`]) to `b`, without a buffer of its own.
+pub fn put_frame(b: &mut impl BufMut, resource: &Resource, ty: &str, body: &[u8], enc: Encoding) {
+    b.put_slice(b"{\"type\":\"");
+    b.put_slice(ty.as_bytes());
+    b.put_slice(b"\",\"object\":");
+    put_object(b, resource, body, enc);
+    b.put_slice(b"}\n");
+}
+
+/// At most how many bytes more than the object's body a frame of `put_frame` takes,
+/// besides the kind and apiVersion: `{"type":"MODIFIED","object":` and `}\n`, the type
+/// meta's keys, and PartialObjectMetadata's.
+pub const FRAME_OVERHEAD: usize = 128;
+
 /// Writes an object with its type meta: the resource's kind, or PartialObjectMetadata with
 /// only the metadata.
-pub fn put_object(b: &mut BytesMut, resource: &Resource, body: &[u8], enc: Encoding) {
+pub fn put_object(b: &mut impl BufMut, resource: &Resource, body: &[u8], enc: Encoding) {
     match enc {
         // A custom resource's body already carries its type meta (see `Resource::custom`).
         Encoding::Json if resource.custom => b.put_slice(body),

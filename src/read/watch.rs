@@ -19,7 +19,7 @@ use http_body::Frame;
 use tokio::time::{Instant, Sleep};
 use tokio_util::sync::WaitForCancellationFutureOwned;
 
-use crate::cache::event::{Delivery, Encoding, Event, bookmark_frame, encode_frame};
+use crate::cache::event::{Delivery, Encoding, Event, FRAME_OVERHEAD, bookmark_frame, put_frame};
 use crate::cache::hub::{Filter, Item, Subscription};
 use crate::cache::{CachedObject, ResourceCache, Start, WatchError};
 use crate::http::body::{self, Body};
@@ -444,6 +444,11 @@ impl http_body::Body for WatchBody {
     }
 }
 
+/// At most how many bytes more than the object's envelope an ADDED frame of the protobuf
+/// stream takes: the length prefix, the WatchEvent's type and the object's field headers (and
+/// for metadata, the PartialObjectMetadata envelope's type meta).
+const PROTO_FRAME_OVERHEAD: usize = 128;
+
 /// Frames written to a connection in one go, at most.
 const BATCH_FRAMES: usize = 128;
 const BATCH_BYTES: usize = 256 * 1024;
@@ -488,46 +493,70 @@ impl WatchState {
 
     /// The next chunk of the starting point (then its end bookmark), if any is left.
     fn next_initial(&mut self) -> Option<Bytes> {
-        let r = &self.cache.resource;
         if !self.initial.is_empty() {
-            let mut out = BytesMut::new();
-            let mut proto_out = Vec::new();
-            while out.len() + proto_out.len() < BATCH_BYTES
-                && let Some((obj, ev, d)) = self.initial.pop_front()
-            {
+            let r = &self.cache.resource;
+            // The chunk's entries and their size, known before it is written: one buffer of
+            // the right size, where growing one by doubling left up to half of a 256 KiB
+            // chunk unused (held as long as the chunk waits for its connection's socket)
+            // and freed the smaller buffers on the way.
+            let (n, size) = self.next_initial_size();
+            let mut out = Vec::with_capacity(size);
+            for (obj, ev, d) in self.initial.drain(..n) {
                 // (A protobuf watch starts only once every entry's envelope is there.)
                 match (&self.proto, ev) {
                     (None, Some(ev)) if !self.initial_is_state => {
                         out.extend_from_slice(&ev.frame(r, d, self.enc));
                     }
-                    (None, _) => {
-                        out.extend_from_slice(&encode_frame(r, "ADDED", &obj.body, self.enc));
-                    }
+                    (None, _) => put_frame(&mut out, r, "ADDED", &obj.body, self.enc),
                     (Some(p), Some(ev)) if !self.initial_is_state => {
                         if let Some(f) = ev.proto_frame(d, p.metadata) {
-                            proto_out.extend_from_slice(&f);
+                            out.extend_from_slice(&f);
                         }
                     }
                     (Some(p), _) => {
-                        let _ = p.added(&obj, &mut proto_out);
+                        let _ = p.added(&obj, &mut out);
                     }
                 }
             }
-            if !proto_out.is_empty() {
-                out.extend_from_slice(&proto_out);
-            }
+            debug_assert!(out.len() <= size, "{} > {size}", out.len());
             if self.initial.is_empty() {
                 // Its buffer (one entry per initial object) would otherwise be kept for the
                 // life of the watch.
                 self.initial = VecDeque::new();
             }
-            return Some(out.freeze());
+            return Some(Bytes::from(out));
         }
         if self.end_bookmark {
             self.end_bookmark = false;
             return Some(self.bookmark_frame(self.last_rv, true));
         }
         None
+    }
+
+    /// How many entries of the starting point the next chunk takes (up to [`BATCH_BYTES`]
+    /// and the entry that crosses it) and at most how many bytes they are written in.
+    fn next_initial_size(&self) -> (usize, usize) {
+        let r = &self.cache.resource;
+        let type_meta = r.kind.len() + r.api_version().len() + FRAME_OVERHEAD;
+        let (mut n, mut size) = (0, 0);
+        for (obj, ev, d) in &self.initial {
+            if size >= BATCH_BYTES {
+                break;
+            }
+            size += match (&self.proto, ev) {
+                (None, Some(ev)) if !self.initial_is_state => ev.frame(r, *d, self.enc).len(),
+                (None, _) => obj.body.len() + type_meta,
+                (Some(p), Some(ev)) if !self.initial_is_state => {
+                    ev.proto_frame(*d, p.metadata).map_or(0, |f| f.len())
+                }
+                (Some(_), _) => obj
+                    .proto
+                    .get()
+                    .map_or(0, |e| e.len() + PROTO_FRAME_OVERHEAD),
+            };
+            n += 1;
+        }
+        (n, size)
     }
 
     /// A bookmark is due: what to write (the queued events, then the bookmark; only the

@@ -368,6 +368,43 @@ impl Authenticator {
         c.outcome.ok().map(|(id, _)| id)
     }
 
+    /// The flight leader's part of [`Self::verdict`]: the chain run on `token`, its verdict
+    /// remembered for an outage (or forgotten on a refusal).
+    async fn verify_and_remember(&self, key: [u8; 32], token: &str) -> Result<Cached, Unavailable> {
+        let v = self.authenticate_token(token).await;
+        let reviewed = v.reviewed.then(std::time::Instant::now);
+        match v.outcome {
+            Outcome::Authenticated(id, m) => {
+                let c = Cached {
+                    outcome: Ok((id, m)),
+                    until: v.until,
+                    reviewed,
+                    secret: v.secret,
+                };
+                if let Some(stale) = &self.stale {
+                    stale.insert(key, c.clone()).await;
+                }
+                Ok(c)
+            }
+            Outcome::Unauthorized => {
+                // A refusal voids what was remembered of the token.
+                if let Some(stale) = &self.stale {
+                    stale.invalidate(&key).await;
+                }
+                Ok(Cached {
+                    outcome: Err(v.refused_by),
+                    until: None,
+                    reviewed,
+                    secret: None,
+                })
+            }
+            Outcome::Unavailable(message) => Err(Unavailable {
+                message,
+                unreachable: v.unreachable,
+            }),
+        }
+    }
+
     /// The verdict on `token` (hash `key`), from the cache or by running the chain; `true`
     /// when this call ran it (the flight's leader).
     async fn verdict(
@@ -380,38 +417,10 @@ impl Authenticator {
             .verdicts
             .try_get_with(key, async {
                 led.store(true, Relaxed);
-                let v = self.authenticate_token(token).await;
-                let reviewed = v.reviewed.then(std::time::Instant::now);
-                match v.outcome {
-                    Outcome::Authenticated(id, m) => {
-                        let c = Cached {
-                            outcome: Ok((id, m)),
-                            until: v.until,
-                            reviewed,
-                            secret: v.secret,
-                        };
-                        if let Some(stale) = &self.stale {
-                            stale.insert(key, c.clone()).await;
-                        }
-                        Ok(c)
-                    }
-                    Outcome::Unauthorized => {
-                        // A refusal voids what was remembered of the token.
-                        if let Some(stale) = &self.stale {
-                            stale.invalidate(&key).await;
-                        }
-                        Ok(Cached {
-                            outcome: Err(v.refused_by),
-                            until: None,
-                            reviewed,
-                            secret: None,
-                        })
-                    }
-                    Outcome::Unavailable(message) => Err(Unavailable {
-                        message,
-                        unreachable: v.unreachable,
-                    }),
-                }
+                // Boxed, so only the flight's leader allocates it: the chain's future (a
+                // TokenReview or a JWKS fetch inside) is about 20 KB, and every request
+                // waiting for the verdict would otherwise carry one.
+                Box::pin(self.verify_and_remember(key, token)).await
             })
             .await;
         (r, led.load(Relaxed))
@@ -743,6 +752,17 @@ mod tests {
             off.authenticate(None, &headers(Some("Bearer t1"))).await,
             Outcome::Unavailable(_)
         ));
+    }
+
+    #[tokio::test]
+    async fn a_request_waiting_for_a_verdict_does_not_hold_the_chain() {
+        // Requests with the same token wait in one flight while its leader runs the chain
+        // (a TokenReview, a JWKS fetch); the chain's future is allocated by the leader only.
+        let a = offline_authenticator(AuthenticationConfig::default());
+        let h = headers(Some("Bearer t1"));
+        let waiting = std::mem::size_of_val(&a.authenticate(None, &h));
+        // 7,880 B with the leader's part in place (this toolchain, debug).
+        assert!(waiting < 4 * 1024, "authenticate: {waiting} B");
     }
 
     fn offline_authenticator(cfg: AuthenticationConfig) -> Authenticator {

@@ -110,7 +110,8 @@ impl Jwks {
         match cur {
             Some((k, at)) if at.elapsed() < self.refresh_interval => Some(k),
             stale => {
-                self.refresh(Why::Stale, stats).await;
+                // Boxed: a fetch's future is large and only this branch needs it.
+                Box::pin(self.refresh(Why::Stale, stats)).await;
                 let fresh = self.keys.read().as_ref().map(|(k, _)| k.clone());
                 fresh.or(stale.map(|(k, _)| k))
             }

@@ -18,7 +18,21 @@ fn release_idle_memory() {
     unsafe { libmimalloc_sys::mi_collect(false) }
 }
 
+/// mimalloc's `mi_option_purge_delay` (its v3 `mi_option_e`, which `libmimalloc-sys` does
+/// not name).
+const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+
+/// The allocator's settings (`app::memory::purge_delay_ms` says why).
+fn configure_allocator() {
+    if let Some(ms) = kube_cache_proxy::app::memory::purge_delay_ms() {
+        // SAFETY: setting an option has no preconditions; mimalloc reads it when it next
+        // schedules a purge.
+        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, ms as _) }
+    }
+}
+
 fn main() {
+    configure_allocator();
     // Before the process allocates much (`app::memory` says why).
     if let Err(e) = kube_cache_proxy::app::memory::disable_transparent_huge_pages() {
         eprintln!("warning: transparent huge pages stay on: {e}");

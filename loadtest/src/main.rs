@@ -60,6 +60,20 @@ fn release_idle_memory() {
 #[cfg(feature = "system-alloc")]
 fn release_idle_memory() {}
 
+/// As the binary's: mimalloc's purge delay (`kube_cache_proxy::app::memory::purge_delay_ms`).
+#[cfg(not(feature = "system-alloc"))]
+fn configure_allocator() {
+    /// mimalloc's `mi_option_purge_delay` (`libmimalloc-sys` does not name it).
+    const MI_OPTION_PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
+    if let Some(ms) = kube_cache_proxy::app::memory::purge_delay_ms() {
+        // SAFETY: setting an option has no preconditions.
+        unsafe { libmimalloc_sys::mi_option_set(MI_OPTION_PURGE_DELAY, ms as _) }
+    }
+}
+
+#[cfg(feature = "system-alloc")]
+fn configure_allocator() {}
+
 mod client;
 mod fields;
 mod hostile;
@@ -585,6 +599,7 @@ impl Env {
 }
 
 fn main() -> anyhow::Result<()> {
+    configure_allocator();
     let mut argv: Vec<String> = std::env::args().collect();
     if argv.get(1).map(String::as_str) == Some("serve-proxy") {
         return proxy::serve_main(argv.split_off(2));

@@ -17,8 +17,9 @@
 //! authorizer defaults: allowed 5 minutes, denied 30 s (configurable). Concurrent identical
 //! questions share one review (single flight, moka's `try_get_with`): a thousand watchers
 //! opening at once cost one `SubjectAccessReview`, not a thousand. If the one asking is
-//! cancelled, a waiter takes over; an error is shared by the waiters of that flight and not
-//! cached.
+//! cancelled, a waiter takes over; an error is not cached, and a waiter given an error answer
+//! (not an unreachable apiserver) asks once more in a flight of its own, so a request never
+//! fails for a review sent before it arrived.
 //!
 //! While the apiserver is unreachable (no answer at all, see
 //! [`crate::upstream::reachability`]), no review is sent, and an allowed decision obtained
@@ -472,16 +473,26 @@ impl Authorizer {
         let key = self.key(id, a);
         // Set only by the call whose review runs (the flight's leader).
         let led = std::sync::atomic::AtomicBool::new(false);
-        let r = self
-            .decisions
-            .try_get_with(key, async {
+        let decide = || {
+            self.decisions.try_get_with(key, async {
                 led.store(true, Relaxed);
                 // Boxed, so only the flight's leader allocates it: the review's future is
                 // about 18 KB, and every request waiting for the decision would otherwise
                 // carry one (10,000 watch requests waiting for one decision held 200 MB).
                 Box::pin(self.review_and_remember(key, id, a)).await
             })
-            .await;
+        };
+        let mut r = decide().await;
+        // A waiter may have joined a review sent before it arrived, which the apiserver then
+        // answered with an error (a 5xx or 429 of a moment ago): it asks once more in a
+        // flight of its own rather than fail for an answer older than its request. Not when
+        // the apiserver did not answer at all: that wait would only double.
+        if let Err(e) = &r
+            && !led.load(Relaxed)
+            && !e.unreachable
+        {
+            r = decide().await;
+        }
         let r = match r {
             Err(e) if e.unreachable && self.stale_allowed(&key).await => {
                 self.stats.stale.fetch_add(1, Relaxed);

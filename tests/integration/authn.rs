@@ -87,11 +87,12 @@ async fn concurrent_identical_requests_share_one_token_review_and_one_access_rev
     assert_eq!(other.status(), 200);
     assert_eq!(count(&fake, "/subjectaccessreviews"), 2);
 
-    // A review the apiserver cannot answer is shared by its flight, never cached: the
-    // requests fail closed (503) and the next one asks again. The review is held until all
-    // five requests are in the proxy (its in-flight gauge, raised before authentication with
-    // no wait between) and the one TokenReview has reached the apiserver: a request joining
-    // only after the failure would start a second flight.
+    // A review the apiserver cannot answer is never cached: its leader fails closed (503);
+    // the four that waited for it ask once more, together (one more review), and fail
+    // closed too while the apiserver still cannot answer; the next request asks again. The
+    // review is held until all five requests are in the proxy (its in-flight gauge, raised
+    // before authentication with no wait between) and the one TokenReview has reached the
+    // apiserver: a request joining only after the failure would start a flight of its own.
     let inflight = state
         .metrics
         .inflight
@@ -121,14 +122,101 @@ async fn concurrent_identical_requests_share_one_token_review_and_one_access_rev
     let (all, ()) = tokio::join!(all, release);
     let statuses: Vec<u16> = all.iter().map(|r| r.status().as_u16()).collect();
     assert_eq!(statuses, vec![503; 5]);
-    assert_eq!(count(&fake, "/tokenreviews"), 3, "alice, bob, carol once");
+    assert_eq!(
+        count(&fake, "/tokenreviews"),
+        4,
+        "alice, bob, carol's flight and its waiters' second asking"
+    );
     fake.faults().fail_reviews(false);
     assert_eq!(client.get(&url, Some("carol")).await.status(), 200);
     assert_eq!(
         count(&fake, "/tokenreviews"),
-        4,
+        5,
         "the failure was not cached"
     );
+    proxy.shutdown().await;
+}
+
+/// Requests that waited for a review the apiserver answered with an error ask once more,
+/// in one flight of their own: only the review's leader fails for it. (In the fault tier a
+/// watch sent just after the apiserver's 500s had stopped joined a TokenReview sent before,
+/// and failed for that earlier answer.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_that_waited_for_a_failed_review_ask_again_once_together() {
+    let (fake, proxy) = setup(None, |_| {}).await;
+    let client = proxy.client(None, true);
+    let url = proxy.https("/api/v1/namespaces/ns1/configmaps?resourceVersion=0");
+    let all_namespaces = proxy.https("/api/v1/configmaps?resourceVersion=0");
+    let state = &proxy.running.as_ref().unwrap().state;
+    let inflight = state
+        .metrics
+        .inflight
+        .get_or_create(&KindLabels {
+            kind: "readOnly".into(),
+        })
+        .clone();
+    eventually("the sync's requests to be done", GUARD, async || {
+        ok_if(inflight.get() == 0, inflight.get())
+    })
+    .await;
+    fake.clear_requests();
+    // The first review is held until all five requests are in the proxy, then answers 500.
+    fake.faults().hold_reviews(true);
+    fake.faults().fail_next_reviews(1);
+    let all = futures_util::future::join_all((0..5).map(|_| client.get(&url, Some("dave"))));
+    let release = async {
+        eventually(
+            "the five requests in the proxy and their TokenReview held",
+            GUARD,
+            async || {
+                let (requests, reviews) = (inflight.get(), count(&fake, "/tokenreviews"));
+                ok_if(requests == 5 && reviews == 1, (requests, reviews))
+            },
+        )
+        .await;
+        fake.faults().hold_reviews(false);
+    };
+    let (all, ()) = tokio::join!(all, release);
+    let mut statuses: Vec<u16> = all.iter().map(|r| r.status().as_u16()).collect();
+    statuses.sort();
+    assert_eq!(
+        statuses,
+        vec![200, 200, 200, 200, 503],
+        "only the leader fails"
+    );
+    // The failed flight and one more: whoever asked after the failure shares the second one
+    // or its cached success.
+    assert_eq!(count(&fake, "/tokenreviews"), 2);
+
+    // The same for an access review: dave's token is known now; listing across namespaces
+    // is a new question.
+    fake.clear_requests();
+    fake.faults().hold_reviews(true);
+    fake.faults().fail_next_reviews(1);
+    let all =
+        futures_util::future::join_all((0..5).map(|_| client.get(&all_namespaces, Some("dave"))));
+    let release = async {
+        eventually(
+            "the five requests in the proxy and their access review held",
+            GUARD,
+            async || {
+                let (requests, reviews) = (inflight.get(), count(&fake, "/subjectaccessreviews"));
+                ok_if(requests == 5 && reviews == 1, (requests, reviews))
+            },
+        )
+        .await;
+        fake.faults().hold_reviews(false);
+    };
+    let (all, ()) = tokio::join!(all, release);
+    let mut statuses: Vec<u16> = all.iter().map(|r| r.status().as_u16()).collect();
+    statuses.sort();
+    assert_eq!(
+        statuses,
+        vec![200, 200, 200, 200, 503],
+        "only the leader fails"
+    );
+    assert_eq!(count(&fake, "/subjectaccessreviews"), 2);
+    assert_eq!(count(&fake, "/tokenreviews"), 0);
     proxy.shutdown().await;
 }
 

@@ -36,7 +36,7 @@ use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::convert::Infallible;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -125,8 +125,9 @@ struct Shared {
     only_in: Mutex<std::collections::HashMap<String, HashSet<String>>>,
     /// Extra delay of access and token reviews only (see [`Faults::set_review_delay`]).
     review_delay: Mutex<Duration>,
-    /// While set, access and token reviews answer 500 (see [`Faults::fail_reviews`]).
-    fail_reviews: AtomicBool,
+    /// Access and token reviews still to answer 500 (`usize::MAX`: all of them; see
+    /// [`Faults::fail_reviews`]).
+    fail_reviews: AtomicUsize,
     /// While true, access and token reviews wait unanswered (see [`Faults::hold_reviews`]).
     reviews_held: tokio::sync::watch::Sender<bool>,
     /// While true, requests are accepted and never answered (see [`Faults::set_freeze`]).
@@ -192,7 +193,7 @@ impl FakeApiServer {
             impersonators: Mutex::new(HashSet::new()),
             only_in: Mutex::new(std::collections::HashMap::new()),
             review_delay: Mutex::new(Duration::ZERO),
-            fail_reviews: AtomicBool::new(false),
+            fail_reviews: AtomicUsize::new(0),
             reviews_held: tokio::sync::watch::channel(false).0,
             frozen: tokio::sync::watch::channel(false).0,
             freeze_at: Mutex::new(None),
@@ -449,7 +450,14 @@ impl Faults {
 
     /// While on, SubjectAccessReviews and TokenReviews (nothing else) answer 500.
     pub fn fail_reviews(&self, on: bool) {
-        self.shared.fail_reviews.store(on, Ordering::SeqCst);
+        let n = if on { usize::MAX } else { 0 };
+        self.shared.fail_reviews.store(n, Ordering::SeqCst);
+    }
+
+    /// The next `n` SubjectAccessReviews and TokenReviews (nothing else) answer 500, counted
+    /// when they are answered (after [`Faults::hold_reviews`] lets them go).
+    pub fn fail_next_reviews(&self, n: usize) {
+        self.shared.fail_reviews.store(n, Ordering::SeqCst);
     }
 
     /// Serves `/.well-known/openid-configuration` naming `issuer` and `/openid/v1/jwks` with

@@ -381,7 +381,15 @@ pub(super) async fn route(
                 .await;
             let d = *lock(&shared.review_delay);
             tokio::time::sleep(d).await;
-            if shared.fail_reviews.load(Ordering::SeqCst) {
+            let failed = shared
+                .fail_reviews
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| match n {
+                    0 => None,
+                    usize::MAX => Some(n),
+                    n => Some(n - 1),
+                })
+                .is_ok();
+            if failed {
                 return Ok(Status::injected(500).into_response());
             }
             return if path.ends_with("/tokenreviews") {

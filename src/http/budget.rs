@@ -251,14 +251,15 @@ pin_project_lite::pin_project! {
 }
 
 impl Budgeted {
-    pub fn wrap(inner: Body, conn: Arc<Conn>) -> Body {
-        use http_body_util::BodyExt;
+    /// Not boxed: the connection holds it inline in each stream's state, so a watch frame
+    /// goes through one box (the response's) rather than two, and an open stream costs one
+    /// allocation less.
+    pub fn wrap(inner: Body, conn: Arc<Conn>) -> Budgeted {
         Budgeted {
             inner,
             conn,
             waiting: None,
         }
-        .boxed_unsync()
     }
 }
 
@@ -324,7 +325,11 @@ mod tests {
         crate::http::body::boxed(http_body_util::StreamBody::new(s))
     }
 
-    fn poll(b: &mut Body) -> Poll<Option<usize>> {
+    fn poll<B>(b: &mut B) -> Poll<Option<usize>>
+    where
+        B: http_body::Body<Data = Bytes> + Unpin,
+        B::Error: std::fmt::Display,
+    {
         let mut cx = Context::from_waker(Waker::noop());
         match Pin::new(b).poll_frame(&mut cx) {
             Poll::Ready(Some(Ok(f))) => {

@@ -159,26 +159,8 @@ async fn requests_that_waited_for_a_failed_review_ask_again_once_together() {
         ok_if(inflight.get() == 0, inflight.get())
     })
     .await;
-    fake.clear_requests();
-    // The first review is held until all five requests are in the proxy, then answers 500.
-    fake.faults().hold_reviews(true);
-    fake.faults().fail_next_reviews(1);
-    let all = futures_util::future::join_all((0..5).map(|_| client.get(&url, Some("dave"))));
-    let release = async {
-        eventually(
-            "the five requests in the proxy and their TokenReview held",
-            GUARD,
-            async || {
-                let (requests, reviews) = (inflight.get(), count(&fake, "/tokenreviews"));
-                ok_if(requests == 5 && reviews == 1, (requests, reviews))
-            },
-        )
-        .await;
-        fake.faults().hold_reviews(false);
-    };
-    let (all, ()) = tokio::join!(all, release);
-    let mut statuses: Vec<u16> = all.iter().map(|r| r.status().as_u16()).collect();
-    statuses.sort();
+    let statuses =
+        five_behind_a_failing_review(&fake, &client, &url, &inflight, "/tokenreviews").await;
     assert_eq!(
         statuses,
         vec![200, 200, 200, 200, 503],
@@ -190,17 +172,44 @@ async fn requests_that_waited_for_a_failed_review_ask_again_once_together() {
 
     // The same for an access review: dave's token is known now; listing across namespaces
     // is a new question.
+    let statuses = five_behind_a_failing_review(
+        &fake,
+        &client,
+        &all_namespaces,
+        &inflight,
+        "/subjectaccessreviews",
+    )
+    .await;
+    assert_eq!(
+        statuses,
+        vec![200, 200, 200, 200, 503],
+        "only the leader fails"
+    );
+    assert_eq!(count(&fake, "/subjectaccessreviews"), 2);
+    assert_eq!(count(&fake, "/tokenreviews"), 0);
+    proxy.shutdown().await;
+}
+
+/// Five GETs of `url` as dave while the first review of kind `review` (its path's end) is
+/// held until all five are in the proxy (`inflight`); then it answers 500. Their statuses,
+/// sorted. The fake's request log is cleared first.
+async fn five_behind_a_failing_review(
+    fake: &FakeApiServer,
+    client: &crate::support::proxy::TestClient,
+    url: &str,
+    inflight: &prometheus_client::metrics::gauge::Gauge,
+    review: &str,
+) -> Vec<u16> {
     fake.clear_requests();
     fake.faults().hold_reviews(true);
     fake.faults().fail_next_reviews(1);
-    let all =
-        futures_util::future::join_all((0..5).map(|_| client.get(&all_namespaces, Some("dave"))));
+    let all = futures_util::future::join_all((0..5).map(|_| client.get(url, Some("dave"))));
     let release = async {
         eventually(
-            "the five requests in the proxy and their access review held",
+            "the five requests in the proxy and their review held",
             GUARD,
             async || {
-                let (requests, reviews) = (inflight.get(), count(&fake, "/subjectaccessreviews"));
+                let (requests, reviews) = (inflight.get(), count(fake, review));
                 ok_if(requests == 5 && reviews == 1, (requests, reviews))
             },
         )
@@ -210,14 +219,7 @@ async fn requests_that_waited_for_a_failed_review_ask_again_once_together() {
     let (all, ()) = tokio::join!(all, release);
     let mut statuses: Vec<u16> = all.iter().map(|r| r.status().as_u16()).collect();
     statuses.sort();
-    assert_eq!(
-        statuses,
-        vec![200, 200, 200, 200, 503],
-        "only the leader fails"
-    );
-    assert_eq!(count(&fake, "/subjectaccessreviews"), 2);
-    assert_eq!(count(&fake, "/tokenreviews"), 0);
-    proxy.shutdown().await;
+    statuses
 }
 
 struct Signer {

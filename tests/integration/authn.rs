@@ -93,17 +93,7 @@ async fn concurrent_identical_requests_share_one_token_review_and_one_access_rev
     // review is held until all five requests are in the proxy (its in-flight gauge, raised
     // before authentication with no wait between) and the one TokenReview has reached the
     // apiserver: a request joining only after the failure would start a flight of its own.
-    let inflight = state
-        .metrics
-        .inflight
-        .get_or_create(&KindLabels {
-            kind: "readOnly".into(),
-        })
-        .clone();
-    eventually("the earlier requests to be done", GUARD, async || {
-        ok_if(inflight.get() == 0, inflight.get())
-    })
-    .await;
+    let inflight = read_requests_in_flight_once_none(&proxy).await;
     fake.faults().fail_reviews(true);
     fake.faults().hold_reviews(true);
     let all = futures_util::future::join_all((0..5).map(|_| client.get(&url, Some("carol"))));
@@ -147,18 +137,7 @@ async fn requests_that_waited_for_a_failed_review_ask_again_once_together() {
     let client = proxy.client(None, true);
     let url = proxy.https("/api/v1/namespaces/ns1/configmaps?resourceVersion=0");
     let all_namespaces = proxy.https("/api/v1/configmaps?resourceVersion=0");
-    let state = &proxy.running.as_ref().unwrap().state;
-    let inflight = state
-        .metrics
-        .inflight
-        .get_or_create(&KindLabels {
-            kind: "readOnly".into(),
-        })
-        .clone();
-    eventually("the sync's requests to be done", GUARD, async || {
-        ok_if(inflight.get() == 0, inflight.get())
-    })
-    .await;
+    let inflight = read_requests_in_flight_once_none(&proxy).await;
     let statuses =
         five_behind_a_failing_review(&fake, &client, &url, &inflight, "/tokenreviews").await;
     assert_eq!(
@@ -188,6 +167,26 @@ async fn requests_that_waited_for_a_failed_review_ask_again_once_together() {
     assert_eq!(count(&fake, "/subjectaccessreviews"), 2);
     assert_eq!(count(&fake, "/tokenreviews"), 0);
     proxy.shutdown().await;
+}
+
+/// The proxy's gauge of read-only requests in flight (raised before authentication), once
+/// it reads 0.
+async fn read_requests_in_flight_once_none(
+    proxy: &TestProxy,
+) -> prometheus_client::metrics::gauge::Gauge {
+    let state = &proxy.running.as_ref().unwrap().state;
+    let inflight = state
+        .metrics
+        .inflight
+        .get_or_create(&KindLabels {
+            kind: "readOnly".into(),
+        })
+        .clone();
+    eventually("the earlier requests to be done", GUARD, async || {
+        ok_if(inflight.get() == 0, inflight.get())
+    })
+    .await;
+    inflight
 }
 
 /// Five GETs of `url` as dave while the first review of kind `review` (its path's end) is

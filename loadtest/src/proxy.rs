@@ -222,15 +222,11 @@ impl ProxyChild {
         proxy_bin: Option<&Path>,
         token: &str,
     ) -> anyhow::Result<ProxyChild> {
-        let free_port = || -> anyhow::Result<u16> {
-            Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-                .local_addr()?
-                .port())
-        };
-        let addr: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
+        let [port, admin_port] = kube_cache_proxy::app::dev::free_loopback_ports::<2>()?;
+        let addr: SocketAddr = ([127, 0, 0, 1], port).into();
         // The proxy's own readiness is on its admin listener (on the API port, /readyz is the
         // apiserver's).
-        let admin_addr: SocketAddr = ([127, 0, 0, 1], free_port()?).into();
+        let admin_addr: SocketAddr = ([127, 0, 0, 1], admin_port).into();
         let args: Vec<String> = vec![
             "--config".into(),
             files.config.display().to_string(),

@@ -57,6 +57,9 @@ const ETCD_READY_TIMEOUT: Duration = Duration::from_secs(30);
 const APISERVER_READY_TIMEOUT: Duration = Duration::from_secs(120);
 /// How long [`ControlPlane::stop`] waits for a child after SIGTERM before it kills it.
 const STOP_GRACE: Duration = Duration::from_secs(15);
+/// Starts tried by [`ControlPlane::start`] when a child's port was taken.
+const START_ATTEMPTS: u32 = 3;
+
 /// Lines of a child's log quoted in start errors.
 const LOG_TAIL_LINES: usize = 40;
 
@@ -108,6 +111,14 @@ pub enum DevClusterError {
         #[source]
         source: kube::Error,
     },
+}
+
+impl DevClusterError {
+    /// A child exited because its port was taken (by another process, after
+    /// [`free_loopback_ports`] probed it).
+    pub fn is_port_taken(&self) -> bool {
+        matches!(self, DevClusterError::Exited { tail, .. } if tail.contains("address already in use"))
+    }
 }
 
 fn io_err(context: impl Into<String>) -> impl FnOnce(std::io::Error) -> DevClusterError {
@@ -196,6 +207,21 @@ impl ControlPlane {
     /// Build failures, file system errors, a child that exits or does not become ready in time
     /// (with the tail of its log). Children started so far are killed.
     pub async fn start(opts: ControlPlaneOptions) -> Result<ControlPlane, DevClusterError> {
+        let mut attempt = 1;
+        loop {
+            match Self::start_once(opts.clone()).await {
+                // Another process bound a port between the probe and the child's bind: the
+                // children were killed with their state; start again on new ports.
+                Err(e) if e.is_port_taken() && attempt < START_ATTEMPTS => {
+                    tracing::warn!(attempt, error = %e, "a control-plane port was taken; starting again");
+                    attempt += 1;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    async fn start_once(opts: ControlPlaneOptions) -> Result<ControlPlane, DevClusterError> {
         let bin_dir = tokio::task::spawn_blocking(ensure_binaries)
             .await
             .map_err(|e| DevClusterError::Build {
@@ -230,7 +256,8 @@ impl ControlPlane {
         let token_file = pki_dir.join("tokens.csv");
         write_private(&token_file, &token_auth_file(&users))?;
 
-        let [etcd_port, peer_port, metrics_port, api_port] = free_ports::<4>()?;
+        let [etcd_port, peer_port, metrics_port, api_port] =
+            free_loopback_ports::<4>().map_err(io_err("binding free loopback ports"))?;
         let etcd_url = format!("http://127.0.0.1:{etcd_port}");
         let etcd_metrics_url = format!("http://127.0.0.1:{metrics_port}");
         let url = format!("https://127.0.0.1:{api_port}");
@@ -1130,21 +1157,73 @@ async fn etcd_healthy(addr: &str) -> Result<(), ProbeError> {
     ))
 }
 
-/// `N` distinct free loopback ports. They are free when probed; another process could take one
-/// before the child binds it, which only fails that start.
-fn free_ports<const N: usize>() -> Result<[u16; N], DevClusterError> {
-    let listeners = (0..N)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(io_err("binding a free loopback port"))?;
+/// `N` distinct loopback ports that are free when probed, for children that must be told their
+/// port (etcd, kube-apiserver, a proxy under test).
+///
+/// They are drawn at random from outside the kernel's ephemeral range
+/// (`net.ipv4.ip_local_port_range`): a port from that range, released after the probe, can be
+/// taken by any outgoing connection on the machine before the child binds it (a busy test run
+/// opens thousands), and again while a child is restarted on the same port. Outside it only
+/// another explicit bind can collide, which [`ControlPlane::start`] answers with a new start.
+///
+/// # Errors
+/// No free port could be bound.
+pub fn free_loopback_ports<const N: usize>() -> std::io::Result<[u16; N]> {
+    let (lo, hi) = fixed_port_range(
+        &std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default(),
+    );
+    let mut listeners = Vec::with_capacity(N);
+    if hi > lo {
+        let span = u32::from(hi - lo);
+        let mut seed = [0u8; 4];
+        ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut seed)
+            .map_err(|_| std::io::Error::other("the system's random source failed"))?;
+        let start = u32::from_le_bytes(seed) % span;
+        for i in 0..span {
+            if listeners.len() == N {
+                break;
+            }
+            let port = lo + ((start + i) % span) as u16;
+            if let Ok(l) = std::net::TcpListener::bind(("127.0.0.1", port)) {
+                listeners.push(l);
+            }
+        }
+    }
+    // No usable fixed range (or all of it taken): the kernel's choice.
+    while listeners.len() < N {
+        listeners.push(std::net::TcpListener::bind("127.0.0.1:0")?);
+    }
     let mut ports = [0u16; N];
     for (p, l) in ports.iter_mut().zip(&listeners) {
-        *p = l
-            .local_addr()
-            .map_err(io_err("reading a bound port"))?
-            .port();
+        *p = l.local_addr()?.port();
     }
     Ok(ports)
+}
+
+/// The range `[lo, hi)` that [`free_loopback_ports`] draws from, given the contents of
+/// `ip_local_port_range` ("32768\t60999"; empty when it cannot be read): the larger of the
+/// unprivileged ports below and above the ephemeral range, skipping the crowded ports below
+/// 10000 when there is room. `lo == hi` when neither side has 1,000 ports.
+fn fixed_port_range(ephemeral: &str) -> (u16, u16) {
+    let mut it = ephemeral.split_whitespace().map(|v| v.parse::<u16>().ok());
+    let (e_lo, e_hi) = match (it.next().flatten(), it.next().flatten()) {
+        (Some(a), Some(b)) if a <= b => (a, b),
+        // Linux's default when the file cannot be read.
+        _ => (32768, 60999),
+    };
+    let below = if e_lo >= 11_000 {
+        (10_000, e_lo)
+    } else {
+        (1024, e_lo.max(1024))
+    };
+    let above = (e_hi.saturating_add(1).max(1024), u16::MAX);
+    let len = |(a, b): (u16, u16)| b.saturating_sub(a);
+    let best = if len(below) >= len(above) {
+        below
+    } else {
+        above
+    };
+    if len(best) >= 1000 { best } else { (0, 0) }
 }
 
 /// `bytes` random bytes from the system's cryptographic source, hex-encoded (tokens are
@@ -1190,6 +1269,54 @@ fn log_tail(path: &Path) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fixed_ports_come_from_outside_the_ephemeral_range() {
+        assert_eq!(fixed_port_range("32768\t60999\n"), (10_000, 32768));
+        // Unreadable or garbled: Linux's default range is assumed.
+        assert_eq!(fixed_port_range(""), (10_000, 32768));
+        assert_eq!(fixed_port_range("60999 32768"), (10_000, 32768));
+        // The ephemeral range starts low: the ports above it.
+        assert_eq!(fixed_port_range("1024 50000"), (50001, u16::MAX));
+        assert_eq!(fixed_port_range("5000 40000"), (40001, u16::MAX));
+        // No room on either side: the kernel chooses.
+        assert_eq!(fixed_port_range("1024 65000"), (0, 0));
+    }
+
+    #[test]
+    fn only_a_child_that_could_not_bind_its_port_is_a_taken_port() {
+        use std::os::unix::process::ExitStatusExt as _;
+        let exited = |tail: &str| DevClusterError::Exited {
+            name: "kube-apiserver",
+            status: std::process::ExitStatus::from_raw(256),
+            log: PathBuf::from("kube-apiserver.log"),
+            tail: tail.into(),
+        };
+        assert!(exited("listen tcp 127.0.0.1:41629: bind: address already in use").is_port_taken());
+        assert!(!exited("etcdserver: mvcc: database space exceeded").is_port_taken());
+        let io = DevClusterError::Io {
+            context: "starting etcd".into(),
+            source: std::io::Error::from(std::io::ErrorKind::AddrInUse),
+        };
+        assert!(!io.is_port_taken(), "only an exited child is started again");
+    }
+
+    #[test]
+    fn free_loopback_ports_are_distinct_bindable_and_not_ephemeral() {
+        let (lo, hi) = fixed_port_range(
+            &std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default(),
+        );
+        let ports = free_loopback_ports::<8>().unwrap();
+        let distinct: std::collections::BTreeSet<_> = ports.iter().collect();
+        assert_eq!(distinct.len(), 8, "{ports:?}");
+        for p in ports {
+            if hi > lo {
+                assert!((lo..hi).contains(&p), "{p} outside [{lo}, {hi})");
+            }
+            // Released when returned: the child can bind it.
+            std::net::TcpListener::bind(("127.0.0.1", p)).unwrap();
+        }
+    }
 
     fn user(name: &str, groups: &[&str]) -> StaticUser {
         StaticUser {

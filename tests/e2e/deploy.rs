@@ -1680,14 +1680,7 @@ impl Replica {
                 .unwrap();
         std::fs::write(dir.join("tls.crt"), cert).unwrap();
         std::fs::write(dir.join("tls.key"), key).unwrap();
-        let free_port = || {
-            std::net::TcpListener::bind("127.0.0.1:0")
-                .unwrap()
-                .local_addr()
-                .unwrap()
-                .port()
-        };
-        let (port, admin_port) = (free_port(), free_port());
+        let [port, admin_port] = kube_cache_proxy::app::dev::free_loopback_ports::<2>().unwrap();
         let mut cfg: Value = serde_saphyr::from_str(deploy_config).unwrap();
         cfg["listen"] = json!(format!("127.0.0.1:{port}"));
         cfg["server"]["adminListen"] = json!(format!("127.0.0.1:{admin_port}"));

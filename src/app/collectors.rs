@@ -243,6 +243,7 @@ impl prometheus_client::collector::Collector for BackfillCollector {
             ("filled", &s.filled),
             ("gone", &s.gone),
             ("failed", &s.failed),
+            ("unavailable", &s.unavailable),
             ("difference", &s.differences),
         ] {
             outcomes
@@ -256,7 +257,8 @@ impl prometheus_client::collector::Collector for BackfillCollector {
             "kube_cache_proxy_backfills",
             "Watches older than a cache's history: filled (the history was extended back with \
              the apiserver's events), difference (with the difference from an Exact list: the \
-             apiserver's watch no longer had the events), gone (410: compacted), failed",
+             apiserver's watch no longer had the events), gone (410: compacted), unavailable (the \
+             apiserver could not serve it now: the client was told to retry, 429), failed (410)",
             &outcomes,
         )?;
         let events = Counter::<u64>::default();

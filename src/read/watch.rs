@@ -21,6 +21,7 @@ use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use crate::cache::event::{Delivery, Encoding, Event, FRAME_OVERHEAD, bookmark_frame, put_frame};
 use crate::cache::hub::{Filter, Item, Subscription};
+use crate::cache::reflector::backfill::BackfillError;
 use crate::cache::{CachedObject, ResourceCache, Start, WatchError};
 use crate::http::body::{self, Body};
 use crate::http::drain::Drain;
@@ -205,9 +206,22 @@ pub async fn serve(
     if let (Err(WatchError::Expired { requested, .. }), Some(b)) = (&reg, &cfg.backfill)
         && cache.backfillable(*requested)
         && !b.unreachable()
-        && b.fill(&cache, *requested).await.is_ok()
     {
-        reg = register(start, filter);
+        match b.fill(&cache, *requested).await {
+            Ok(_) => reg = register(start, filter),
+            // The apiserver could not serve the stretch now (its own watch cache still
+            // initializing after a restart answers 429): the client watches again from the
+            // same resourceVersion after `Retry-After`, as it does when the apiserver itself
+            // answers so; a 410 would make it relist for a moment's unavailability.
+            Err(BackfillError::Unavailable(why)) => {
+                return Err(crate::read::watch_unreachable(format!(
+                    "the history from resourceVersion {requested} cannot be had from the \
+                     apiserver now ({why}); watch again from it"
+                ))
+                .into());
+            }
+            Err(_) => {}
+        }
     }
     let reg = match reg {
         Ok(r) => r,

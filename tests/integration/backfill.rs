@@ -243,6 +243,76 @@ async fn a_compacted_resource_version_still_gets_410_and_backfill_can_be_turned_
     }
 }
 
+/// A backfill the apiserver cannot serve at the moment (just restarted, its watch cache of
+/// the resource still initializing: watches answer 429) is no reason to relist: the client
+/// gets 429 with `Retry-After` (client-go then watches again from the same
+/// resourceVersion), not the 410 that makes it relist, and its next try is backfilled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backfill_the_apiserver_cannot_serve_yet_tells_the_client_to_retry_not_to_relist() {
+    let fake = FakeApiServer::start().await;
+    fake.create("/api/v1/namespaces", json!({"metadata": {"name": NS}}))
+        .await;
+    write_some(&fake, 0, 10).await;
+    let old = fake.writes("configmaps").last().unwrap().rv;
+    write_some(&fake, 10, 10).await;
+    let proxy = start(&fake, true).await;
+    let cache = proxy.cache("", "v1", "configmaps").unwrap();
+    assert!(
+        cache.oldest_rv() > old,
+        "the history starts after the client"
+    );
+    let client = proxy.client(None, true);
+    let url = proxy.https(&format!(
+        "/api/v1/namespaces/{NS}/configmaps?watch=1&allowWatchBookmarks=true&resourceVersion={old}"
+    ));
+
+    fake.faults().initializing_watch_cache(true);
+    let resp = client.get(&url, Some("tok")).await;
+    assert_eq!(resp.status(), 429);
+    assert_eq!(
+        resp.headers()
+            .get("retry-after")
+            .and_then(|v| v.to_str().ok()),
+        Some("1")
+    );
+    let status: Value = serde_json::from_slice(
+        &http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .unwrap()
+            .to_bytes(),
+    )
+    .unwrap();
+    assert_eq!(status["kind"], "Status", "{status}");
+    assert_eq!(status["reason"], "TooManyRequests", "{status}");
+    assert_eq!(status["details"]["retryAfterSeconds"], 1, "{status}");
+    assert!(cache.oldest_rv() > old, "nothing was joined to the history");
+    assert!(
+        metric(
+            &proxy,
+            "kube_cache_proxy_backfills_total{outcome=\"unavailable\"}"
+        )
+        .await
+        .ends_with(" 1"),
+        "{}",
+        proxy.admin_get("/metrics").await.1
+    );
+
+    // The apiserver's watch cache is ready: the same resume is served, exactly what the
+    // client missed, without an ERROR.
+    fake.faults().initializing_watch_cache(false);
+    let resp = client.get(&url, Some("tok")).await;
+    assert_eq!(resp.status(), 200);
+    let mut r = EventReader::new(resp);
+    let missed = writes_after(&fake, old);
+    assert_eq!(events(&mut r, missed.len()).await, missed);
+    assert_eq!(
+        cache.oldest_rv(),
+        old,
+        "the history reaches back to the client"
+    );
+    proxy.shutdown().await;
+}
+
 /// A client choosing ever older resourceVersions gets a few backfills of a resource (each
 /// an upstream list of the whole resource), then 410 until the budget refills.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

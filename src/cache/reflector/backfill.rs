@@ -18,6 +18,12 @@
 //! equals the history's start state and the short watch has ended (the apiserver sends a
 //! resumed watch the changes it holds at once, before it times out).
 //!
+//! What the apiserver cannot serve *now* (429: its own watch cache is initializing after a
+//! restart, as kube-apiserver answers while `ResilientWatchCacheInitialization` holds; a
+//! 5xx, no answer, the backfill's time bound) ends the backfill as `Unavailable`: the client
+//! is told to retry (429 with `Retry-After`, on which client-go watches again from the same
+//! resourceVersion) rather than given a 410 that would make it relist.
+//!
 //! What the apiserver refuses (410: compacted, or older than its watch cache) ends the
 //! backfill; the client then gets the 410 the apiserver would have given it, and no
 //! backfill is tried again at or below that resourceVersion (a client chooses its
@@ -58,7 +64,12 @@ pub enum BackfillError {
     /// joined (absorbed relist, bound): the client gets 410.
     #[error("{0}")]
     Gone(String),
-    /// Upstream failure, timeout, or the events did not lead to the history's start.
+    /// The apiserver could not serve the stretch now (429, 5xx, no answer, the time bound):
+    /// the client is told to retry.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The events did not lead to the history's start, the backfill budget is spent, or
+    /// the apiserver's answer was unusable: the client gets 410.
     #[error("{0}")]
     Failed(String),
 }
@@ -70,6 +81,8 @@ pub struct BackfillStats {
     pub events: std::sync::atomic::AtomicU64,
     pub gone: std::sync::atomic::AtomicU64,
     pub failed: std::sync::atomic::AtomicU64,
+    /// The apiserver could not serve the stretch now; the client was told to retry.
+    pub unavailable: std::sync::atomic::AtomicU64,
     /// Stretches the apiserver's watch no longer had, extended with the difference from
     /// its Exact list instead (not counted in `filled`).
     pub differences: std::sync::atomic::AtomicU64,
@@ -174,7 +187,7 @@ impl Backfiller {
         };
         let out = match tokio::time::timeout(self.timeout, run).await {
             Ok(r) => r,
-            Err(_) => Err(BackfillError::Failed(format!(
+            Err(_) => Err(BackfillError::Unavailable(format!(
                 "no backfill within {:?}",
                 self.timeout
             ))),
@@ -192,6 +205,7 @@ impl Backfiller {
             Err(e) => {
                 let c = match e {
                     BackfillError::Gone(_) => &self.counters.gone,
+                    BackfillError::Unavailable(_) => &self.counters.unavailable,
                     BackfillError::Failed(_) => &self.counters.failed,
                 };
                 c.fetch_add(1, Relaxed);
@@ -389,12 +403,19 @@ impl Backfiller {
     }
 }
 
-/// 410 (compacted, or past the apiserver's watch cache) is `Gone`; the rest `Failed`.
+/// 410 (compacted, or past the apiserver's watch cache) is `Gone`; what a later try may
+/// get past (429, 5xx, no answer, a broken body) `Unavailable`; the rest `Failed`.
 fn classify(e: ReflectorError) -> BackfillError {
     match &e {
         ReflectorError::Status { status, .. } if status.code == 410 => {
             BackfillError::Gone(e.to_string())
         }
+        ReflectorError::Status { status, .. } if status.code == 429 || status.code >= 500 => {
+            BackfillError::Unavailable(e.to_string())
+        }
+        ReflectorError::Transport { .. }
+        | ReflectorError::Timeout { .. }
+        | ReflectorError::Body { .. } => BackfillError::Unavailable(e.to_string()),
         _ => BackfillError::Failed(e.to_string()),
     }
 }

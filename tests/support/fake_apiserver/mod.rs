@@ -114,6 +114,8 @@ struct Shared {
     rv_tx: tokio::sync::watch::Sender<u64>,
     log: Mutex<Vec<LoggedRequest>>,
     fail_next: Mutex<(usize, u16)>,
+    /// `Faults::initializing_watch_cache`: watches answer 429.
+    watches_429: AtomicBool,
     delay: Mutex<Duration>,
     refuse: AtomicBool,
     /// The period of bookmarks (see [`Faults::set_bookmark_interval`]); open watches follow
@@ -186,6 +188,7 @@ impl FakeApiServer {
             rv_tx,
             log: Mutex::new(Vec::new()),
             fail_next: Mutex::new((0, 500)),
+            watches_429: AtomicBool::new(false),
             delay: Mutex::new(Duration::ZERO),
             refuse: AtomicBool::new(false),
             bookmark_interval: tokio::sync::watch::channel(DEFAULT_BOOKMARK_INTERVAL).0,
@@ -382,6 +385,13 @@ impl Faults {
     /// Forbidden, 404 NotFound, 409 Conflict, 400 BadRequest, 422 Invalid.
     pub fn fail_next(&self, n: usize, code: u16) {
         *lock(&self.shared.fail_next) = (n, code);
+    }
+
+    /// While on, every watch request answers 429 TooManyRequests with `Retry-After: 1`
+    /// (lists, gets and writes are served): kube-apiserver just restarted, whose watch cache
+    /// of the resource is still initializing (`ResilientWatchCacheInitialization`).
+    pub fn initializing_watch_cache(&self, on: bool) {
+        self.shared.watches_429.store(on, Ordering::SeqCst);
     }
 
     /// Delays every response (including injected failures and watch headers) by `d`.

@@ -78,6 +78,12 @@ pub(super) async fn handle(
     if let Some(code) = injected {
         return Ok(Status::injected(code).into_response());
     }
+    if shared.watches_429.load(Ordering::SeqCst)
+        && parts.method == Method::GET
+        && Query::parse(parts.uri.query().unwrap_or("")).flag("watch")
+    {
+        return Ok(Status::injected(429).into_response());
+    }
 
     let req = ReadRequest {
         method: parts.method,

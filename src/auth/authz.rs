@@ -471,28 +471,23 @@ impl Authorizer {
 
     async fn authorize_untraced(&self, id: &Identity, a: &Attributes) -> Decision {
         let key = self.key(id, a);
-        // Set only by the call whose review runs (the flight's leader).
-        let led = std::sync::atomic::AtomicBool::new(false);
-        let decide = || {
-            self.decisions.try_get_with(key, async {
-                led.store(true, Relaxed);
-                // Boxed, so only the flight's leader allocates it: the review's future is
-                // about 18 KB, and every request waiting for the decision would otherwise
-                // carry one (10,000 watch requests waiting for one decision held 200 MB).
-                Box::pin(self.review_and_remember(key, id, a)).await
-            })
+        let decide = || async {
+            // Set only by the call whose review runs (the flight's leader).
+            let led = std::sync::atomic::AtomicBool::new(false);
+            let r = self
+                .decisions
+                .try_get_with(key, async {
+                    led.store(true, Relaxed);
+                    // Boxed, so only the flight's leader allocates it: the review's future
+                    // is about 18 KB, and every request waiting for the decision would
+                    // otherwise carry one (10,000 watch requests waiting for one decision
+                    // held 200 MB).
+                    Box::pin(self.review_and_remember(key, id, a)).await
+                })
+                .await;
+            (r, led.load(Relaxed))
         };
-        let mut r = decide().await;
-        // A waiter may have joined a review sent before it arrived, which the apiserver then
-        // answered with an error (a 5xx or 429 of a moment ago): it asks once more in a
-        // flight of its own rather than fail for an answer older than its request. Not when
-        // the apiserver did not answer at all: that wait would only double.
-        if let Err(e) = &r
-            && !led.load(Relaxed)
-            && !e.unreachable
-        {
-            r = decide().await;
-        }
+        let (r, led) = crate::auth::ask_in_flight(decide, |e| !e.unreachable).await;
         let r = match r {
             Err(e) if e.unreachable && self.stale_allowed(&key).await => {
                 self.stats.stale.fetch_add(1, Relaxed);
@@ -501,7 +496,7 @@ impl Authorizer {
             }
             r => r,
         };
-        if led.load(Relaxed) {
+        if led {
             self.stats.cache_misses.fetch_add(1, Relaxed);
         } else {
             self.stats.cache_hits.fetch_add(1, Relaxed);
@@ -514,9 +509,7 @@ impl Authorizer {
             };
             crate::telemetry::Attr::new("kcp.authz.decision", d)
         });
-        crate::telemetry::set_current(|| {
-            crate::telemetry::Attr::new("kcp.authz.cached", !led.load(Relaxed))
-        });
+        crate::telemetry::set_current(|| crate::telemetry::Attr::new("kcp.authz.cached", !led));
         match r {
             Ok(Decision::Allow) => {
                 self.stats.allowed.fetch_add(1, Relaxed);
@@ -529,7 +522,7 @@ impl Authorizer {
             Err(e) => {
                 self.stats.errors.fetch_add(1, Relaxed);
                 // An outage is logged once, where it is found (`upstream::reachability`).
-                if led.load(Relaxed) && !e.unreachable {
+                if led && !e.unreachable {
                     tracing::warn!(error = %e.message, "access review failed; request refused (fail closed)");
                 }
                 Decision::Error(e.message.clone())

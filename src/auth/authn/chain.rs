@@ -258,14 +258,8 @@ impl Authenticator {
             tracing::debug!(user = %id.user, "apiserver unreachable; verdict served stale");
             return (Outcome::Authenticated(id, m), None);
         }
-        let (mut r, mut led) = self.verdict(key, token).await;
-        // A waiter may have joined a review sent before it arrived, which the apiserver then
-        // answered with an error (a 5xx or 429 of a moment ago): it asks once more in a
-        // flight of its own rather than fail for an answer older than its request. Not when
-        // the apiserver did not answer at all: that wait would only double.
-        if !led && matches!(&r, Err(e) if !e.unreachable) {
-            (r, led) = self.verdict(key, token).await;
-        }
+        let (mut r, led) =
+            crate::auth::ask_in_flight(|| self.verdict(key, token), |e| !e.unreachable).await;
         if !led {
             self.stats.cache_hits.fetch_add(1, Relaxed);
             // A remembered verdict stands only while what it stands on exists: an account

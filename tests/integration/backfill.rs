@@ -100,6 +100,22 @@ async fn first_event(r: &mut EventReader) -> Value {
         .expect("an event")
 }
 
+/// Resumes the watch `url` (from `from`) and reads exactly the writes after `from`; returns
+/// the stream (for what follows) and those writes.
+async fn resume_gets_what_it_missed(
+    client: &crate::support::proxy::TestClient,
+    url: &str,
+    fake: &FakeApiServer,
+    from: u64,
+) -> (EventReader, Vec<(String, String, u64)>) {
+    let resp = client.get(url, Some("tok")).await;
+    assert_eq!(resp.status(), 200);
+    let mut r = EventReader::new(resp);
+    let missed = writes_after(fake, from);
+    assert_eq!(events(&mut r, missed.len()).await, missed);
+    (r, missed)
+}
+
 /// Exact lists of configmaps the proxy sent upstream (its backfills' bases).
 fn exact_lists(reqs: &[LoggedRequest]) -> usize {
     reqs.iter()
@@ -170,11 +186,7 @@ async fn a_client_resuming_from_before_a_cold_restarted_proxys_list_gets_exactly
         // The client resumes from its last resourceVersion: exactly what it missed.
         let client = proxy.client(None, true);
         let resume = format!("{base}?watch=1&allowWatchBookmarks=true&resourceVersion={last}");
-        let resp = client.get(&resume, Some("tok")).await;
-        assert_eq!(resp.status(), 200);
-        let mut r = EventReader::new(resp);
-        let missed = writes_after(&fake, last);
-        assert_eq!(events(&mut r, missed.len()).await, missed);
+        let (mut r, missed) = resume_gets_what_it_missed(&client, &resume, &fake, last).await;
         assert_eq!(
             cache.oldest_rv(),
             last,
@@ -300,11 +312,7 @@ async fn a_backfill_the_apiserver_cannot_serve_yet_tells_the_client_to_retry_not
     // The apiserver's watch cache is ready: the same resume is served, exactly what the
     // client missed, without an ERROR.
     fake.faults().initializing_watch_cache(false);
-    let resp = client.get(&url, Some("tok")).await;
-    assert_eq!(resp.status(), 200);
-    let mut r = EventReader::new(resp);
-    let missed = writes_after(&fake, old);
-    assert_eq!(events(&mut r, missed.len()).await, missed);
+    resume_gets_what_it_missed(&client, &url, &fake, old).await;
     assert_eq!(
         cache.oldest_rv(),
         old,

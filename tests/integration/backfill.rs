@@ -128,6 +128,16 @@ fn exact_lists(reqs: &[LoggedRequest]) -> usize {
         .count()
 }
 
+/// `kube_cache_proxy_backfills_total{outcome}` is `n`.
+async fn assert_backfills(proxy: &TestProxy, outcome: &str, n: u64) {
+    let line = format!("kube_cache_proxy_backfills_total{{outcome=\"{outcome}\"}}");
+    assert!(
+        metric(proxy, &line).await.ends_with(&format!(" {n}")),
+        "{}",
+        proxy.admin_get("/metrics").await.1
+    );
+}
+
 async fn metric(proxy: &TestProxy, prefix: &str) -> String {
     let metrics = proxy.admin_get("/metrics").await.1;
     metrics
@@ -206,16 +216,7 @@ async fn a_client_resuming_from_before_a_cold_restarted_proxys_list_gets_exactly
         assert!(want.iter().any(|e| e.0 == "DELETED"), "{want:?}");
         assert_eq!(events(&mut s, want.len()).await, want);
         assert_eq!(exact_lists(&fake.requests()), 1, "one backfill for both");
-        assert!(
-            metric(
-                &proxy,
-                "kube_cache_proxy_backfills_total{outcome=\"filled\"}"
-            )
-            .await
-            .ends_with(" 1"),
-            "{}",
-            proxy.admin_get("/metrics").await.1
-        );
+        assert_backfills(&proxy, "filled", 1).await;
         proxy.shutdown().await;
     }
 }
@@ -298,16 +299,7 @@ async fn a_backfill_the_apiserver_cannot_serve_yet_tells_the_client_to_retry_not
     assert_eq!(status["reason"], "TooManyRequests", "{status}");
     assert_eq!(status["details"]["retryAfterSeconds"], 1, "{status}");
     assert!(cache.oldest_rv() > old, "nothing was joined to the history");
-    assert!(
-        metric(
-            &proxy,
-            "kube_cache_proxy_backfills_total{outcome=\"unavailable\"}"
-        )
-        .await
-        .ends_with(" 1"),
-        "{}",
-        proxy.admin_get("/metrics").await.1
-    );
+    assert_backfills(&proxy, "unavailable", 1).await;
 
     // The apiserver's watch cache is ready: the same resume is served, exactly what the
     // client missed, without an ERROR.
@@ -469,16 +461,7 @@ async fn a_client_older_than_the_apiservers_watch_window_gets_the_difference() {
         let before = fake.writes("configmaps").last().unwrap().rv;
         write_some(&fake, 40, 4).await;
         assert_eq!(events(&mut r, 4).await, writes_after(&fake, before));
-        assert!(
-            metric(
-                &proxy,
-                "kube_cache_proxy_backfills_total{outcome=\"difference\"}"
-            )
-            .await
-            .ends_with(" 1"),
-            "{}",
-            proxy.admin_get("/metrics").await.1
-        );
+        assert_backfills(&proxy, "difference", 1).await;
         // Inside the stretch: 410, no further upstream list.
         let resp = client
             .get(

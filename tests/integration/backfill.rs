@@ -280,7 +280,82 @@ async fn a_backfill_the_apiserver_cannot_serve_yet_tells_the_client_to_retry_not
     ));
 
     fake.faults().initializing_watch_cache(true);
-    let resp = client.get(&url, Some("tok")).await;
+    assert_retry_later(client.get(&url, Some("tok")).await).await;
+    assert!(cache.oldest_rv() > old, "nothing was joined to the history");
+    assert_backfills(&proxy, "unavailable", 1).await;
+
+    // The apiserver's watch cache is ready: the same resume is served, exactly what the
+    // client missed, without an ERROR.
+    fake.faults().initializing_watch_cache(false);
+    resume_gets_what_it_missed(&client, &url, &fake, old).await;
+    assert_eq!(
+        cache.oldest_rv(),
+        old,
+        "the history reaches back to the client"
+    );
+    proxy.shutdown().await;
+}
+
+/// A spell of 429s longer than the resource's backfill budget (a large cluster's apiserver
+/// can take minutes to initialize its watch caches after a restart): once the budget is
+/// spent on tries the apiserver could not serve, clients are still told to retry (at no
+/// upstream cost), not to relist, and the first try once the budget refills serves them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spell_of_429s_longer_than_the_backfill_budget_still_spares_the_client_a_relist() {
+    let fake = FakeApiServer::start().await;
+    fake.create("/api/v1/namespaces", json!({"metadata": {"name": NS}}))
+        .await;
+    write_some(&fake, 0, 10).await;
+    let old = fake.writes("configmaps").last().unwrap().rv;
+    write_some(&fake, 10, 10).await;
+    let proxy = start(&fake, true).await;
+    let client = proxy.client(None, true);
+    let url = proxy.https(&format!(
+        "/api/v1/namespaces/{NS}/configmaps?watch=1&allowWatchBookmarks=true&resourceVersion={old}"
+    ));
+
+    fake.faults().initializing_watch_cache(true);
+    fake.clear_requests();
+    // The budget's 4 tries, each answered 429 by the apiserver, then one past the budget.
+    for _ in 0..5 {
+        assert_retry_later(client.get(&url, Some("tok")).await).await;
+    }
+    assert_eq!(
+        exact_lists(&fake.requests()),
+        4,
+        "the retry past the budget cost the apiserver nothing"
+    );
+    assert_backfills(&proxy, "unavailable", 5).await;
+
+    // The apiserver can serve it now: the client retries as client-go does (after
+    // Retry-After) until the budget's next try, which serves it.
+    fake.faults().initializing_watch_cache(false);
+    let tries = tokio::time::timeout(Duration::from_secs(60), async {
+        let mut tries = 1;
+        loop {
+            let resp = client.get(&url, Some("tok")).await;
+            if resp.status() != 429 {
+                assert_eq!(resp.status(), 200, "served, not refused");
+                return tries;
+            }
+            tries += 1;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    })
+    .await
+    .expect("served within a budget refill and a margin");
+    assert!(
+        tries > 1,
+        "the budget was still spent when the apiserver recovered"
+    );
+    resume_gets_what_it_missed(&client, &url, &fake, old).await;
+    assert_backfills(&proxy, "filled", 1).await;
+    proxy.shutdown().await;
+}
+
+/// The proxy's "retry later" answer to a watch: 429, `Retry-After: 1`, a TooManyRequests
+/// Status saying the same.
+async fn assert_retry_later(resp: hyper::Response<hyper::body::Incoming>) {
     assert_eq!(resp.status(), 429);
     assert_eq!(
         resp.headers()
@@ -298,19 +373,6 @@ async fn a_backfill_the_apiserver_cannot_serve_yet_tells_the_client_to_retry_not
     assert_eq!(status["kind"], "Status", "{status}");
     assert_eq!(status["reason"], "TooManyRequests", "{status}");
     assert_eq!(status["details"]["retryAfterSeconds"], 1, "{status}");
-    assert!(cache.oldest_rv() > old, "nothing was joined to the history");
-    assert_backfills(&proxy, "unavailable", 1).await;
-
-    // The apiserver's watch cache is ready: the same resume is served, exactly what the
-    // client missed, without an ERROR.
-    fake.faults().initializing_watch_cache(false);
-    resume_gets_what_it_missed(&client, &url, &fake, old).await;
-    assert_eq!(
-        cache.oldest_rv(),
-        old,
-        "the history reaches back to the client"
-    );
-    proxy.shutdown().await;
 }
 
 /// A client choosing ever older resourceVersions gets a few backfills of a resource (each

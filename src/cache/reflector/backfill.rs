@@ -30,6 +30,13 @@
 //! resourceVersion: it must not make the proxy list the resource upstream at will). A
 //! stretch that would not fit the history's bound is refused the same way, and a resource
 //! gets at most a few backfills, then one per 15 s ([`BURST`], [`REFILL`]).
+//!
+//! A budget spent on tries the apiserver could not serve (a large cluster's apiserver can
+//! take minutes to initialize its watch caches after a restart) still answers "retry", for
+//! at most [`SPELL`] from the first of them: the retrying clients' resourceVersions gather
+//! in the next backfill (it starts from the oldest), which serves them all once the
+//! apiserver can. Past [`SPELL`] without a served backfill they get 410 and relist (from
+//! the proxy's cache), rather than wait without end.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -94,12 +101,60 @@ const BURST: u32 = 4;
 /// client choosing ever older resourceVersions must not turn into a stream of them. After a
 /// restart the clients of a resource are served by one or two (they are grouped).
 const REFILL: Duration = Duration::from_secs(15);
+/// How long after its first try the apiserver could not serve a resource's clients are
+/// told to retry while its budget is spent (a few refills: each one tries again).
+const SPELL: Duration = Duration::from_secs(60);
+
+/// One resource's backfill budget, and since when its tries have ended `Unavailable`.
+struct Budget {
+    rate: governor::DefaultDirectRateLimiter,
+    /// The first of the unbroken run of tries that ended `Unavailable`, if the last did.
+    unavailable_since: std::sync::Mutex<Option<tokio::time::Instant>>,
+}
+
+impl Budget {
+    fn new() -> Budget {
+        let q = governor::Quota::with_period(REFILL)
+            .expect("a non-zero period")
+            .allow_burst(std::num::NonZeroU32::new(BURST).expect("non-zero"));
+        Budget {
+            rate: governor::RateLimiter::direct(q),
+            unavailable_since: Default::default(),
+        }
+    }
+
+    /// Records how a try ended.
+    fn tried<T>(&self, out: &Result<T, BackfillError>) {
+        let mut since = self
+            .unavailable_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        match out {
+            Err(BackfillError::Unavailable(_)) => {
+                since.get_or_insert_with(tokio::time::Instant::now);
+            }
+            _ => *since = None,
+        }
+    }
+
+    /// How long the apiserver has been unable to serve this resource's tries, when it still
+    /// is and that began less than [`SPELL`] ago.
+    fn in_spell(&self) -> Option<Duration> {
+        let since = *self
+            .unavailable_since
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        since
+            .map(|t| t.elapsed())
+            .filter(|for_how_long| *for_how_long <= SPELL)
+    }
+}
 
 /// Extends caches' histories from the apiserver with the proxy's own identity.
 #[derive(Clone)]
 pub struct Backfiller {
     /// Per resource (its label): how many backfills it may start now.
-    limits: Arc<dashmap::DashMap<String, Arc<governor::DefaultDirectRateLimiter>>>,
+    limits: Arc<dashmap::DashMap<String, Arc<Budget>>>,
     upstream: Upstream,
     cfg: ReflectorConfig,
     /// Bound on one backfill, waiting for another one of the same resource included.
@@ -135,11 +190,17 @@ impl Backfiller {
     /// registered), or says why not. Returns the number of events added.
     pub async fn fill(&self, cache: &ResourceCache, from: u64) -> Result<usize, BackfillError> {
         use std::sync::atomic::Ordering::Relaxed;
+        // One bound on the whole: waiting for another backfill, then this one's tries.
+        let deadline = tokio::time::Instant::now() + self.timeout;
+        let late = || BackfillError::Unavailable(format!("no backfill within {:?}", self.timeout));
         let run = async {
             // Clients waiting behind a running backfill are served by the next one
             // together: it starts from the oldest resourceVersion any of them asked for.
             cache.backfill_wanted.fetch_min(from, Relaxed);
-            let _one = cache.backfill_lock.lock().await;
+            let Ok(_one) = tokio::time::timeout_at(deadline, cache.backfill_lock.lock()).await
+            else {
+                return Err(late());
+            };
             if from >= cache.oldest_rv() {
                 return Ok(None); // another backfill covered it
             }
@@ -156,17 +217,20 @@ impl Backfiller {
                     "an absorbed relist lies between the resourceVersion and the history".into(),
                 ));
             }
-            let limit = self
+            let budget = self
                 .limits
                 .entry(cache.resource.label())
-                .or_insert_with(|| {
-                    let q = governor::Quota::with_period(REFILL)
-                        .expect("a non-zero period")
-                        .allow_burst(std::num::NonZeroU32::new(BURST).expect("non-zero"));
-                    Arc::new(governor::RateLimiter::direct(q))
-                })
+                .or_insert_with(|| Arc::new(Budget::new()))
                 .clone();
-            if limit.check().is_err() {
+            if budget.rate.check().is_err() {
+                // The clients' resourceVersions stay in `backfill_wanted` for the next try.
+                if let Some(for_how_long) = budget.in_spell() {
+                    return Err(BackfillError::Unavailable(format!(
+                        "the apiserver could not serve this resource's backfills for {}s; \
+                         the next try is within {REFILL:?}",
+                        for_how_long.as_secs()
+                    )));
+                }
                 return Err(BackfillError::Failed(format!(
                     "more than {BURST} backfills of this resource, then one per {REFILL:?}"
                 )));
@@ -175,7 +239,11 @@ impl Backfiller {
             // Real events only for the waiting clients: a difference would make every
             // resume inside its stretch a 410, this client's own included.
             if oldest < from && oldest > floor && cache.backfillable(oldest) {
-                match self.fill_from(cache, oldest, false).await {
+                let out = tokio::time::timeout_at(deadline, self.fill_from(cache, oldest, false))
+                    .await
+                    .unwrap_or_else(|_| Err(late()));
+                budget.tried(&out);
+                match out {
                     Ok(n) => return Ok(Some(n)),
                     // The older one is not to be had: this client's own may be.
                     Err(e) => {
@@ -183,15 +251,13 @@ impl Backfiller {
                     }
                 }
             }
-            self.fill_from(cache, from, true).await.map(Some)
+            let out = tokio::time::timeout_at(deadline, self.fill_from(cache, from, true))
+                .await
+                .unwrap_or_else(|_| Err(late()));
+            budget.tried(&out);
+            out.map(Some)
         };
-        let out = match tokio::time::timeout(self.timeout, run).await {
-            Ok(r) => r,
-            Err(_) => Err(BackfillError::Unavailable(format!(
-                "no backfill within {:?}",
-                self.timeout
-            ))),
-        };
+        let out = run.await;
         match &out {
             Ok(None) => {}
             Ok(Some((n, how))) => {
@@ -417,5 +483,38 @@ fn classify(e: ReflectorError) -> BackfillError {
         | ReflectorError::Timeout { .. }
         | ReflectorError::Body { .. } => BackfillError::Unavailable(e.to_string()),
         _ => BackfillError::Failed(e.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn unavailable() -> Result<(), BackfillError> {
+        Err(BackfillError::Unavailable("429".into()))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_spell_starts_at_the_first_unavailable_try_and_ends_with_any_other_outcome() {
+        let b = Budget::new();
+        assert_eq!(b.in_spell(), None, "no try yet");
+        b.tried(&unavailable());
+        tokio::time::advance(Duration::from_secs(20)).await;
+        b.tried(&unavailable());
+        assert_eq!(
+            b.in_spell(),
+            Some(Duration::from_secs(20)),
+            "counted from the first try of the run"
+        );
+        b.tried(&Err::<(), _>(BackfillError::Gone("410".into())));
+        assert_eq!(b.in_spell(), None, "a 410 ends it");
+        b.tried(&unavailable());
+        b.tried(&Ok(()));
+        assert_eq!(b.in_spell(), None, "a served try ends it");
+        b.tried(&unavailable());
+        tokio::time::advance(SPELL).await;
+        assert_eq!(b.in_spell(), Some(SPELL), "still within its bound");
+        tokio::time::advance(Duration::from_secs(1)).await;
+        assert_eq!(b.in_spell(), None, "past its bound: the clients get 410");
     }
 }

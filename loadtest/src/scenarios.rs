@@ -5,6 +5,7 @@
 //! straight to the apiserver: writes never go through the proxy, so both sides see the same
 //! write path and differ only in how reads and watches are served.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,68 +59,6 @@ struct ObjectMeta {
     resource_version: String,
     #[serde(default)]
     annotations: Option<HashMap<String, String>>,
-}
-
-/// What the fan-out reads of a JSON event, borrowed from its line (one per delivery, on the
-/// cores the proxy and the apiserver share: nothing is allocated).
-#[derive(Deserialize)]
-struct SeenLine<'a> {
-    #[serde(rename = "type")]
-    ty: &'a str,
-    #[serde(borrow)]
-    object: SeenObject<'a>,
-}
-
-#[derive(Deserialize)]
-struct SeenObject<'a> {
-    #[serde(default, borrow)]
-    metadata: SeenMeta<'a>,
-    #[serde(default, borrow)]
-    data: Option<SeenData<'a>>,
-}
-
-#[derive(Deserialize, Default)]
-struct SeenMeta<'a> {
-    #[serde(rename = "resourceVersion", default)]
-    resource_version: &'a str,
-    #[serde(default, borrow)]
-    annotations: Option<TsAnnotation<'a>>,
-}
-
-#[derive(Deserialize)]
-struct SeenData<'a> {
-    #[serde(default, borrow)]
-    ts: Option<&'a str>,
-}
-
-/// The [`TS_ANNOTATION`] of an object's annotations; the others are skipped unread.
-struct TsAnnotation<'a>(Option<&'a str>);
-
-impl<'de: 'a, 'a> Deserialize<'de> for TsAnnotation<'a> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V<'a>(std::marker::PhantomData<&'a ()>);
-        impl<'de: 'a, 'a> serde::de::Visitor<'de> for V<'a> {
-            type Value = TsAnnotation<'a>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("annotations")
-            }
-            fn visit_map<M: serde::de::MapAccess<'de>>(
-                self,
-                mut m: M,
-            ) -> Result<Self::Value, M::Error> {
-                let mut ts = None;
-                while let Some(k) = m.next_key::<&'de str>()? {
-                    if k == TS_ANNOTATION {
-                        ts = Some(m.next_value::<&'de str>()?);
-                    } else {
-                        m.next_value::<serde::de::IgnoredAny>()?;
-                    }
-                }
-                Ok(TsAnnotation(ts))
-            }
-        }
-        d.deserialize_map(V(std::marker::PhantomData))
-    }
 }
 
 /// Creates namespace `ns` (an existing one is fine).
@@ -284,10 +223,10 @@ pub enum Encoding {
     Protobuf,
 }
 
-/// One watch event as the fan-out reads it.
+/// One watch event as the fan-out reads it (borrowed from its bytes unless escaped).
 struct Seen<'a> {
-    event_type: &'a str,
-    resource_version: &'a str,
+    event_type: Cow<'a, str>,
+    resource_version: Cow<'a, str>,
     /// The writer's send time carried by the object (`data.ts` or [`TS_ANNOTATION`]).
     ts: Option<u64>,
 }
@@ -316,27 +255,60 @@ impl Encoding {
         use kube_cache_proxy::k8s::protobuf;
         let ts = |v: &str| v.parse::<u64>().ok().filter(|t| *t > 0);
         match self {
+            // With the proxy's own scanner (`kube_cache_proxy::k8s::scan`): the members read
+            // are decoded, the rest skipped a block at a time (one per delivery, on the
+            // cores the proxy and the apiserver share: nothing is allocated).
             Encoding::Json => {
-                let ev: SeenLine = serde_json::from_slice(b).ok()?;
-                let m = ev.object.metadata;
-                let from_annotation = m.annotations.and_then(|a| a.0);
-                let t = ev.object.data.and_then(|d| d.ts);
+                use kube_cache_proxy::k8s::scan::{ScanError, Scanner};
+                let (mut ty, mut rv, mut in_data, mut in_annotation) = (None, None, None, None);
+                let mut s = Scanner::new(b);
+                /// Member `k`'s string into `out` when `k` is `want`, else skipped.
+                fn only<'a>(
+                    s: &mut Scanner<'a>,
+                    want: &str,
+                    k: &str,
+                    out: &mut Option<Cow<'a, str>>,
+                ) -> Result<(), ScanError> {
+                    if k == want {
+                        *out = s.opt_string()?;
+                        Ok(())
+                    } else {
+                        s.skip()
+                    }
+                }
+                s.object(|s, k| match &*k {
+                    "type" => only(s, "type", &k, &mut ty),
+                    "object" => s.object(|s, k| match &*k {
+                        "metadata" => s.object(|s, k| match &*k {
+                            "resourceVersion" => only(s, "resourceVersion", &k, &mut rv),
+                            "annotations" => {
+                                s.object(|s, k| only(s, TS_ANNOTATION, &k, &mut in_annotation))
+                            }
+                            _ => s.skip(),
+                        }),
+                        "data" => s.object(|s, k| only(s, "ts", &k, &mut in_data)),
+                        _ => s.skip(),
+                    }),
+                    _ => s.skip(),
+                })
+                .and_then(|()| s.end())
+                .ok()?;
                 Some(Seen {
-                    event_type: ev.ty,
-                    ts: t.or(from_annotation).and_then(ts),
-                    resource_version: m.resource_version,
+                    event_type: ty?,
+                    ts: in_data.or(in_annotation).and_then(|t| ts(&t)),
+                    resource_version: rv.unwrap_or_default(),
                 })
             }
             Encoding::Protobuf => {
                 let ev = protobuf::watch_event(b)?;
                 let mut seen = Seen {
-                    event_type: ev.event_type,
-                    resource_version: "",
+                    event_type: Cow::Borrowed(ev.event_type),
+                    resource_version: Cow::Borrowed(""),
                     ts: None,
                 };
                 if ev.event_type != "ERROR" {
                     let meta = protobuf::object_meta(protobuf::envelope(ev.object)?.raw)?;
-                    seen.resource_version = meta.resource_version;
+                    seen.resource_version = Cow::Borrowed(meta.resource_version);
                     seen.ts = meta
                         .annotations()
                         .find(|(k, _)| *k == TS_ANNOTATION)
@@ -509,12 +481,12 @@ async fn run_watcher(
                 log.errors += 1;
                 continue;
             };
-            match ev.event_type {
+            match &*ev.event_type {
                 "ERROR" => {
                     log.errors += 1;
                     return log;
                 }
-                "BOOKMARK" => ev.resource_version.clone_into(&mut rv),
+                "BOOKMARK" => (*ev.resource_version).clone_into(&mut rv),
                 _ => {
                     let r: u64 = ev.resource_version.parse().unwrap_or(0);
                     log.rvs.push(r);
@@ -523,7 +495,7 @@ async fn run_watcher(
                     if let Some(ts) = ev.ts {
                         log.lat_us.push(now_ns.saturating_sub(ts) / 1000);
                     }
-                    ev.resource_version.clone_into(&mut rv);
+                    (*ev.resource_version).clone_into(&mut rv);
                 }
             }
         }
@@ -559,17 +531,28 @@ pub async fn watch_fanout(
     }
     let (until_tx, until_rx) = watch::channel(Until::Running);
     let (ready_tx, mut ready_rx) = tokio::sync::mpsc::channel(o.watchers.max(1));
+    // One task per connection runs its watchers together: a write wakes the task once for
+    // all of the connection's streams rather than each stream's own task (the driver shares
+    // the two cores with what it measures; real watchers run elsewhere). Each watcher still
+    // reads its own stream and stamps each event when it takes it.
     let mut watchers = tokio::task::JoinSet::new();
-    for i in 0..o.watchers {
-        watchers.spawn(run_watcher(
-            target.clone(),
-            o.encoding,
-            conns[i / o.streams_per_conn.max(1)].clone(),
-            path.clone(),
-            start_rv.clone(),
-            ready_tx.clone(),
-            until_rx.clone(),
-        ));
+    let per_conn = o.streams_per_conn.max(1);
+    for (c, conn) in conns.iter().enumerate() {
+        let group: futures_util::stream::FuturesUnordered<_> = (c * per_conn
+            ..((c + 1) * per_conn).min(o.watchers))
+            .map(|_| {
+                run_watcher(
+                    target.clone(),
+                    o.encoding,
+                    conn.clone(),
+                    path.clone(),
+                    start_rv.clone(),
+                    ready_tx.clone(),
+                    until_rx.clone(),
+                )
+            })
+            .collect();
+        watchers.spawn(futures_util::StreamExt::collect::<Vec<WatcherLog>>(group));
     }
     drop(ready_tx);
     for _ in 0..o.watchers {
@@ -631,7 +614,11 @@ pub async fn watch_fanout(
 
     // Every watcher should reach the last write; those that do not within 60 s are stopped and
     // their missing events counted.
-    let logs = join_watchers(&mut watchers, &until_tx, Duration::from_secs(60)).await?;
+    let logs: Vec<WatcherLog> = join_watchers(&mut watchers, &until_tx, Duration::from_secs(60))
+        .await?
+        .into_iter()
+        .flatten()
+        .collect();
     drop(conns);
 
     let expected: std::collections::HashSet<u64> = written.iter().copied().collect();
@@ -1153,7 +1140,7 @@ mod tests {
         let line = br#"{"type":"MODIFIED","object":{"metadata":{"resourceVersion":"5","annotations":{"loadtest/ts":"9"}}}}"#;
         let s = Encoding::Json.seen(line).unwrap();
         assert_eq!(
-            (s.event_type, s.resource_version, s.ts),
+            (&*s.event_type, &*s.resource_version, s.ts),
             ("MODIFIED", "5", Some(9))
         );
         // A ConfigMap as the apiserver sends it: other annotations (escaped values are
@@ -1161,13 +1148,13 @@ mod tests {
         let line = br#"{"type":"MODIFIED","object":{"kind":"ConfigMap","metadata":{"name":"w-1","resourceVersion":"77","annotations":{"a":"{\"x\":\"\u003cy\u003e\"}","b":"2"},"managedFields":[{"fieldsV1":{"f:data":{"f:ts":{}}}}]},"data":{"pad":"p","ts":"12","seq":"4"}}}"#;
         let s = Encoding::Json.seen(line).unwrap();
         assert_eq!(
-            (s.event_type, s.resource_version, s.ts),
+            (&*s.event_type, &*s.resource_version, s.ts),
             ("MODIFIED", "77", Some(12))
         );
         let bookmark = br#"{"type":"BOOKMARK","object":{"kind":"ConfigMap","metadata":{"resourceVersion":"80","creationTimestamp":null}}}"#;
         let s = Encoding::Json.seen(bookmark).unwrap();
         assert_eq!(
-            (s.event_type, s.resource_version, s.ts),
+            (&*s.event_type, &*s.resource_version, s.ts),
             ("BOOKMARK", "80", None)
         );
         assert!(Encoding::Json.seen(b"{\"type\":").is_none());
@@ -1186,7 +1173,7 @@ mod tests {
             .unwrap();
         let s = Encoding::Protobuf.seen(&frame[4..]).unwrap();
         assert_eq!(
-            (s.event_type, s.resource_version, s.ts),
+            (&*s.event_type, &*s.resource_version, s.ts),
             ("MODIFIED", "5", Some(9))
         );
         // A pod without the annotation (as seeded, `0`) has no write time.

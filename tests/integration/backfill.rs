@@ -262,22 +262,14 @@ async fn a_compacted_resource_version_still_gets_410_and_backfill_can_be_turned_
 /// resourceVersion), not the 410 that makes it relist, and its next try is backfilled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backfill_the_apiserver_cannot_serve_yet_tells_the_client_to_retry_not_to_relist() {
-    let fake = FakeApiServer::start().await;
-    fake.create("/api/v1/namespaces", json!({"metadata": {"name": NS}}))
-        .await;
-    write_some(&fake, 0, 10).await;
-    let old = fake.writes("configmaps").last().unwrap().rv;
-    write_some(&fake, 10, 10).await;
-    let proxy = start(&fake, true).await;
+    let Behind {
+        fake,
+        proxy,
+        client,
+        url,
+        old,
+    } = behind_the_history().await;
     let cache = proxy.cache("", "v1", "configmaps").unwrap();
-    assert!(
-        cache.oldest_rv() > old,
-        "the history starts after the client"
-    );
-    let client = proxy.client(None, true);
-    let url = proxy.https(&format!(
-        "/api/v1/namespaces/{NS}/configmaps?watch=1&allowWatchBookmarks=true&resourceVersion={old}"
-    ));
 
     fake.faults().initializing_watch_cache(true);
     assert_retry_later(client.get(&url, Some("tok")).await).await;
@@ -302,17 +294,13 @@ async fn a_backfill_the_apiserver_cannot_serve_yet_tells_the_client_to_retry_not
 /// upstream cost), not to relist, and the first try once the budget refills serves them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_spell_of_429s_longer_than_the_backfill_budget_still_spares_the_client_a_relist() {
-    let fake = FakeApiServer::start().await;
-    fake.create("/api/v1/namespaces", json!({"metadata": {"name": NS}}))
-        .await;
-    write_some(&fake, 0, 10).await;
-    let old = fake.writes("configmaps").last().unwrap().rv;
-    write_some(&fake, 10, 10).await;
-    let proxy = start(&fake, true).await;
-    let client = proxy.client(None, true);
-    let url = proxy.https(&format!(
-        "/api/v1/namespaces/{NS}/configmaps?watch=1&allowWatchBookmarks=true&resourceVersion={old}"
-    ));
+    let Behind {
+        fake,
+        proxy,
+        client,
+        url,
+        old,
+    } = behind_the_history().await;
 
     fake.faults().initializing_watch_cache(true);
     fake.clear_requests();
@@ -351,6 +339,42 @@ async fn a_spell_of_429s_longer_than_the_backfill_budget_still_spares_the_client
     resume_gets_what_it_missed(&client, &url, &fake, old).await;
     assert_backfills(&proxy, "filled", 1).await;
     proxy.shutdown().await;
+}
+
+/// A client whose resourceVersion is older than a freshly started proxy's history (10
+/// writes after it), and its watch's URL.
+struct Behind {
+    fake: FakeApiServer,
+    proxy: TestProxy,
+    client: crate::support::proxy::TestClient,
+    url: String,
+    old: u64,
+}
+
+async fn behind_the_history() -> Behind {
+    let fake = FakeApiServer::start().await;
+    fake.create("/api/v1/namespaces", json!({"metadata": {"name": NS}}))
+        .await;
+    write_some(&fake, 0, 10).await;
+    let old = fake.writes("configmaps").last().unwrap().rv;
+    write_some(&fake, 10, 10).await;
+    let proxy = start(&fake, true).await;
+    let cache = proxy.cache("", "v1", "configmaps").unwrap();
+    assert!(
+        cache.oldest_rv() > old,
+        "the history starts after the client"
+    );
+    let client = proxy.client(None, true);
+    let url = proxy.https(&format!(
+        "/api/v1/namespaces/{NS}/configmaps?watch=1&allowWatchBookmarks=true&resourceVersion={old}"
+    ));
+    Behind {
+        fake,
+        proxy,
+        client,
+        url,
+        old,
+    }
 }
 
 /// The proxy's "retry later" answer to a watch: 429, `Retry-After: 1`, a TooManyRequests

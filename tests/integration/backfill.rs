@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use crate::support::eventually::{eventually, ok_if};
 use crate::support::fake_apiserver::{FakeApiServer, LoggedRequest};
-use crate::support::proxy::{EventReader, TestProxy};
+use crate::support::proxy::{EventReader, TestProxy, body_json};
 use crate::warm_restart::{events, writes_after};
 use serde_json::{Value, json};
 
@@ -387,13 +387,7 @@ async fn assert_retry_later(resp: hyper::Response<hyper::body::Incoming>) {
             .and_then(|v| v.to_str().ok()),
         Some("1")
     );
-    let status: Value = serde_json::from_slice(
-        &http_body_util::BodyExt::collect(resp.into_body())
-            .await
-            .unwrap()
-            .to_bytes(),
-    )
-    .unwrap();
+    let status = body_json(resp).await;
     assert_eq!(status["kind"], "Status", "{status}");
     assert_eq!(status["reason"], "TooManyRequests", "{status}");
     assert_eq!(status["details"]["retryAfterSeconds"], 1, "{status}");

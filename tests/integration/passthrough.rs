@@ -941,13 +941,7 @@ async fn header_and_body_limits_are_the_apiservers() {
         .await
         .expect("a response, not a reset stream");
     assert_eq!(r.status(), 413);
-    let j: serde_json::Value = serde_json::from_slice(
-        &http_body_util::BodyExt::collect(r.into_body())
-            .await
-            .unwrap()
-            .to_bytes(),
-    )
-    .unwrap();
+    let j = crate::support::proxy::body_json(r).await;
     assert_eq!(j["reason"], "RequestEntityTooLarge", "{j}");
     let c = proxy.client(None, false);
     assert_eq!(c.get(&proxy.admin("/livez"), None).await.status(), 200);

@@ -71,6 +71,10 @@ const MAX_YIELDS: u32 = 16;
 /// of a busy HTTP/2 connection several times over; released whenever it empties.
 pub const CAPACITY: usize = 64 * 1024;
 
+/// A buffer up to this size (one response's head and a small body) grows as a `Vec` does and
+/// is kept between batches; a larger one is released when it empties.
+const SMALL: usize = 4096;
+
 struct Shared<S> {
     io: S,
     buf: Vec<u8>,
@@ -113,6 +117,22 @@ impl<S: AsyncWrite + Unpin> Shared<S> {
         }
     }
 
+    /// Makes `buf` hold `len` more bytes. Past [`SMALL`] it grows straight to [`CAPACITY`]
+    /// (`poll_room` keeps a batch within it): growing a fan-out's batch by doubling copied
+    /// it again at each step, about 5% of the proxy's CPU in a fan-out of 5 KB events
+    /// (`perf` of the load driver's `pb-fanout`: `memmove` under `RawVec::finish_grow`).
+    fn make_room(&mut self, len: usize) {
+        let need = self.buf.len() + len;
+        if need > self.buf.capacity() && need > SMALL {
+            self.buf.reserve_exact(CAPACITY.max(need) - self.buf.len());
+        }
+    }
+
+    fn buffer(&mut self, data: &[u8]) {
+        self.make_room(data.len());
+        self.buf.extend_from_slice(data);
+    }
+
     /// Writes the buffer out; releases its memory once it is empty.
     fn poll_drain(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         while self.sent < self.buf.len() {
@@ -124,7 +144,7 @@ impl<S: AsyncWrite + Unpin> Shared<S> {
             self.sent += n;
         }
         self.sent = 0;
-        if self.buf.capacity() > 4096 {
+        if self.buf.capacity() > SMALL {
             self.buf = Vec::new();
         } else {
             self.buf.clear();
@@ -316,7 +336,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for CoalescedIo<S> {
             let r = Pin::new(&mut g.io).poll_write(cx, data);
             return g.wrote(r);
         }
-        g.buf.extend_from_slice(data);
+        g.buffer(data);
         Poll::Ready(Ok(data.len()))
     }
 
@@ -331,6 +351,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for CoalescedIo<S> {
             let r = Pin::new(&mut g.io).poll_write_vectored(cx, bufs);
             return g.wrote(r);
         }
+        g.make_room(total);
         for b in bufs {
             g.buf.extend_from_slice(b);
         }

@@ -169,7 +169,7 @@ where
         };
         if *this.line_framed && !data.is_empty() {
             if *this.draining
-                && let Some(i) = data.iter().position(|b| *b == b'\n')
+                && let Some(i) = memchr::memchr(b'\n', &data)
             {
                 data.truncate(i + 1);
                 *this.done = true;

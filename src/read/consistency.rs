@@ -481,7 +481,7 @@ impl Consistency {
                 continue;
             };
             buf.extend_from_slice(data);
-            while let Some(nl) = buf.iter().position(|b| *b == b'\n') {
+            while let Some(nl) = memchr::memchr(b'\n', &buf) {
                 let line: Vec<u8> = buf.drain(..=nl).collect();
                 let Some((ty, rv)) = event_rv(&line) else {
                     continue;

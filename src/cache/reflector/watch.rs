@@ -132,7 +132,7 @@ impl LineSplitter {
         mut chunk: Bytes,
         out: &mut Vec<Bytes>,
     ) -> Result<(), ReflectorError> {
-        while let Some(pos) = chunk.iter().position(|b| *b == b'\n') {
+        while let Some(pos) = memchr::memchr(b'\n', &chunk) {
             let head = chunk.split_to(pos + 1);
             let line = if self.partial.is_empty() {
                 head.slice(..pos)

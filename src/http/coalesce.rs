@@ -455,6 +455,46 @@ mod tests {
         }
     }
 
+    /// A batch past [`SMALL`] gets its whole [`CAPACITY`] at once and is not moved again
+    /// while it fills (growing by doubling copied it at every step); a small one stays
+    /// small; a large one is released once written out.
+    #[tokio::test]
+    async fn a_batch_grows_to_capacity_in_one_step() {
+        let rec = Recorder::default();
+        let (mut io, _driver) = coalesce(rec.clone());
+        let frame = [5u8; 1000];
+        for _ in 0..4 {
+            io.write_all(&frame).await.unwrap();
+        }
+        let small = lock(&io.0).buf.capacity();
+        assert!(small <= SMALL, "4,000 bytes in a small buffer, got {small}");
+        io.write_all(&frame).await.unwrap();
+        let (cap, at) = {
+            let g = lock(&io.0);
+            (g.buf.capacity(), g.buf.as_ptr())
+        };
+        assert_eq!(cap, CAPACITY);
+        for _ in 5..CAPACITY / frame.len() {
+            io.write_all(&frame).await.unwrap();
+        }
+        {
+            let g = lock(&io.0);
+            assert_eq!(g.pending(), CAPACITY / frame.len() * frame.len());
+            assert_eq!(
+                (g.buf.capacity(), g.buf.as_ptr()),
+                (cap, at),
+                "moved while filling"
+            );
+        }
+        assert!(
+            joined(&rec).is_empty(),
+            "nothing written before the batch is full"
+        );
+        io.flush().await.unwrap();
+        assert_eq!(joined(&rec).len(), CAPACITY / frame.len() * frame.len());
+        assert_eq!(lock(&io.0).buf.capacity(), 0, "a large buffer is released");
+    }
+
     /// Frames written and flushed one by one inside one poll of the connection leave in one
     /// write, after the connection yielded once; every byte arrives, in order.
     #[tokio::test]

@@ -68,7 +68,8 @@ fn counted<T>(r: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
 const MAX_YIELDS: u32 = 16;
 
 /// Bytes gathered before a write is forced. Large enough to hold one event for every stream
-/// of a busy HTTP/2 connection several times over; released whenever it empties.
+/// of a busy HTTP/2 connection several times over; allocated whole once a batch passes [`SMALL`],
+/// released when it empties.
 pub const CAPACITY: usize = 64 * 1024;
 
 /// A buffer up to this size (one response's head and a small body) grows as a `Vec` does and

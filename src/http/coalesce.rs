@@ -68,7 +68,7 @@ fn counted<T>(r: Poll<io::Result<T>>) -> Poll<io::Result<T>> {
 const MAX_YIELDS: u32 = 16;
 
 /// Bytes gathered before a write is forced. Large enough to hold one event for every stream
-/// of a busy HTTP/2 connection several times over; allocated whole once a batch passes [`SMALL`],
+/// of a busy HTTP/2 connection several times over; allocated whole once a batch passes 4 KiB,
 /// released when it empties.
 pub const CAPACITY: usize = 64 * 1024;
 

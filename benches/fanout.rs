@@ -1668,7 +1668,11 @@ fn flags(p: &Phase) -> String {
 async fn main() {
     // Proxy and client alike, as the binary does: a subscriber at warn, so the libraries' trace spans are filtered
     // out at their call sites (without one, every span takes tracing's `log` fallback).
-    kube_cache_proxy::app::cli::init_logging("warn", kube_cache_proxy::config::LogFormat::Text);
+    kube_cache_proxy::app::cli::init_logging(
+        "warn",
+        kube_cache_proxy::config::LogFormat::Text,
+        std::time::Duration::ZERO,
+    );
     if let Ok(addr) = std::env::var("KCP_FANOUT_CLIENT") {
         return client_main(addr).await;
     }

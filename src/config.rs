@@ -705,6 +705,12 @@ pub struct LogConfig {
     pub access: bool,
     /// The fraction of requests the access log writes, 0 to 1 (default 1: every request).
     pub access_sampling: f64,
+    /// Access lines are gathered in memory and written together at least this often (and
+    /// whenever 32 KiB are gathered); every other line is written at once. `0s`: each access
+    /// line at once too. A process killed outright loses at most this much of its access
+    /// log (`app::log_sink`).
+    #[serde(with = "duration")]
+    pub access_flush_interval: Duration,
 }
 
 impl Default for LogConfig {
@@ -714,6 +720,7 @@ impl Default for LogConfig {
             format: LogFormat::Text,
             access: true,
             access_sampling: 1.0,
+            access_flush_interval: Duration::from_secs(1),
         }
     }
 }
@@ -1095,6 +1102,9 @@ impl Config {
         checks(self, &mut err);
         if !(0.0..=1.0).contains(&self.log.access_sampling) {
             err("log.accessSampling", "must be between 0 and 1".into());
+        }
+        if self.log.access_flush_interval > Duration::from_secs(60) {
+            err("log.accessFlushInterval", "must be at most 60s".into());
         }
         if let Err(e) = tracing_subscriber::EnvFilter::try_new(&self.log.level) {
             err("log.level", format!("invalid filter: {e}"));

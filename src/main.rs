@@ -88,13 +88,18 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     std::process::exit(1);
                 }
             };
-            cli::init_logging(&cfg.log.level, cfg.log.format);
+            cli::init_logging(
+                &cfg.log.level,
+                cfg.log.format,
+                cfg.log.access_flush_interval,
+            );
             kube_cache_proxy::http::tls::install_crypto_provider();
             let kube = kube_cache_proxy::upstream::load_kube_config(&cfg.upstream).await?;
             tracing::info!(upstream = %kube.cluster_url, "starting");
             let running = kube_cache_proxy::app::start::start(cfg, &kube).await?;
             cli::termination_signal().await;
             running.shutdown().await;
+            cli::flush_logs();
             Ok(())
         }
         #[cfg(feature = "dev")]

@@ -38,12 +38,17 @@ pub fn serve_main(args: Vec<String>) -> anyhow::Result<()> {
     crate::alloc_trace::start();
     let rt = kube_cache_proxy::app::memory::runtime(crate::release_idle_memory)?;
     rt.block_on(async move {
-        kube_cache_proxy::app::cli::init_logging(&cfg.log.level, cfg.log.format);
+        kube_cache_proxy::app::cli::init_logging(
+            &cfg.log.level,
+            cfg.log.format,
+            cfg.log.access_flush_interval,
+        );
         kube_cache_proxy::http::tls::install_crypto_provider();
         let kube = kube_cache_proxy::upstream::load_kube_config(&cfg.upstream).await?;
         let running = kube_cache_proxy::app::start::start(cfg, &kube).await?;
         kube_cache_proxy::app::cli::termination_signal().await;
         running.shutdown().await;
+        kube_cache_proxy::app::cli::flush_logs();
         anyhow::Ok(())
     })
 }

@@ -182,16 +182,38 @@ impl ServeArgs {
 }
 
 /// Sets up tracing once per process: to stderr, `RUST_LOG` if set, else `level` (see
-/// [`log_filter`]); colours only when stderr is a terminal.
-pub fn init_logging(level: &str, format: LogFormat) {
+/// [`log_filter`]); colours only when stderr is a terminal. Access lines are gathered and
+/// written at least every `access_flush` (`app::log_sink`); [`flush_logs`] writes them at
+/// exit, and a panic writes them before its message.
+pub fn init_logging(level: &str, format: LogFormat, access_flush: std::time::Duration) {
     use std::io::IsTerminal;
     let env = std::env::var("RUST_LOG")
         .ok()
         .filter(|v| !v.trim().is_empty());
     let filter = log_filter(env.as_deref().unwrap_or(level), env.is_some());
     let ansi = std::io::stderr().is_terminal();
-    let _ =
-        tracing::subscriber::set_global_default(subscriber(&filter, format, ansi, std::io::stderr));
+    let sink = SINK.get_or_init(|| crate::app::log_sink::LogSink::stderr(access_flush));
+    if tracing::subscriber::set_global_default(subscriber(&filter, format, ansi, sink.clone()))
+        .is_ok()
+    {
+        let previous = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if let Some(s) = SINK.get() {
+                s.try_flush();
+            }
+            previous(info);
+        }));
+    }
+}
+
+/// The process's log sink, once [`init_logging`] made it.
+static SINK: std::sync::OnceLock<crate::app::log_sink::LogSink> = std::sync::OnceLock::new();
+
+/// Writes the access lines gathered so far (the process calls it as it exits).
+pub fn flush_logs() {
+    if let Some(s) = SINK.get() {
+        s.flush();
+    }
 }
 
 /// The libraries whose own debug and trace lines would drown the proxy's at
@@ -380,7 +402,11 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
 
     use crate::app::dev::{ControlPlane, ControlPlaneOptions};
 
-    init_logging(&args.log_level, LogFormat::Text);
+    init_logging(
+        &args.log_level,
+        LogFormat::Text,
+        crate::config::LogConfig::default().access_flush_interval,
+    );
     // Both ports first: a busy port should fail in a second, not after building and starting
     // a control plane. The listeners are released again for `start`, which binds its own.
     for (flag, addr) in [
@@ -485,8 +511,10 @@ pub async fn dev(args: DevArgs) -> anyhow::Result<()> {
             .join(", "),
     );
     termination_signal().await;
+    flush_logs();
     eprintln!(">> stopping");
     running.shutdown().await;
+    flush_logs();
     cp.stop().await;
     Ok(())
 }

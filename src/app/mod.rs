@@ -6,5 +6,6 @@ pub mod cli;
 pub mod collectors;
 #[cfg(feature = "dev")]
 pub mod dev;
+pub mod log_sink;
 pub mod memory;
 pub mod start;

@@ -12,10 +12,13 @@
 //!   else by a short upstream watch from the cache's resourceVersion with bookmarks — the
 //!   apiserver sends every event after it, then a bookmark (at least R, since its own cache
 //!   reached R for the probe list); once the cache applied the last event seen on the probe,
-//!   the cache is complete up to the bookmark and advances to it. Probes are single-flighted
-//!   per resource: a read joins the next probe that starts after it arrived, so concurrent
-//!   reads share one. When a probe fails or takes longer than `consistencyTimeout`, the read
-//!   passes through to the apiserver (never stale).
+//!   the cache is complete up to the bookmark and advances to it. That watch takes one to two
+//!   seconds (the apiserver's bookmark timing), so it runs on its own, one per resource, and
+//!   the reads of the rounds that needed it pass through to the apiserver meanwhile: they
+//!   get their answer as fast as without the proxy rather than seconds later. Probes are
+//!   single-flighted per resource: a read joins the next probe that starts after it
+//!   arrived, so concurrent reads share one. When a probe fails or takes longer than
+//!   `consistencyTimeout`, the read passes through to the apiserver (never stale).
 //! - `bounded` (default): served from the cache while its upstream watch is up and confirmed,
 //!   and once the cache reflects every write the proxy itself passed through for that
 //!   resource (read-your-writes); otherwise the read passes through. Staleness is then the
@@ -131,6 +134,10 @@ impl prometheus_client::collector::Collector for ConsistencyCollector {
     }
 }
 
+/// How long a probe waits for the cache's own watch to reach the current revision before
+/// it takes the slow path ([`Consistency::catch_up`]).
+pub const CATCH_UP_QUIET: Duration = Duration::from_millis(50);
+
 /// How long a read at a resourceVersion the cache has not reached waits for the resource's
 /// own events before it joins a probe round ([`Consistency::reach`]).
 pub const REACH_QUIET: Duration = Duration::from_millis(100);
@@ -138,6 +145,9 @@ pub const REACH_QUIET: Duration = Duration::from_millis(100);
 /// One resource's probe rounds.
 struct Rounds {
     state: Mutex<RoundState>,
+    /// An upstream watch is proving the cache complete up to a newer revision
+    /// ([`Consistency::catch_up`]); at most one per resource.
+    catching_up: std::sync::atomic::AtomicBool,
     /// (round number, outcome) of the last finished round.
     done: watch::Sender<(u64, bool)>,
 }
@@ -371,6 +381,7 @@ impl Consistency {
             .or_insert_with(|| {
                 Arc::new(Rounds {
                     state: Mutex::new(RoundState::default()),
+                    catching_up: Default::default(),
                     done: watch::channel((0, false)).0,
                 })
             })
@@ -397,12 +408,15 @@ impl Consistency {
         tokio::spawn(async move {
             loop {
                 let n = rounds.state.lock().started;
-                let outcome = match tokio::time::timeout(self.timeout, self.probe(&cache)).await {
-                    Ok(r) => r,
-                    Err(_) => Err(ProbeError::TimedOut),
-                };
+                let outcome =
+                    match tokio::time::timeout(self.timeout, self.probe(&rounds, &cache)).await {
+                        Ok(r) => r,
+                        Err(_) => Err(ProbeError::TimedOut),
+                    };
                 let ok = outcome.is_ok();
-                if let Err(e) = outcome {
+                if let Err(e) = &outcome
+                    && !matches!(e, ProbeError::CatchingUp)
+                {
                     tracing::warn!(resource = %cache.resource.label(), error = %e, "consistency probe failed; reads pass through");
                     self.stats
                         .probe_failures
@@ -443,8 +457,17 @@ impl Consistency {
         Ok(resp)
     }
 
-    /// One probe: the current revision, then proof that the cache holds every change up to it.
-    async fn probe(&self, cache: &Arc<ResourceCache>) -> Result<(), ProbeError> {
+    /// One probe: the current revision, then proof that the cache holds every change up to
+    /// it. When the cache is behind and its own watch does not bring it there within
+    /// [`CATCH_UP_QUIET`], the proof takes an upstream watch up to a bookmark, one to two
+    /// seconds: that runs on its own ([`Consistency::catch_up`]) and this round's reads pass
+    /// through meanwhile (the apiserver answers them as fresh as it would without the proxy,
+    /// in milliseconds, where waiting for the proof made them wait seconds).
+    async fn probe(
+        self: &Arc<Self>,
+        rounds: &Arc<Rounds>,
+        cache: &Arc<ResourceCache>,
+    ) -> Result<(), ProbeError> {
         use std::sync::atomic::Ordering::Relaxed;
         self.stats.probes.fetch_add(1, Relaxed);
         let collection = cache.resource.collection_path(None);
@@ -456,17 +479,52 @@ impl Consistency {
             .map_err(ProbeError::Body)?
             .to_bytes();
         let current = list_rv(&body).ok_or(ProbeError::NoResourceVersion)?;
-        // Usually the cache is there already, or its watch brings it within milliseconds.
-        if cache.rv() >= current || cache.wait_for_rv(current, Duration::from_millis(50)).await {
+        if cache.rv() >= current {
             return Ok(());
         }
-        // Nothing of this resource may have changed since the cache's resourceVersion: ask
-        // the apiserver for everything after it, up to a bookmark. The apiserver sends one
-        // 2 s before a watch's deadline (and none if that moment has passed when the watch
-        // starts), so timeoutSeconds=3: the bookmark comes after about 1-2 s. This is the
-        // slow path of strict reads, taken when other resources' writes moved the revision.
-        self.stats.probe_watches.fetch_add(1, Relaxed);
+        // A catch-up under way is the cache's way there: pass through at once.
+        if rounds.catching_up.load(Relaxed) {
+            return Err(ProbeError::CatchingUp);
+        }
+        // Usually the cache's own watch brings it there within milliseconds.
+        if cache.wait_for_rv(current, CATCH_UP_QUIET).await {
+            return Ok(());
+        }
+        if !rounds.catching_up.swap(true, Relaxed) {
+            self.stats.probe_watches.fetch_add(1, Relaxed);
+            let (this, rounds, cache) = (self.clone(), rounds.clone(), cache.clone());
+            tokio::spawn(async move {
+                let outcome = match tokio::time::timeout(
+                    this.timeout,
+                    this.catch_up(&cache, current),
+                )
+                .await
+                {
+                    Ok(r) => r,
+                    Err(_) => Err(ProbeError::TimedOut),
+                };
+                if let Err(e) = outcome {
+                    tracing::warn!(resource = %cache.resource.label(), error = %e, "consistency catch-up failed; strict reads pass through until one succeeds");
+                    this.stats.probe_failures.fetch_add(1, Relaxed);
+                }
+                rounds.catching_up.store(false, Relaxed);
+            });
+        }
+        Err(ProbeError::CatchingUp)
+    }
+
+    /// Proves that the cache holds every change up to `current` and advances it there.
+    /// Nothing of this resource may have changed since the cache's resourceVersion: ask the
+    /// apiserver for everything after it, up to a bookmark. The apiserver sends one 2 s
+    /// before a watch's deadline (and none if that moment has passed when the watch starts),
+    /// so timeoutSeconds=3: the bookmark comes after about 1-2 s. This is the slow path of
+    /// strict reads, taken when other resources' writes moved the revision.
+    async fn catch_up(&self, cache: &Arc<ResourceCache>, current: u64) -> Result<(), ProbeError> {
+        let collection = cache.resource.collection_path(None);
         let from = cache.rv();
+        if from >= current {
+            return Ok(());
+        }
         let resp = self
             .get(&format!(
                 "{collection}?watch=1&resourceVersion={from}&allowWatchBookmarks=true&timeoutSeconds=3"
@@ -511,6 +569,10 @@ impl Consistency {
 /// Why a consistency probe proved nothing; the reads waiting on it pass through.
 #[derive(Debug, thiserror::Error)]
 enum ProbeError {
+    /// The cache is behind the current revision and an upstream watch is proving it
+    /// complete ([`Consistency::catch_up`]): not a failure, the round's reads pass through.
+    #[error("catching up")]
+    CatchingUp,
     /// Longer than `lists.consistencyTimeout`.
     #[error("timed out")]
     TimedOut,

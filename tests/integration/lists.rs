@@ -280,6 +280,59 @@ async fn strict_reads_see_every_direct_write_and_nothing_stale_when_the_upstream
     assert_eq!(code, 200, "{v}");
 }
 
+/// A strict read that finds the cache behind only because another resource's write moved
+/// the revision passes through at once: the proof that nothing of its own resource changed
+/// (an upstream watch up to a bookmark, one to two seconds against kube-apiserver) runs on
+/// its own, and once it is in, strict reads come from the cache again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_strict_read_behind_a_foreign_write_passes_through_while_the_cache_catches_up() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let (fake, proxy) = setup(|c| {
+        c.lists.consistency = kube_cache_proxy::read::consistency::Mode::Strict;
+        c.lists.consistency_timeout = Duration::from_secs(10);
+    })
+    .await;
+    // No periodic bookmark moves the cache: only the catch-up's own watch can.
+    fake.faults()
+        .set_bookmark_interval(Duration::from_secs(3600));
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    let st = &state.consistency.stats;
+    let base = "/api/v1/namespaces/b/configmaps";
+    let served_from_cache = async || {
+        let before = st.fallbacks.load(Relaxed);
+        let (code, v) = get(&proxy, base, "alice").await;
+        assert_eq!(code, 200, "{v}");
+        assert!(names(&v).contains(&"cm-6".to_string()), "{v}");
+        st.fallbacks.load(Relaxed) == before
+    };
+    eventually("a strict read served from the cache", GUARD, async || {
+        ok_if(served_from_cache().await, ())
+    })
+    .await;
+
+    // A namespace (not cached) moves the revision past the configmaps cache.
+    fake.create(
+        "/api/v1/namespaces",
+        json!({"metadata": {"name": "elsewhere"}}),
+    )
+    .await;
+    let fallbacks = st.fallbacks.load(Relaxed);
+    assert!(
+        !served_from_cache().await,
+        "the read waited for the catch-up rather than passing through"
+    );
+    assert_eq!(st.fallbacks.load(Relaxed), fallbacks + 1);
+    assert!(st.probe_watches.load(Relaxed) > 0, "no catch-up started");
+
+    eventually(
+        "strict reads served from the cache after the catch-up",
+        GUARD,
+        async || ok_if(served_from_cache().await, ()),
+    )
+    .await;
+    assert_eq!(st.probe_failures.load(Relaxed), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bounded_reads_see_the_writes_made_through_the_proxy() {
     let (_fake, proxy) = setup(|c| {

@@ -386,6 +386,14 @@ impl Consistency {
                 })
             })
             .clone();
+        // An upstream watch is proving the cache complete up to a newer revision: no probe
+        // can confirm it before that ends, so none is sent (the read passes through).
+        if rounds
+            .catching_up
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            return false;
+        }
         let mut rx = rounds.done.subscribe();
         let target = {
             let mut s = rounds.state.lock();

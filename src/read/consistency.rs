@@ -135,7 +135,7 @@ impl prometheus_client::collector::Collector for ConsistencyCollector {
 }
 
 /// How long a probe waits for the cache's own watch to reach the current revision before
-/// it takes the slow path ([`Consistency::catch_up`]).
+/// it takes the slow path (the catch-up, `Consistency::catch_up`).
 pub const CATCH_UP_QUIET: Duration = Duration::from_millis(50);
 
 /// How long a read at a resourceVersion the cache has not reached waits for the resource's

@@ -16,7 +16,7 @@
 //!
 //! Spans are batched (the SDK's batch processor: its own thread, a bounded queue that drops
 //! when full) and never block a request; export failures are logged at most once a minute
-//! ([`ExportClient`]). [`Telemetry::shutdown`] flushes what is queued.
+//! (`ExportClient`). [`Telemetry::shutdown`] flushes what is queued.
 
 use std::future::Future;
 use std::pin::Pin;

@@ -221,7 +221,7 @@ pub fn flush_logs() {
 const QUIET_BY_DEFAULT: &[&str] = &["rustls", "h2", "hyper", "hyper_util", "tower", "mio"];
 
 /// The filter directives for `level`: unless `verbatim` (it came from `RUST_LOG`), each of
-/// [`QUIET_BY_DEFAULT`] the filter does not name is capped at `info`.
+/// `QUIET_BY_DEFAULT` the filter does not name is capped at `info`.
 pub fn log_filter(level: &str, verbatim: bool) -> String {
     if verbatim {
         return level.to_string();

@@ -826,7 +826,7 @@ fn cache_root() -> Option<PathBuf> {
     }
 }
 
-/// Writes [`BUILD_SOURCES`] to `<cache>/src/<hash of the sources>/` (files already there with
+/// Writes `BUILD_SOURCES` to `<cache>/src/<hash of the sources>/` (files already there with
 /// the same content are left alone; others are replaced atomically, so concurrent callers do
 /// not see half-written files) and returns the script's path.
 ///

@@ -552,7 +552,7 @@ impl Authorizer {
     }
 
     /// Follows the RBAC caches pinned in `caches` until `stop`: every change forgets the
-    /// cached decisions it may alter, at once and again [`RBAC_SETTLE`] later, so a revoked
+    /// cached decisions it may alter, at once and again `RBAC_SETTLE` later, so a revoked
     /// (or granted) permission takes effect at the proxy as at the apiserver. Decisions of
     /// other authorizers (webhooks) still live for their TTLs. While a cache is not synced
     /// (e.g. the proxy may not list RBAC objects), its changes cannot be seen and the TTLs

@@ -7,7 +7,7 @@
 //! `dispatchTimeoutBudget`. A closed watcher's stream ends cleanly, so its client re-watches
 //! from the last resourceVersion it saw. The budget is one for all events, as the cacher's
 //! `timeBudget`: what a dispatch waits is taken from it and it refills at half of it per
-//! second ([`TimeBudget`]), so a client that frees one slot just before each deadline cannot
+//! second (`TimeBudget`), so a client that frees one slot just before each deadline cannot
 //! make every event wait a whole budget. One slow client therefore costs the others about
 //! one budget, once. The proxy's default budget is zero (`cache.dispatchBudget`): its
 //! queues hold over a thousand events, and any wait is paid by every other watcher.
@@ -454,7 +454,7 @@ impl Drop for Subscription {
 
 impl Hub {
     /// `queue_len`: events buffered per watcher; `budget`: the most the dispatcher waits for
-    /// full queues, shared by all events ([`TimeBudget`]).
+    /// full queues, shared by all events (`TimeBudget`).
     pub fn new(queue_len: usize, budget: Duration) -> Arc<Hub> {
         Hub::with_queue_bytes(queue_len, usize::MAX, budget)
     }

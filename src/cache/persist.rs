@@ -218,7 +218,7 @@ impl Persist {
     }
 
     /// Writes `image` as `r`'s state file (atomically: a temporary file, synced, renamed),
-    /// streamed in chunks of about [`CHUNK`] bytes, so saving holds one chunk beyond the
+    /// streamed in chunks of about `CHUNK` bytes, so saving holds one chunk beyond the
     /// cache itself.
     pub fn save(&self, r: &Resource, uid: &str, image: &Image) -> Result<Saved, PersistError> {
         let io = |path: &Path| {

@@ -20,7 +20,7 @@
 //!   first yields (wakes itself and returns, which puts the connection at the back of the
 //!   run queue), so the hub, still pushing a fan-out's event to other watchers, reaches more
 //!   of this connection's streams before the one write; it yields again while each pass
-//!   adds to the batch, at most [`MAX_YIELDS`] times;
+//!   adds to the batch, at most `MAX_YIELDS` times;
 //! - outside a poll of the connection (an upgraded connection's IO, used by another task
 //!   after the connection future ended) a flush is a real flush.
 //!

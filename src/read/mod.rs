@@ -64,7 +64,7 @@ pub const NOT_CONFIRMED: &str = "consistent read not confirmed";
 
 /// Whether a read handed to the apiserver for `why` needs state newer than the cache holds:
 /// while the apiserver is unreachable, only it could answer, so the read fails at once
-/// ([`unreachable`]) instead of waiting for a connection that does not come.
+/// (`unreachable`) instead of waiting for a connection that does not come.
 pub fn needs_newer_state(why: &str) -> bool {
     why == NOT_REACHED || why == NOT_CONFIRMED
 }

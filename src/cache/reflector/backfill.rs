@@ -29,13 +29,13 @@
 //! backfill is tried again at or below that resourceVersion (a client chooses its
 //! resourceVersion: it must not make the proxy list the resource upstream at will). A
 //! stretch that would not fit the history's bound is refused the same way, and a resource
-//! gets at most a few backfills, then one per 15 s ([`BURST`], [`REFILL`]).
+//! gets at most a few backfills, then one per 15 s (`BURST`, `REFILL`).
 //!
 //! A budget spent on tries the apiserver could not serve (a large cluster's apiserver can
 //! take minutes to initialize its watch caches after a restart) still answers "retry", for
-//! at most [`SPELL`] from the first of them: the retrying clients' resourceVersions gather
+//! at most `SPELL` from the first of them: the retrying clients' resourceVersions gather
 //! in the next backfill (it starts from the oldest), which serves them all once the
-//! apiserver can. Past [`SPELL`] without a served backfill they get 410 and relist (from
+//! apiserver can. Past `SPELL` without a served backfill they get 410 and relist (from
 //! the proxy's cache), rather than wait without end.
 
 use std::sync::Arc;

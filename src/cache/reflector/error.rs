@@ -116,7 +116,7 @@ impl ApiStatus {
 }
 
 /// Why a list or watch attempt failed. All of them come from upstream; whether a retry helps
-/// and how (resume or relist) is decided by [`after_list_error`] and [`after_watch`].
+/// and how (resume or relist) is decided by `after_list_error` and `after_watch`.
 #[derive(Debug, thiserror::Error)]
 pub enum ReflectorError {
     #[error("{what}: sending request: {source}")]

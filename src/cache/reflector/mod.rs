@@ -39,7 +39,7 @@
 //! (a relist; its resourceVersion is normally newer, but after an etcd restore it may be
 //! older). `set_unhealthy(Some(..))` is reported while listing, backing off, or after a broken
 //! watch; `set_unhealthy(None)` once a watch is established after a sync and has delivered an
-//! event or bookmark, or gone [`WATCH_HEALTHY_GRACE`](task::WATCH_HEALTHY_GRACE) without an
+//! event or bookmark, or gone `task::WATCH_HEALTHY_GRACE` without an
 //! ERROR event. Identical consecutive health reports are not repeated. The sink runs on the
 //! reflector's task: a slow sink delays reading the watch (backpressure), so its methods must
 //! not block.

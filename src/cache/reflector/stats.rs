@@ -92,7 +92,7 @@ pub struct StatsSnapshot {
     pub bookmarks: u64,
     /// Bytes of the watches' bodies received (every line: events, bookmarks, errors).
     pub watch_bytes: u64,
-    /// Watches dropped for silence ([`ReflectorConfig::stall_timeout`]).
+    /// Watches dropped for silence (`ReflectorConfig::stall_timeout`).
     pub stalls: u64,
     /// Backoff sleeps.
     pub backoffs: u64,

@@ -1,5 +1,5 @@
 //! The WATCH stream's wire format: the chunked body split into newline-terminated lines
-//! ([`LineSplitter`], bounded), and each line decoded into an event, a bookmark or an error
+//! (`LineSplitter`, bounded), and each line decoded into an event, a bookmark or an error
 //! ([`parse_event_line`]).
 
 use bytes::Bytes;

@@ -842,7 +842,7 @@ impl ResourceCache {
     /// need the latest state go to the apiserver until then). An image that does not hold
     /// together (events out of order, objects newer than their place) is refused whole. A
     /// protobuf side that ran before the save starts again with its envelopes
-    /// ([`Self::restore_protobuf`]).
+    /// (`Self::restore_protobuf`).
     pub fn restore(&self, image: Image) -> Result<(), RestoreError> {
         let Image {
             rv,

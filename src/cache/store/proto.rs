@@ -263,7 +263,7 @@ impl ResourceCache {
     }
 
     /// Where the protobuf side resumes its watch from, after a warm restart whose saved
-    /// state had every envelope (see [`Self::restore_protobuf`]); `None` afterwards.
+    /// state had every envelope (see `Self::restore_protobuf`); `None` afterwards.
     pub fn take_protobuf_resume(&self) -> Option<u64> {
         self.proto_resume.lock().take()
     }

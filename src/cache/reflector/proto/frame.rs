@@ -13,7 +13,7 @@ use crate::cache::{EventKind, ObjectKey};
 use crate::k8s::protobuf::{self, Envelope};
 use crate::k8s::protobuf_write::INITIAL_EVENTS_END;
 
-/// The longest frame accepted: the JSON watch's line bound ([`MAX_EVENT_LINE`], 16 MiB: etcd
+/// The longest frame accepted: the JSON watch's line bound (`MAX_EVENT_LINE`, 16 MiB: etcd
 /// refuses objects above 1.5 MiB by default, 16 MiB leaves room for raised limits).
 pub const MAX_FRAME: usize = MAX_EVENT_LINE;
 

@@ -295,7 +295,7 @@ impl Consistency {
                         Some(g) if caught_up => {
                             // The probe round joined starts after this read arrived, so after
                             // the write's response was relayed.
-                            let ok = tokio::time::timeout(self.timeout, self.confirm(cache))
+                            let ok = tokio::time::timeout(self.timeout, self.confirm(cache, false))
                                 .await
                                 .unwrap_or(false);
                             if ok {
@@ -309,7 +309,7 @@ impl Consistency {
             }
             Mode::Strict => {
                 cache.unhealthy().is_none()
-                    && tokio::time::timeout(self.timeout, self.confirm(cache))
+                    && tokio::time::timeout(self.timeout, self.confirm(cache, true))
                         .await
                         .unwrap_or(false)
             }
@@ -363,7 +363,7 @@ impl Consistency {
         let left = deadline.saturating_duration_since(tokio::time::Instant::now());
         tokio::select! {
             reached = cache.wait_for_rv(rv, left) => reached,
-            _ = tokio::time::timeout(left, self.confirm(cache)) => {
+            _ = tokio::time::timeout(left, self.confirm(cache, false)) => {
                 // The probe ended (confirmed or not): whatever it proved is in the cache's
                 // resourceVersion now; the rest of the bound is for the resource's own events.
                 let left = deadline.saturating_duration_since(tokio::time::Instant::now());
@@ -373,8 +373,12 @@ impl Consistency {
     }
 
     /// Joins the next probe round of `cache` that starts after now; true when it confirmed
-    /// the cache current.
-    async fn confirm(self: &Arc<Self>, cache: &Arc<ResourceCache>) -> bool {
+    /// the cache current. `detach` (strict reads, which pass through when not confirmed):
+    /// a round that needs the slow proof leaves it to a catch-up of its own and ends at once
+    /// ([`Consistency::probe`]). Without it (a read after a write whose resourceVersion is
+    /// unknown, a read reaching a resourceVersion: both would rather wait for the cache than
+    /// pass through), the round waits for the proof.
+    async fn confirm(self: &Arc<Self>, cache: &Arc<ResourceCache>, detach: bool) -> bool {
         let rounds = self
             .rounds
             .entry(cache.resource.label())
@@ -388,9 +392,10 @@ impl Consistency {
             .clone();
         // An upstream watch is proving the cache complete up to a newer revision: no probe
         // can confirm it before that ends, so none is sent (the read passes through).
-        if rounds
-            .catching_up
-            .load(std::sync::atomic::Ordering::Relaxed)
+        if detach
+            && rounds
+                .catching_up
+                .load(std::sync::atomic::Ordering::Relaxed)
         {
             return false;
         }
@@ -402,7 +407,8 @@ impl Consistency {
             if !s.running {
                 s.running = true;
                 s.started += 1;
-                self.clone().spawn_round(rounds.clone(), cache.clone());
+                self.clone()
+                    .spawn_round(rounds.clone(), cache.clone(), detach);
             }
             target
         };
@@ -412,12 +418,14 @@ impl Consistency {
         }
     }
 
-    fn spawn_round(self: Arc<Self>, rounds: Arc<Rounds>, cache: Arc<ResourceCache>) {
+    fn spawn_round(self: Arc<Self>, rounds: Arc<Rounds>, cache: Arc<ResourceCache>, detach: bool) {
         tokio::spawn(async move {
             loop {
                 let n = rounds.state.lock().started;
                 let outcome =
-                    match tokio::time::timeout(self.timeout, self.probe(&rounds, &cache)).await {
+                    match tokio::time::timeout(self.timeout, self.probe(&rounds, &cache, detach))
+                        .await
+                    {
                         Ok(r) => r,
                         Err(_) => Err(ProbeError::TimedOut),
                     };
@@ -468,13 +476,15 @@ impl Consistency {
     /// One probe: the current revision, then proof that the cache holds every change up to
     /// it. When the cache is behind and its own watch does not bring it there within
     /// [`CATCH_UP_QUIET`], the proof takes an upstream watch up to a bookmark, one to two
-    /// seconds: that runs on its own ([`Consistency::catch_up`]) and this round's reads pass
-    /// through meanwhile (the apiserver answers them as fresh as it would without the proxy,
-    /// in milliseconds, where waiting for the proof made them wait seconds).
+    /// seconds. With `detach` (a round of strict reads) that runs on its own
+    /// ([`Consistency::catch_up`]) and this round's reads pass through meanwhile (the
+    /// apiserver answers them as fresh as it would without the proxy, in milliseconds, where
+    /// waiting for the proof made them wait seconds); without, the round waits for it.
     async fn probe(
         self: &Arc<Self>,
         rounds: &Arc<Rounds>,
         cache: &Arc<ResourceCache>,
+        detach: bool,
     ) -> Result<(), ProbeError> {
         use std::sync::atomic::Ordering::Relaxed;
         self.stats.probes.fetch_add(1, Relaxed);
@@ -491,12 +501,16 @@ impl Consistency {
             return Ok(());
         }
         // A catch-up under way is the cache's way there: pass through at once.
-        if rounds.catching_up.load(Relaxed) {
+        if detach && rounds.catching_up.load(Relaxed) {
             return Err(ProbeError::CatchingUp);
         }
         // Usually the cache's own watch brings it there within milliseconds.
         if cache.wait_for_rv(current, CATCH_UP_QUIET).await {
             return Ok(());
+        }
+        if !detach {
+            self.stats.probe_watches.fetch_add(1, Relaxed);
+            return self.catch_up(cache, current).await;
         }
         if !rounds.catching_up.swap(true, Relaxed) {
             self.stats.probe_watches.fetch_add(1, Relaxed);

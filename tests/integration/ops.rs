@@ -651,3 +651,115 @@ async fn the_binary_logs_without_colours_and_without_library_debug_noise() {
         assert!(parsed.iter().any(|l| l["message"] == "starting"), "{all}");
     }
 }
+
+/// The binary's access lines are gathered (`log.accessFlushInterval`) and written at the
+/// latest when it exits: with an interval longer than the test, the lines of the requests it
+/// served are all on stderr once SIGTERM ended it, in the order the requests ended.
+#[tokio::test]
+async fn the_binary_writes_its_gathered_access_lines_when_it_exits() {
+    use std::io::BufRead;
+    let fake = FakeApiServer::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = dir.path().join("upstream.kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        format!(
+            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\n\
+             users:\n- name: proxy\n  user:\n    token: proxy-token\ncontexts:\n- name: fake\n  \
+             context:\n    cluster: fake\n    user: proxy\ncurrent-context: fake\n",
+            fake.url()
+        ),
+    )
+    .unwrap();
+    let config = dir.path().join("config.yaml");
+    std::fs::write(&config, "log:\n  accessFlushInterval: 60s\n").unwrap();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kube-cache-proxy"))
+        // The start-up's lines (the listener's address), the access lines, nothing else:
+        // no other line written after the requests writes the gathered ones before its own.
+        .args([
+            "serve",
+            "--log-format",
+            "json",
+            "--log-level",
+            "warn,kube_cache_proxy::app=info,kube_cache_proxy::access=info",
+            "--config",
+        ])
+        .arg(&config)
+        .arg("--kubeconfig")
+        .arg(&kubeconfig)
+        .args([
+            "--insecure-listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env_remove("RUST_LOG")
+        .env_remove("KCP_LOG_LEVEL")
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let reader = std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let rx = Arc::new(Mutex::new(rx));
+    let mut lines: Vec<Value> = Vec::new();
+    let addr = eventually("the plain listener's address", BOUND, async || {
+        while let Ok(l) = rx.lock().try_recv() {
+            lines.push(serde_json::from_str(&l).unwrap_or_else(|_| panic!("not JSON: {l}")));
+        }
+        let addr = lines
+            .iter()
+            .find(|l| l["message"] == "serving plain HTTP (HTTP/1.1 and h2c) for local use")
+            .and_then(|l| l["addr"].as_str().map(str::to_string));
+        match addr {
+            Some(a) => Ok(a),
+            None => Err(lines.len()),
+        }
+    })
+    .await;
+    let client = crate::support::proxy::plain_client(false);
+    for i in 0..3 {
+        let r = client
+            .request(
+                Request::get(format!("http://{addr}/version"))
+                    .header("authorization", "Bearer alice")
+                    .header("user-agent", format!("gathered-{i}"))
+                    .body(Full::default())
+                    .unwrap(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        body_string(r).await;
+    }
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let status = child.wait().unwrap();
+    assert!(status.success(), "{status:?}");
+    reader.join().unwrap();
+    while let Ok(l) = rx.lock().try_recv() {
+        lines.push(serde_json::from_str(&l).unwrap_or_else(|_| panic!("not JSON: {l}")));
+    }
+    let agents: Vec<&str> = lines
+        .iter()
+        .filter(|l| l["target"] == "kube_cache_proxy::access")
+        .filter_map(|l| l["user_agent"].as_str())
+        .collect();
+    assert_eq!(
+        agents,
+        ["gathered-0", "gathered-1", "gathered-2"],
+        "{lines:#?}"
+    );
+}

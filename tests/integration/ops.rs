@@ -558,15 +558,9 @@ fn a_bad_config_file_is_one_line_without_a_backtrace() {
     }
 }
 
-/// The binary's stderr (not a terminal): no ANSI colour codes; at `--log-level debug` the
-/// proxy's lines without hyper's, h2's or rustls' internals, which `RUST_LOG=debug` (the
-/// control) does bring.
-#[tokio::test]
-async fn the_binary_logs_without_colours_and_without_library_debug_noise() {
-    use std::io::BufRead;
-    let fake = FakeApiServer::start().await;
-    let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = dir.path().join("upstream.kubeconfig");
+/// A kubeconfig in `dir` for the binary: `fake` as its upstream, with the proxy's token.
+fn upstream_kubeconfig(dir: &std::path::Path, fake: &FakeApiServer) -> std::path::PathBuf {
+    let kubeconfig = dir.join("upstream.kubeconfig");
     std::fs::write(
         &kubeconfig,
         format!(
@@ -577,6 +571,18 @@ async fn the_binary_logs_without_colours_and_without_library_debug_noise() {
         ),
     )
     .unwrap();
+    kubeconfig
+}
+
+/// The binary's stderr (not a terminal): no ANSI colour codes; at `--log-level debug` the
+/// proxy's lines without hyper's, h2's or rustls' internals, which `RUST_LOG=debug` (the
+/// control) does bring.
+#[tokio::test]
+async fn the_binary_logs_without_colours_and_without_library_debug_noise() {
+    use std::io::BufRead;
+    let fake = FakeApiServer::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let kubeconfig = upstream_kubeconfig(dir.path(), &fake);
     let library = |l: &Value| {
         let t = l["target"].as_str().unwrap_or("");
         ["hyper", "hyper_util", "h2", "rustls", "tower"]
@@ -660,17 +666,7 @@ async fn the_binary_writes_its_gathered_access_lines_when_it_exits() {
     use std::io::BufRead;
     let fake = FakeApiServer::start().await;
     let dir = tempfile::tempdir().unwrap();
-    let kubeconfig = dir.path().join("upstream.kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        format!(
-            "apiVersion: v1\nkind: Config\nclusters:\n- name: fake\n  cluster:\n    server: {}\n\
-             users:\n- name: proxy\n  user:\n    token: proxy-token\ncontexts:\n- name: fake\n  \
-             context:\n    cluster: fake\n    user: proxy\ncurrent-context: fake\n",
-            fake.url()
-        ),
-    )
-    .unwrap();
+    let kubeconfig = upstream_kubeconfig(dir.path(), &fake);
     let config = dir.path().join("config.yaml");
     std::fs::write(&config, "log:\n  accessFlushInterval: 60s\n").unwrap();
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kube-cache-proxy"))

@@ -281,8 +281,8 @@ pub fn fanout_markdown(r: &FanoutReport) -> String {
          (`kube_cache_proxy_requests_total`).\n\n\
          Proxy protobuf side: started by a protobuf LIST, {} after {:.1} s ({} pods with their \
          envelope, {} without, {:.1} MB of envelopes).\n\n\
-         | side | Accept | writes/s (achieved) | watchers (conns) | deliveries | deliveries/s | latency p50 / p99 / max (ms) | missed | duplicated | watches cache / passed through | proxy CPU, RSS | proxy µs/delivery | kube-apiserver CPU, RSS | apiserver µs/delivery | driver CPU |\n\
-         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+         | side | Accept | writes/s (achieved) | watchers (conns) | deliveries | deliveries/s | latency p50 / p99 / max (ms) | a write's first / last delivery, median (ms) | missed | duplicated | watches cache / passed through | proxy CPU, RSS | proxy µs/delivery | kube-apiserver CPU, RSS | apiserver µs/delivery | driver CPU |\n\
+         |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
         o.watchers,
         o.streams_per_conn,
         r.pod_protobuf_bytes,
@@ -301,7 +301,7 @@ pub fn fanout_markdown(r: &FanoutReport) -> String {
     for p in &r.phases {
         let f = &p.result;
         s.push_str(&format!(
-            "| {} | {} | {} ({:.1}) | {} ({}) | {} | {:.0} | {} | {} | {} | {} |\n",
+            "| {} | {} | {} ({:.1}) | {} ({}) | {} | {:.0} | {} | {} | {} | {} | {} |\n",
             p.side,
             match p.encoding {
                 Encoding::Json => "json",
@@ -314,6 +314,7 @@ pub fn fanout_markdown(r: &FanoutReport) -> String {
             f.deliveries,
             f.deliveries_per_s,
             lat(&f.latency),
+            crate::report::first_last(f),
             f.missed,
             f.duplicated,
             crate::report::served_and_cost_cells(p),

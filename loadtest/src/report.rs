@@ -306,15 +306,27 @@ fn usage_row(md: &mut String, scenario: &str, side: &str, u: &Usage) {
     );
 }
 
+/// A fan-out's base latency and its own duration, per write: the median over the writes of
+/// each one's first delivery, and of its last.
+pub fn first_last(r: &crate::scenarios::FanoutResult) -> String {
+    if r.first_delivery.count == 0 {
+        return "-".into();
+    }
+    format!(
+        "{:.1} / {:.1}",
+        r.first_delivery.p50_ms, r.last_delivery.p50_ms
+    )
+}
+
 fn fanout_sweep_table(md: &mut String, phases: &[FanoutPhase]) {
     md.push_str(
-        "| side | rate/s (achieved) | watchers (connections) | deliveries | deliveries/s | latency p50 / p99 / max (ms) | missed | duplicated | rewatches | within target | watches cache / passed through | proxy CPU, RSS | proxy µs/delivery | kube-apiserver CPU, RSS | apiserver µs/delivery | driver CPU |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
+        "| side | rate/s (achieved) | watchers (connections) | deliveries | deliveries/s | latency p50 / p99 / max (ms) | a write's first / last delivery, median (ms) | missed | duplicated | rewatches | within target | watches cache / passed through | proxy CPU, RSS | proxy µs/delivery | kube-apiserver CPU, RSS | apiserver µs/delivery | driver CPU |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for p in phases {
         let r = &p.result;
         let _ = writeln!(
             md,
-            "| {} | {} ({:.1}) | {} ({}) | {} | {:.0} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} ({:.1}) | {} ({}) | {} | {:.0} | {} | {} | {} | {} | {} | {} | {} |",
             p.side,
             p.rate,
             r.write_rate,
@@ -323,6 +335,7 @@ fn fanout_sweep_table(md: &mut String, phases: &[FanoutPhase]) {
             r.deliveries,
             r.deliveries_per_s,
             lat(&r.latency),
+            first_last(r),
             r.missed,
             r.duplicated,
             r.rewatches,

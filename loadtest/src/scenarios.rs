@@ -356,6 +356,10 @@ pub struct FanoutResult {
     pub watch_errors: u64,
     /// Write (timestamp in the object, taken just before the PATCH) to receipt at a watcher.
     pub latency: Summary,
+    /// Over the writes: each write's earliest delivery (the path's base latency).
+    pub first_delivery: Summary,
+    /// Over the writes: each write's latest delivery (base plus the fan-out's own duration).
+    pub last_delivery: Summary,
 }
 
 /// When a watcher stops: not yet known, at a resourceVersion (the last write), or now (the
@@ -632,6 +636,21 @@ pub async fn watch_fanout(
     };
     let mut lat = Vec::new();
     let mut last_at = first_write;
+    // Each write's first and last delivery (over the watchers that stamped it): the first is
+    // the path's base latency (writer, apiserver, proxy ingest), last minus first the time
+    // the fan-out of one event takes.
+    let mut per_write: std::collections::HashMap<u64, (u64, u64)> = Default::default();
+    for l in &logs {
+        if l.rvs.len() != l.lat_us.len() {
+            continue; // some events carried no timestamp: not paired
+        }
+        for (rv, &us) in l.rvs.iter().zip(&l.lat_us) {
+            let e = per_write.entry(*rv).or_insert((us, us));
+            e.0 = e.0.min(us);
+            e.1 = e.1.max(us);
+        }
+    }
+    let (firsts, lasts): (Vec<u64>, Vec<u64>) = per_write.into_values().unzip();
     for mut l in logs {
         r.deliveries += l.rvs.len() as u64;
         r.rewatches += l.rewatches;
@@ -649,6 +668,8 @@ pub async fn watch_fanout(
     }
     r.deliveries_per_s = r.deliveries as f64 / last_at.duration_since(first_write).as_secs_f64();
     r.latency = summarize(lat);
+    r.first_delivery = summarize(firsts);
+    r.last_delivery = summarize(lasts);
     Ok(r)
 }
 

@@ -308,8 +308,17 @@ where
                 if let Some(end) = whole(&self.pending) {
                     return Ok(Some(self.pending.split_to(end).slice(4..)));
                 }
-            } else if let Some(end) = whole(&self.partial) {
-                return Ok(Some(self.partial.split_to(end).freeze().slice(4..)));
+            } else {
+                // The data frame just taken may complete the frame begun in `partial`: join
+                // it before looking, or a frame split across data frames would wait for the
+                // stream's next data frame (the next event) to be seen.
+                if !self.pending.is_empty() {
+                    self.partial.extend_from_slice(&self.pending);
+                    self.pending = Bytes::new();
+                }
+                if let Some(end) = whole(&self.partial) {
+                    return Ok(Some(self.partial.split_to(end).freeze().slice(4..)));
+                }
             }
             if self.ended {
                 return Ok(None);
@@ -399,5 +408,26 @@ mod tests {
         let (mid, tail) = rest.split_at(5);
         let got = frames(reader(&[head, mid, tail])).await;
         assert_eq!(got, [b"one".to_vec(), vec![], b"three!".to_vec()]);
+    }
+
+    /// A frame split across two data frames of a stream that stays open (as the apiserver
+    /// writes a watch event larger than its write buffer) is read as soon as its second part
+    /// is there, not when the stream's next data frame comes.
+    #[tokio::test]
+    async fn a_split_frame_is_read_without_waiting_for_more_data() {
+        use futures_util::{FutureExt, StreamExt};
+        let mut f = 6u32.to_be_bytes().to_vec();
+        f.extend_from_slice(b"event!");
+        let (first, second) = f.split_at(3);
+        let parts = [first, second]
+            .map(|p| Ok::<_, std::io::Error>(Frame::data(Bytes::copy_from_slice(p))));
+        // Both parts are there; after them the stream stays open with nothing more.
+        let body = StreamBody::new(stream::iter(parts).chain(stream::pending()));
+        let mut r = LineReader::from_body(body);
+        let got = r.next_frame().now_or_never();
+        assert!(
+            matches!(&got, Some(Ok(Some(m))) if &m[..] == b"event!"),
+            "the frame was not read from the data it came in: {got:?}"
+        );
     }
 }

@@ -372,6 +372,14 @@ impl Consistency {
         }
     }
 
+    /// Whether an upstream watch is catching the cache of `resource` (its label, e.g.
+    /// `secrets`) up to a newer revision for strict reads, which meanwhile pass through.
+    pub fn catching_up(&self, resource: &str) -> bool {
+        self.rounds
+            .get(resource)
+            .is_some_and(|r| r.catching_up.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
     /// Joins the next probe round of `cache` that starts after now; true when it confirmed
     /// the cache current. `detach` (strict reads, which pass through when not confirmed):
     /// a round that needs the slow proof leaves it to a catch-up of its own and ends at once

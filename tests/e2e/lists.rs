@@ -167,7 +167,20 @@ async fn chunked_kubectl_lists_equal_direct_and_strict_reads_see_every_write() {
     use std::sync::atomic::Ordering::Relaxed;
     let st = &state.consistency.stats;
     // Writes elsewhere move the current revision past the secrets cache: the probe must then
-    // prove, by an upstream watch up to a bookmark, that no secret changed in between.
+    // prove, by an upstream watch up to a bookmark, that no secret changed in between. A
+    // catch-up started by the rounds above (the apiserver's own writes move the revision too)
+    // may still run, and while it does strict reads pass through without starting another:
+    // wait for it to end, so that the writes below start one of their own.
+    for _ in 0..600 {
+        if !state.consistency.catching_up("secrets") {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    assert!(
+        !state.consistency.catching_up("secrets"),
+        "a catch-up of secrets was still running after 30 s"
+    );
     let watches_before = st.probe_watches.load(Relaxed);
     let failures_before = st.probe_failures.load(Relaxed);
     let cms = Api::<k8s_openapi::api::core::v1::ConfigMap>::namespaced(admin.clone(), ns);

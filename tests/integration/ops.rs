@@ -559,6 +559,29 @@ fn a_bad_config_file_is_one_line_without_a_backtrace() {
 }
 
 /// A kubeconfig in `dir` for the binary: `fake` as its upstream, with the proxy's token.
+/// The binary's `serve` in front of `kubeconfig`'s upstream, with JSON logs on a piped
+/// stderr, loopback listeners on free ports, none of the environment's log or in-cluster
+/// settings, and `args` (the log level) added.
+fn serve_command(kubeconfig: &std::path::Path, args: &[&str]) -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kube-cache-proxy"));
+    cmd.args(["serve", "--log-format", "json"])
+        .args(args)
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args([
+            "--insecure-listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+        ])
+        .env_remove("KUBERNETES_SERVICE_HOST")
+        .env_remove("RUST_LOG")
+        .env_remove("KCP_LOG_LEVEL")
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null());
+    cmd
+}
+
 fn upstream_kubeconfig(dir: &std::path::Path, fake: &FakeApiServer) -> std::path::PathBuf {
     let kubeconfig = dir.join("upstream.kubeconfig");
     std::fs::write(
@@ -591,20 +614,7 @@ async fn the_binary_logs_without_colours_and_without_library_debug_noise() {
             && l["level"] == "DEBUG"
     };
     for rust_log in [None, Some("debug")] {
-        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_kube-cache-proxy"));
-        cmd.args(["serve", "--log-level", "debug", "--log-format", "json"])
-            .arg("--kubeconfig")
-            .arg(&kubeconfig)
-            .args([
-                "--insecure-listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-            ])
-            .env_remove("KUBERNETES_SERVICE_HOST")
-            .env_remove("RUST_LOG")
-            .stderr(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::null());
+        let mut cmd = serve_command(&kubeconfig, &["--log-level", "debug"]);
         if let Some(v) = rust_log {
             cmd.env("RUST_LOG", v);
         }
@@ -669,33 +679,19 @@ async fn the_binary_writes_its_gathered_access_lines_when_it_exits() {
     let kubeconfig = upstream_kubeconfig(dir.path(), &fake);
     let config = dir.path().join("config.yaml");
     std::fs::write(&config, "log:\n  accessFlushInterval: 60s\n").unwrap();
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_kube-cache-proxy"))
-        // The start-up's lines (the listener's address), the access lines, nothing else:
-        // no other line written after the requests writes the gathered ones before its own.
-        .args([
-            "serve",
-            "--log-format",
-            "json",
+    // The start-up's lines (the listener's address), the access lines, nothing else: no other
+    // line written after the requests writes the gathered ones before its own.
+    let mut child = serve_command(
+        &kubeconfig,
+        &[
             "--log-level",
             "warn,kube_cache_proxy::app=info,kube_cache_proxy::access=info",
-            "--config",
-        ])
-        .arg(&config)
-        .arg("--kubeconfig")
-        .arg(&kubeconfig)
-        .args([
-            "--insecure-listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-        ])
-        .env_remove("KUBERNETES_SERVICE_HOST")
-        .env_remove("RUST_LOG")
-        .env_remove("KCP_LOG_LEVEL")
-        .stderr(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+        ],
+    )
+    .arg("--config")
+    .arg(&config)
+    .spawn()
+    .unwrap();
     let stderr = child.stderr.take().unwrap();
     let (tx, rx) = std::sync::mpsc::channel::<String>();
     let reader = std::thread::spawn(move || {

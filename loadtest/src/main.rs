@@ -401,6 +401,53 @@ pub struct GetRow {
     /// `kube_cache_proxy_consistency_probes_total` during the phase: the upstream
     /// current-revision probes of `strict`.
     pub probes: u64,
+    /// For passed-through GETs on the proxy's side: the proxy's own account of them.
+    pub proxy_split: Option<ProxySplit>,
+}
+
+/// The proxy's own account of the GETs a phase passed through, from its metrics: the mean of
+/// `kube_cache_proxy_request_duration_seconds{served_by="upstream"}` (its request, from
+/// reading the request to the end of the response body) and of
+/// `kube_cache_proxy_upstream_request_duration_seconds` (its upstream round trip, to the
+/// apiserver's response head). Against the driver's own means they split the proxy's added
+/// latency into the client's leg, the proxy's own work and its upstream round trip.
+#[derive(Debug, Clone, Copy, Default, Serialize, PartialEq)]
+pub struct ProxySplit {
+    pub requests: u64,
+    pub request_mean_ms: f64,
+    pub upstream_mean_ms: f64,
+}
+
+impl ProxySplit {
+    /// The sums and counts of both histograms for `resource`'s GETs in a `/metrics` text.
+    fn read(text: &str, resource: &str) -> [f64; 4] {
+        let (res, verb) = (format!("resource=\"{resource}\""), "verb=\"GET\"");
+        let req = |part: &str| {
+            stats::sum(
+                text,
+                &format!("kube_cache_proxy_request_duration_seconds_{part}"),
+                &[&res, verb, "served_by=\"upstream\""],
+            )
+        };
+        let up = |part: &str| {
+            stats::sum(
+                text,
+                &format!("kube_cache_proxy_upstream_request_duration_seconds_{part}"),
+                &[&res, verb],
+            )
+        };
+        [req("sum"), req("count"), up("sum"), up("count")]
+    }
+
+    /// The means between two readings; `None` when nothing was passed through in between.
+    fn between(before: [f64; 4], after: [f64; 4]) -> Option<ProxySplit> {
+        let d: Vec<f64> = after.iter().zip(before).map(|(a, b)| a - b).collect();
+        (d[1] >= 1.0 && d[3] >= 1.0).then(|| ProxySplit {
+            requests: d[1] as u64,
+            request_mean_ms: d[0] / d[1] * 1000.0,
+            upstream_mean_ms: d[2] / d[3] * 1000.0,
+        })
+    }
 }
 
 impl GetRow {
@@ -1364,9 +1411,19 @@ async fn get_phases(
             None => 0,
         })
     };
+    let split = async |kind: GetKind| -> anyhow::Result<Option<[f64; 4]>> {
+        Ok(match px.and_then(|p| p.admin.as_ref()) {
+            Some(admin) if kind == GetKind::Passthrough => Some(ProxySplit::read(
+                &stats::metrics(admin).await?,
+                kind.resource(),
+            )),
+            _ => None,
+        })
+    };
     let mut rows = Vec::new();
     for &kind in kinds {
         let before = (served(px, kind.resource(), "GET").await?, probes().await?);
+        let split_before = split(kind).await?;
         let (result, usage) = env
             .measure(
                 px,
@@ -1374,6 +1431,10 @@ async fn get_phases(
             )
             .await?;
         let after = (served(px, kind.resource(), "GET").await?, probes().await?);
+        let proxy_split = match (split_before, split(kind).await?) {
+            (Some(b), Some(a)) => ProxySplit::between(b, a),
+            _ => None,
+        };
         rows.push(GetRow {
             side: t.side,
             consistency,
@@ -1381,6 +1442,7 @@ async fn get_phases(
             usage,
             served: after.0.since(before.0),
             probes: after.1.saturating_sub(before.1),
+            proxy_split,
         });
     }
     Ok(rows)
@@ -1405,6 +1467,31 @@ mod tests {
                 .find(|(n, _)| *n == k)
                 .map(|(_, v)| OsString::from(v))
         }
+    }
+
+    /// The proxy's account of passed-through GETs is read from its histograms' sums and
+    /// counts for the resource's GETs only, and is the mean between two readings.
+    #[test]
+    fn the_proxy_split_is_the_mean_of_its_histograms_between_two_readings() {
+        let text = |req_sum: f64, req_n: u64, up_sum: f64, up_n: u64| {
+            format!(
+                "kube_cache_proxy_request_duration_seconds_sum{{verb=\"GET\",group=\"coordination.k8s.io\",version=\"v1\",resource=\"leases\",subresource=\"\",scope=\"namespace\",served_by=\"upstream\"}} {req_sum}\n\
+                 kube_cache_proxy_request_duration_seconds_count{{verb=\"GET\",group=\"coordination.k8s.io\",version=\"v1\",resource=\"leases\",subresource=\"\",scope=\"namespace\",served_by=\"upstream\"}} {req_n}\n\
+                 kube_cache_proxy_request_duration_seconds_sum{{verb=\"GET\",group=\"\",version=\"v1\",resource=\"configmaps\",subresource=\"\",scope=\"namespace\",served_by=\"upstream\"}} 99\n\
+                 kube_cache_proxy_request_duration_seconds_count{{verb=\"GET\",group=\"\",version=\"v1\",resource=\"configmaps\",subresource=\"\",scope=\"namespace\",served_by=\"upstream\"}} 99\n\
+                 kube_cache_proxy_upstream_request_duration_seconds_sum{{verb=\"GET\",resource=\"leases\"}} {up_sum}\n\
+                 kube_cache_proxy_upstream_request_duration_seconds_count{{verb=\"GET\",resource=\"leases\"}} {up_n}\n\
+                 kube_cache_proxy_upstream_request_duration_seconds_sum{{verb=\"LIST\",resource=\"leases\"}} 50\n"
+            )
+        };
+        let before = ProxySplit::read(&text(1.0, 10, 0.5, 10), "leases");
+        assert_eq!(before, [1.0, 10.0, 0.5, 10.0]);
+        let after = ProxySplit::read(&text(1.3, 110, 0.62, 110), "leases");
+        let s = ProxySplit::between(before, after).unwrap();
+        assert_eq!(s.requests, 100);
+        assert!((s.request_mean_ms - 3.0).abs() < 1e-9, "{s:?}");
+        assert!((s.upstream_mean_ms - 1.2).abs() < 1e-9, "{s:?}");
+        assert_eq!(ProxySplit::between(after, after), None);
     }
 
     #[test]

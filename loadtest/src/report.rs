@@ -560,6 +560,9 @@ pub fn markdown(run: &Run, svg_name: &str) -> String {
                 d.0, d.1
             );
         }
+        if let Some(line) = passthrough_split(run) {
+            let _ = writeln!(md, "\n{line}");
+        }
     }
 
     if !run.e.is_empty() {
@@ -709,6 +712,34 @@ pub fn passthrough_delta(run: &Run) -> Option<(f64, f64)> {
     };
     let (a, p) = (at("apiserver")?, at("proxy")?);
     Some((p.p50_ms - a.p50_ms, p.p99_ms - a.p99_ms))
+}
+
+/// Where the passed-through GETs' added latency goes, from the means of the driver's two
+/// passthrough rows and the proxy's own account of its row ([`crate::ProxySplit`]).
+pub fn passthrough_split(run: &Run) -> Option<String> {
+    let row = |side: &str| {
+        run.d
+            .iter()
+            .find(|r| r.side == side && r.result.kind == GetKind::Passthrough)
+    };
+    let (a, p) = (row("apiserver")?, row("proxy")?);
+    let s = p.proxy_split?;
+    let (direct, via) = (a.result.latency.mean_ms, p.result.latency.mean_ms);
+    Some(format!(
+        "Where it goes, in means over the rows' GETs (the proxy's from its own metrics, over \
+         {} GETs): the driver saw {via:.3} ms through the proxy and {direct:.3} ms direct \
+         ({:+.3}). The proxy's own request took {:.3} ms, of which {:.3} ms was its upstream \
+         round trip (until the apiserver's response head). So: the client's leg to the proxy \
+         and back {:.3} ms; the proxy's own work around the upstream call {:.3} ms; its \
+         upstream round trip {:+.3} ms against the GET direct.",
+        s.requests,
+        via - direct,
+        s.request_mean_ms,
+        s.upstream_mean_ms,
+        via - s.request_mean_ms,
+        s.request_mean_ms - s.upstream_mean_ms,
+        s.upstream_mean_ms - direct,
+    ))
 }
 
 /// The issue's real-path table: target, apiserver, proxy and their ratio per benchmark, with

@@ -16,7 +16,7 @@ use crate::http::body::{self, Body};
 use crate::http::drain::DrainBody;
 use crate::k8s::request_info::RequestInfo;
 use crate::k8s::status::{Reason, Status};
-use crate::metrics::UpstreamLabels;
+use crate::metrics::{UpstreamDurationLabels, UpstreamLabels};
 use crate::serve::state::{ConnInfo, State};
 
 /// Forwards one request upstream and returns the response to stream back.
@@ -85,9 +85,19 @@ pub async fn forward(
         }
         r
     };
+    let sending = std::time::Instant::now();
     let sent =
         crate::telemetry::in_span_of("passthrough", crate::telemetry::SpanKind::Client, send).await;
+    let upstream_time = sending.elapsed();
     let verb = info.metrics_verb(&method, None, upgrade.is_some());
+    state
+        .metrics
+        .upstream_request_duration
+        .get_or_create(&UpstreamDurationLabels {
+            verb: verb.clone(),
+            resource: info.resource.clone(),
+        })
+        .observe(upstream_time.as_secs_f64());
     let count = |code: &str| {
         state
             .metrics

@@ -791,6 +791,11 @@ async fn health_and_metrics_endpoints_answer_in_the_apiservers_format() {
         "{m}"
     );
     assert!(m.contains(r#"kube_cache_proxy_upstream_requests_total{verb="LIST",resource="configmaps",code="200"} 1"#), "{m}");
+    // The passed-through LIST's upstream round trip, observed once.
+    assert!(
+        m.contains(r#"kube_cache_proxy_upstream_request_duration_seconds_count{verb="LIST",resource="configmaps"} 1"#),
+        "{m}"
+    );
     assert!(
         m.contains("kube_cache_proxy_request_duration_seconds_bucket{"),
         "{m}"

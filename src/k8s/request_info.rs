@@ -189,7 +189,10 @@ impl RequestInfo {
     }
 
     /// The verb label of the apiserver's request metrics (`metrics.CleanVerb`): LIST, WATCH,
-    /// GET, POST, PUT, PATCH, APPLY (server-side apply), DELETE, CONNECT.
+    /// GET, POST, PUT, PATCH, APPLY (server-side apply), DELETE, CONNECT; any other method a
+    /// client sends is `other`, as the apiserver labels it (`cleanVerb`'s
+    /// `validRequestMethods`): a label per method name would let a client grow the metrics
+    /// without bound.
     pub fn metrics_verb(
         &self,
         method: &Method,
@@ -212,7 +215,17 @@ impl RequestInfo {
             "patch" if content_type.is_some_and(|c| c.starts_with("application/apply-patch")) => {
                 "APPLY".into()
             }
-            _ => method.as_str().to_ascii_uppercase(),
+            _ => {
+                let m = method.as_str().to_ascii_uppercase();
+                if matches!(
+                    m.as_str(),
+                    "GET" | "POST" | "PUT" | "PATCH" | "DELETE" | "CONNECT" | "CREATE" | "UPDATE"
+                ) {
+                    m
+                } else {
+                    "other".into()
+                }
+            }
         }
     }
 
@@ -542,6 +555,13 @@ mod tests {
     fn metrics_verbs_and_scopes_follow_clean_verb() {
         let list = parse(Method::GET, "/api/v1/pods", None);
         assert_eq!(list.metrics_verb(&Method::GET, None, false), "LIST");
+        // Methods the apiserver does not serve are one label, whatever their names.
+        let pod = parse(Method::GET, "/api/v1/namespaces/a/pods/p", None);
+        for m in ["FOO", "PROPFIND", "OPTIONS", "HEAD", "TRACE"] {
+            let method = Method::from_bytes(m.as_bytes()).unwrap();
+            assert_eq!(pod.metrics_verb(&method, None, false), "other", "{m}");
+        }
+        assert_eq!(pod.metrics_verb(&Method::PUT, None, false), "PUT");
         assert_eq!(list.metrics_scope(), "cluster");
         let watch = parse(Method::GET, "/api/v1/namespaces/a/pods", Some("watch=true"));
         assert_eq!(watch.metrics_verb(&Method::GET, None, false), "WATCH");

@@ -95,6 +95,88 @@ pub struct UpstreamDurationLabels {
     pub resource: String,
 }
 
+/// Most distinct resources (group, version, resource, subresource) the request metrics label
+/// requests with; past it, newly seen ones are counted as [`OTHER_RESOURCE`] too.
+pub const MAX_RESOURCE_LABELS: usize = 4096;
+
+/// The `resource` label of a request whose path names a resource not known to be served
+/// (its `group`, `version` and `subresource` labels empty).
+pub const OTHER_RESOURCE: &str = "other";
+
+/// The resource labels of one request's metrics.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ResourceLabels {
+    pub group: String,
+    pub version: String,
+    pub resource: String,
+    pub subresource: String,
+}
+
+/// The resources requests have been labelled with. A client's path names any group, version,
+/// resource and subresource it likes; a label for each would let any client, authenticated or
+/// not, grow every request metric without bound. kube-apiserver records its request metrics
+/// only in the handlers of the resources it serves. Here a resource becomes a label once a
+/// request for it was answered in a way only a served resource is: from the cache, or by the
+/// apiserver with a success or a code that needs the resource to exist (304, 409, 410, 422,
+/// 429); until then, and past [`MAX_RESOURCE_LABELS`], its requests are counted as
+/// [`OTHER_RESOURCE`]. A 404 (no such resource, or no such object), 401, 403, 400 or 5xx
+/// teaches nothing.
+#[derive(Debug, Default)]
+pub struct KnownResources {
+    known: parking_lot::RwLock<std::collections::HashSet<String>>,
+}
+
+impl KnownResources {
+    /// Whether an answer with `code` from the apiserver shows that the resource exists.
+    pub fn shows_served(code: http::StatusCode) -> bool {
+        code.is_success() || matches!(code.as_u16(), 304 | 409 | 410 | 422 | 429)
+    }
+
+    /// The labels of a request for `group`/`version`/`resource`/`subresource` (as the path
+    /// gave them), `served` when its answer shows the resource exists. A request that names
+    /// no resource (discovery, `/version`, `/healthz`) has none of the four labels.
+    pub fn labels(
+        &self,
+        group: &str,
+        version: &str,
+        resource: &str,
+        subresource: &str,
+        served: bool,
+    ) -> ResourceLabels {
+        if resource.is_empty() {
+            return ResourceLabels::default();
+        }
+        let key = format!("{group}\0{version}\0{resource}\0{subresource}");
+        let known = self.known.read().contains(&key)
+            || (served && {
+                let mut k = self.known.write();
+                k.contains(&key) || (k.len() < MAX_RESOURCE_LABELS && k.insert(key))
+            });
+        if known {
+            ResourceLabels {
+                group: group.into(),
+                version: version.into(),
+                resource: resource.into(),
+                subresource: subresource.into(),
+            }
+        } else {
+            ResourceLabels {
+                resource: OTHER_RESOURCE.into(),
+                ..ResourceLabels::default()
+            }
+        }
+    }
+
+    /// How many resources are labels now.
+    pub fn len(&self) -> usize {
+        self.known.read().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabels {
     pub kind: String,
@@ -152,6 +234,8 @@ pub struct Metrics {
     pub response_bytes: Family<EncodingLabels, Counter>,
     /// Reads passed through to the apiserver by reason (`kube_cache_proxy_passthrough_total`).
     pub passthrough: Family<PassthroughLabels, Counter>,
+    /// The resources the request metrics may name ([`KnownResources`]).
+    pub resources: KnownResources,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -302,6 +386,7 @@ impl Metrics {
             responses,
             response_bytes,
             passthrough,
+            resources: KnownResources::default(),
         }
     }
 
@@ -368,5 +453,96 @@ mod encoding_tests {
         assert_eq!(of("application/yaml"), "yaml");
         assert_eq!(of("text/plain; charset=utf-8"), "other");
         assert_eq!(EncodingLabels::encoding_of(None), "none");
+    }
+}
+
+#[cfg(test)]
+mod resource_label_tests {
+    use super::{KnownResources, MAX_RESOURCE_LABELS, OTHER_RESOURCE, ResourceLabels};
+
+    fn own(g: &str, v: &str, r: &str, s: &str) -> ResourceLabels {
+        ResourceLabels {
+            group: g.into(),
+            version: v.into(),
+            resource: r.into(),
+            subresource: s.into(),
+        }
+    }
+
+    fn other() -> ResourceLabels {
+        ResourceLabels {
+            resource: OTHER_RESOURCE.into(),
+            ..ResourceLabels::default()
+        }
+    }
+
+    /// A resource is a label once an answer showed it exists, and from then on whatever the
+    /// answer; before that it is `other`, however many names clients make up.
+    #[test]
+    fn a_resource_is_a_label_once_it_was_served() {
+        let k = KnownResources::default();
+        assert_eq!(k.labels("apps", "v1", "deployments", "", false), other());
+        assert_eq!(k.labels("x", "v1", "made-up-1", "", false), other());
+        assert_eq!(
+            k.labels("apps", "v1", "deployments", "", true),
+            own("apps", "v1", "deployments", "")
+        );
+        assert_eq!(
+            k.labels("apps", "v1", "deployments", "", false),
+            own("apps", "v1", "deployments", ""),
+            "a later 404 (no such object) keeps the label"
+        );
+        // Each of the four parts counts.
+        assert_eq!(
+            k.labels("apps", "v1", "deployments", "scale", false),
+            other()
+        );
+        assert_eq!(k.labels("apps", "v2", "deployments", "", false), other());
+        assert_eq!(k.labels("", "v1", "deployments", "", false), other());
+        // Not confused by separators inside a part.
+        assert_eq!(
+            k.labels("apps", "v1\0deployments", "", "", false),
+            ResourceLabels::default()
+        );
+        assert_eq!(k.labels("apps\0v1", "deployments", "x", "", false), other());
+        assert_eq!(k.len(), 1);
+        // No resource (discovery, /version): no resource labels at all.
+        assert_eq!(
+            k.labels("made-up", "v9", "", "", true),
+            ResourceLabels::default()
+        );
+        assert_eq!(k.len(), 1);
+    }
+
+    #[test]
+    fn at_most_max_resource_labels_are_learnt() {
+        let k = KnownResources::default();
+        for i in 0..MAX_RESOURCE_LABELS + 10 {
+            k.labels("g", "v1", &format!("r{i}"), "", true);
+        }
+        assert_eq!(k.len(), MAX_RESOURCE_LABELS);
+        assert_eq!(
+            k.labels("g", "v1", "r0", "", false),
+            own("g", "v1", "r0", "")
+        );
+        let last = format!("r{}", MAX_RESOURCE_LABELS + 5);
+        assert_eq!(k.labels("g", "v1", &last, "", true), other());
+    }
+
+    #[test]
+    fn only_answers_a_served_resource_gets_teach() {
+        use http::StatusCode;
+        for c in [200, 201, 304, 409, 410, 422, 429] {
+            assert!(
+                KnownResources::shows_served(StatusCode::from_u16(c).unwrap()),
+                "{c}"
+            );
+        }
+        for c in [400, 401, 403, 404, 405, 406, 415, 500, 503] {
+            assert!(
+                !KnownResources::shows_served(StatusCode::from_u16(c).unwrap()),
+                "{c}"
+            );
+        }
     }
 }

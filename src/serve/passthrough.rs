@@ -90,12 +90,25 @@ pub async fn forward(
         crate::telemetry::in_span_of("passthrough", crate::telemetry::SpanKind::Client, send).await;
     let upstream_time = sending.elapsed();
     let verb = info.metrics_verb(&method, None, upgrade.is_some());
+    // The resource label only once an answer shows the resource exists (`KnownResources`).
+    let resource = state
+        .metrics
+        .resources
+        .labels(
+            &info.api_group,
+            &info.api_version,
+            &info.resource,
+            &info.subresource,
+            sent.as_ref()
+                .is_ok_and(|r| crate::metrics::KnownResources::shows_served(r.status())),
+        )
+        .resource;
     state
         .metrics
         .upstream_request_duration
         .get_or_create(&UpstreamDurationLabels {
             verb: verb.clone(),
-            resource: info.resource.clone(),
+            resource: resource.clone(),
         })
         .observe(upstream_time.as_secs_f64());
     let count = |code: &str| {
@@ -104,7 +117,7 @@ pub async fn forward(
             .upstream_requests
             .get_or_create(&UpstreamLabels {
                 verb: verb.clone(),
-                resource: info.resource.clone(),
+                resource: resource.clone(),
                 code: code.into(),
             })
             .inc();

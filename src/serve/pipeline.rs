@@ -861,19 +861,10 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
                     (status.into_response(), "cache")
                 }
                 Err(NotServed::Delegate(why)) => {
-                    if info.is_resource_request
-                        && matches!(info.verb.as_str(), "get" | "list" | "watch")
-                    {
+                    let read = info.is_resource_request
+                        && matches!(info.verb.as_str(), "get" | "list" | "watch");
+                    if read {
                         tracing::trace!(reason = why, path = %path, "passthrough");
-                        state
-                            .metrics
-                            .passthrough
-                            .get_or_create(&crate::metrics::PassthroughLabels {
-                                verb: info.verb.clone(),
-                                resource: info.resource.clone(),
-                                reason: why.into(),
-                            })
-                            .inc();
                     }
                     let (resp, by) = Box::pin(forward_within_quota(
                         state,
@@ -885,6 +876,26 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
                         long_running,
                     ))
                     .await;
+                    // Counted once the answer shows whether the resource exists (its label).
+                    if read {
+                        let labels = state.metrics.resources.labels(
+                            &info.api_group,
+                            &info.api_version,
+                            &info.resource,
+                            &info.subresource,
+                            by == "upstream"
+                                && crate::metrics::KnownResources::shows_served(resp.status()),
+                        );
+                        state
+                            .metrics
+                            .passthrough
+                            .get_or_create(&crate::metrics::PassthroughLabels {
+                                verb: info.verb.clone(),
+                                resource: labels.resource,
+                                reason: why.into(),
+                            })
+                            .inc();
+                    }
                     (Box::pin(read_your_writes(state, &info, resp)).await, by)
                 }
             },
@@ -923,15 +934,23 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         );
     }
     let code = resp.status();
+    let labels = state.metrics.resources.labels(
+        &info.api_group,
+        &info.api_version,
+        &info.resource,
+        &info.subresource,
+        served_by == "cache"
+            || (served_by == "upstream" && crate::metrics::KnownResources::shows_served(code)),
+    );
     state
         .metrics
         .requests
         .get_or_create(&RequestLabels {
             verb: verb.clone(),
-            group: info.api_group.clone(),
-            version: info.api_version.clone(),
-            resource: info.resource.clone(),
-            subresource: info.subresource.clone(),
+            group: labels.group.clone(),
+            version: labels.version.clone(),
+            resource: labels.resource.clone(),
+            subresource: labels.subresource.clone(),
             scope: info.metrics_scope().into(),
             code: code.as_str().into(),
             served_by: served_by.into(),
@@ -971,16 +990,16 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
     }
     let scope = info.metrics_scope().to_string();
     let paging = (verb == "LIST").then(|| state.paging.clone());
-    let (hist_verb, hist_resource) = (verb.clone(), info.resource.clone());
+    let (hist_verb, hist_resource) = (verb.clone(), labels.resource.clone());
     let hist = state
         .metrics
         .request_duration
         .get_or_create(&DurationLabels {
             verb,
-            group: info.api_group,
-            version: info.api_version,
-            resource: info.resource,
-            subresource: info.subresource,
+            group: labels.group,
+            version: labels.version,
+            resource: labels.resource,
+            subresource: labels.subresource,
             scope,
             served_by: served_by.into(),
         })

@@ -759,6 +759,67 @@ async fn a_configured_resource_not_yet_discovered_keeps_the_proxy_unready() {
     assert!(body_string(r).await.contains("not discovered yet"));
 }
 
+/// Made-up resources, groups, subresources and methods in clients' paths do not become
+/// metric labels (each would be a new series in every request metric, from any client, even
+/// without credentials): they are counted as resource `other` and verb `other` until an
+/// answer shows the resource exists.
+#[tokio::test]
+async fn made_up_paths_and_methods_do_not_grow_the_metrics() {
+    let (_fake, proxy) = setup().await;
+    let c = proxy.client(None, false);
+    for i in 0..20 {
+        let r = c
+            .get(
+                &proxy.https(&format!(
+                    "/apis/made-up-{i}.example/v{i}/namespaces/ns1/things-{i}"
+                )),
+                Some("t"),
+            )
+            .await;
+        assert_eq!(r.status(), StatusCode::NOT_FOUND);
+        let r = c
+            .get(
+                &proxy.https(&format!("/api/v1/namespaces/ns1/configmaps/x/sub-{i}")),
+                None,
+            )
+            .await;
+        assert!(r.status().is_client_error(), "{}", r.status());
+        let req = Request::builder()
+            .method(Method::from_bytes(format!("VERB{i}").as_bytes()).unwrap())
+            .uri(proxy.https("/api/v1/namespaces/ns1/configmaps"))
+            .header("authorization", "Bearer t")
+            .body(Full::default())
+            .unwrap();
+        c.send(req).await;
+    }
+    // A resource that exists becomes a label with its first answer.
+    let r = c
+        .get(&proxy.https("/api/v1/namespaces/ns1/configmaps"), Some("t"))
+        .await;
+    assert_eq!(r.status(), StatusCode::OK);
+    let m = body_string(c.get(&proxy.admin("/metrics"), None).await).await;
+    for made_up in ["made-up-", "things-", "sub-", "VERB"] {
+        assert!(!m.contains(made_up), "{made_up} is a label:\n{m}");
+    }
+    assert!(
+        m.contains(r#"kube_cache_proxy_requests_total{verb="LIST",group="",version="",resource="other",subresource="",scope="namespace",code="404",served_by="upstream"} 20"#),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"kube_cache_proxy_requests_total{verb="GET",group="",version="",resource="other",subresource="",scope="resource",code="404",served_by="upstream"} 20"#),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"kube_cache_proxy_upstream_requests_total{verb="other",resource="other",code="405"} 20"#),
+        "{m}"
+    );
+    assert!(
+        m.contains(r#"kube_cache_proxy_requests_total{verb="LIST",group="",version="v1",resource="configmaps",subresource="",scope="namespace",code="200",served_by="upstream"} 1"#),
+        "{m}"
+    );
+    proxy.shutdown().await;
+}
+
 #[tokio::test]
 async fn health_and_metrics_endpoints_answer_in_the_apiservers_format() {
     let (_fake, proxy) = setup().await;

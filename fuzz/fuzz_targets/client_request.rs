@@ -42,24 +42,23 @@ fuzz_target!(|r: Request<'_>| {
     let _ = kube_cache_proxy::metrics::text::Format::negotiate(r.accept);
     let _ = WatchFields::parse(r.selector);
 
-    if let Ok(sel) = LabelSelector::parse(r.selector) {
-        let printed = sel.to_string();
-        let again = LabelSelector::parse(&printed)
-            .unwrap_or_else(|e| panic!("{printed:?} (printed from {:?}): {e}", r.selector));
-        assert_eq!(
-            again, sel,
-            "label selector {:?} printed as {printed:?}",
-            r.selector
-        );
-    }
-    if let Ok(sel) = FieldSelector::parse(r.selector) {
-        let printed = sel.to_string();
-        let again = FieldSelector::parse(&printed)
-            .unwrap_or_else(|e| panic!("{printed:?} (printed from {:?}): {e}", r.selector));
-        assert_eq!(
-            again, sel,
-            "field selector {:?} printed as {printed:?}",
-            r.selector
-        );
-    }
+    round_trip("label", r.selector, LabelSelector::parse);
+    round_trip("field", r.selector, FieldSelector::parse);
 });
+
+/// A selector that parses prints to a string that parses back to the same selector.
+fn round_trip<S, E>(what: &str, text: &str, parse: fn(&str) -> Result<S, E>)
+where
+    S: std::fmt::Display + PartialEq + std::fmt::Debug,
+    E: std::fmt::Display,
+{
+    if let Ok(sel) = parse(text) {
+        let printed = sel.to_string();
+        let again = parse(&printed)
+            .unwrap_or_else(|e| panic!("{what} selector {text:?} printed as {printed:?}: {e}"));
+        assert_eq!(
+            again, sel,
+            "{what} selector {text:?} printed as {printed:?}"
+        );
+    }
+}

@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
 # kube-cache-proxy container image: a static-enough Rust binary on distroless/cc (glibc and
-# libgcc only: TLS is rustls with ring, no OpenSSL), running as the non-root user 65532.
+# libgcc only: TLS is rustls with aws-lc-rs, compiled into the binary by its crate, no
+# OpenSSL), running as the non-root user 65532.
 #
 #   docker build -t registry.example.com/kube-cache-proxy:0.1.0 .
 #

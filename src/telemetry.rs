@@ -356,7 +356,7 @@ impl std::fmt::Debug for ExportClient {
 impl ExportClient {
     fn new() -> Result<ExportClient, TelemetryError> {
         let https = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_provider_and_native_roots(rustls::crypto::ring::default_provider())
+            .with_provider_and_native_roots(rustls::crypto::aws_lc_rs::default_provider())
             .map_err(TelemetryError::Tls)?
             .https_or_http()
             .enable_http1()

@@ -1048,12 +1048,12 @@ fn kubeconfig_yaml(
     y
 }
 
-/// Builds a kube client from kubeconfig YAML, with rustls' ring provider installed.
+/// Builds a kube client from kubeconfig YAML, with rustls' aws-lc-rs provider installed.
 ///
 /// # Errors
 /// If the YAML does not parse or TLS cannot be set up.
 pub async fn client_from_kubeconfig(yaml: &str) -> Result<kube::Client, DevClusterError> {
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
     let fail = |message: String| DevClusterError::Client {
         url: String::new(),
         message,

@@ -34,11 +34,12 @@ pub enum TlsError {
     ClientCa { path: PathBuf, detail: String },
 }
 
-/// Installs the ring crypto provider as the process default. The `kube` crate and our
+/// Installs the aws-lc-rs crypto provider as the process default (docs/architecture.md:
+/// faster AES-GCM than *ring*'s, and post-quantum key exchange). The `kube` crate and our
 /// listener both build rustls configs from the default provider; with more than one provider
 /// compiled in and none installed, rustls panics at the first handshake.
 pub fn install_crypto_provider() {
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
 }
 
 fn read(path: &Path) -> Result<Vec<u8>, TlsError> {
@@ -71,7 +72,7 @@ fn load_certified_key(
         path: key_path.to_owned(),
         detail: e.to_string(),
     })?;
-    let provider = rustls::crypto::ring::default_provider();
+    let provider = rustls::crypto::aws_lc_rs::default_provider();
     let ck = CertifiedKey::from_der(certs, key, &provider).map_err(TlsError::Pair)?;
     Ok((ck, digest))
 }
@@ -167,7 +168,7 @@ pub fn server_config(
     cert: Arc<ReloadingCert>,
     client_ca: Option<&Path>,
 ) -> Result<rustls::ServerConfig, TlsError> {
-    let mut provider = rustls::crypto::ring::default_provider();
+    let mut provider = rustls::crypto::aws_lc_rs::default_provider();
     // AES-128-GCM first, chosen by the server (Go's TLS, and so kube-apiserver, prefers it
     // on hardware with AES instructions): a third cheaper per byte than AES-256-GCM, which
     // rustls clients list first; large list pages are bound by encryption.

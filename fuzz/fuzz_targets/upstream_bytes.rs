@@ -34,7 +34,15 @@ fuzz_target!(|data: &[u8]| {
     }
     if let Some(meta) = protobuf::object_meta(data) {
         let _ = meta.labels().count();
-        let _ = meta.annotations().count();
+        // One annotation read alone is what the whole walk finds last for its key.
+        for (key, _) in meta.annotations() {
+            let last = meta
+                .annotations()
+                .filter(|(k, _)| *k == key)
+                .last()
+                .map(|(_, v)| v);
+            assert_eq!(meta.annotation(key), last, "annotation {key:?}");
+        }
     }
     let _ = protobuf::status(data);
 });

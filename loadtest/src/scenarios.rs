@@ -309,10 +309,8 @@ impl Encoding {
                 if ev.event_type != "ERROR" {
                     let meta = protobuf::object_meta(protobuf::envelope(ev.object)?.raw)?;
                     seen.resource_version = Cow::Borrowed(meta.resource_version);
-                    seen.ts = meta
-                        .annotations()
-                        .find(|(k, _)| *k == TS_ANNOTATION)
-                        .and_then(|(_, v)| ts(v));
+                    // Only this annotation's value is decoded, not the padding's.
+                    seen.ts = meta.annotation(TS_ANNOTATION).and_then(ts);
                 }
                 Some(seen)
             }

@@ -208,6 +208,37 @@ impl<'a> ObjectMeta<'a> {
             _ => None,
         })
     }
+
+    /// The annotation `key`'s value (the last entry with that key, as protobuf's map merge
+    /// keeps). Only that entry's value is checked as UTF-8: other entries' keys are compared
+    /// as bytes and their values are not read, so a reader after one annotation (a watch
+    /// bookmark's `k8s.io/initial-events-end`, the load driver's write time) does not decode
+    /// every other one. A malformed entry is skipped, as by [`ObjectMeta::annotations`].
+    pub fn annotation(&self, key: &str) -> Option<&'a str> {
+        let mut found = None;
+        for f in Fields::of(self.meta) {
+            let Some((12, Value::Bytes(entry))) = f else {
+                continue;
+            };
+            let (mut k, mut v): (&[u8], &[u8]) = (&[], &[]);
+            let mut ok = true;
+            for f in Fields::of(entry) {
+                match f {
+                    Some((1, Value::Bytes(b))) => k = b,
+                    Some((2, Value::Bytes(b))) => v = b,
+                    Some((1 | 2, _)) | None => ok = false,
+                    Some(_) => {}
+                }
+            }
+            if ok
+                && k == key.as_bytes()
+                && let Ok(v) = std::str::from_utf8(v)
+            {
+                found = Some(v);
+            }
+        }
+        found
+    }
 }
 
 /// One `map<string, string>` entry: (key 1, value 2), each absent one empty.
@@ -378,6 +409,62 @@ mod tests {
         out
     }
 
+    /// One annotation is read without decoding the others, with protobuf's map semantics:
+    /// the last entry of a key wins, a malformed entry (or a value that is not UTF-8) is
+    /// skipped, and the answer agrees with [`ObjectMeta::annotations`] on every case.
+    #[test]
+    fn one_annotation_is_read_as_the_last_entry_of_its_key() {
+        let entry = |k: &[u8], v: &[u8]| field(12, &[field(1, k), field(2, v)].concat());
+        let metas: Vec<(Vec<u8>, Option<&str>)> = vec![
+            // Padding before the wanted key, as the load driver's pods carry it.
+            (
+                [
+                    entry(b"loadtest/pad", &[b'x'; 300]),
+                    entry(b"loadtest/ts", b"12"),
+                ]
+                .concat(),
+                Some("12"),
+            ),
+            // A later duplicate wins.
+            (
+                [entry(b"loadtest/ts", b"1"), entry(b"loadtest/ts", b"2")].concat(),
+                Some("2"),
+            ),
+            // A value that is not UTF-8 is skipped; an earlier good one stays.
+            (
+                [entry(b"loadtest/ts", b"3"), entry(b"loadtest/ts", b"\xff")].concat(),
+                Some("3"),
+            ),
+            // Another key's value need not be UTF-8.
+            (
+                [entry(b"other", b"\xff\xfe"), entry(b"loadtest/ts", b"4")].concat(),
+                Some("4"),
+            ),
+            // A key that is a prefix of the wanted one, and no entry of it.
+            (entry(b"loadtest/t", b"5"), None),
+            // An entry whose key has the wrong wire type is skipped.
+            (
+                [
+                    field(12, &[vec![1 << 3, 1], field(2, b"6")].concat()),
+                    entry(b"a", b"b"),
+                ]
+                .concat(),
+                None,
+            ),
+        ];
+        for (i, (annotations, want)) in metas.iter().enumerate() {
+            let raw = field(1, &[field(1, b"p"), annotations.clone()].concat());
+            let meta = object_meta(&raw).unwrap();
+            assert_eq!(meta.annotation("loadtest/ts"), *want, "case {i}");
+            let by_iterator = meta
+                .annotations()
+                .filter(|(k, _)| *k == "loadtest/ts")
+                .last()
+                .map(|(_, v)| v);
+            assert_eq!(by_iterator, *want, "case {i}: the iterator disagrees");
+        }
+    }
+
     /// A Lease as the apiserver encodes it: TypeMeta, then the object with its ObjectMeta
     /// (name 1, namespace 3, uid 5, resourceVersion 6, generation 7 as a varint) and a spec.
     fn lease(rv: &str) -> Vec<u8> {
@@ -483,6 +570,8 @@ mod tests {
             meta.annotations().collect::<Vec<_>>(),
             [("k8s.io/initial-events-end", "true")]
         );
+        assert_eq!(meta.annotation("k8s.io/initial-events-end"), Some("true"));
+        assert_eq!(meta.annotation("k8s.io/initial-events"), None);
         assert_eq!(meta.labels().count(), 0);
         // Every truncation is refused or read as a prefix of the event, never misread.
         for cut in 0..msg.len() {

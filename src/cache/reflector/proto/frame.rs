@@ -199,9 +199,7 @@ pub fn decode(frame: &Bytes) -> Result<ProtoItem, FrameError> {
         },
         None => ProtoItem::Bookmark {
             rv,
-            initial_events_end: meta
-                .annotations()
-                .any(|(k, v)| k == INITIAL_EVENTS_END && v == "true"),
+            initial_events_end: meta.annotation(INITIAL_EVENTS_END) == Some("true"),
             envelope,
         },
     })

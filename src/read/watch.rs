@@ -207,7 +207,9 @@ pub async fn serve(
         && cache.backfillable(*requested)
         && !b.unreachable()
     {
-        match b.fill(&cache, *requested).await {
+        // Boxed: the backfill's upstream LIST and WATCH are most of this future's size,
+        // which every watch request would otherwise allocate.
+        match Box::pin(b.fill(&cache, *requested)).await {
             Ok(_) => reg = register(start, filter),
             // The apiserver could not serve the stretch now (its own watch cache still
             // initializing after a restart answers 429): the client watches again from the

@@ -39,10 +39,17 @@ impl ViewWatch {
         loop {
             tokio::time::sleep(every).await;
             let ns = self.caches.get("", "v1", "namespaces");
-            let now = self
-                .tenancy
-                .filtered_view(&self.authz, ns.as_deref(), &self.id, &self.attrs, true)
-                .await;
+            // Boxed while it runs (once per interval): this future lives as long as the
+            // watch, and with the view's derivation (its access reviews) inlined it held
+            // their size for the whole stream.
+            let now = Box::pin(self.tenancy.filtered_view(
+                &self.authz,
+                ns.as_deref(),
+                &self.id,
+                &self.attrs,
+                true,
+            ))
+            .await;
             if now.as_deref() != Some(&*self.view) {
                 tracing::debug!(tenant = %self.id.tenant, user = %self.id.user, resource = %self.attrs.resource, "filtered cluster view changed; ending the watch with 410");
                 return;

@@ -217,20 +217,8 @@ impl<'a> ObjectMeta<'a> {
     pub fn annotation(&self, key: &str) -> Option<&'a str> {
         let mut found = None;
         for f in Fields::of(self.meta) {
-            let Some((12, Value::Bytes(entry))) = f else {
-                continue;
-            };
-            let (mut k, mut v): (&[u8], &[u8]) = (&[], &[]);
-            let mut ok = true;
-            for f in Fields::of(entry) {
-                match f {
-                    Some((1, Value::Bytes(b))) => k = b,
-                    Some((2, Value::Bytes(b))) => v = b,
-                    Some((1 | 2, _)) | None => ok = false,
-                    Some(_) => {}
-                }
-            }
-            if ok
+            if let Some((12, Value::Bytes(entry))) = f
+                && let Some((k, v)) = map_entry_bytes(entry)
                 && k == key.as_bytes()
                 && let Ok(v) = std::str::from_utf8(v)
             {
@@ -243,11 +231,20 @@ impl<'a> ObjectMeta<'a> {
 
 /// One `map<string, string>` entry: (key 1, value 2), each absent one empty.
 fn map_entry(entry: &[u8]) -> Option<(&str, &str)> {
-    let (mut key, mut value) = ("", "");
+    let (key, value) = map_entry_bytes(entry)?;
+    Some((
+        std::str::from_utf8(key).ok()?,
+        std::str::from_utf8(value).ok()?,
+    ))
+}
+
+/// [`map_entry`]'s key and value as bytes, not checked as UTF-8.
+fn map_entry_bytes(entry: &[u8]) -> Option<(&[u8], &[u8])> {
+    let (mut key, mut value): (&[u8], &[u8]) = (&[], &[]);
     for f in Fields::of(entry) {
         match f? {
-            (1, Value::Bytes(b)) => key = std::str::from_utf8(b).ok()?,
-            (2, Value::Bytes(b)) => value = std::str::from_utf8(b).ok()?,
+            (1, Value::Bytes(b)) => key = b,
+            (2, Value::Bytes(b)) => value = b,
             (1 | 2, _) => return None,
             _ => {}
         }

@@ -5,7 +5,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::task::{Context, Poll, Waker, ready};
-use std::time::Instant;
 
 use bytes::Bytes;
 use http_body::{Body as HttpBody, Frame, SizeHint};
@@ -189,131 +188,6 @@ where
     }
 }
 
-pin_project_lite::pin_project! {
-    /// Runs `on_end` when the body completes or is dropped (client gone), so request
-    /// durations and in-flight gauges cover the whole stream, not just the headers.
-    pub struct Tracked<B, F: FnOnce(Instant)> {
-        #[pin]
-        inner: B,
-        guard: Guard<F>,
-    }
-}
-
-pub struct Guard<F: FnOnce(Instant)> {
-    start: Instant,
-    on_end: Option<F>,
-}
-
-impl<F: FnOnce(Instant)> Drop for Guard<F> {
-    fn drop(&mut self) {
-        if let Some(f) = self.on_end.take() {
-            f(self.start);
-        }
-    }
-}
-
-impl<B, F: FnOnce(Instant)> Tracked<B, F> {
-    pub fn new(inner: B, start: Instant, on_end: F) -> Self {
-        Tracked {
-            inner,
-            guard: Guard {
-                start,
-                on_end: Some(on_end),
-            },
-        }
-    }
-}
-
-impl<B, F> HttpBody for Tracked<B, F>
-where
-    B: HttpBody<Data = Bytes>,
-    F: FnOnce(Instant),
-{
-    type Data = Bytes;
-    type Error = B::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        let this = self.project();
-        let r = ready!(this.inner.poll_frame(cx));
-        if r.is_none()
-            && let Some(f) = this.guard.on_end.take()
-        {
-            f(this.guard.start);
-        }
-        Poll::Ready(r)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-pin_project_lite::pin_project! {
-    /// Adds the bytes of every data frame the body yields to `metric` (a response-bytes
-    /// counter, moving while a long watch runs) and to `sent` when given (the access log's
-    /// `bytes`, read when the body ends).
-    pub struct Counted<B> {
-        #[pin]
-        inner: B,
-        metric: prometheus_client::metrics::counter::Counter,
-        sent: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
-    }
-}
-
-impl<B> Counted<B> {
-    pub fn new(
-        inner: B,
-        metric: prometheus_client::metrics::counter::Counter,
-        sent: Option<std::sync::Arc<std::sync::atomic::AtomicU64>>,
-    ) -> Self {
-        Counted {
-            inner,
-            metric,
-            sent,
-        }
-    }
-}
-
-impl<B> HttpBody for Counted<B>
-where
-    B: HttpBody<Data = Bytes>,
-{
-    type Data = Bytes;
-    type Error = B::Error;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
-        let this = self.project();
-        let r = ready!(this.inner.poll_frame(cx));
-        if let Some(Ok(f)) = &r
-            && let Some(d) = f.data_ref()
-        {
-            this.metric.inc_by(d.len() as u64);
-            if let Some(s) = this.sent {
-                s.fetch_add(d.len() as u64, std::sync::atomic::Ordering::Relaxed);
-            }
-        }
-        Poll::Ready(r)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -413,22 +287,5 @@ mod tests {
         assert!(plain.collect().await.is_err());
         let clean = DrainBody::new(failing(), &Drain::new(), true).ending_cleanly_on_error();
         assert_eq!(clean.collect().await.unwrap().to_bytes(), "{\"a\":1}\n");
-    }
-
-    #[tokio::test]
-    async fn tracked_calls_back_once_at_end_or_drop() {
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let tx2 = tx.clone();
-        let b = Tracked::new(frames(&["a", "b"]), Instant::now(), move |_| {
-            tx.send(1).unwrap()
-        });
-        assert_eq!(b.collect().await.unwrap().to_bytes(), "ab");
-        assert_eq!(rx.recv().await, Some(1));
-        let b = Tracked::new(frames(&["a"]), Instant::now(), move |_| {
-            tx2.send(2).unwrap()
-        });
-        drop(b);
-        assert_eq!(rx.recv().await, Some(2));
-        assert!(rx.try_recv().is_err());
     }
 }

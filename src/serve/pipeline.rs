@@ -16,7 +16,6 @@ use rustls_pki_types::CertificateDer;
 
 use crate::auth::identity::CertIdentity;
 use crate::http::body::{self, Body};
-use crate::http::drain::Tracked;
 use crate::k8s::request_info::{self, RequestInfo};
 use crate::k8s::status::{Reason, Status};
 use crate::k8s::watch_fields::{self, WatchFields};
@@ -162,8 +161,10 @@ async fn serve_from_cache(
                 }
                 .guard(b);
             }
-            let b = Tracked::new(b, Instant::now(), move |_| drop(permit));
-            Ok(Response::from_parts(parts, body::boxed(b)))
+            if let Some(p) = permit {
+                b.on_end(move || drop(p));
+            }
+            Ok(Response::from_parts(parts, b))
         }
         Route::Get {
             cache,
@@ -389,9 +390,9 @@ async fn forward_within_quota(
     let Some(permit) = permit else {
         return (resp, "upstream");
     };
-    let (parts, b) = resp.into_parts();
-    let b = Tracked::new(b, Instant::now(), move |_| drop(permit));
-    (Response::from_parts(parts, body::boxed(b)), "upstream")
+    let (parts, mut b) = resp.into_parts();
+    b.on_end(move || drop(permit));
+    (Response::from_parts(parts, b), "upstream")
 }
 
 /// A successful write to a cached resource: remembers the resourceVersion it produced, so
@@ -1012,14 +1013,14 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
     };
     state.metrics.responses.get_or_create(&enc).inc();
     let bytes_metric = state.metrics.response_bytes.get_or_create(&enc).clone();
-    let (parts, b) = resp.into_parts();
+    let (parts, mut b) = resp.into_parts();
     // Only for a request the access log writes.
     let sent = access
         .is_some()
         .then(|| Arc::new(std::sync::atomic::AtomicU64::new(0)));
-    // Counted and Tracked share the one box below (a box each cost every watch stream an
-    // allocation for as long as it is open).
-    let b = crate::http::drain::Counted::new(b, bytes_metric, sent.clone());
+    // Held inline by the body (`http::body::Body`), not a wrapper around it: a box each
+    // cost every watch frame a pointer chase and every open stream an allocation.
+    b.count_into(bytes_metric, sent.clone());
     if let Some(t) = &traced {
         t.set(crate::telemetry::Attr::new(
             "kcp.served_by",
@@ -1030,7 +1031,7 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
             },
         ));
     }
-    let b = Tracked::new(b, start, move |start| {
+    b.on_end(move || {
         if let Some(t) = traced {
             t.end_with_status(code.as_u16());
         }
@@ -1044,5 +1045,5 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
             a.emit(sent, start.elapsed());
         }
     });
-    Response::from_parts(parts, body::boxed(b))
+    Response::from_parts(parts, b)
 }

@@ -38,6 +38,8 @@ pub struct Config {
     pub tokens: TokensConfig,
     pub paging: PagingConfig,
     pub authentication: AuthenticationConfig,
+    /// How cache-served reads are authorized (see [`AuthorizationConfig`]).
+    pub authorization: AuthorizationConfig,
     /// Tenants: who belongs to which, their namespaces and quotas (see [`TenantConfig`]).
     /// Callers no tenant matches belong to the unnamed tenant `""`, without quotas.
     pub tenants: Vec<TenantConfig>,
@@ -61,6 +63,7 @@ impl Default for Config {
             tokens: TokensConfig::default(),
             paging: PagingConfig::default(),
             authentication: AuthenticationConfig::default(),
+            authorization: AuthorizationConfig::default(),
             tenants: Vec::new(),
             tracing: TracingConfig::default(),
         }
@@ -158,6 +161,29 @@ pub enum RevocationCheck {
     None,
     BoundObjects,
     Always,
+}
+
+/// How cache-served reads are authorized. Passthrough requests are the apiserver's to
+/// authorize.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct AuthorizationConfig {
+    /// `auto` (default): evaluate RBAC in the proxy from the Roles, ClusterRoles and
+    /// bindings it follows (`cache.authorizationFollowRbac`), once a probe confirmed that the
+    /// apiserver enforces them; an RBAC allow is final, everything else goes to
+    /// SubjectAccessReview. `off`: every question goes to SubjectAccessReview. Set `off`
+    /// when the apiserver's authorizer chain has an authorizer that can deny before RBAC
+    /// (a webhook listed first in `--authorization-config`): an RBAC allow is then not final.
+    pub local_rbac: LocalRbacMode,
+}
+
+/// `authorization.localRbac`.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LocalRbacMode {
+    #[default]
+    Auto,
+    Off,
 }
 
 /// One tenant: which callers belong to it, what they may see, and their quotas.

@@ -28,6 +28,22 @@ struct ResultLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SourceLabels {
+    source: String,
+    result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModeLabels {
+    mode: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct QuotaLabels {
     tenant: String,
     quota: String,
@@ -157,6 +173,55 @@ impl prometheus_client::collector::Collector for AuthCollector {
             c.inc_by(n);
             emit(&mut enc, name, help, &c)?;
         }
+        use crate::auth::authz::{IdentityKind, RESULTS, Source};
+        let sources = Family::<SourceLabels, Counter>::default();
+        for source in Source::ALL {
+            for (i, result) in RESULTS.iter().enumerate() {
+                let n = z.by_source[source as usize][i].load(Relaxed);
+                // Local RBAC only allows: its other cells stay absent, not zero.
+                if source == Source::LocalRbac && i > 0 {
+                    continue;
+                }
+                sources
+                    .get_or_create(&SourceLabels {
+                        source: source.as_str().into(),
+                        result: (*result).into(),
+                    })
+                    .inc_by(n);
+            }
+        }
+        emit(
+            &mut enc,
+            "kube_cache_proxy_authorization_decisions_by_source",
+            "Authorization decisions on cache-served requests by where they came from: local_rbac (RBAC evaluated in the proxy; allows only), review_cache (a SubjectAccessReview's cached or shared answer), review (a SubjectAccessReview sent for it)",
+            &sources,
+        )?;
+        let reviews = Family::<KindLabels, Counter>::default();
+        for kind in IdentityKind::ALL {
+            reviews
+                .get_or_create(&KindLabels {
+                    kind: kind.as_str().into(),
+                })
+                .inc_by(z.reviews_by_kind[kind as usize].load(Relaxed));
+        }
+        emit(
+            &mut enc,
+            "kube_cache_proxy_authorization_reviews_sent",
+            "SubjectAccessReviews sent to the apiserver, by the kind of identity asked about (node, serviceaccount, anonymous, user; the local RBAC probe counts as user)",
+            &reviews,
+        )?;
+        let mode = Family::<ModeLabels, prometheus_client::metrics::gauge::Gauge>::default();
+        let current = self.authz.local_rbac().map_or("off", |l| l.mode());
+        for m in ["off", "pending", "active", "refused"] {
+            mode.get_or_create(&ModeLabels { mode: m.into() })
+                .set(i64::from(m == current));
+        }
+        emit(
+            &mut enc,
+            "kube_cache_proxy_authorization_local_rbac_mode",
+            "1 for local RBAC's current mode: off (authorization.localRbac or no RBAC caches), pending (not confirmed yet), active, refused (the apiserver denied what its RBAC objects allow)",
+            &mode,
+        )?;
         let invalidations = Counter::<u64>::default();
         invalidations.inc_by(z.rbac_invalidations.load(Relaxed));
         emit(

@@ -168,7 +168,11 @@ pub fn build_state(
         .with_stale_while_unreachable(config.authentication.stale_while_unreachable),
     );
     if c.authorization_follow_rbac {
-        authz.follow_rbac(&caches, drain.token());
+        authz.follow_rbac(
+            &caches,
+            config.authorization.local_rbac == crate::config::LocalRbacMode::Auto,
+            drain.token(),
+        );
     }
     let authn = Arc::new(authn.with_caches(caches.clone()));
     let tenancy = Arc::new(crate::tenancy::Tenancy::new(&config.tenants));

@@ -13,8 +13,17 @@
 //!   review's reason appended as the apiserver appends its authorizer's);
 //! - the apiserver cannot answer: fail closed with 503 and `Retry-After` (never served).
 //!
+//! First, RBAC is evaluated in the proxy (`local_rbac`, `authorization.localRbac`): an
+//! allow there is final, as any allow in the apiserver's chain; only what RBAC does not allow
+//! (the Node authorizer's kubelets, webhooks' subjects, denials) is reviewed.
+//!
 //! Decisions are cached per (identity hash, attributes) for kube-apiserver's webhook
-//! authorizer defaults: allowed 5 minutes, denied 30 s (configurable). Concurrent identical
+//! authorizer defaults: allowed 5 minutes, denied 30 s (configurable); the identity hash
+//! leaves out the credential id (`Identity::decision_hash`), so the tokens of one
+//! ServiceAccount's pods and a kubelet's rotated certificates share decisions. A denial
+//! answered less than [`DENY_SETTLE`] after an outage of the apiserver ended is not kept:
+//! a restarted apiserver refuses requests until its authorizers' informers have synced, and
+//! a client must not see that refusal longer than direct. Concurrent identical
 //! questions share one review (single flight, moka's `try_get_with`): a thousand watchers
 //! opening at once cost one `SubjectAccessReview`, not a thousand. If the one asking is
 //! cancelled, a waiter takes over; an error is not cached, and a waiter given an error answer
@@ -42,6 +51,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 use crate::auth::authn::Identity;
+use crate::auth::local_rbac::{LocalRbac, ProbeAnswer};
 use crate::cache::registry::Caches;
 use crate::cache::{ResourceCache, WatchError};
 use crate::http::body;
@@ -100,7 +110,81 @@ pub struct AuthzStats {
     /// Times cached decisions were forgotten because RBAC objects changed (per scope: the
     /// cluster, or one namespace).
     pub rbac_invalidations: AtomicU64,
+    /// Decisions by [`Source`] and result (allowed, denied, error).
+    pub by_source: [[AtomicU64; 3]; 3],
+    /// SubjectAccessReviews sent, by [`IdentityKind`] of the identity asked about.
+    pub reviews_by_kind: [AtomicU64; 4],
 }
+
+/// Where a decision came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// RBAC evaluated in the proxy.
+    LocalRbac = 0,
+    /// A review's answer cached before (or shared with a review in flight).
+    ReviewCache = 1,
+    /// A review sent for this question.
+    Review = 2,
+}
+
+impl Source {
+    pub const ALL: [Source; 3] = [Source::LocalRbac, Source::ReviewCache, Source::Review];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::LocalRbac => "local_rbac",
+            Source::ReviewCache => "review_cache",
+            Source::Review => "review",
+        }
+    }
+}
+
+/// Results counted in [`AuthzStats::by_source`], in order.
+pub const RESULTS: [&str; 3] = ["allowed", "denied", "error"];
+
+/// Who a review asked about, for the review rate per kind of client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IdentityKind {
+    Node = 0,
+    ServiceAccount = 1,
+    Anonymous = 2,
+    User = 3,
+}
+
+impl IdentityKind {
+    pub const ALL: [IdentityKind; 4] = [
+        IdentityKind::Node,
+        IdentityKind::ServiceAccount,
+        IdentityKind::Anonymous,
+        IdentityKind::User,
+    ];
+
+    pub fn of(id: &Identity) -> IdentityKind {
+        if id.user.starts_with("system:node:") && id.groups.iter().any(|g| g == "system:nodes") {
+            IdentityKind::Node
+        } else if id.user.starts_with("system:serviceaccount:") {
+            IdentityKind::ServiceAccount
+        } else if id.user == "system:anonymous" {
+            IdentityKind::Anonymous
+        } else {
+            IdentityKind::User
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            IdentityKind::Node => "node",
+            IdentityKind::ServiceAccount => "serviceaccount",
+            IdentityKind::Anonymous => "anonymous",
+            IdentityKind::User => "user",
+        }
+    }
+}
+
+/// A denial answered this soon after an outage of the apiserver ended is not cached: the
+/// apiserver may have been starting (it denies until its RBAC and Node authorizers'
+/// informers synced, a few seconds), and the deny TTL would stretch that refusal.
+pub const DENY_SETTLE: Duration = Duration::from_secs(60);
 
 /// The RBAC resources whose changes void cached decisions (`authorizationFollowRbac`).
 pub fn rbac_resources() -> Vec<Resource> {
@@ -155,6 +239,11 @@ pub struct Authorizer {
     timeout: Duration,
     pub stats: AuthzStats,
     allow_ttl: Duration,
+    /// `authentication.staleWhileUnreachable`: also how long local RBAC decides from its
+    /// last policy while the apiserver is unreachable.
+    stale_grace: Duration,
+    /// RBAC evaluated in the proxy, once [`Authorizer::follow_rbac`] started it.
+    local: std::sync::OnceLock<Arc<LocalRbac>>,
 }
 
 impl std::fmt::Debug for Authorizer {
@@ -373,12 +462,20 @@ impl Authorizer {
             timeout: Duration::from_secs(5),
             stats: AuthzStats::default(),
             allow_ttl,
+            stale_grace: Duration::ZERO,
+            local: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Local RBAC, when started (`/debug`, metrics).
+    pub fn local_rbac(&self) -> Option<&Arc<LocalRbac>> {
+        self.local.get()
     }
 
     /// Serves allowed decisions up to `stale` past their TTL while the apiserver is
     /// unreachable (`authentication.staleWhileUnreachable`; zero: never).
     pub fn with_stale_while_unreachable(mut self, stale: Duration) -> Authorizer {
+        self.stale_grace = stale;
         self.stale = (!stale.is_zero()).then(|| {
             moka::future::Cache::builder()
                 .max_capacity(200_000)
@@ -396,7 +493,7 @@ impl Authorizer {
             ns => self.generations.namespaces.get(ns).map_or(0, |g| *g),
         };
         h.update(ns.to_be_bytes());
-        h.update(id.identity_hash());
+        h.update(id.decision_hash());
         for part in [
             &a.verb,
             &a.path,
@@ -470,6 +567,19 @@ impl Authorizer {
     }
 
     async fn authorize_untraced(&self, id: &Identity, a: &Attributes) -> Decision {
+        if let Some(local) = self.local.get()
+            && local.decide(id, a) == Some(true)
+        {
+            self.stats.allowed.fetch_add(1, Relaxed);
+            self.count(Source::LocalRbac, 0);
+            crate::telemetry::set_current(|| {
+                crate::telemetry::Attr::new("kcp.authz.decision", "allow")
+            });
+            crate::telemetry::set_current(|| {
+                crate::telemetry::Attr::new("kcp.authz.source", Source::LocalRbac.as_str())
+            });
+            return Decision::Allow;
+        }
         let key = self.key(id, a);
         let decide = || async {
             // Set only by the call whose review runs (the flight's leader).
@@ -496,11 +606,28 @@ impl Authorizer {
             }
             r => r,
         };
-        if led {
+        let source = if led {
             self.stats.cache_misses.fetch_add(1, Relaxed);
+            Source::Review
         } else {
             self.stats.cache_hits.fetch_add(1, Relaxed);
+            Source::ReviewCache
+        };
+        if led
+            && matches!(r, Ok(Decision::Deny(_)))
+            && self.upstream.reachability().recovered_within(DENY_SETTLE)
+        {
+            // Possibly the refusal of an apiserver still starting: asked again next time.
+            self.decisions.invalidate(&key).await;
         }
+        self.count(
+            source,
+            match &r {
+                Ok(Decision::Allow) => 0,
+                Ok(_) => 1,
+                Err(_) => 2,
+            },
+        );
         crate::telemetry::set_current(|| {
             let d = match &r {
                 Ok(Decision::Allow) => "allow",
@@ -530,6 +657,10 @@ impl Authorizer {
         }
     }
 
+    fn count(&self, source: Source, result: usize) {
+        self.stats.by_source[source as usize][result].fetch_add(1, Relaxed);
+    }
+
     /// Whether an allowed decision for `key` is remembered beyond its TTL.
     async fn stale_allowed(&self, key: &[u8; 32]) -> bool {
         match &self.stale {
@@ -557,15 +688,20 @@ impl Authorizer {
     /// other authorizers (webhooks) still live for their TTLs. While a cache is not synced
     /// (e.g. the proxy may not list RBAC objects), its changes cannot be seen and the TTLs
     /// alone bound decisions; a warning says so.
+    ///
+    /// With `local_rbac`, also evaluates RBAC from those caches (see `local_rbac`).
     pub fn follow_rbac(
         self: &Arc<Self>,
         caches: &Caches,
+        local_rbac: bool,
         stop: tokio_util::sync::CancellationToken,
     ) {
+        let mut followed = Vec::new();
         for r in rbac_resources() {
             let Some(cache) = caches.pinned(&r.group, &r.version, &r.resource) else {
                 continue;
             };
+            followed.push(cache.clone());
             let this = Arc::downgrade(self);
             let stop = stop.clone();
             tokio::spawn(async move {
@@ -575,6 +711,49 @@ impl Authorizer {
                 }
             });
         }
+        if !local_rbac {
+            tracing::info!(
+                "local RBAC off (authorization.localRbac): every cache read is authorized by SubjectAccessReview"
+            );
+            return;
+        }
+        let Ok(four) = <[Arc<ResourceCache>; 4]>::try_from(followed) else {
+            return;
+        };
+        let local = Arc::new(LocalRbac::new(four));
+        if self.local.set(local.clone()).is_err() {
+            return;
+        }
+        let this = Arc::downgrade(self);
+        let probe = move |id: Identity, a: Attributes| {
+            let this = this.clone();
+            async move {
+                let Some(z) = this.upgrade() else {
+                    return ProbeAnswer::Failed("stopping".into());
+                };
+                match tokio::time::timeout(z.timeout, z.review(&id, &a)).await {
+                    Ok(Ok(Decision::Allow)) => ProbeAnswer::Allowed,
+                    Ok(Ok(Decision::Deny(_))) => ProbeAnswer::Denied,
+                    Ok(Ok(Decision::Error(e))) => ProbeAnswer::Failed(e),
+                    Ok(Err(f)) => ProbeAnswer::Failed(f.message),
+                    Err(_) => ProbeAnswer::Failed("access review timed out".into()),
+                }
+            }
+        };
+        let upstream = self.upstream.clone();
+        let grace = self.stale_grace;
+        let outage = move || {
+            upstream
+                .reachability()
+                .outage()
+                .is_some_and(|o| o.duration() < grace)
+        };
+        tokio::spawn(async move {
+            tokio::select! {
+                _ = stop.cancelled() => {}
+                _ = local.follow(probe, outage) => {}
+            }
+        });
     }
 
     async fn review(&self, id: &Identity, a: &Attributes) -> Result<Decision, Failure> {
@@ -587,6 +766,7 @@ impl Authorizer {
             message,
             unreachable: false,
         };
+        self.stats.reviews_by_kind[IdentityKind::of(id) as usize].fetch_add(1, Relaxed);
         let body = review_body(id, a);
         let mut req = Request::new(body::full(body.to_string()));
         *req.method_mut() = Method::POST;

@@ -1,10 +1,13 @@
 //! Who the caller is and what it may do: identities and the identity headers sent upstream,
 //! authentication (client certificates, token file, offline-verified ServiceAccount JWTs,
-//! TokenReview), authorization by SubjectAccessReview and impersonation checks.
+//! TokenReview), authorization (RBAC evaluated locally, `rbac` and `local_rbac`; everything
+//! else by SubjectAccessReview, `authz`) and impersonation checks.
 
 pub mod authn;
 pub mod authz;
 pub mod identity;
+pub mod local_rbac;
+pub mod rbac;
 
 /// A question asked in a single flight (a TokenReview, a SubjectAccessReview): `flight`
 /// joins or leads one and returns its answer and whether this call led it.

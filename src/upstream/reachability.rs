@@ -47,6 +47,8 @@ impl Outage {
 #[derive(Debug, Default)]
 pub struct Reachability {
     outage: Mutex<Option<Outage>>,
+    /// When the last outage ended.
+    recovered: Mutex<Option<Instant>>,
 }
 
 impl Reachability {
@@ -67,8 +69,15 @@ impl Reachability {
     /// The apiserver answered the reachability probe: any outage is over.
     pub fn reachable(&self) {
         if let Some(o) = self.outage.lock().take() {
+            *self.recovered.lock() = Some(Instant::now());
             tracing::info!(after = ?o.duration(), "the apiserver is reachable again");
         }
+    }
+
+    /// Whether an outage ended less than `window` ago: an apiserver that answers again may
+    /// not be ready yet (a restarted one refuses requests until its informers synced).
+    pub fn recovered_within(&self, window: Duration) -> bool {
+        self.recovered.lock().is_some_and(|t| t.elapsed() < window)
     }
 
     /// The ongoing outage, if any.

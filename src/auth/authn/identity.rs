@@ -6,6 +6,10 @@ use std::collections::BTreeMap;
 
 use sha2::{Digest, Sha256};
 
+/// The extra key naming the credential a caller used (kube-apiserver's
+/// `user.CredentialIDKey`: a ServiceAccount token's JTI, a client certificate's fingerprint).
+pub const CREDENTIAL_ID: &str = "authentication.kubernetes.io/credential-id";
+
 /// A verified caller, as the apiserver's `user.Info`, plus the tenant it belongs to.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Identity {
@@ -35,6 +39,19 @@ impl Identity {
     /// sorted extra (not the tenant). Equal identities hash equal whatever the order their
     /// groups and extra values came in; no two different identities share an encoding.
     pub fn identity_hash(&self) -> [u8; 32] {
+        self.hash_skipping(None)
+    }
+
+    /// [`Identity::identity_hash`] without the extra key [`CREDENTIAL_ID`]: one hash for
+    /// every credential of one identity (each ServiceAccount token has its own id, each
+    /// client certificate its fingerprint). The apiserver's built-in authorizers (the
+    /// privileged group, Node, RBAC, ABAC) never read extra, so their decisions cannot
+    /// differ between two credentials of one identity; the key is audit information.
+    pub fn decision_hash(&self) -> [u8; 32] {
+        self.hash_skipping(Some(CREDENTIAL_ID))
+    }
+
+    fn hash_skipping(&self, skip: Option<&str>) -> [u8; 32] {
         fn put(h: &mut Sha256, s: &str) {
             h.update((s.len() as u64).to_be_bytes());
             h.update(s.as_bytes());
@@ -49,8 +66,12 @@ impl Identity {
         for g in groups {
             put(&mut h, g);
         }
-        h.update((self.extra.len() as u64).to_be_bytes());
+        let skipped = skip.is_some_and(|k| self.extra.contains_key(k));
+        h.update(((self.extra.len() - usize::from(skipped)) as u64).to_be_bytes());
         for (k, vs) in &self.extra {
+            if Some(k.as_str()) == skip {
+                continue;
+            }
             put(&mut h, k);
             let mut vs: Vec<&str> = vs.iter().map(String::as_str).collect();
             vs.sort_unstable();
@@ -110,5 +131,23 @@ mod tests {
         let mut d = a.clone();
         d.groups = vec!["ab".into()];
         assert_ne!(a.identity_hash(), d.identity_hash());
+    }
+
+    #[test]
+    fn decision_hash_ignores_only_the_credential_id() {
+        let mut a = Identity::anonymous();
+        a.extra.insert("k".into(), vec!["v".into()]);
+        let mut b = a.clone();
+        b.extra.insert(CREDENTIAL_ID.into(), vec!["JTI=1".into()]);
+        let mut c = a.clone();
+        c.extra.insert(CREDENTIAL_ID.into(), vec!["JTI=2".into()]);
+        assert_eq!(a.decision_hash(), b.decision_hash());
+        assert_eq!(b.decision_hash(), c.decision_hash());
+        assert_ne!(b.identity_hash(), c.identity_hash());
+        // Any other extra still counts.
+        let mut d = b.clone();
+        d.extra.insert("k".into(), vec!["w".into()]);
+        assert_ne!(b.decision_hash(), d.decision_hash());
+        assert_eq!(a.identity_hash(), a.decision_hash());
     }
 }

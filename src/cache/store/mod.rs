@@ -511,6 +511,12 @@ impl ResourceCache {
         self.unhealthy.lock().clone()
     }
 
+    /// Whether the upstream watch is currently down ([`ResourceCache::unhealthy`] without
+    /// the reason).
+    pub fn is_unhealthy(&self) -> bool {
+        self.unhealthy.lock().is_some()
+    }
+
     pub fn stop(&self) {
         // Under the write lock: a watcher registering concurrently either sees Stopped or is
         // subscribed before the hub closes everyone.

@@ -41,6 +41,46 @@ impl Target {
         Target::with_roots(side, addr, "localhost", certs, token)
     }
 
+    /// A target at `addr` (as [`Target::new`]) authenticated by a client certificate
+    /// (`cert_pem`, `key_pem`: PEM, the key PKCS#8) instead of a bearer token: requests carry
+    /// no `Authorization` header, as a kubelet's with its node certificate.
+    pub fn with_client_cert(
+        side: &'static str,
+        addr: SocketAddr,
+        ca_pem: &str,
+        cert_pem: &str,
+        key_pem: &str,
+    ) -> anyhow::Result<Target> {
+        use rustls_pki_types::PrivateKeyDer;
+        kube_cache_proxy::http::tls::install_crypto_provider();
+        let chain: Vec<CertificateDer<'static>> =
+            CertificateDer::pem_slice_iter(cert_pem.as_bytes()).collect::<Result<_, _>>()?;
+        let key = PrivateKeyDer::from_pem_slice(key_pem.as_bytes())?;
+        let mut roots = rustls::RootCertStore::empty();
+        for c in CertificateDer::pem_slice_iter(ca_pem.as_bytes()).flatten() {
+            let _ = roots.add(c);
+        }
+        let mut cfg = rustls::ClientConfig::builder()
+            .with_root_certificates(roots)
+            .with_client_auth_cert(chain, key)?;
+        cfg.alpn_protocols = vec![b"h2".to_vec()];
+        Ok(Target {
+            side,
+            addr,
+            host: "localhost".into(),
+            tls: TlsConnector::from(Arc::new(cfg)),
+            token: "".into(),
+        })
+    }
+
+    /// The same server and TLS settings with another bearer token (e.g. a ServiceAccount's).
+    pub fn with_token(&self, token: &str) -> Target {
+        Target {
+            token: token.into(),
+            ..self.clone()
+        }
+    }
+
     fn with_roots(
         side: &'static str,
         addr: SocketAddr,
@@ -159,7 +199,8 @@ impl Target {
         Ok(send)
     }
 
-    /// A request for `path_and_query` with this target's bearer token.
+    /// A request for `path_and_query` with this target's bearer token (none for a target
+    /// with a client certificate).
     pub fn request(&self, method: Method, path: &str, body: Option<Bytes>) -> Request<Full<Bytes>> {
         let mut b = Request::builder()
             .method(method.clone())
@@ -168,8 +209,10 @@ impl Target {
             } else {
                 format!("https://{}:{}{path}", self.host, self.addr.port())
             })
-            .header("authorization", format!("Bearer {}", self.token))
             .header("accept", "application/json");
+        if !self.token.is_empty() {
+            b = b.header("authorization", format!("Bearer {}", self.token));
+        }
         if body.is_some() {
             let ct = if method == Method::PATCH {
                 "application/merge-patch+json"

@@ -75,6 +75,7 @@ fn configure_allocator() {
 fn configure_allocator() {}
 
 mod client;
+mod cluster;
 mod fields;
 mod hostile;
 mod idle;
@@ -239,6 +240,33 @@ struct Args {
     /// ...and list walkers in parallel (`limit=500`).
     #[arg(long, default_value_t = 4)]
     pb_walkers: usize,
+    /// Scenario cluster (run alone: `--only cluster`; both sides, each on its own control
+    /// plane): simulated nodes (KWOK)...
+    #[arg(long, default_value_t = 100)]
+    cluster_nodes: usize,
+    /// ...DaemonSet-like agents per node (each with its own ServiceAccount token)...
+    #[arg(long, default_value_t = 2)]
+    cluster_agents_per_node: usize,
+    /// ...Deployments...
+    #[arg(long, default_value_t = 20)]
+    cluster_deployments: usize,
+    /// ...pods in all (replicas per Deployment: this over the Deployments)...
+    #[arg(long, default_value_t = 1000)]
+    cluster_pods: usize,
+    /// ...Node annotation writes per second (the agents' latency probes)...
+    #[arg(long, default_value_t = 2.0)]
+    cluster_probe_rate: f64,
+    /// ...seconds each phase may take to converge...
+    #[arg(long, default_value_t = 300.0)]
+    cluster_timeout: f64,
+    /// ...and seconds the apiserver-restart phase measures from the new apiserver's
+    /// readiness.
+    #[arg(long, default_value_t = 60.0)]
+    cluster_restart_window: f64,
+    /// ...kube-controller-manager and kube-scheduler from this directory instead of
+    /// `tests/e2e/build-control-plane.sh conformance`'s (which also builds e2e.test).
+    #[arg(long)]
+    cluster_k8s_bin: Option<PathBuf>,
     /// YAML appended to the proxy child's configuration file (e.g. `server: {...}`), to
     /// compare settings in one run.
     #[arg(long)]
@@ -704,6 +732,13 @@ async fn run(args: Args) -> anyhow::Result<bool> {
     let out = out_dir(&args, &manifest, |k| std::env::var_os(k))?;
     std::fs::create_dir_all(&out)?;
     let machine = report::machine();
+    if args.only.iter().any(|o| o == "cluster") {
+        anyhow::ensure!(
+            args.only.len() == 1 && !external,
+            "the cluster scenario runs alone, on control planes of its own"
+        );
+        return cluster_main(&args, &out).await;
+    }
 
     say!("loopback TCP ...");
     let loopback_gbps = stats::loopback_gbps(p.loopback_bytes).await?;
@@ -851,6 +886,37 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         paths.md.display()
     );
     let failed: Vec<&Check> = run.checks.iter().filter(|c| !c.pass).collect();
+    for c in &failed {
+        say!("CHECK FAILED: {}: {}", c.name, c.detail);
+    }
+    Ok(failed.is_empty())
+}
+
+/// Scenario cluster (`cluster/`): a simulated cluster, direct and through the proxy, each side
+/// on its own control plane, with its own report. Fails (exit 1) when a check fails.
+async fn cluster_main(args: &Args, out: &std::path::Path) -> anyhow::Result<bool> {
+    let deployments = args.cluster_deployments.max(1);
+    let o = cluster::ClusterOpts {
+        nodes: args.cluster_nodes.max(1),
+        agents_per_node: args.cluster_agents_per_node,
+        deployments,
+        replicas: (args.cluster_pods / deployments).max(1),
+        probe_rate: args.cluster_probe_rate,
+        converge_timeout_s: args.cluster_timeout,
+        restart_window_s: args.cluster_restart_window,
+    };
+    let work = std::env::temp_dir().join(format!("kcp-loadtest-{}", std::process::id()));
+    let r = cluster::run(&o, &work, args.cluster_k8s_bin.clone()).await;
+    let r = match r {
+        Ok(r) => {
+            let _ = std::fs::remove_dir_all(&work);
+            r
+        }
+        // The side's logs stay for a look.
+        Err(e) => return Err(e),
+    };
+    cluster::write(out, &r)?;
+    let failed: Vec<&Check> = r.checks.iter().filter(|c| !c.pass).collect();
     for c in &failed {
         say!("CHECK FAILED: {}: {}", c.name, c.detail);
     }

@@ -1,0 +1,1163 @@
+//! Scenario `cluster` (issue 52): a simulated cluster, the same bounded workload once straight
+//! at kube-apiserver and once through the proxy, each side on its own fresh control plane, in
+//! one run.
+//!
+//! Per side: etcd + kube-apiserver (`ControlPlane::start`); on the proxy's side a proxy child
+//! with `cache.resources: [all]` (and the control plane's client CA, so node certificates
+//! authenticate to it), otherwise its defaults; kube-controller-manager, kube-scheduler, KWOK
+//! and kube-state-metrics, each with its own client certificate, pointed at the apiserver or
+//! the proxy; per simulated node a kubelet-like agent and K DaemonSet-agent-like agents
+//! (`agents.rs`). The driver's own writes (nodes, deployments, the latency probes) go straight
+//! to the apiserver on both sides.
+//!
+//! Phases, each measured on each side: cluster up (proxy start, components, deployments until
+//! every pod is Running), agents' first connect, steady churn (scale down, env-change rollout,
+//! scale up), agent rollout (every DaemonSet agent restarts with a new token), kube-apiserver
+//! restart (SIGKILL, start again; measured for a fixed window from its readiness).
+
+pub mod agents;
+pub mod components;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::{Duration, Instant};
+
+use anyhow::Context as _;
+use http::Method;
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::client::{Target, fetch, unix_nanos};
+use crate::proxy::{ProxyChild, ProxyFiles};
+use crate::stats::{self, ProcUsage, Sampler, Summary};
+use agents::{Agent, CounterValues, Counters};
+use components::{Component, ComponentOpts, Endpoint};
+
+/// Sizes of the scenario.
+#[derive(Debug, Clone, Serialize)]
+pub struct ClusterOpts {
+    pub nodes: usize,
+    pub agents_per_node: usize,
+    pub deployments: usize,
+    /// Replicas of each Deployment (pods = deployments × replicas).
+    pub replicas: usize,
+    /// The driver's Node annotation writes per second (the agents' latency probes).
+    pub probe_rate: f64,
+    /// Bound on each convergence wait.
+    pub converge_timeout_s: f64,
+    /// The apiserver-restart phase's window, from the new apiserver's readiness.
+    pub restart_window_s: f64,
+}
+
+/// What one phase cost and did on one side.
+#[derive(Debug, Clone, Serialize)]
+pub struct Phase {
+    pub name: &'static str,
+    pub wall_s: f64,
+    pub converged: bool,
+    /// Seconds from the phase's start until it converged.
+    pub converge_s: f64,
+    pub procs: Vec<ProcUsage>,
+    pub api: ApiDelta,
+    /// Watches open at the apiserver at the phase's end.
+    pub open_watches: u64,
+    pub agents: CounterValues,
+    /// Write → receipt of the driver's Node annotation writes at the agents.
+    pub latency: Summary,
+    pub proxy: Option<ProxyDelta>,
+    pub notes: Vec<String>,
+}
+
+/// The apiserver's `apiserver_request_total` over a phase.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ApiDelta {
+    pub total: u64,
+    pub by_verb: BTreeMap<String, u64>,
+    /// `resource verb` (subresources as `resource/sub`), the ten largest.
+    pub top: Vec<(String, u64)>,
+    pub subject_access_reviews: u64,
+    pub token_reviews: u64,
+}
+
+/// A parse of the apiserver's `/metrics`.
+#[derive(Debug, Clone, Default)]
+pub struct ApiSnap {
+    by_key: BTreeMap<(String, String), u64>,
+    open_watches: u64,
+}
+
+impl ApiSnap {
+    pub fn parse(text: &str) -> ApiSnap {
+        let mut s = ApiSnap::default();
+        for l in text.lines() {
+            let v = || {
+                l.rsplit(' ')
+                    .next()
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .unwrap_or(0.0) as u64
+            };
+            if l.starts_with("apiserver_request_total{") {
+                let res = label(l, "resource").unwrap_or("");
+                let sub = label(l, "subresource").unwrap_or("");
+                let res = if sub.is_empty() {
+                    res.to_string()
+                } else {
+                    format!("{res}/{sub}")
+                };
+                let verb = label(l, "verb").unwrap_or("").to_string();
+                *s.by_key.entry((res, verb)).or_default() += v();
+            } else if l.starts_with("apiserver_longrunning_requests{")
+                && l.contains("verb=\"WATCH\"")
+            {
+                s.open_watches += v();
+            }
+        }
+        s
+    }
+
+    pub fn delta(&self, before: &ApiSnap) -> ApiDelta {
+        let mut d = ApiDelta::default();
+        let mut per: Vec<(String, u64)> = Vec::new();
+        for ((res, verb), v) in &self.by_key {
+            let n = v.saturating_sub(
+                before
+                    .by_key
+                    .get(&(res.clone(), verb.clone()))
+                    .copied()
+                    .unwrap_or(0),
+            );
+            if n == 0 {
+                continue;
+            }
+            d.total += n;
+            *d.by_verb.entry(verb.clone()).or_default() += n;
+            match res.as_str() {
+                "subjectaccessreviews" => d.subject_access_reviews += n,
+                "tokenreviews" => d.token_reviews += n,
+                _ => {}
+            }
+            per.push((format!("{res} {verb}"), n));
+        }
+        per.sort_by(|a, b| b.1.cmp(&a.1));
+        per.truncate(10);
+        d.top = per;
+        d
+    }
+}
+
+fn label<'a>(line: &'a str, name: &str) -> Option<&'a str> {
+    let key = format!("{name}=\"");
+    let i = line.find(&key)? + key.len();
+    let j = line[i..].find('"')?;
+    Some(&line[i..i + j])
+}
+
+/// The proxy's requests over a phase (`kube_cache_proxy_requests_total`,
+/// `kube_cache_proxy_passthrough_total`).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ProxyDelta {
+    /// `verb served_by` → requests.
+    pub served: BTreeMap<String, u64>,
+    /// `verb resource: reason` → requests passed through.
+    pub passthrough: BTreeMap<String, u64>,
+}
+
+#[derive(Debug, Clone, Default)]
+struct ProxySnap(BTreeMap<String, u64>, BTreeMap<String, u64>);
+
+impl ProxySnap {
+    fn parse(text: &str) -> ProxySnap {
+        let mut s = ProxySnap::default();
+        for l in text.lines() {
+            let v = l
+                .rsplit(' ')
+                .next()
+                .and_then(|v| v.parse::<f64>().ok())
+                .unwrap_or(0.0) as u64;
+            if l.starts_with("kube_cache_proxy_requests_total{") {
+                let k = format!(
+                    "{} {}",
+                    label(l, "verb").unwrap_or("?"),
+                    label(l, "served_by").unwrap_or("?")
+                );
+                *s.0.entry(k).or_default() += v;
+            } else if l.starts_with("kube_cache_proxy_passthrough_total{") {
+                let k = format!(
+                    "{} {}: {}",
+                    label(l, "verb").unwrap_or("?"),
+                    label(l, "resource").unwrap_or("?"),
+                    label(l, "reason").unwrap_or("?")
+                );
+                *s.1.entry(k).or_default() += v;
+            }
+        }
+        s
+    }
+
+    fn delta(&self, before: &ProxySnap) -> ProxyDelta {
+        let d = |a: &BTreeMap<String, u64>, b: &BTreeMap<String, u64>| {
+            a.iter()
+                .map(|(k, v)| (k.clone(), v.saturating_sub(b.get(k).copied().unwrap_or(0))))
+                .filter(|(_, v)| *v > 0)
+                .collect()
+        };
+        ProxyDelta {
+            served: d(&self.0, &before.0),
+            passthrough: d(&self.1, &before.1),
+        }
+    }
+}
+
+/// One side's run.
+#[derive(Debug, Clone, Serialize)]
+pub struct Side {
+    pub side: &'static str,
+    pub phases: Vec<Phase>,
+}
+
+/// The whole run.
+#[derive(Debug, Clone, Serialize)]
+pub struct ClusterRun {
+    pub opts: ClusterOpts,
+    pub sides: Vec<Side>,
+    pub checks: Vec<crate::Check>,
+}
+
+/// Everything one side runs.
+struct Ctx {
+    cp: ControlPlane,
+    direct: Target,
+    proxy: Option<ProxyChild>,
+    components: Vec<Component>,
+    counters: Arc<Counters>,
+    kubelets: Vec<Agent>,
+    daemons: Vec<Agent>,
+    /// Where agents connect: the apiserver's or the proxy's address and CA.
+    agent_addr: std::net::SocketAddr,
+    agent_ca: String,
+    o: ClusterOpts,
+    /// The template generation (the `LT_GEN` env) and replicas now asked for.
+    generation: u32,
+    replicas: usize,
+}
+
+const NS: &str = "lt-work";
+const AGENTS_NS: &str = "lt-agents";
+
+fn node_name(i: usize) -> String {
+    format!("kwok-node-{i}")
+}
+
+/// Runs both sides and returns their phases.
+pub async fn run(
+    o: &ClusterOpts,
+    work: &Path,
+    k8s_bin: Option<PathBuf>,
+) -> anyhow::Result<ClusterRun> {
+    say!("cluster: building or finding the components ...");
+    let k8s_bin = match k8s_bin {
+        Some(b) => b,
+        None => {
+            tokio::task::spawn_blocking(kube_cache_proxy::app::dev::ensure_conformance_binaries)
+                .await??
+        }
+    };
+    let cluster_bin = tokio::task::spawn_blocking(components::ensure_cluster_binaries).await??;
+    let mut sides = Vec::new();
+    for via_proxy in [false, true] {
+        let name = if via_proxy { "proxy" } else { "apiserver" };
+        say!("cluster: side {name}");
+        let dir = work.join(format!("cluster-{name}"));
+        let phases = run_side(o, via_proxy, &dir, &k8s_bin, &cluster_bin)
+            .await
+            .with_context(|| {
+                format!("cluster scenario, side {name} (logs in {})", dir.display())
+            })?;
+        sides.push(Side { side: name, phases });
+    }
+    let checks = checks(&sides);
+    Ok(ClusterRun {
+        opts: o.clone(),
+        sides,
+        checks,
+    })
+}
+
+async fn run_side(
+    o: &ClusterOpts,
+    via_proxy: bool,
+    dir: &Path,
+    k8s_bin: &Path,
+    cluster_bin: &Path,
+) -> anyhow::Result<Vec<Phase>> {
+    std::fs::create_dir_all(dir)?;
+    let cp = ControlPlane::start(ControlPlaneOptions {
+        dir: Some(dir.join("cp")),
+        ..ControlPlaneOptions::default()
+    })
+    .await
+    .context("starting the control plane")?;
+    let api_addr: std::net::SocketAddr = cp.url.trim_start_matches("https://").parse()?;
+    let direct = Target::new("apiserver", api_addr, &cp.ca_pem, cp.admin_token());
+    setup(&direct, o).await?;
+    let mut ctx = Ctx {
+        direct: direct.clone(),
+        proxy: None,
+        components: Vec::new(),
+        counters: Arc::new(Counters::default()),
+        kubelets: Vec::new(),
+        daemons: Vec::new(),
+        agent_addr: api_addr,
+        agent_ca: cp.ca_pem.clone(),
+        o: o.clone(),
+        generation: 0,
+        replicas: o.replicas,
+        cp,
+    };
+    let mut phases = Vec::new();
+    let r = phases_of(&mut ctx, via_proxy, dir, k8s_bin, cluster_bin, &mut phases).await;
+    ctx.kubelets.clear();
+    ctx.daemons.clear();
+    for c in ctx.components.drain(..) {
+        c.stop().await;
+    }
+    if let Some(px) = ctx.proxy.take() {
+        px.stop().await;
+    }
+    ctx.cp.stop().await;
+    r.map(|()| phases)
+}
+
+async fn phases_of(
+    ctx: &mut Ctx,
+    via_proxy: bool,
+    dir: &Path,
+    k8s_bin: &Path,
+    cluster_bin: &Path,
+    phases: &mut Vec<Phase>,
+) -> anyhow::Result<()> {
+    // Phase: cluster up (the proxy's start, the components, the workload created).
+    let p = measure(ctx, "cluster up", async |ctx: &mut Ctx| {
+        let endpoint = if via_proxy {
+            let files = ProxyFiles::write(dir, &ctx.cp.admin_kubeconfig_yaml(), None)?;
+            std::fs::write(
+                &files.config,
+                format!(
+                    "cache:\n  resources: [all]\ntls:\n  clientCaFile: {}\n",
+                    ctx.cp.dir.join("pki/client-ca.crt").display()
+                ),
+            )?;
+            let px = ProxyChild::start(&files, None, ctx.cp.admin_token()).await?;
+            ctx.agent_addr = px.target.addr;
+            ctx.agent_ca = files.ca_pem.clone();
+            let ep = Endpoint {
+                url: format!("https://{}", px.target.addr),
+                ca_pem: files.ca_pem.clone(),
+            };
+            ctx.proxy = Some(px);
+            ep
+        } else {
+            Endpoint {
+                url: ctx.cp.url.clone(),
+                ca_pem: ctx.cp.ca_pem.clone(),
+            }
+        };
+        ctx.components = components::start_all(
+            &ctx.cp,
+            &endpoint,
+            &ComponentOpts {
+                k8s_bin,
+                cluster_bin,
+                dir: &dir.join("components"),
+            },
+        )?;
+        create_deployments(&ctx.direct, &ctx.o).await?;
+        converge(ctx, false).await
+    })
+    .await?;
+    phases.push(p);
+
+    // The latency probes: Node annotation writes, straight at the apiserver, from here on.
+    let probes = tokio::spawn(probe_writer(ctx.direct.clone(), ctx.o.clone()));
+    let r = later_phases(ctx, phases).await;
+    probes.abort();
+    r
+}
+
+async fn later_phases(ctx: &mut Ctx, phases: &mut Vec<Phase>) -> anyhow::Result<()> {
+    // Phase: the agents' first connect.
+    let p = measure(ctx, "agents connect", async |ctx: &mut Ctx| {
+        start_kubelets(ctx)?;
+        start_daemons(ctx).await?;
+        converge(ctx, true).await
+    })
+    .await?;
+    phases.push(p);
+
+    // Phase: steady churn: scale down, env-change rollout, scale up.
+    let p = measure(ctx, "steady churn", async |ctx: &mut Ctx| {
+        let mut notes = Vec::new();
+        let full = ctx.o.replicas;
+        let steps: [(&str, usize, u32); 3] = [
+            ("scale down", (full / 2).max(1), ctx.generation),
+            ("rollout", (full / 2).max(1), ctx.generation + 1),
+            ("scale up", full, ctx.generation + 1),
+        ];
+        let t0 = Instant::now();
+        let mut all = true;
+        for (what, replicas, generation) in steps {
+            let t = Instant::now();
+            ctx.replicas = replicas;
+            ctx.generation = generation;
+            patch_deployments(&ctx.direct, &ctx.o, replicas, generation).await?;
+            let (ok, _, _) = converge(ctx, true).await?;
+            all &= ok;
+            notes.push(format!(
+                "{what}: {:.1} s{}",
+                t.elapsed().as_secs_f64(),
+                if ok { "" } else { " (not converged)" }
+            ));
+        }
+        Ok((all, t0.elapsed().as_secs_f64(), notes))
+    })
+    .await?;
+    phases.push(p);
+
+    // Phase: agent rollout: every DaemonSet agent restarts with a new token.
+    let p = measure(ctx, "agent rollout", async |ctx: &mut Ctx| {
+        ctx.daemons.clear();
+        start_daemons(ctx).await?;
+        converge(ctx, true).await
+    })
+    .await?;
+    phases.push(p);
+
+    // Phase: kube-apiserver restart.
+    let p = restart_phase(ctx).await?;
+    phases.push(p);
+    Ok(())
+}
+
+/// Runs `f` as one measured phase; `f` returns (converged, seconds to convergence, notes).
+async fn measure<F>(ctx: &mut Ctx, name: &'static str, f: F) -> anyhow::Result<Phase>
+where
+    F: AsyncFnOnce(&mut Ctx) -> anyhow::Result<(bool, f64, Vec<String>)>,
+{
+    say!("cluster: phase {name}");
+    let api_before = api_snap(&ctx.direct).await?;
+    let proxy_before = proxy_snap(ctx).await?;
+    let counters_before = ctx.counters.values();
+    ctx.counters.latencies.lock().clear();
+    // The proxy starts within the first phase: sample what runs at each check.
+    let sampler = Sampler::start(&procs(ctx));
+    let t0 = Instant::now();
+    let (converged, converge_s, notes) = f(ctx).await?;
+    let wall_s = t0.elapsed().as_secs_f64();
+    let mut procs_used = sampler.finish().await;
+    // Processes started during the phase (the proxy, the components): their whole life.
+    for (n, pid) in procs(ctx) {
+        if !procs_used.iter().any(|p| p.pid == pid) {
+            let rss = stats::rss_kb(pid).unwrap_or(0) as f64 / 1024.0;
+            let cpu_s = stats::cpu_seconds(pid).unwrap_or(0.0);
+            procs_used.push(ProcUsage {
+                name: n,
+                pid,
+                cpu_s,
+                cpu_pct: cpu_s / wall_s.max(1e-6) * 100.0,
+                rss_peak_mb: hwm_kb(pid).map_or(rss, |k| k as f64 / 1024.0),
+                rss_end_mb: rss,
+            });
+        }
+    }
+    finish(
+        ctx,
+        name,
+        wall_s,
+        (converged, converge_s, notes),
+        procs_used,
+        &api_before,
+        proxy_before,
+        counters_before,
+    )
+    .await
+}
+
+#[allow(clippy::too_many_arguments, reason = "one phase's parts, in one place")]
+async fn finish(
+    ctx: &mut Ctx,
+    name: &'static str,
+    wall_s: f64,
+    (converged, converge_s, notes): (bool, f64, Vec<String>),
+    procs: Vec<ProcUsage>,
+    api_before: &ApiSnap,
+    proxy_before: Option<ProxySnap>,
+    counters_before: CounterValues,
+) -> anyhow::Result<Phase> {
+    // WATCH requests are counted when they end; give closed streams a moment.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let api_after = api_snap(&ctx.direct).await?;
+    let proxy_after = proxy_snap(ctx).await?;
+    let latency = stats::summarize(std::mem::take(&mut *ctx.counters.latencies.lock()));
+    let p = Phase {
+        name,
+        wall_s,
+        converged,
+        converge_s,
+        procs,
+        api: api_after.delta(api_before),
+        open_watches: api_after.open_watches,
+        agents: ctx.counters.values().since(counters_before),
+        latency,
+        proxy: match (proxy_before, proxy_after) {
+            (Some(b), Some(a)) => Some(a.delta(&b)),
+            (None, Some(a)) => Some(a.delta(&ProxySnap::default())),
+            _ => None,
+        },
+        notes,
+    };
+    say!(
+        "cluster: {name}: {:.1} s, converged {} in {:.1} s, apiserver {:.1} CPU-s, {} requests, {} open watches, relists {}",
+        p.wall_s,
+        p.converged,
+        p.converge_s,
+        p.procs
+            .iter()
+            .find(|u| u.name == "kube-apiserver")
+            .map_or(0.0, |u| u.cpu_s),
+        p.api.total,
+        p.open_watches,
+        p.agents.relists
+    );
+    Ok(p)
+}
+
+/// The apiserver restart: SIGKILL, start again; measured from the new apiserver's readiness for
+/// the restart window (its counters start at zero); convergence from the kill.
+async fn restart_phase(ctx: &mut Ctx) -> anyhow::Result<Phase> {
+    let name = "apiserver restart";
+    say!("cluster: phase {name}");
+    let proxy_before = proxy_snap(ctx).await?;
+    let counters_before = ctx.counters.values();
+    ctx.counters.latencies.lock().clear();
+    let t0 = Instant::now();
+    ctx.cp
+        .kill_and_restart_apiserver()
+        .await
+        .context("restarting kube-apiserver")?;
+    let ready_s = t0.elapsed().as_secs_f64();
+    let sampler = Sampler::start(&procs(ctx));
+    let window_end = Instant::now() + Duration::from_secs_f64(ctx.o.restart_window_s);
+    let (converged, _, mut notes) = converge(ctx, true).await?;
+    let converge_s = t0.elapsed().as_secs_f64();
+    if let Some(rest) = window_end.checked_duration_since(Instant::now()) {
+        tokio::time::sleep(rest).await;
+    }
+    let procs_used = sampler.finish().await;
+    notes.push(format!(
+        "new apiserver ready {ready_s:.1} s after the kill; CPU, RSS and requests over its first {:.0} s",
+        ctx.o.restart_window_s
+    ));
+    let wall_s = t0.elapsed().as_secs_f64();
+    finish(
+        ctx,
+        name,
+        wall_s,
+        (converged, converge_s, notes),
+        procs_used,
+        &ApiSnap::default(),
+        proxy_before,
+        counters_before,
+    )
+    .await
+}
+
+/// VmHWM (peak RSS over the process's life) of `pid` in KiB.
+fn hwm_kb(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    s.lines()
+        .find(|l| l.starts_with("VmHWM:"))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+fn procs(ctx: &Ctx) -> Vec<(String, u32)> {
+    let pids = ctx.cp.pids();
+    let mut v = vec![
+        ("etcd".to_string(), pids[0]),
+        ("kube-apiserver".to_string(), pids[1]),
+    ];
+    if let Some(pid) = ctx.proxy.as_ref().and_then(|p| p.pid) {
+        v.push(("proxy".into(), pid));
+    }
+    for c in &ctx.components {
+        if let Some(pid) = c.pid() {
+            v.push((c.name.to_string(), pid));
+        }
+    }
+    v.push(("driver".into(), std::process::id()));
+    v
+}
+
+async fn api_snap(direct: &Target) -> anyhow::Result<ApiSnap> {
+    // Bounded: the apiserver may be restarting.
+    for _ in 0..60 {
+        if let Ok(t) = stats::metrics(direct).await {
+            return Ok(ApiSnap::parse(&t));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    anyhow::bail!("the apiserver's /metrics did not answer in 30 s")
+}
+
+async fn proxy_snap(ctx: &Ctx) -> anyhow::Result<Option<ProxySnap>> {
+    match ctx.proxy.as_ref().and_then(|p| p.admin.as_ref()) {
+        Some(admin) => Ok(Some(ProxySnap::parse(&stats::metrics(admin).await?))),
+        None => Ok(None),
+    }
+}
+
+/// Objects every phase needs: namespaces, the agents' ServiceAccounts and RBAC,
+/// kube-state-metrics' RBAC, the Nodes, and per Deployment its ConfigMap, Secret and headless
+/// Service.
+async fn setup(d: &Target, o: &ClusterOpts) -> anyhow::Result<()> {
+    let conn = d.connect().await?;
+    for ns in [NS, AGENTS_NS] {
+        crate::scenarios::create_namespace(d, &conn, ns).await?;
+    }
+    let post = |path: &str, body: Value| {
+        let (conn, d, path) = (conn.clone(), d.clone(), path.to_string());
+        async move {
+            let resp = crate::client::send(
+                &conn,
+                d.request(Method::POST, &path, Some(body.to_string().into())),
+            )
+            .await?;
+            let s = resp.status();
+            if !(s.is_success() || s == http::StatusCode::CONFLICT) {
+                crate::client::expect_ok(resp, &path).await?;
+            }
+            anyhow::Ok(())
+        }
+    };
+    let rbac = "/apis/rbac.authorization.k8s.io/v1";
+    post(
+        &format!("{rbac}/clusterroles"),
+        json!({"metadata": {"name": "lt-agent"}, "rules": [
+            {"apiGroups": [""], "resources": ["pods", "nodes"], "verbs": ["get", "list", "watch"]},
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]},
+        ]}),
+    )
+    .await?;
+    post(
+        &format!("{rbac}/clusterrolebindings"),
+        json!({"metadata": {"name": "lt-agent"},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "lt-agent"},
+               "subjects": [{"kind": "Group", "apiGroup": "rbac.authorization.k8s.io", "name": format!("system:serviceaccounts:{AGENTS_NS}")}]}),
+    )
+    .await?;
+    post(
+        &format!("{rbac}/clusterroles"),
+        json!({"metadata": {"name": "lt-ksm"}, "rules": [
+            {"apiGroups": ["*"], "resources": ["*"], "verbs": ["list", "watch"]},
+        ]}),
+    )
+    .await?;
+    post(
+        &format!("{rbac}/clusterrolebindings"),
+        json!({"metadata": {"name": "lt-ksm"},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "lt-ksm"},
+               "subjects": [{"kind": "Group", "apiGroup": "rbac.authorization.k8s.io", "name": "lt:ksm"}]}),
+    )
+    .await?;
+    for k in 0..o.agents_per_node {
+        post(
+            &format!("/api/v1/namespaces/{AGENTS_NS}/serviceaccounts"),
+            json!({"metadata": {"name": format!("agent-{k}")}}),
+        )
+        .await?;
+    }
+    crate::scenarios::create_objects(d, "/api/v1/nodes", o.nodes, 32, |i| {
+        let n = node_name(i);
+        let res = json!({"cpu": "32", "memory": "256Gi", "pods": "110"});
+        json!({"metadata": {"name": n,
+                 "annotations": {"kwok.x-k8s.io/node": "fake", "node.alpha.kubernetes.io/ttl": "0"},
+                 "labels": {"type": "kwok", "kubernetes.io/hostname": n, "kubernetes.io/os": "linux", "kubernetes.io/arch": "amd64"}},
+               "status": {"allocatable": res, "capacity": res}})
+        .to_string()
+    })
+    .await?;
+    for i in 0..o.deployments {
+        post(
+            &format!("/api/v1/namespaces/{NS}/configmaps"),
+            json!({"metadata": {"name": format!("cfg-{i}")}, "data": {"APP_MODE": "sim", "APP_INDEX": i.to_string()}}),
+        )
+        .await?;
+        post(
+            &format!("/api/v1/namespaces/{NS}/secrets"),
+            json!({"metadata": {"name": format!("sec-{i}")}, "stringData": {"APP_PASSWORD": format!("pw-{i}")}}),
+        )
+        .await?;
+        post(
+            &format!("/api/v1/namespaces/{NS}/services"),
+            json!({"metadata": {"name": format!("svc-{i}")},
+                   "spec": {"clusterIP": "None", "selector": {"app": format!("app-{i}")}, "ports": [{"port": 80}]}}),
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+/// Deployment `i`'s pod containers at template generation `generation`.
+fn containers(i: usize, generation: u32) -> Value {
+    json!([{"name": "app", "image": "registry.example/app:1",
+            "env": [{"name": "LT_GEN", "value": generation.to_string()}],
+            "envFrom": [{"configMapRef": {"name": format!("cfg-{i}")}}, {"secretRef": {"name": format!("sec-{i}")}}],
+            "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}}}])
+}
+
+async fn create_deployments(d: &Target, o: &ClusterOpts) -> anyhow::Result<()> {
+    let path = format!("/apis/apps/v1/namespaces/{NS}/deployments");
+    crate::scenarios::create_objects(d, &path, o.deployments, 16, |i| {
+        let app = format!("app-{i}");
+        json!({"metadata": {"name": app},
+               "spec": {"replicas": o.replicas,
+                        "selector": {"matchLabels": {"app": app}},
+                        "strategy": {"rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}},
+                        "template": {"metadata": {"labels": {"app": app}},
+                                     "spec": {"containers": containers(i, 0),
+                                              "nodeSelector": {"type": "kwok"}}}}})
+        .to_string()
+    })
+    .await?;
+    Ok(())
+}
+
+async fn patch_deployments(
+    d: &Target,
+    o: &ClusterOpts,
+    replicas: usize,
+    generation: u32,
+) -> anyhow::Result<()> {
+    crate::scenarios::send_each(d, o.deployments, 8, "patch deployment", |i| {
+        let body = json!({"spec": {"replicas": replicas,
+                                   "template": {"spec": {"containers": containers(i, generation)}}}});
+        d.request(
+            Method::PATCH,
+            &format!("/apis/apps/v1/namespaces/{NS}/deployments/app-{i}"),
+            Some(body.to_string().into()),
+        )
+    })
+    .await?;
+    Ok(())
+}
+
+/// The ServiceAccount token of a new agent pod (TokenRequest, straight at the apiserver, as
+/// the kubelet asks for a projected token).
+async fn token(d: &Target, conn: &crate::client::Conn, sa: &str) -> anyhow::Result<String> {
+    let body = json!({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+                      "spec": {"expirationSeconds": 3600}});
+    let b = fetch(
+        conn,
+        d.request(
+            Method::POST,
+            &format!("/api/v1/namespaces/{AGENTS_NS}/serviceaccounts/{sa}/token"),
+            Some(body.to_string().into()),
+        ),
+    )
+    .await?;
+    let v: Value = serde_json::from_slice(&b)?;
+    v["status"]["token"]
+        .as_str()
+        .map(str::to_string)
+        .context("TokenRequest without a token")
+}
+
+fn start_kubelets(ctx: &mut Ctx) -> anyhow::Result<()> {
+    for i in 0..ctx.o.nodes {
+        let node = node_name(i);
+        let (cert, key) = ctx
+            .cp
+            .mint_client_cert(&format!("system:node:{node}"), &["system:nodes"]);
+        let t = Target::with_client_cert("agent", ctx.agent_addr, &ctx.agent_ca, &cert, &key)?;
+        ctx.kubelets.push(Agent::kubelet(t, &ctx.counters, &node));
+    }
+    Ok(())
+}
+
+async fn start_daemons(ctx: &mut Ctx) -> anyhow::Result<()> {
+    let conn = ctx.direct.connect().await?;
+    let base = Target::new("agent", ctx.agent_addr, &ctx.agent_ca, "");
+    for i in 0..ctx.o.nodes {
+        for k in 0..ctx.o.agents_per_node {
+            let tok = token(&ctx.direct, &conn, &format!("agent-{k}")).await?;
+            ctx.daemons.push(Agent::daemon(
+                base.with_token(&tok),
+                &ctx.counters,
+                &node_name(i),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Node annotation writes at `probe_rate` per second, round robin over the nodes, each carrying
+/// its send time (`loadtest/ts`); errors (the apiserver restarting) are skipped.
+async fn probe_writer(d: Target, o: ClusterOpts) {
+    let period = Duration::from_secs_f64(1.0 / o.probe_rate.max(0.01));
+    let mut tick = tokio::time::interval(period);
+    let mut conn = None;
+    let mut i = 0usize;
+    loop {
+        tick.tick().await;
+        if conn
+            .as_ref()
+            .is_none_or(|c: &crate::client::Conn| c.is_closed())
+        {
+            conn = d.connect().await.ok();
+        }
+        let Some(c) = conn.as_ref() else { continue };
+        let body = json!({"metadata": {"annotations": {"loadtest/ts": unix_nanos().to_string()}}});
+        let req = d.request(
+            Method::PATCH,
+            &format!("/api/v1/nodes/{}", node_name(i % o.nodes)),
+            Some(body.to_string().into()),
+        );
+        if fetch(c, req).await.is_err() {
+            conn = None;
+        }
+        i += 1;
+    }
+}
+
+/// Waits (bounded by `converge_timeout_s`) until every Deployment's pods are Running at the
+/// current generation and replicas (the apiserver's view, `resourceVersion=0`), and, with
+/// `agents`, every informer synced and watching and the kubelets seeing exactly those pods
+/// Running. Returns (converged, seconds, notes).
+async fn converge(ctx: &mut Ctx, agents: bool) -> anyhow::Result<(bool, f64, Vec<String>)> {
+    let t0 = Instant::now();
+    let deadline = t0 + Duration::from_secs_f64(ctx.o.converge_timeout_s);
+    let expected = ctx.o.deployments * ctx.replicas;
+    let gen_s = ctx.generation.to_string();
+    let mut last = String::new();
+    while Instant::now() < deadline {
+        for c in &mut ctx.components {
+            c.alive()?;
+        }
+        let (running, total) = match pods_state(&ctx.direct, &gen_s).await {
+            Ok(v) => v,
+            Err(e) => {
+                last = format!("listing pods: {e}");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+        };
+        let pods_ok = running == expected && total == expected;
+        let (synced, watching, all, seen) = if agents {
+            let states = ctx
+                .kubelets
+                .iter()
+                .chain(&ctx.daemons)
+                .flat_map(|a| &a.informers);
+            let (mut s, mut w, mut n) = (0, 0, 0);
+            for st in states {
+                n += 1;
+                s += st.synced.load(Relaxed) as usize;
+                w += st.watching.load(Relaxed) as usize;
+            }
+            (s, w, n, ctx.counters.running_seen.load(Relaxed))
+        } else {
+            (0, 0, 0, expected as i64)
+        };
+        last = format!(
+            "pods Running at generation {gen_s}: {running} of {expected} ({total} pods); informers synced {synced}/{all}, watching {watching}/{all}; kubelets see {seen} Running"
+        );
+        if pods_ok && synced == all && watching == all && seen == expected as i64 {
+            return Ok((true, t0.elapsed().as_secs_f64(), vec![]));
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    say!("cluster: not converged: {last}");
+    Ok((
+        false,
+        t0.elapsed().as_secs_f64(),
+        vec![format!("not converged: {last}")],
+    ))
+}
+
+/// (pods Running at generation `generation` and not being deleted, all pods) in the workload
+/// namespace.
+async fn pods_state(d: &Target, generation: &str) -> anyhow::Result<(usize, usize)> {
+    let conn = d.connect().await?;
+    let b = fetch(
+        &conn,
+        d.request(
+            Method::GET,
+            &format!("/api/v1/namespaces/{NS}/pods?resourceVersion=0"),
+            None,
+        ),
+    )
+    .await?;
+    let v: Value = serde_json::from_slice(&b)?;
+    let items = v["items"].as_array().cloned().unwrap_or_default();
+    let running = items
+        .iter()
+        .filter(|p| {
+            p["status"]["phase"] == "Running"
+                && p["metadata"]["deletionTimestamp"].is_null()
+                && p["spec"]["containers"][0]["env"][0]["value"] == generation
+        })
+        .count();
+    Ok((running, items.len()))
+}
+
+/// Correctness checks: every phase converged on both sides; no relist through the proxy.
+fn checks(sides: &[Side]) -> Vec<crate::Check> {
+    let mut v = Vec::new();
+    for s in sides {
+        for p in &s.phases {
+            v.push(crate::Check {
+                name: format!("cluster: {} converged via {}", p.name, s.side),
+                pass: p.converged,
+                detail: format!("{:.1} s; {}", p.converge_s, p.notes.join("; ")),
+            });
+        }
+        if s.side == "proxy" {
+            let relists: u64 = s.phases.iter().map(|p| p.agents.relists).sum();
+            v.push(crate::Check {
+                name: "cluster: no agent relisted through the proxy".into(),
+                pass: relists == 0,
+                detail: format!("{relists} relists"),
+            });
+        }
+    }
+    v
+}
+
+fn cpu<'a>(p: &'a Phase, name: &str) -> Option<&'a ProcUsage> {
+    p.procs.iter().find(|u| u.name == name)
+}
+
+/// The report: per phase a table of both sides.
+pub fn markdown(r: &ClusterRun) -> String {
+    let o = &r.opts;
+    let mut md = format!(
+        "# Simulated cluster: kube-apiserver direct vs through kube-cache-proxy\n\n\
+         {} nodes (KWOK), {} kubelet-like agents and {} DaemonSet-like agents ({} per node), \
+         {} Deployments × {} replicas ({} pods), node-annotation probes at {}/s; \
+         kube-controller-manager, kube-scheduler, KWOK and kube-state-metrics through the side's \
+         endpoint; each side on its own fresh etcd + kube-apiserver.\n\n",
+        o.nodes,
+        o.nodes,
+        o.nodes * o.agents_per_node,
+        o.agents_per_node,
+        o.deployments,
+        o.replicas,
+        o.deployments * o.replicas,
+        o.probe_rate
+    );
+    let failed: Vec<&crate::Check> = r.checks.iter().filter(|c| !c.pass).collect();
+    if failed.is_empty() {
+        md.push_str("All checks passed.\n\n");
+    } else {
+        for c in failed {
+            md.push_str(&format!("- **CHECK FAILED** {}: {}\n", c.name, c.detail));
+        }
+        md.push('\n');
+    }
+    let names: Vec<&str> = r
+        .sides
+        .first()
+        .map(|s| s.phases.iter().map(|p| p.name).collect())
+        .unwrap_or_default();
+    for name in names {
+        let ps: Vec<Option<&Phase>> = r
+            .sides
+            .iter()
+            .map(|s| s.phases.iter().find(|p| p.name == name))
+            .collect();
+        md.push_str(&format!(
+            "## {name}\n\n| | {} |\n|---|",
+            r.sides
+                .iter()
+                .map(|s| s.side)
+                .collect::<Vec<_>>()
+                .join(" | ")
+        ));
+        md.push_str(&"---|".repeat(r.sides.len()));
+        md.push('\n');
+        let row = |label: &str, f: &dyn Fn(&Phase) -> String| {
+            let cells: Vec<String> = ps.iter().map(|p| p.map_or("-".into(), f)).collect();
+            format!("| {label} | {} |\n", cells.join(" | "))
+        };
+        let proc_cell = |n: &'static str| {
+            move |p: &Phase| {
+                cpu(p, n).map_or("-".into(), |u| {
+                    format!("{:.1} CPU-s, peak {:.0} MiB", u.cpu_s, u.rss_peak_mb)
+                })
+            }
+        };
+        md.push_str(&row("wall / converged in", &|p| {
+            format!(
+                "{:.1} s / {}",
+                p.wall_s,
+                if p.converged {
+                    format!("{:.1} s", p.converge_s)
+                } else {
+                    "**not converged**".into()
+                }
+            )
+        }));
+        md.push_str(&row("kube-apiserver", &proc_cell("kube-apiserver")));
+        md.push_str(&row("etcd", &proc_cell("etcd")));
+        md.push_str(&row("proxy", &proc_cell("proxy")));
+        md.push_str(&row("driver (agents)", &proc_cell("driver")));
+        md.push_str(&row("components (kcm, sched, kwok, ksm) CPU-s", &|p| {
+            let c: Vec<String> = [
+                "kube-controller-manager",
+                "kube-scheduler",
+                "kwok",
+                "kube-state-metrics",
+            ]
+            .iter()
+            .map(|n| cpu(p, n).map_or("-".into(), |u| format!("{:.1}", u.cpu_s)))
+            .collect();
+            c.join(" / ")
+        }));
+        md.push_str(&row("apiserver requests", &|p| p.api.total.to_string()));
+        md.push_str(&row("… by verb", &|p| {
+            p.api
+                .by_verb
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }));
+        md.push_str(&row("… largest", &|p| {
+            p.api
+                .top
+                .iter()
+                .take(5)
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        }));
+        md.push_str(&row(
+            "SubjectAccessReviews / TokenReviews at the apiserver",
+            &|p| format!("{} / {}", p.api.subject_access_reviews, p.api.token_reviews),
+        ));
+        md.push_str(&row("open WATCHes at the apiserver (end)", &|p| {
+            p.open_watches.to_string()
+        }));
+        md.push_str(&row(
+            "agents: LISTs / relists / WATCHes / watch restarts",
+            &|p| {
+                let a = &p.agents;
+                format!(
+                    "{} / {} / {} / {}",
+                    a.lists, a.relists, a.watches, a.watch_restarts
+                )
+            },
+        ));
+        md.push_str(&row("agents: 410s / 403s / errors / events / GETs", &|p| {
+            let a = &p.agents;
+            format!(
+                "{} / {} / {} / {} / {}",
+                a.gone, a.forbidden, a.errors, a.events, a.gets
+            )
+        }));
+        md.push_str(&row(
+            "probe latency write → agent p50 / p99 / max (n)",
+            &|p| {
+                let l = &p.latency;
+                if l.count == 0 {
+                    "-".into()
+                } else {
+                    format!(
+                        "{:.1} / {:.1} / {:.1} ms ({})",
+                        l.p50_ms, l.p99_ms, l.max_ms, l.count
+                    )
+                }
+            },
+        ));
+        md.push_str(&row("proxy requests by verb, served_by", &|p| {
+            p.proxy.as_ref().map_or("-".into(), |x| {
+                x.served
+                    .iter()
+                    .map(|(k, v)| format!("{k} {v}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            })
+        }));
+        md.push_str(&row("proxy passthrough reasons", &|p| {
+            p.proxy.as_ref().map_or("-".into(), |x| {
+                let mut v: Vec<(&String, &u64)> = x.passthrough.iter().collect();
+                v.sort_by(|a, b| b.1.cmp(a.1));
+                v.iter()
+                    .take(8)
+                    .map(|(k, n)| format!("{k} ({n})"))
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            })
+        }));
+        md.push_str(&row("notes", &|p| p.notes.join("; ")));
+        md.push('\n');
+    }
+    md
+}
+
+/// Writes the run's report (`cluster-<time>.md`, `.json`) under `out`, returning the md path.
+pub fn write(out: &Path, r: &ClusterRun) -> anyhow::Result<PathBuf> {
+    let md = markdown(r);
+    crate::write_scenario_report(out, "cluster", md, None, r)?;
+    Ok(out.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn apiserver_requests_are_summed_by_verb_and_reviews_counted() {
+        let t = |n: u64| {
+            format!(
+                "apiserver_request_total{{code=\"201\",group=\"authorization.k8s.io\",resource=\"subjectaccessreviews\",subresource=\"\",verb=\"POST\"}} {n}\n\
+                 apiserver_request_total{{code=\"201\",group=\"authentication.k8s.io\",resource=\"tokenreviews\",subresource=\"\",verb=\"POST\"}} 2\n\
+                 apiserver_request_total{{code=\"200\",group=\"\",resource=\"pods\",subresource=\"status\",verb=\"PATCH\"}} {n}\n\
+                 apiserver_request_total{{code=\"200\",group=\"\",resource=\"pods\",subresource=\"\",verb=\"LIST\"}} 7\n\
+                 apiserver_longrunning_requests{{group=\"\",resource=\"pods\",verb=\"WATCH\"}} 4\n\
+                 apiserver_longrunning_requests{{group=\"\",resource=\"nodes\",verb=\"WATCH\"}} 5\n"
+            )
+        };
+        let before = ApiSnap::parse(&t(3));
+        let after = ApiSnap::parse(&t(10));
+        assert_eq!(after.open_watches, 9);
+        let d = after.delta(&before);
+        assert_eq!(d.total, 14);
+        assert_eq!(d.subject_access_reviews, 7);
+        assert_eq!(d.token_reviews, 0);
+        assert_eq!(d.by_verb["PATCH"], 7);
+        assert_eq!(d.top[0].1, 7);
+        let from_zero = after.delta(&ApiSnap::default());
+        assert_eq!(from_zero.total, 10 + 2 + 10 + 7);
+        assert_eq!(from_zero.token_reviews, 2);
+    }
+
+    #[test]
+    fn proxy_requests_by_served_by_and_reason() {
+        let t = |n: u64| {
+            format!(
+                "kube_cache_proxy_requests_total{{verb=\"WATCH\",resource=\"pods\",served_by=\"cache\"}} {n}\n\
+                 kube_cache_proxy_requests_total{{verb=\"WATCH\",resource=\"nodes\",served_by=\"cache\"}} 1\n\
+                 kube_cache_proxy_passthrough_total{{verb=\"list\",resource=\"pods\",reason=\"r\"}} {n}\n"
+            )
+        };
+        let d = ProxySnap::parse(&t(5)).delta(&ProxySnap::parse(&t(2)));
+        assert_eq!(d.served["WATCH cache"], 3);
+        assert_eq!(d.passthrough["list pods: r"], 3);
+    }
+}

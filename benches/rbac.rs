@@ -1,0 +1,139 @@
+//! Micro-benchmark (not the real path): the cost of one local RBAC decision
+//! (`auth::rbac::Policy::allows`) against policies of 100 and 10,000 RoleBindings and as many
+//! ClusterRoleBindings, for a caller that some bindings name and one that none does, and the
+//! worst case of a role of 10,000 rules none of which matches; plus building such a policy
+//! (what every batch of RBAC changes costs the follower, off the request path).
+//!
+//! Run: `cargo bench --bench rbac`. Figures are in the issue notes and docs/architecture.md.
+
+use std::hint::black_box;
+use std::sync::Arc;
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use kube_cache_proxy::auth::authz::Attributes;
+use kube_cache_proxy::auth::rbac::{BindingObject, Policy, PolicyObjects, RoleObject};
+use serde_json::json;
+
+fn role(rules: serde_json::Value) -> Arc<RoleObject> {
+    Arc::new(serde_json::from_value(json!({ "rules": rules })).unwrap())
+}
+
+fn binding(kind: &str, name: &str, subject: serde_json::Value) -> Arc<BindingObject> {
+    Arc::new(
+        serde_json::from_value(json!({
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": kind, "name": name},
+            "subjects": [subject],
+        }))
+        .unwrap(),
+    )
+}
+
+/// `n` namespaces with one RoleBinding each (a ServiceAccount reading pods through a
+/// ClusterRole), `n` ClusterRoleBindings (one user each), plus a role of 10,000 rules bound
+/// to group `wide`.
+fn objects(
+    n: usize,
+) -> (
+    Vec<String>,
+    Vec<Arc<BindingObject>>,
+    Vec<Arc<BindingObject>>,
+    Arc<RoleObject>,
+    Arc<RoleObject>,
+) {
+    let namespaces: Vec<String> = (0..n).map(|i| format!("ns-{i}")).collect();
+    let rbs = (0..n)
+        .map(|_| {
+            binding(
+                "ClusterRole",
+                "reader",
+                json!({"kind": "ServiceAccount", "name": "agent"}),
+            )
+        })
+        .collect();
+    let crbs = (0..n)
+        .map(|i| {
+            binding(
+                "ClusterRole",
+                "reader",
+                json!({"kind": "User", "name": format!("user-{i}")}),
+            )
+        })
+        .chain(std::iter::once(binding(
+            "ClusterRole",
+            "wide",
+            json!({"kind": "Group", "name": "wide"}),
+        )))
+        .collect();
+    let reader = role(
+        json!([{"verbs": ["get", "list", "watch"], "apiGroups": [""], "resources": ["pods", "configmaps"]}]),
+    );
+    let wide = role(serde_json::Value::Array(
+        (0..10_000)
+            .map(|i| json!({"verbs": ["get"], "apiGroups": [format!("g{i}.example.com")], "resources": ["things"]}))
+            .collect(),
+    ));
+    (namespaces, rbs, crbs, reader, wide)
+}
+
+fn build(
+    namespaces: &[String],
+    rbs: &[Arc<BindingObject>],
+    crbs: &[Arc<BindingObject>],
+    reader: &Arc<RoleObject>,
+    wide: &Arc<RoleObject>,
+) -> Policy {
+    Policy::new(PolicyObjects {
+        roles: vec![],
+        cluster_roles: vec![("reader", reader.clone()), ("wide", wide.clone())],
+        role_bindings: namespaces
+            .iter()
+            .zip(rbs)
+            .map(|(ns, b)| (ns.as_str(), b.clone()))
+            .collect(),
+        cluster_role_bindings: crbs.to_vec(),
+    })
+}
+
+fn bench(c: &mut Criterion) {
+    let get = |ns: &str| Attributes {
+        verb: "get".into(),
+        version: "v1".into(),
+        resource: "configmaps".into(),
+        namespace: ns.into(),
+        name: "cm".into(),
+        ..Default::default()
+    };
+    let groups: Vec<String> = ["system:serviceaccounts", "system:authenticated"]
+        .map(String::from)
+        .to_vec();
+    for n in [100, 10_000] {
+        let (namespaces, rbs, crbs, reader, wide) = objects(n);
+        let policy = build(&namespaces, &rbs, &crbs, &reader, &wide);
+        let ns = &namespaces[n / 2];
+        let sa = format!("system:serviceaccount:{ns}:agent");
+        assert!(policy.allows(&sa, &groups, &get(ns)));
+        c.bench_function(&format!("rbac allow, {n} bindings each kind"), |b| {
+            b.iter(|| black_box(policy.allows(black_box(&sa), &groups, &get(ns))))
+        });
+        assert!(!policy.allows("nobody", &groups, &get(ns)));
+        c.bench_function(&format!("rbac no allow, {n} bindings each kind"), |b| {
+            b.iter(|| black_box(policy.allows(black_box("nobody"), &groups, &get(ns))))
+        });
+        let wide_groups = vec!["wide".to_string()];
+        assert!(!policy.allows("x", &wide_groups, &get(ns)));
+        c.bench_function(
+            &format!("rbac no allow through a 10,000-rule role, {n} bindings"),
+            |b| b.iter(|| black_box(policy.allows(black_box("x"), &wide_groups, &get(ns)))),
+        );
+        c.bench_function(&format!("rbac policy build, {n} bindings each kind"), |b| {
+            b.iter(|| black_box(build(&namespaces, &rbs, &crbs, &reader, &wide)))
+        });
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default().sample_size(20);
+    targets = bench
+}
+criterion_main!(benches);

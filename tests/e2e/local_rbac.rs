@@ -708,13 +708,25 @@ async fn restart_under_reads(mode: LocalRbacMode) {
     )
     .await;
     let client = Arc::new(proxy.client(None, true));
-    let path = proxy.https(&format!(
-        "/api/v1/namespaces/{ns}/configmaps/cm?resourceVersion=0"
-    ));
+    // Each object name is a question of its own (a decision per name): while the apiserver
+    // restarts, reads ask questions it has not answered before, so the proxy must ask them
+    // then. `cm` exists (200); the others do not (404 once allowed).
+    const NAMES: usize = 40;
+    let url = |i: usize| {
+        let name = if i == 0 {
+            "cm".to_string()
+        } else {
+            format!("cm-{i}")
+        };
+        proxy.https(&format!(
+            "/api/v1/namespaces/{ns}/configmaps/{name}?resourceVersion=0"
+        ))
+    };
+    let urls: Arc<Vec<String>> = Arc::new((0..NAMES).map(url).collect());
     let read = {
-        let (client, path, token) = (client.clone(), path.clone(), token.clone());
-        move || {
-            let (client, path, token) = (client.clone(), path.clone(), token.clone());
+        let (client, token) = (client.clone(), token.clone());
+        move |i: usize| {
+            let (client, token, path) = (client.clone(), token.clone(), urls[i % NAMES].clone());
             async move {
                 let r = client.get(&path, Some(&token)).await;
                 let code = r.status();
@@ -722,7 +734,7 @@ async fn restart_under_reads(mode: LocalRbacMode) {
             }
         }
     };
-    let (code, body) = read().await;
+    let (code, body) = read(0).await;
     assert_eq!(code, StatusCode::OK, "{body}");
     // Reads all along the restart.
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -731,7 +743,7 @@ async fn restart_under_reads(mode: LocalRbacMode) {
         async move {
             let mut codes = Vec::new();
             while !stop.load(std::sync::atomic::Ordering::Relaxed) && codes.len() < 100_000 {
-                codes.push(read().await.0);
+                codes.push(read(codes.len() + 1).await.0);
                 tokio::time::sleep(Duration::from_millis(20)).await;
             }
             codes
@@ -742,10 +754,11 @@ async fn restart_under_reads(mode: LocalRbacMode) {
         .expect("the apiserver restarts");
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let during = during.await.unwrap();
-    // The apiserver is ready: every read from now on is allowed, as direct.
+    // The apiserver is ready: every read from now on is allowed, as direct (each name
+    // asked again several times).
     let mut after = Vec::new();
-    for _ in 0..300 {
-        let (code, body) = read().await;
+    for i in 0..4 * NAMES {
+        let (code, body) = read(i).await;
         after.push(code);
         assert_ne!(
             code,
@@ -755,14 +768,20 @@ async fn restart_under_reads(mode: LocalRbacMode) {
     }
     let count = |v: &[StatusCode], c: StatusCode| v.iter().filter(|x| **x == c).count();
     eprintln!(
-        "{mode:?}: during the restart: {} reads, {} 403, {} 200; after: {} reads, {} 200",
+        "{mode:?}: during the restart: {} reads, {} 403, {} 200, {} 404; after: {} reads, {} 200, {} 404",
         during.len(),
         count(&during, StatusCode::FORBIDDEN),
         count(&during, StatusCode::OK),
+        count(&during, StatusCode::NOT_FOUND),
         after.len(),
-        count(&after, StatusCode::OK)
+        count(&after, StatusCode::OK),
+        count(&after, StatusCode::NOT_FOUND),
     );
-    assert_eq!(count(&after, StatusCode::OK), after.len(), "{after:?}");
+    assert_eq!(
+        count(&after, StatusCode::OK) + count(&after, StatusCode::NOT_FOUND),
+        after.len(),
+        "{after:?}"
+    );
     drop(client);
     cp.stop().await;
 }

@@ -37,6 +37,8 @@ pub struct Component {
     pub name: &'static str,
     child: tokio::process::Child,
     pub log: PathBuf,
+    /// The HTTP port it serves metrics on (kube-state-metrics).
+    pub port: Option<u16>,
 }
 
 impl Component {
@@ -59,7 +61,12 @@ impl Component {
             .kill_on_drop(true)
             .spawn()
             .with_context(|| format!("starting {}", bin.display()))?;
-        Ok(Component { name, child, log })
+        Ok(Component {
+            name,
+            child,
+            log,
+            port: None,
+        })
     }
 
     /// Whether it still runs; an error with its log's tail when it exited.
@@ -188,11 +195,30 @@ pub fn start_all(
         ],
         dir.join("kwok.log"),
     )?);
-    let ksm = kubeconfig(cp, ep, dir, "kube-state-metrics", &["lt:ksm"])?;
-    let [port, tport] = kube_cache_proxy::app::dev::free_loopback_ports::<2>()?;
-    v.push(Component::spawn(
+    v.push(kube_state_metrics(
+        cp,
+        ep,
+        o.cluster_bin,
+        dir,
         "kube-state-metrics",
-        &o.cluster_bin.join("kube-state-metrics"),
+    )?);
+    Ok(v)
+}
+
+/// kube-state-metrics (identity `user`, group `lt:ksm`) against `ep`; its metrics port is
+/// [`Component::port`].
+pub fn kube_state_metrics(
+    cp: &ControlPlane,
+    ep: &Endpoint,
+    cluster_bin: &Path,
+    dir: &Path,
+    user: &'static str,
+) -> anyhow::Result<Component> {
+    let ksm = kubeconfig(cp, ep, dir, user, &["lt:ksm"])?;
+    let [port, tport] = kube_cache_proxy::app::dev::free_loopback_ports::<2>()?;
+    let mut c = Component::spawn(
+        "kube-state-metrics",
+        &cluster_bin.join("kube-state-metrics"),
         &[
             format!("--kubeconfig={}", ksm.display()),
             "--host=127.0.0.1".into(),
@@ -200,7 +226,8 @@ pub fn start_all(
             "--telemetry-host=127.0.0.1".into(),
             format!("--telemetry-port={tport}"),
         ],
-        dir.join("kube-state-metrics.log"),
-    )?);
-    Ok(v)
+        dir.join(format!("{user}.log")),
+    )?;
+    c.port = Some(port);
+    Ok(c)
 }

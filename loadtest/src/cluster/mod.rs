@@ -216,6 +216,22 @@ impl ProxySnap {
 pub struct Side {
     pub side: &'static str,
     pub phases: Vec<Phase>,
+    /// The proxy's side: kube-state-metrics through the proxy against one started straight at
+    /// the apiserver, scraped at the same instant after the steady churn.
+    pub ksm: Option<KsmCompare>,
+}
+
+/// Two kube-state-metrics outputs compared line by line (comments left out, nothing else).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct KsmCompare {
+    /// Sample lines of the one through the proxy.
+    pub lines: usize,
+    /// Lines in one output and not in the other (both ways), at the best of the attempts.
+    pub differing: usize,
+    /// Scrape pairs taken (until one with no difference, at most 20, 2 s apart).
+    pub attempts: usize,
+    /// Some of the differing lines, `<` through the proxy, `>` direct.
+    pub examples: Vec<String>,
 }
 
 /// The whole run.
@@ -242,6 +258,9 @@ struct Ctx {
     /// The template generation (the `LT_GEN` env) and replicas now asked for.
     generation: u32,
     replicas: usize,
+    ksm: Option<KsmCompare>,
+    cluster_bin: PathBuf,
+    dir: PathBuf,
 }
 
 const NS: &str = "lt-work";
@@ -271,12 +290,16 @@ pub async fn run(
         let name = if via_proxy { "proxy" } else { "apiserver" };
         say!("cluster: side {name}");
         let dir = work.join(format!("cluster-{name}"));
-        let phases = run_side(o, via_proxy, &dir, &k8s_bin, &cluster_bin)
+        let (phases, ksm) = run_side(o, via_proxy, &dir, &k8s_bin, &cluster_bin)
             .await
             .with_context(|| {
                 format!("cluster scenario, side {name} (logs in {})", dir.display())
             })?;
-        sides.push(Side { side: name, phases });
+        sides.push(Side {
+            side: name,
+            phases,
+            ksm,
+        });
     }
     let checks = checks(&sides);
     Ok(ClusterRun {
@@ -292,7 +315,7 @@ async fn run_side(
     dir: &Path,
     k8s_bin: &Path,
     cluster_bin: &Path,
-) -> anyhow::Result<Vec<Phase>> {
+) -> anyhow::Result<(Vec<Phase>, Option<KsmCompare>)> {
     std::fs::create_dir_all(dir)?;
     let cp = ControlPlane::start(ControlPlaneOptions {
         dir: Some(dir.join("cp")),
@@ -315,6 +338,9 @@ async fn run_side(
         o: o.clone(),
         generation: 0,
         replicas: o.replicas,
+        ksm: None,
+        cluster_bin: cluster_bin.to_path_buf(),
+        dir: dir.to_path_buf(),
         cp,
     };
     let mut phases = Vec::new();
@@ -328,7 +354,7 @@ async fn run_side(
         px.stop().await;
     }
     ctx.cp.stop().await;
-    r.map(|()| phases)
+    r.map(|()| (phases, ctx.ksm.take()))
 }
 
 async fn phases_of(
@@ -388,10 +414,17 @@ async fn phases_of(
 }
 
 async fn later_phases(ctx: &mut Ctx, phases: &mut Vec<Phase>) -> anyhow::Result<()> {
-    // Phase: the agents' first connect.
+    // Phase: the agents' first connect. Their identities (node certificates, ServiceAccount
+    // tokens from TokenRequest, as the kubelet gets them for a pod) are made before it.
+    let kubelets = kubelet_targets(ctx)?;
+    let daemons = daemon_targets(ctx).await?;
     let p = measure(ctx, "agents connect", async |ctx: &mut Ctx| {
-        start_kubelets(ctx)?;
-        start_daemons(ctx).await?;
+        for (t, node) in kubelets {
+            ctx.kubelets.push(Agent::kubelet(t, &ctx.counters, &node));
+        }
+        for (t, node) in daemons {
+            ctx.daemons.push(Agent::daemon(t, &ctx.counters, &node));
+        }
         converge(ctx, true).await
     })
     .await?;
@@ -426,10 +459,30 @@ async fn later_phases(ctx: &mut Ctx, phases: &mut Vec<Phase>) -> anyhow::Result<
     .await?;
     phases.push(p);
 
-    // Phase: agent rollout: every DaemonSet agent restarts with a new token.
+    // Between phases, on the proxy's side: kube-state-metrics through the proxy against one
+    // straight at the apiserver.
+    if ctx.proxy.is_some() {
+        match ksm_compare(ctx).await {
+            Ok(c) => {
+                say!(
+                    "cluster: kube-state-metrics through the proxy vs direct: {} of {} lines differ",
+                    c.differing,
+                    c.lines
+                );
+                ctx.ksm = Some(c);
+            }
+            Err(e) => say!("cluster: kube-state-metrics comparison failed: {e:#}"),
+        }
+    }
+
+    // Phase: agent rollout: every DaemonSet agent restarts with a new token (requested before
+    // the phase, as the new pods' kubelets would).
+    let daemons = daemon_targets(ctx).await?;
     let p = measure(ctx, "agent rollout", async |ctx: &mut Ctx| {
         ctx.daemons.clear();
-        start_daemons(ctx).await?;
+        for (t, node) in daemons {
+            ctx.daemons.push(Agent::daemon(t, &ctx.counters, &node));
+        }
         converge(ctx, true).await
     })
     .await?;
@@ -454,8 +507,10 @@ where
     // The proxy starts within the first phase: sample what runs at each check.
     let sampler = Sampler::start(&procs(ctx));
     let t0 = Instant::now();
-    let (converged, converge_s, notes) = f(ctx).await?;
+    // Convergence counts from the phase's start: `f` returns once converged (or timed out).
+    let (converged, _, notes) = f(ctx).await?;
     let wall_s = t0.elapsed().as_secs_f64();
+    let converge_s = wall_s;
     let mut procs_used = sampler.finish().await;
     // Processes started during the phase (the proxy, the components): their whole life.
     for (n, pid) in procs(ctx) {
@@ -572,6 +627,135 @@ async fn restart_phase(ctx: &mut Ctx) -> anyhow::Result<Phase> {
         counters_before,
     )
     .await
+}
+
+/// Starts a kube-state-metrics straight at the apiserver, waits until it serves as many lines
+/// as the one through the proxy (bounded), then scrapes both at once until they agree (at most
+/// 20 pairs, 2 s apart), and stops it.
+async fn ksm_compare(ctx: &mut Ctx) -> anyhow::Result<KsmCompare> {
+    let proxied = ctx
+        .components
+        .iter()
+        .find_map(|c| c.port)
+        .context("no kube-state-metrics port")?;
+    let ep = Endpoint {
+        url: ctx.cp.url.clone(),
+        ca_pem: ctx.cp.ca_pem.clone(),
+    };
+    let direct = components::kube_state_metrics(
+        &ctx.cp,
+        &ep,
+        &ctx.cluster_bin,
+        &ctx.dir.join("components"),
+        "kube-state-metrics-direct",
+    )?;
+    let port = direct.port.context("no port")?;
+    let r = async {
+        // Its first sync: until it serves at least as many lines (bounded: 90 s).
+        for _ in 0..90 {
+            let (a, b) = tokio::join!(scrape_plain(proxied), scrape_plain(port));
+            if let (Ok(a), Ok(b)) = (a, b)
+                && samples(&b).len() >= samples(&a).len()
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+        let mut best: Option<KsmCompare> = None;
+        for attempt in 1..=20 {
+            let (a, b) = tokio::join!(scrape_plain(proxied), scrape_plain(port));
+            let c = diff_lines(&a?, &b?, attempt);
+            let done = c.differing == 0;
+            if best.as_ref().is_none_or(|b| c.differing < b.differing) {
+                best = Some(c);
+            }
+            if done {
+                break;
+            }
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        }
+        let mut best = best.unwrap_or_default();
+        best.attempts = best.attempts.max(1);
+        anyhow::Ok(best)
+    }
+    .await;
+    direct.stop().await;
+    r
+}
+
+/// `GET /metrics` over plain HTTP/1.0 on loopback (kube-state-metrics' listener).
+async fn scrape_plain(port: u16) -> anyhow::Result<String> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let r = async {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+        s.write_all(b"GET /metrics HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
+            .await?;
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).await?;
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        let (head, body) = text.split_once("\r\n\r\n").context("no HTTP header end")?;
+        anyhow::ensure!(
+            head.starts_with("HTTP/1.") && head.contains(" 200 "),
+            "{head}"
+        );
+        anyhow::Ok(body.to_string())
+    };
+    tokio::time::timeout(Duration::from_secs(30), r).await?
+}
+
+/// The sample lines of a metrics text, sorted (comments and empty lines left out).
+fn samples(text: &str) -> Vec<&str> {
+    let mut v: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect();
+    v.sort_unstable();
+    v
+}
+
+/// Lines of `a` not in `b` and of `b` not in `a` (as multisets).
+fn diff_lines(a: &str, b: &str, attempt: usize) -> KsmCompare {
+    let (a, b) = (samples(a), samples(b));
+    let (mut i, mut j) = (0, 0);
+    let mut examples = Vec::new();
+    let mut differing = 0;
+    let mut note = |side: char, l: &str, examples: &mut Vec<String>| {
+        differing += 1;
+        if examples.len() < 10 {
+            examples.push(format!("{side} {}", &l[..l.len().min(200)]));
+        }
+    };
+    while i < a.len() || j < b.len() {
+        match (a.get(i), b.get(j)) {
+            (Some(x), Some(y)) if x == y => {
+                i += 1;
+                j += 1;
+            }
+            (Some(x), Some(y)) if x < y => {
+                note('<', x, &mut examples);
+                i += 1;
+            }
+            (Some(_), Some(y)) => {
+                note('>', y, &mut examples);
+                j += 1;
+            }
+            (Some(x), None) => {
+                note('<', x, &mut examples);
+                i += 1;
+            }
+            (None, Some(y)) => {
+                note('>', y, &mut examples);
+                j += 1;
+            }
+            (None, None) => break,
+        }
+    }
+    KsmCompare {
+        lines: a.len(),
+        differing,
+        attempts: attempt,
+        examples,
+    }
 }
 
 /// VmHWM (peak RSS over the process's life) of `pid` in KiB.
@@ -777,32 +961,32 @@ async fn token(d: &Target, conn: &crate::client::Conn, sa: &str) -> anyhow::Resu
         .context("TokenRequest without a token")
 }
 
-fn start_kubelets(ctx: &mut Ctx) -> anyhow::Result<()> {
-    for i in 0..ctx.o.nodes {
-        let node = node_name(i);
-        let (cert, key) = ctx
-            .cp
-            .mint_client_cert(&format!("system:node:{node}"), &["system:nodes"]);
-        let t = Target::with_client_cert("agent", ctx.agent_addr, &ctx.agent_ca, &cert, &key)?;
-        ctx.kubelets.push(Agent::kubelet(t, &ctx.counters, &node));
-    }
-    Ok(())
+/// Each node's kubelet identity: a client certificate `system:node:<node>`, `system:nodes`.
+fn kubelet_targets(ctx: &Ctx) -> anyhow::Result<Vec<(Target, String)>> {
+    (0..ctx.o.nodes)
+        .map(|i| {
+            let node = node_name(i);
+            let (cert, key) = ctx
+                .cp
+                .mint_client_cert(&format!("system:node:{node}"), &["system:nodes"]);
+            let t = Target::with_client_cert("agent", ctx.agent_addr, &ctx.agent_ca, &cert, &key)?;
+            Ok((t, node))
+        })
+        .collect()
 }
 
-async fn start_daemons(ctx: &mut Ctx) -> anyhow::Result<()> {
+/// A new token for each DaemonSet agent of each node (ServiceAccount `agent-<k>`).
+async fn daemon_targets(ctx: &Ctx) -> anyhow::Result<Vec<(Target, String)>> {
     let conn = ctx.direct.connect().await?;
     let base = Target::new("agent", ctx.agent_addr, &ctx.agent_ca, "");
+    let mut v = Vec::new();
     for i in 0..ctx.o.nodes {
         for k in 0..ctx.o.agents_per_node {
             let tok = token(&ctx.direct, &conn, &format!("agent-{k}")).await?;
-            ctx.daemons.push(Agent::daemon(
-                base.with_token(&tok),
-                &ctx.counters,
-                &node_name(i),
-            ));
+            v.push((base.with_token(&tok), node_name(i)));
         }
     }
-    Ok(())
+    Ok(v)
 }
 
 /// Node annotation writes at `probe_rate` per second, round robin over the nodes, each carrying
@@ -924,6 +1108,13 @@ fn checks(sides: &[Side]) -> Vec<crate::Check> {
                 name: format!("cluster: {} converged via {}", p.name, s.side),
                 pass: p.converged,
                 detail: format!("{:.1} s; {}", p.converge_s, p.notes.join("; ")),
+            });
+        }
+        if let Some(k) = &s.ksm {
+            v.push(crate::Check {
+                name: "cluster: kube-state-metrics through the proxy as direct".into(),
+                pass: k.differing == 0 && k.lines > 0,
+                detail: format!("{} of {} lines differ", k.differing, k.lines),
             });
         }
         if s.side == "proxy" {
@@ -1107,6 +1298,18 @@ pub fn markdown(r: &ClusterRun) -> String {
         md.push_str(&row("notes", &|p| p.notes.join("; ")));
         md.push('\n');
     }
+    for s in &r.sides {
+        if let Some(k) = &s.ksm {
+            md.push_str(&format!(
+                "## kube-state-metrics through the proxy vs direct\n\nAfter the steady churn, a second kube-state-metrics straight at the apiserver, both scraped at once: {} of {} sample lines differ (best of {} scrape pairs; nothing is left out but comment lines).\n",
+                k.differing, k.lines, k.attempts
+            ));
+            for e in &k.examples {
+                md.push_str(&format!("\n    {e}"));
+            }
+            md.push_str("\n\n");
+        }
+    }
     md
 }
 
@@ -1145,6 +1348,17 @@ mod tests {
         let from_zero = after.delta(&ApiSnap::default());
         assert_eq!(from_zero.total, 10 + 2 + 10 + 7);
         assert_eq!(from_zero.token_reviews, 2);
+    }
+
+    #[test]
+    fn metrics_texts_differ_by_their_sample_lines_only() {
+        let a = "# HELP x\nx{a=\"1\"} 1\nx{a=\"2\"} 1\n";
+        let b = "x{a=\"2\"} 1\n# HELP x other\nx{a=\"1\"} 1\n";
+        assert_eq!(diff_lines(a, b, 1).differing, 0);
+        let c = "x{a=\"1\"} 1\nx{a=\"3\"} 1\n";
+        let d = diff_lines(a, c, 2);
+        assert_eq!((d.lines, d.differing, d.attempts), (2, 2, 2));
+        assert_eq!(d.examples, ["< x{a=\"2\"} 1", "> x{a=\"3\"} 1"]);
     }
 
     #[test]

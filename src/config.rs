@@ -501,8 +501,8 @@ pub struct CacheConfig {
     /// (the client relists from the cache), as a kube-apiserver past its watch cache.
     pub backfill: bool,
     /// Bound on the protobuf representation over all resources, in bytes. A built-in
-    /// resource's protobuf side (a second upstream watch, in protobuf, started by its first
-    /// protobuf reader) keeps each cached object version's exact protobuf bytes so protobuf
+    /// resource's protobuf side (a second upstream watch, in protobuf, started with the
+    /// resource or by its first protobuf reader: `protobufSide`) keeps each cached object version's exact protobuf bytes so protobuf
     /// clients are served from the cache; the bytes are reported per resource
     /// (`kube_cache_proxy_cache_protobuf_bytes`). A resource whose envelopes would take the
     /// total over this bound is shed: its protobuf side stops, its objects drop their
@@ -510,6 +510,15 @@ pub struct CacheConfig {
     /// warning in the log, `kube_cache_proxy_cache_protobuf_shed`). 0: no protobuf side at
     /// all, every protobuf request passes through.
     pub protobuf_max_bytes: u64,
+    /// When a built-in resource's protobuf side starts. `eager` (default): with the
+    /// resource's cache, so protobuf clients (client-go's default) are served from the cache
+    /// from its first sync, after a cold start as after a warm one. `lazy`: when the first
+    /// protobuf reader of the resource comes (memory-tight deployments whose protobuf
+    /// clients read few resources: a resource nobody reads in protobuf then holds no
+    /// envelopes). Either way the envelopes count against `protobufMaxBytes`, and a read
+    /// that comes while the side it needs is starting waits for it or is asked to retry
+    /// (429), as at a kube-apiserver whose watch cache initializes.
+    pub protobuf_side: ProtobufSide,
     /// Bound on one backfill (the client's watch waits for it; then 410).
     #[serde(with = "duration")]
     pub backfill_timeout: Duration,
@@ -595,6 +604,7 @@ impl Default for CacheConfig {
             absorb_relists: true,
             backfill: true,
             protobuf_max_bytes: 2 << 30,
+            protobuf_side: ProtobufSide::Eager,
             backfill_timeout: Duration::from_secs(10),
             state_dir: None,
             state_max_age: Duration::from_secs(600),
@@ -606,6 +616,17 @@ impl Default for CacheConfig {
             max_staleness: Duration::from_secs(60),
         }
     }
+}
+
+/// When a built-in resource's protobuf side starts (`cache.protobufSide`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ProtobufSide {
+    /// With the resource's cache.
+    #[default]
+    Eager,
+    /// With the resource's first protobuf reader.
+    Lazy,
 }
 
 /// How fresh an unset-resourceVersion read must be (`lists.consistency`).
@@ -654,8 +675,12 @@ pub struct ListsConfig {
     /// revision can be gone; keep this below half of that interval.
     #[serde(with = "duration")]
     pub compaction_check_after: Duration,
-    /// How long a list waits for the cache to reach a requested resourceVersion before the
-    /// apiserver answers it instead.
+    /// How long a list or watch waits for the cache to reach a requested resourceVersion
+    /// before the apiserver answers it instead; and how long a watch (or a list the
+    /// apiserver's cacher would not delegate) that comes while the cache or the protobuf
+    /// side it needs initializes waits for it before it gets 429 "storage is
+    /// (re)initializing" with `Retry-After` (kube-apiserver's watch cache waits 3 s for a
+    /// resourceVersion, `waitUntilFreshAndBlock`).
     #[serde(with = "duration")]
     pub wait_for_resource_version: Duration,
     /// Responses at least this large are gzipped for clients that accept it (kube-apiserver:

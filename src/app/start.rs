@@ -113,6 +113,7 @@ pub fn build_state(
         proto_budget: std::sync::Arc::new(crate::cache::proto_budget::ProtoBudget::new(
             c.protobuf_max_bytes,
         )),
+        protobuf_eager: c.protobuf_side == crate::config::ProtobufSide::Eager,
     };
     let paging = crate::paging::Paging::new(config.paging.clone(), c.upstream_page_size);
     let reflector = crate::cache::reflector::ReflectorConfig {
@@ -190,6 +191,8 @@ pub fn build_state(
             )
         }),
         consistency: Some(consistency.clone()),
+        // A watch waits for a resourceVersion, or for its initializing cache, as a list does.
+        wait_for_rv: l.wait_for_resource_version,
         ..Default::default()
     };
     let lists = crate::read::list::ListConfig {

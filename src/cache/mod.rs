@@ -58,4 +58,4 @@ pub mod metrics;
 pub mod registry;
 pub mod store;
 
-pub use store::{ListStats, Readiness, ResourceCache, Start, StoreConfig, WatchError};
+pub use store::{ListStats, Readiness, ResourceCache, Side, Start, StoreConfig, WatchError};

@@ -100,6 +100,10 @@ pub struct Caches {
     persist: Option<Arc<Persist>>,
     /// Every entry started, for [`Caches::save_all`] (the CRD watch's own cache is in no map).
     spawned: parking_lot::Mutex<Vec<std::sync::Weak<CacheEntry>>>,
+    /// When [`Caches::start`] ran (`None`: built otherwise, e.g. in tests).
+    started: Option<std::time::Instant>,
+    /// Woken after every application of a plan ([`Caches::wait_discovered`]).
+    planned: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for Caches {
@@ -134,6 +138,50 @@ impl Caches {
         v
     }
 
+    /// Whether the resource `resource` of `group` may still get a cache from the first
+    /// discovery, which has not succeeded yet (the proxy started less than
+    /// [`crate::cache::store::STARTING`] ago): named in `cache.resources`, or any resource
+    /// with `all`. A watch of it then waits for that discovery rather than go to the
+    /// apiserver to stay there ([`Caches::wait_discovered`]).
+    pub fn discovering(&self, group: &str, resource: &str) -> bool {
+        if self
+            .started
+            .is_none_or(|t| t.elapsed() >= crate::cache::store::STARTING)
+        {
+            return false;
+        }
+        let name = if group.is_empty() {
+            resource.to_string()
+        } else {
+            format!("{resource}.{group}")
+        };
+        let pending = |k: &str, why: &str| {
+            self.missing
+                .get(k)
+                .is_some_and(|v| v.as_str() == why || v.starts_with("waiting for"))
+        };
+        pending(discovery::ALL, "not discovered yet")
+            || pending(&name, "discovery has not succeeded yet")
+    }
+
+    /// Waits (bounded) until the first discovery has been applied for `resource` of `group`
+    /// (see [`Caches::discovering`]); false on timeout.
+    pub async fn wait_discovered(&self, group: &str, resource: &str, bound: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + bound;
+        loop {
+            let n = self.planned.notified();
+            tokio::pin!(n);
+            // Registered before the check: a plan applied between the two still wakes it.
+            n.as_mut().enable();
+            if !self.discovering(group, resource) {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, n).await.is_err() {
+                return !self.discovering(group, resource);
+            }
+        }
+    }
+
     /// Registers an already-built cache (tests, or resources known without discovery).
     pub fn insert(&self, entry: CacheEntry) {
         self.insert_arc(Arc::new(entry));
@@ -165,6 +213,7 @@ impl Caches {
     ) -> Arc<Caches> {
         let mut caches = Caches {
             persist: persist.map(Arc::new),
+            started: Some(std::time::Instant::now()),
             ..Caches::default()
         };
         caches.pinned = pinned
@@ -225,18 +274,25 @@ impl Caches {
     ) -> Arc<CacheEntry> {
         let stop = shutdown.child_token();
         let cache = ResourceCache::new(resource.clone(), store.clone());
+        // Settled once the saved state, if any, has been loaded (or found unusable).
+        let (settled_tx, mut settled) = tokio::sync::watch::channel(false);
         let from = {
             let (persist, cache, uid) = (self.persist.clone(), cache.clone(), uid.clone());
             async move {
-                let p = persist?;
-                tokio::task::spawn_blocking(move || restore(&p, &cache, &uid))
-                    .await
-                    .ok()
-                    .flatten()
+                let from = match persist {
+                    Some(p) => tokio::task::spawn_blocking(move || restore(&p, &cache, &uid))
+                        .await
+                        .ok()
+                        .flatten(),
+                    None => None,
+                };
+                let _ = settled_tx.send(true);
+                from
             }
         };
-        // The protobuf side: a second upstream watch, in protobuf, started when the first
-        // protobuf reader of this built-in resource comes (custom resources have none).
+        // The protobuf side: a second upstream watch, in protobuf, started with the served
+        // resource (`cache.protobufSide: eager`) or when the first protobuf reader of this
+        // built-in resource comes (custom resources have none).
         let proto_stats: Arc<std::sync::OnceLock<Arc<ProtoStats>>> = Default::default();
         if !resource.custom {
             let (c, up, cfg, stop, r, stats) = (
@@ -252,10 +308,18 @@ impl Caches {
                     () = stop.cancelled() => return,
                     () = c.protobuf_wanted() => {}
                 }
+                // Not before the saved state is loaded: an eager side is wanted as soon as
+                // the resource is served, and must resume where that state left it rather
+                // than fetch the whole state again. (A closed channel: the reflector
+                // stopped first; the side stops too at `stop`.)
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    _ = settled.wait_for(|s| *s) => {}
+                }
                 // Resumed where a warm restart's saved state left it, else from the whole
                 // state (`ResourceCache::restore_protobuf`).
                 let from = c.take_protobuf_resume();
-                tracing::info!(resource = %r.label(), resume_from = ?from, "a protobuf reader came or was restored: starting the protobuf side");
+                tracing::info!(resource = %r.label(), resume_from = ?from, "starting the protobuf side (with the resource, for a protobuf reader, or restored)");
                 // Stopped at shutdown, or for good when the protobuf bound sheds the resource.
                 let side_stop = stop.child_token();
                 let side = crate::cache::reflector::proto::ProtoSide::spawn_from(
@@ -402,7 +466,10 @@ impl Caches {
                 continue;
             }
             tracing::info!(resource = %resource.label(), version = %resource.version, custom = resource.custom, "caching");
-            self.insert_arc(start(resource, uid));
+            let entry = start(resource, uid);
+            // `cache.protobufSide: eager`: the protobuf side starts with the served resource.
+            entry.cache.served();
+            self.insert_arc(entry);
         }
         // Names leave `missing` only now, so readiness never sees a name in neither place.
         self.missing.retain(|k, _| plan.missing.contains_key(k));
@@ -416,6 +483,7 @@ impl Caches {
             }
             self.refused.insert(k, v);
         }
+        self.planned.notify_waiters();
     }
 }
 

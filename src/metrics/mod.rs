@@ -234,6 +234,10 @@ pub struct Metrics {
     pub response_bytes: Family<EncodingLabels, Counter>,
     /// Reads passed through to the apiserver by reason (`kube_cache_proxy_passthrough_total`).
     pub passthrough: Family<PassthroughLabels, Counter>,
+    /// Watches passed through to the apiserver and still open, by resource and reason
+    /// (`kube_cache_proxy_passthrough_watches`; `verb` is always `watch`): a wave of them
+    /// (a restart whose clients landed on the apiserver) shows as a step that stays.
+    pub passthrough_watches: Family<PassthroughLabels, Gauge>,
     /// The resources the request metrics may name ([`KnownResources`]).
     pub resources: KnownResources,
 }
@@ -291,6 +295,12 @@ impl Metrics {
             "kube_cache_proxy_passthrough",
             "Reads (get, list, watch) of resources handed to the apiserver instead of the cache, by verb, resource and reason",
             passthrough.clone(),
+        );
+        let passthrough_watches = Family::<PassthroughLabels, Gauge>::default();
+        registry.register(
+            "kube_cache_proxy_passthrough_watches",
+            "Watches of resources handed to the apiserver and still open, by resource and reason (verb is always watch)",
+            passthrough_watches.clone(),
         );
         registry.register(
             "kube_cache_proxy_responses",
@@ -386,6 +396,7 @@ impl Metrics {
             responses,
             response_bytes,
             passthrough,
+            passthrough_watches,
             resources: KnownResources::default(),
         }
     }

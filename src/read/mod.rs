@@ -83,6 +83,68 @@ pub fn unreachable(outage: &crate::upstream::reachability::Outage) -> Status {
     )
 }
 
+/// Waits, bounded, for the sides of `cache` a read needs (the JSON cache; with `protobuf`
+/// its protobuf side; with `latest`, a watch of the most recent state, the upstream watch's
+/// first confirmation) to become ready: `Ok` once they are. Otherwise, as kube-apiserver
+/// answers while its watch cache initializes (`router::Unready::Wait`): 429 "storage is
+/// (re)initializing" with `Retry-After` while they are still starting, so the client comes
+/// back (client-go retries a watch so without relisting) and finds them ready; the
+/// apiserver when they cannot become ready ([`crate::cache::store::STARTING`] has passed,
+/// stopped, shed).
+pub async fn initialized(
+    cache: &crate::cache::ResourceCache,
+    protobuf: bool,
+    latest: bool,
+    bound: std::time::Duration,
+) -> Served<()> {
+    use crate::cache::Side;
+    let not_coming = || {
+        delegate(if cache.is_ready() {
+            "protobuf side not synced"
+        } else {
+            "cache not synced"
+        })
+    };
+    match cache.side(protobuf, latest) {
+        Side::Ready => return Ok(()),
+        Side::Failing => return not_coming(),
+        Side::Starting => {}
+    }
+    let deadline = tokio::time::Instant::now() + bound;
+    let left = || deadline.saturating_duration_since(tokio::time::Instant::now());
+    if cache.wait_ready(bound).await {
+        if latest {
+            cache.wait_confirmed(left()).await;
+        }
+        if protobuf {
+            cache.wait_protobuf_ready(left()).await;
+        }
+    }
+    match cache.side(protobuf, latest) {
+        Side::Ready => Ok(()),
+        Side::Failing => not_coming(),
+        Side::Starting => Err(initializing(cache.starting_for(protobuf)).into()),
+    }
+}
+
+/// kube-apiserver's answer to a read its initializing watch cache refuses
+/// (k8s.io/apiserver `storage/cacher`): 429 "storage is (re)initializing", its
+/// `Retry-After` growing with how long the cache has been down (`downtime`).
+pub fn initializing(downtime: std::time::Duration) -> Status {
+    Status::failure(
+        http::StatusCode::TOO_MANY_REQUESTS,
+        crate::k8s::status::Reason::TooManyRequests,
+        "storage is (re)initializing",
+    )
+    .with_retry_after(retry_after_unready(downtime))
+}
+
+/// The cacher's `calculateRetryAfterForUnreadyCache`: e^(0.06 s⁻¹ × downtime), within
+/// [1, 30] seconds (1 s for the first 11 s, 6 s at 30 s).
+pub fn retry_after_unready(downtime: std::time::Duration) -> u32 {
+    (0.06 * downtime.as_secs_f64()).exp().clamp(1.0, 30.0) as u32
+}
+
 /// The answer to a watch that needs the apiserver while it cannot be reached: 429 with
 /// `Retry-After`. Direct, such a client would get "connection refused", on which client-go's
 /// reflector backs off and watches again from its resourceVersion; on 429 it does the same,
@@ -95,4 +157,32 @@ pub fn watch_unreachable(message: impl Into<String>) -> Status {
         message,
     )
     .with_retry_after(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    #[test]
+    fn retry_after_an_unready_cache_grows_as_the_apiservers() {
+        for (secs, want) in [
+            (0, 1),
+            (11, 1),
+            (12, 2),
+            (30, 6),
+            (45, 14),
+            (56, 28),
+            (57, 30),
+            (3600, 30),
+        ] {
+            assert_eq!(
+                super::retry_after_unready(Duration::from_secs(secs)),
+                want,
+                "{secs} s"
+            );
+        }
+        let s = super::initializing(Duration::ZERO);
+        assert_eq!(s.code(), 429);
+        assert_eq!(s.message(), "storage is (re)initializing");
+    }
 }

@@ -9,9 +9,9 @@ use std::sync::Arc;
 
 use http::{HeaderMap, Method, header};
 
-use crate::cache::ResourceCache;
 use crate::cache::event::Encoding;
 use crate::cache::hub::Filter;
+use crate::cache::{ResourceCache, Side};
 use crate::k8s::fields::{FieldCheck, check_field_selector};
 use crate::k8s::request_info::RequestInfo;
 use crate::k8s::selector::{FieldSelector, LabelSelector};
@@ -174,11 +174,18 @@ fn parse_accept(header: &str) -> Option<Vec<Clause<'_>>> {
     Some(clauses)
 }
 
-/// [`negotiate`]'s answer when the apiserver would write its protobuf for a GET or LIST of a
-/// built-in resource: the cache serves it from the objects' protobuf envelopes once the
-/// resource's protobuf side has synced (`Route::Get`/`Route::List` with `protobuf`),
-/// otherwise the apiserver does (and the protobuf side is started).
+/// [`negotiate`]'s answer when the apiserver would write its protobuf for a read of a
+/// built-in resource: the cache serves it from the objects' protobuf envelopes
+/// (`Route::*` with `protobuf`) once the resource's protobuf side has synced; while that side
+/// starts, [`while_unready`] decides.
 pub const PROTOBUF: &str = "encoding: protobuf";
+
+/// Why a read of a resource without a cache goes to the apiserver.
+pub const NOT_CACHED: &str = "resource not cached";
+
+/// Why a watch without resourceVersion goes to the apiserver while the cache's upstream
+/// watch is down.
+pub const UNCONFIRMED_LATEST_WATCH: &str = "cache unconfirmed for a most-recent watch";
 
 /// [`negotiate`]'s answer for `PartialObjectMetadata` / `PartialObjectMetadataList` in
 /// protobuf (the metadata client's first choice) of a built-in resource: served as
@@ -343,18 +350,60 @@ fn filter_for(
     })
 }
 
-/// A GET's or LIST's representation: JSON (`enc`), or protobuf when the resource's
-/// protobuf side has synced; asking for protobuf starts that side.
-fn with_protobuf(
-    cache: &ResourceCache,
-    negotiated: Result<Encoding, &'static str>,
-) -> Served<(Encoding, bool)> {
+/// A read's representation: JSON (`enc`), or the apiserver's protobuf (`true`, `enc` then
+/// saying whole objects or metadata) for a built-in resource whose protobuf side runs
+/// (whether it has synced yet is [`while_unready`]'s to decide); the apiserver's otherwise.
+fn with_protobuf(negotiated: Result<Encoding, &'static str>) -> Served<(Encoding, bool)> {
     match negotiated {
         Ok(enc) => Ok((enc, false)),
-        Err(PROTOBUF) if cache.protobuf_ready() => Ok((Encoding::Json, true)),
-        Err(PROTOBUF_METADATA) if cache.protobuf_ready() => Ok((Encoding::Metadata, true)),
-        Err(PROTOBUF | PROTOBUF_METADATA) => delegate("protobuf side not synced"),
+        Err(PROTOBUF) => Ok((Encoding::Json, true)),
+        Err(PROTOBUF_METADATA) => Ok((Encoding::Metadata, true)),
         Err(why) => delegate(why),
+    }
+}
+
+/// What a read gets while a side of the cache it needs (the JSON cache, or the protobuf
+/// side) is not ready: what kube-apiserver does while its watch cache initializes
+/// (k8s.io/apiserver `storage/cacher`, feature ResilientWatchCacheInitialization, on and
+/// locked since 1.34).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unready {
+    /// The side is ready: served from the cache.
+    Serve,
+    /// The side is starting: the read waits for it, bounded (`lists.waitForResourceVersion`),
+    /// and then is served, or refused with 429 "storage is (re)initializing" and
+    /// `Retry-After` (`read::initialized`): client-go retries such a watch from the same
+    /// resourceVersion without relisting, and the retry finds the cache ready. Passed
+    /// through, a watch would stay on the apiserver for its whole life.
+    Wait,
+    /// The apiserver answers: a one-shot read the cacher itself delegates to etcd while it
+    /// initializes (every GET, a LIST with a limit and no selector), which does not stay on
+    /// the apiserver; or any read of a side that cannot become ready within
+    /// [`crate::cache::store::STARTING`] of its start (never synced in that time, e.g. a
+    /// resource the proxy may not list; stopped; protobuf shed or off), whose clients must
+    /// not be refused for good.
+    Delegate,
+}
+
+/// [`Unready`] for a read of `kind` whose sides stand at `side`. `list_delegable`: a LIST
+/// with a limit and neither label nor field selector (the cacher's
+/// `shouldDelegateListOnNotReadyCache`); other LISTs it refuses with 429 while not ready,
+/// as it refuses watches (`Cacher.GetList`, `Cacher.Watch`: `ready.check`).
+pub fn while_unready(kind: ReadKind, side: Side, list_delegable: bool) -> Unready {
+    match (side, kind) {
+        (Side::Ready, _) => Unready::Serve,
+        (Side::Failing, _) | (Side::Starting, ReadKind::Get) => Unready::Delegate,
+        (Side::Starting, ReadKind::List) if list_delegable => Unready::Delegate,
+        (Side::Starting, ReadKind::List | ReadKind::Watch) => Unready::Wait,
+    }
+}
+
+/// The passthrough reason of a read of sides that are not ready.
+fn unready_reason(cache: &ResourceCache) -> &'static str {
+    if cache.is_ready() {
+        "protobuf side not synced"
+    } else {
+        "cache not synced"
     }
 }
 
@@ -374,7 +423,7 @@ pub fn route(
         return delegate("not a cacheable resource request");
     }
     let Some(cache) = lookup(&info.api_group, &info.api_version, &info.resource) else {
-        return delegate("resource not cached");
+        return delegate(NOT_CACHED);
     };
     // Go reads a header's bytes as they are; bytes that are not UTF-8 match nothing either way.
     let accept = headers
@@ -382,8 +431,9 @@ pub fn route(
         .map(|v| String::from_utf8_lossy(v.as_bytes()));
     let pretty = pretty_agent(headers.get(header::USER_AGENT).map(|v| v.as_bytes()));
     let negotiate = |read| negotiate(accept.as_deref(), read, cache.resource.custom, pretty);
-    // A protobuf reader of a built-in resource starts its protobuf side, whatever it reads
-    // and whether or not the cache has synced: the protobuf reads after it are the cache's.
+    // A protobuf reader of a built-in resource starts its protobuf side if it has not
+    // started with the resource (`cache.protobufSide: lazy`), whatever it reads and whether
+    // or not the cache has synced: the protobuf reads after it are the cache's.
     if matches!(negotiate(ReadKind::List), Err(PROTOBUF | PROTOBUF_METADATA))
         || matches!(
             negotiate(ReadKind::Watch),
@@ -392,16 +442,8 @@ pub fn route(
     {
         cache.want_protobuf();
     }
-    // A watch resuming from a resourceVersion waits for a starting cache instead
-    // (`watch::serve`): right after the proxy starts, the apiserver may no longer have that
-    // history (it restarted too) and its 410 would make the client relist, while the cache
-    // can extend its history back (`cache.backfill`) once synced.
-    let waits = || {
-        cache.starting()
-            && info.verb == "watch"
-            && WatchParams::parse(query).is_some_and(|p| p.resumes())
-    };
-    if !cache.is_ready() && !waits() {
+    // Not ready and not about to be: the apiserver answers whatever the read.
+    if cache.side(false, false) == Side::Failing {
         return delegate("cache not synced");
     }
     // A cluster-scoped resource under a namespaced path (`/api/v1/namespaces/x/namespaces`,
@@ -420,24 +462,20 @@ pub fn route(
             let Some(params) = WatchParams::parse(query) else {
                 return delegate("watch parameters");
             };
-            let (enc, protobuf) = match negotiate(ReadKind::Watch) {
-                // A resume waits for a starting protobuf side in `watch::serve`, as for the
-                // cache itself above.
-                Err(PROTOBUF) if params.resumes() && cache.protobuf_coming() => {
-                    (Encoding::Json, true)
+            let (enc, protobuf) = with_protobuf(negotiate(ReadKind::Watch))?;
+            let latest = params.resource_version.as_deref().unwrap_or("").is_empty();
+            match while_unready(ReadKind::Watch, cache.side(protobuf, latest), false) {
+                Unready::Delegate => return delegate(unready_reason(&cache)),
+                // The wait is `read::initialized`'s, after authorization.
+                Unready::Wait => {}
+                // A watch without resourceVersion asks for the most recent state; while the
+                // upstream watch is down (after it was confirmed once) the cache may be
+                // behind, so the apiserver serves it.
+                Unready::Serve => {
+                    if latest && cache.unhealthy().is_some() {
+                        return delegate(UNCONFIRMED_LATEST_WATCH);
+                    }
                 }
-                Err(PROTOBUF_METADATA) if params.resumes() && cache.protobuf_coming() => {
-                    (Encoding::Metadata, true)
-                }
-                n => with_protobuf(&cache, n)?,
-            };
-            // A watch without resourceVersion asks for the most recent state; while the
-            // upstream watch is down or unconfirmed the cache may be behind, so the
-            // apiserver serves it.
-            if params.resource_version.as_deref().unwrap_or("").is_empty()
-                && cache.unhealthy().is_some()
-            {
-                return delegate("cache unconfirmed for a most-recent watch");
             }
             let Some(filter) =
                 filter_for(&cache, ns, &params.label_selector, &params.field_selector)
@@ -453,7 +491,10 @@ pub fn route(
             })
         }
         "get" if !info.name.is_empty() => {
-            let (enc, protobuf) = with_protobuf(&cache, negotiate(ReadKind::Get))?;
+            let (enc, protobuf) = with_protobuf(negotiate(ReadKind::Get))?;
+            if while_unready(ReadKind::Get, cache.side(protobuf, false), false) != Unready::Serve {
+                return delegate(unready_reason(&cache));
+            }
             // resourceVersion=0 ("any") or unset (most recent, when the consistency policy
             // confirms the cache); anything else is the apiserver's.
             let Some(at) = plan::get(query) else {
@@ -467,11 +508,19 @@ pub fn route(
             })
         }
         "list" => {
-            let (enc, protobuf) = with_protobuf(&cache, negotiate(ReadKind::List))?;
+            let (enc, protobuf) = with_protobuf(negotiate(ReadKind::List))?;
             let params = match ListParams::parse(query) {
                 Ok(p) => p,
                 Err(why) => return delegate(why),
             };
+            let delegable = params.limit > 0
+                && params.label_selector.is_empty()
+                && params.field_selector.is_empty();
+            if while_unready(ReadKind::List, cache.side(protobuf, false), delegable)
+                == Unready::Delegate
+            {
+                return delegate(unready_reason(&cache));
+            }
             let Some(filter) =
                 filter_for(&cache, ns, &params.label_selector, &params.field_selector)
             else {
@@ -641,6 +690,41 @@ mod tests {
                 assert_eq!(n(accept, read), *want, "{accept:?} for {read:?}");
             }
         }
+    }
+
+    /// While a side of the cache is not ready, each read gets what kube-apiserver's cacher
+    /// gives it while its watch cache initializes: GETs and LISTs with a limit and no
+    /// selector go to the apiserver (one-shot); other LISTs and every WATCH wait, bounded,
+    /// then get 429 (they come back); a side that cannot become ready sends everything to
+    /// the apiserver.
+    #[test]
+    fn reads_while_a_side_initializes_are_answered_as_the_apiservers_cacher_does() {
+        use Unready::{Delegate, Serve, Wait};
+        // (read, side, a LIST with a limit and no selector) -> decision
+        let table = [
+            (Get, Side::Ready, false, Serve),
+            (List, Side::Ready, false, Serve),
+            (List, Side::Ready, true, Serve),
+            (Watch, Side::Ready, false, Serve),
+            (Get, Side::Starting, false, Delegate),
+            (List, Side::Starting, true, Delegate),
+            (List, Side::Starting, false, Wait),
+            (Watch, Side::Starting, false, Wait),
+            (Get, Side::Failing, false, Delegate),
+            (List, Side::Failing, true, Delegate),
+            (List, Side::Failing, false, Delegate),
+            (Watch, Side::Failing, false, Delegate),
+        ];
+        for (read, side, delegable, want) in table {
+            assert_eq!(
+                while_unready(read, side, delegable),
+                want,
+                "{read:?} {side:?} delegable={delegable}"
+            );
+        }
+        // Two sides: the worse counts.
+        assert_eq!(Side::Ready.max(Side::Starting), Side::Starting);
+        assert_eq!(Side::Starting.max(Side::Failing), Side::Failing);
     }
 
     #[test]

@@ -159,17 +159,13 @@ pub async fn serve(
     cfg: &WatchConfig,
     drain: Drain,
 ) -> Served {
-    // A resume that came while the cache (or its protobuf side, started by the first
-    // protobuf reader) is starting waits for it, bounded, as kube-apiserver's watches wait
-    // for its initializing watch cache; without the sync it goes to the apiserver as before
-    // (a cache that does not sync must not keep its clients from being served).
-    if !cache.is_ready() && !cache.wait_ready(cfg.wait_for_rv).await {
-        return delegate("cache not synced");
-    }
+    // A watch that came while the cache or its protobuf side is starting waits for it,
+    // bounded, then is asked to come back (429, `read::initialized`), as kube-apiserver
+    // answers while its watch cache initializes: passed through, it would stay on the
+    // apiserver for its whole life. A side that cannot become ready sends it to the
+    // apiserver (it must not keep its clients from being served).
+    crate::read::initialized(&cache, protobuf, false, cfg.wait_for_rv).await?;
     let proto = if protobuf {
-        if params.resumes() && cache.protobuf_coming() {
-            cache.wait_protobuf_ready(cfg.wait_for_rv).await;
-        }
         match Proto::new(&cache, enc == Encoding::Metadata) {
             Some(p) if cache.protobuf_ready() => Some(p),
             _ => return delegate("protobuf side not synced"),
@@ -914,15 +910,19 @@ mod tests {
         );
     }
 
-    /// A resume that came while the cache was starting (right after the proxy started) waits
-    /// for the sync and is served from the cache; without a sync within the wait it goes to
-    /// the apiserver, as before. The same for a starting protobuf side.
+    /// A watch that came while the cache was starting (right after the proxy started) waits
+    /// for the sync and is served from the cache, whatever its start (a resume, a
+    /// WatchList); without a sync within the wait it is asked to come back (429 "storage is
+    /// (re)initializing" with `Retry-After`, as from kube-apiserver's initializing watch
+    /// cache), not handed to the apiserver, where it would stay. The same for a starting
+    /// protobuf side. A side that is not coming at all sends the watch to the apiserver at
+    /// once.
     // Paused time: the bounded wait expires when the runtime is idle.
     #[tokio::test(start_paused = true)]
-    async fn a_resume_while_the_cache_is_starting_waits_for_its_sync() {
+    async fn a_watch_while_the_cache_is_starting_waits_for_its_sync_or_is_asked_to_retry() {
         let q = "watch=1&resourceVersion=5&allowWatchBookmarks=true";
         let cfg = WatchConfig::default();
-        let resume = |cache: Arc<ResourceCache>, protobuf: bool| {
+        let watch = |cache: Arc<ResourceCache>, q: &'static str, protobuf: bool| {
             let cfg = cfg.clone();
             async move {
                 serve(
@@ -937,13 +937,27 @@ mod tests {
                 .await
             }
         };
+        let refused_429 = |r: Served| match r {
+            Err(crate::read::NotServed::Refuse(s)) => {
+                assert_eq!(s.code(), 429, "{s:?}");
+                assert_eq!(s.message(), "storage is (re)initializing");
+                let resp = s.into_response();
+                assert_eq!(resp.headers()["retry-after"], "1");
+            }
+            Err(crate::read::NotServed::Delegate(why)) => panic!("handed to the apiserver: {why}"),
+            Ok(_) => panic!("served"),
+        };
 
         // Synced while the resume waits: served from the cache, from its resourceVersion.
         let cache = ResourceCache::new(configmaps(), StoreConfig::default());
         assert!(cache.starting());
-        let waiting = tokio::spawn(resume(cache.clone(), false));
+        let waiting = tokio::spawn(watch(cache.clone(), q, false));
+        // ...and a WatchList (initial events) likewise.
+        let list_q = "watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&allowWatchBookmarks=true&resourceVersion=0";
+        let waiting_list = tokio::spawn(watch(cache.clone(), list_q, false));
         tokio::task::yield_now().await;
         assert!(!waiting.is_finished(), "the resume waits for the sync");
+        assert!(!waiting_list.is_finished(), "the WatchList waits too");
         cache.replace(Vec::new(), 5);
         let resp = waiting.await.unwrap().expect("served from the cache");
         assert_eq!(resp.status(), http::StatusCode::OK);
@@ -954,29 +968,33 @@ mod tests {
             e.starts_with("{\"type\":\"ADDED\"") && e.contains("\"resourceVersion\":\"6\""),
             "{e}"
         );
+        let resp = waiting_list.await.unwrap().expect("served from the cache");
+        assert_eq!(resp.status(), http::StatusCode::OK);
 
-        // Never synced: handed to the apiserver once the wait is over, not refused.
+        // Not synced within the wait: 429, after the wait.
         let cold = ResourceCache::new(configmaps(), StoreConfig::default());
         let t0 = Instant::now();
-        assert!(
-            resume(cold, false).await.is_err(),
-            "handed to the apiserver"
-        );
+        refused_429(watch(cold.clone(), q, false).await);
         assert!(t0.elapsed() >= cfg.wait_for_rv, "after the wait");
+        refused_429(watch(cold, list_q, false).await);
 
-        // A protobuf resume while the protobuf side, started by the first protobuf reader,
-        // has not synced: the same wait, then the apiserver.
+        // A protobuf watch while the protobuf side (started with the resource, or by the
+        // first protobuf reader) has not synced: the same wait, then 429.
         cache.want_protobuf();
         assert!(cache.protobuf_coming());
         let t0 = Instant::now();
-        assert!(resume(cache.clone(), true).await.is_err());
+        refused_429(watch(cache.clone(), q, true).await);
         assert!(t0.elapsed() >= cfg.wait_for_rv);
-        // With no protobuf side coming (never asked for), the apiserver serves it at once.
+        // With no protobuf side coming (not started, or protobuf off), the apiserver serves
+        // it at once.
         let other = ResourceCache::new(configmaps(), StoreConfig::default());
         other.replace(Vec::new(), 5);
         let t0 = Instant::now();
         assert!(
-            resume(other, true).await.is_err(),
+            matches!(
+                watch(other, q, true).await,
+                Err(crate::read::NotServed::Delegate("protobuf side not synced"))
+            ),
             "handed to the apiserver"
         );
         assert!(t0.elapsed() < cfg.wait_for_rv);

@@ -73,9 +73,34 @@ async fn serve_from_cache(
     query: Option<&str>,
     watch_fields: Option<Arc<WatchFields>>,
 ) -> Served {
-    let route = router::route(req.method(), info, query, req.headers(), |g, v, r| {
-        state.caches.get(g, v, r)
-    })?;
+    let route = |state: &State| {
+        router::route(req.method(), info, query, req.headers(), |g, v, r| {
+            state.caches.get(g, v, r)
+        })
+    };
+    let route = match route(state) {
+        // A watch of a resource the proxy's first discovery, still under way, may cache
+        // (right after its start): it waits for that discovery, bounded, then is routed
+        // again; still under way, it is asked to come back (429), as while a cache
+        // initializes, rather than passed through to stay on the apiserver.
+        Err(NotServed::Delegate(router::NOT_CACHED))
+            if info.verb == "watch"
+                && state.caches.discovering(&info.api_group, &info.resource) =>
+        {
+            let bound = state.watch.wait_for_rv;
+            if !Box::pin(
+                state
+                    .caches
+                    .wait_discovered(&info.api_group, &info.resource, bound),
+            )
+            .await
+            {
+                return Err(crate::read::initializing(bound).into());
+            }
+            route(state)?
+        }
+        r => r?,
+    };
     let namespaced = route.cache().resource.namespaced;
     // Each step's future is boxed while it runs: this future then holds one pointer per
     // step instead of the largest of them (it was 44 KB, allocated for every cache-served
@@ -105,9 +130,22 @@ async fn serve_from_cache(
             enc,
             protobuf,
         } => {
+            // While the cache or its protobuf side initializes: a bounded wait, then 429
+            // (the client comes back), rather than a watch that stays on the apiserver.
+            let latest = params.resource_version.as_deref().unwrap_or("").is_empty();
+            Box::pin(crate::read::initialized(
+                &cache,
+                protobuf,
+                latest,
+                state.watch.wait_for_rv,
+            ))
+            .await?;
+            if latest && cache.unhealthy().is_some() {
+                return delegate(router::UNCONFIRMED_LATEST_WATCH);
+            }
             // Most recent state (a watch or WatchList without resourceVersion): only once the
             // consistency policy confirms the cache.
-            if params.resource_version.as_deref().unwrap_or("").is_empty()
+            if latest
                 && let Err(not) = Box::pin(
                     state
                         .consistency
@@ -195,6 +233,15 @@ async fn serve_from_cache(
             protobuf,
             params,
         } => {
+            // While the cache or its protobuf side initializes (a list the apiserver's
+            // cacher would not delegate): a bounded wait, then 429.
+            Box::pin(crate::read::initialized(
+                &cache,
+                protobuf,
+                false,
+                state.lists.wait_for_rv,
+            ))
+            .await?;
             filter.namespaces = view;
             if let Some(t) = tenant
                 && t.config.quotas.max_list_objects.is_some()
@@ -878,6 +925,7 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
                     ))
                     .await;
                     // Counted once the answer shows whether the resource exists (its label).
+                    let mut resp = resp;
                     if read {
                         let labels = state.metrics.resources.labels(
                             &info.api_group,
@@ -887,15 +935,27 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
                             by == "upstream"
                                 && crate::metrics::KnownResources::shows_served(resp.status()),
                         );
-                        state
-                            .metrics
-                            .passthrough
-                            .get_or_create(&crate::metrics::PassthroughLabels {
-                                verb: info.verb.clone(),
-                                resource: labels.resource,
-                                reason: why.into(),
-                            })
-                            .inc();
+                        let labels = crate::metrics::PassthroughLabels {
+                            verb: info.verb.clone(),
+                            resource: labels.resource,
+                            reason: why.into(),
+                        };
+                        state.metrics.passthrough.get_or_create(&labels).inc();
+                        // A watch the apiserver serves stays there as long as its stream:
+                        // counted while it is open.
+                        if info.verb == "watch" && resp.status().is_success() {
+                            let open = state
+                                .metrics
+                                .passthrough_watches
+                                .get_or_create(&labels)
+                                .clone();
+                            open.inc();
+                            let (parts, mut b) = resp.into_parts();
+                            b.on_end(move || {
+                                open.dec();
+                            });
+                            resp = Response::from_parts(parts, b);
+                        }
                     }
                     (Box::pin(read_your_writes(state, &info, resp)).await, by)
                 }

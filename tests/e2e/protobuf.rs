@@ -109,21 +109,43 @@ impl Direct {
     /// Starts a protobuf watch: its stream once the response has begun (200, the watch
     /// content type), read later with [`WatchFrames::read_until`].
     pub(crate) async fn open_watch(&self, path: &str, accept: &str) -> WatchFrames {
+        match self.try_open_watch(path, accept).await {
+            Ok(w) => w,
+            Err((status, _, body)) => {
+                panic!("{path}: {status} {}", String::from_utf8_lossy(&body))
+            }
+        }
+    }
+
+    /// [`Self::open_watch`], or the refusal: its status, `Retry-After` (seconds) and body.
+    pub(crate) async fn try_open_watch(
+        &self,
+        path: &str,
+        accept: &str,
+    ) -> Result<WatchFrames, (StatusCode, Option<u64>, Bytes)> {
         let req = Request::get(format!("{}{path}", self.url))
             .header("authorization", format!("Bearer {}", self.token))
             .header("accept", accept)
             .body(Full::default())
             .unwrap();
         let resp = self.http.request(req).await.unwrap();
-        assert_eq!(resp.status(), StatusCode::OK, "{path}");
+        if resp.status() != StatusCode::OK {
+            let status = resp.status();
+            let retry_after = resp
+                .headers()
+                .get("retry-after")
+                .and_then(|v| v.to_str().ok()?.parse().ok());
+            let body = resp.into_body().collect().await.unwrap().to_bytes();
+            return Err((status, retry_after, body));
+        }
         assert_eq!(
             resp.headers()["content-type"],
             "application/vnd.kubernetes.protobuf;stream=watch"
         );
-        WatchFrames {
+        Ok(WatchFrames {
             path: path.to_string(),
             body: resp.into_body(),
-        }
+        })
     }
 }
 

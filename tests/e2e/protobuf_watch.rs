@@ -3,7 +3,8 @@
 //! and `PartialObjectMetadata`) asked of the apiserver and of the proxy returns the same
 //! frames, including an object entering the selection (ADDED), leaving it (DELETED of its
 //! old state at the event's resourceVersion) and deletions; and the proxy's frames came from
-//! its cache (the proxy's request metrics), not from the apiserver.
+//! its cache (the proxy's request metrics), not from the apiserver. Protobuf watches opened
+//! the moment a cold proxy starts are the cache's too.
 
 use std::time::Duration;
 
@@ -69,8 +70,8 @@ async fn protobuf_watches_from_the_cache_are_the_apiservers_frames() {
         url: proxy.https(""),
         token,
     };
-    // A protobuf reader starts the resource's protobuf side; until it has synced, the
-    // apiserver answers.
+    // The resource's protobuf side started with its cache (`cache.protobufSide: eager`);
+    // the comparison below waits until it has every object's envelope.
     let accept = "application/vnd.kubernetes.protobuf, */*";
     crate::support::eventually::eventually(
         "the protobuf side to sync",
@@ -201,6 +202,124 @@ async fn protobuf_watches_from_the_cache_are_the_apiservers_frames() {
     assert!(
         prv >= last,
         "the bookmark is at the cache's resourceVersion"
+    );
+    proxy.shutdown().await;
+    cp.stop().await;
+}
+
+/// Protobuf watches opened the moment a cold proxy starts, as client-go opens them (a
+/// WatchList, and a LIST+WATCH informer's watch from resourceVersion 0; whole objects and
+/// `PartialObjectMetadata`), are the cache's: the resource's protobuf side starts with its
+/// cache, and while they initialize a watch waits for them or is answered 429 "storage is
+/// (re)initializing", after whose `Retry-After` it comes back (as client-go's REST client
+/// does). None goes to the apiserver, and each gets the whole state and its
+/// initial-events-end bookmark from the proxy: nothing for the client to list again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn protobuf_watches_opened_at_a_cold_start_are_the_caches() {
+    const NS: &str = "pbw-cold";
+    const OBJECTS: usize = 20;
+    let cp = ControlPlane::start(ControlPlaneOptions::default())
+        .await
+        .expect("control plane starts");
+    cp.create_default_service_account(NS).await.unwrap();
+    let token = cp.admin_token().to_string();
+    let d = Direct {
+        http: apiserver_client(&cp.ca_pem, false),
+        url: cp.url.clone(),
+        token: token.clone(),
+    };
+    let path = format!("/api/v1/namespaces/{NS}/configmaps");
+    for i in 0..OBJECTS {
+        let cm = json!({"metadata": {"name": format!("cm-{i}")}, "data": {"k": "v"}});
+        d.ok(
+            Method::POST,
+            &path,
+            PROTOBUF,
+            Some(("application/json", cm)),
+        )
+        .await;
+    }
+    let upstream = crate::clients::kube_config(&cp.admin_kubeconfig_yaml()).await;
+    let proxy = crate::support::proxy::TestProxy::start_with_kube(upstream, |c| {
+        c.cache.resources = vec!["configmaps".into()];
+    })
+    .await;
+    let p = Direct {
+        http: apiserver_client(&proxy.ca_pem, false),
+        url: proxy.https(""),
+        token,
+    };
+    let watchlist = format!(
+        "{path}?watch=1&sendInitialEvents=true&resourceVersionMatch=NotOlderThan&allowWatchBookmarks=true&timeoutSeconds=60"
+    );
+    let from_zero =
+        format!("{path}?watch=1&resourceVersion=0&allowWatchBookmarks=true&timeoutSeconds=60");
+    let watches = [
+        (watchlist.clone(), PROTOBUF),
+        (watchlist, AS_PARTIAL),
+        (from_zero.clone(), PROTOBUF),
+        (from_zero, AS_PARTIAL),
+    ];
+    // All at once, right after the proxy's start; each retried on 429 after its Retry-After.
+    let started = std::time::Instant::now();
+    let outcomes = futures_util::future::join_all(watches.iter().map(|(q, accept)| {
+        let p = p.clone();
+        async move {
+            let mut refused = 0;
+            let w = loop {
+                match p.try_open_watch(q, accept).await {
+                    Ok(w) => break w,
+                    Err((status, retry_after, body)) => {
+                        assert_eq!(status, 429, "{q}: {}", String::from_utf8_lossy(&body));
+                        assert!(
+                            String::from_utf8_lossy(&body).contains("storage is (re)initializing"),
+                            "{q}"
+                        );
+                        refused += 1;
+                        assert!(refused < 30, "{q}: refused {refused} times");
+                        let after = retry_after.expect("a Retry-After");
+                        tokio::time::sleep(Duration::from_secs(after)).await;
+                    }
+                }
+            };
+            let until_bookmark =
+                |frames: &[Vec<u8>]| frames.last().is_some_and(|f| event(f).0 == "BOOKMARK");
+            let frames = w.read_until(Duration::from_secs(30), until_bookmark).await;
+            let added = frames.iter().filter(|f| event(f).0 == "ADDED").count();
+            (refused, added, frames.len())
+        }
+    }))
+    .await;
+    for ((q, accept), (refused, added, frames)) in watches.iter().zip(&outcomes) {
+        println!(
+            "{accept} {q}: {refused} x 429, then {added} ADDED of {frames} frames ({:?} after the start)",
+            started.elapsed()
+        );
+        assert_eq!(*added, OBJECTS, "{accept} {q}: the whole state");
+        assert_eq!(*frames, OBJECTS + 1, "{accept} {q}: and the bookmark");
+    }
+    let c = proxy.client(None, true);
+    let m = crate::support::proxy::body_string(c.get(&proxy.admin("/metrics"), None).await).await;
+    let sum = |prefix: &str, needles: &[&str]| -> f64 {
+        m.lines()
+            .filter(|l| l.starts_with(prefix) && needles.iter().all(|n| l.contains(n)))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum()
+    };
+    let watch = "kube_cache_proxy_requests_total{verb=\"WATCH\",group=\"\",version=\"v1\",resource=\"configmaps\"";
+    assert_eq!(
+        sum(watch, &["served_by=\"cache\"", "code=\"200\""]),
+        watches.len() as f64,
+        "every watch was the cache's:\n{m}"
+    );
+    assert_eq!(sum(watch, &["served_by=\"upstream\""]), 0.0, "{m}");
+    assert_eq!(
+        sum(
+            "kube_cache_proxy_passthrough_total",
+            &["verb=\"watch\"", "resource=\"configmaps\""]
+        ),
+        0.0,
+        "no watch passed through:\n{m}"
     );
     proxy.shutdown().await;
     cp.stop().await;

@@ -14,6 +14,7 @@ mod dev;
 mod downstream_budget;
 mod fake_apiserver;
 mod fault_tier;
+mod initializing;
 mod lists;
 mod ops;
 mod otel;

@@ -95,6 +95,9 @@ impl TestProxy {
     /// transparent proxy, and the fake apiserver implements no access reviews. Adaptive
     /// paging samples (and scrapes the fake's `/metrics`) only if `tweak` shortens
     /// `paging.interval`, so tests that count or fault upstream requests meet no scrape.
+    /// The fake speaks no protobuf watch, so the resources' protobuf sides start only with a
+    /// protobuf reader (`cache.protobufSide: lazy`): started with every resource they would
+    /// only fail and retry against it, adding upstream requests.
     /// For the same reason offline JWT verification (and with it the background fetch of the
     /// issuer's keys) is off unless `tweak` turns it on (the fake serves keys only after
     /// `Faults::set_jwks`), and so are the caches the proxy keeps for itself (ServiceAccounts
@@ -121,6 +124,7 @@ impl TestProxy {
         c.authentication.service_account_jwt = false;
         c.authentication.service_account_lookup = false;
         c.cache.authorization_follow_rbac = false;
+        c.cache.protobuf_side = kube_cache_proxy::config::ProtobufSide::Lazy;
     }
 
     /// Starts the proxy in front of a real control plane, with the admin's credentials as

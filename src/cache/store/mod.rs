@@ -54,6 +54,9 @@ pub struct StoreConfig {
     /// The process-wide bound on protobuf envelopes (`cache.protobufMaxBytes`), shared by
     /// every cache built from this configuration.
     pub proto_budget: Arc<crate::cache::proto_budget::ProtoBudget>,
+    /// A built-in resource's protobuf side starts with the resource, once it is served
+    /// (`cache.protobufSide: eager`), rather than with its first protobuf reader.
+    pub protobuf_eager: bool,
 }
 
 impl Default for StoreConfig {
@@ -75,6 +78,7 @@ impl Default for StoreConfig {
             snapshot_max_bytes: 512 << 20,
             absorb_relists: true,
             proto_budget: Default::default(),
+            protobuf_eager: true,
         }
     }
 }
@@ -171,6 +175,20 @@ impl Retained {
 /// synced is failing, and reads pass through at once as before.
 pub const STARTING: Duration = Duration::from_secs(30);
 
+/// Where the side of a resource's cache that a read needs (the JSON cache, or its protobuf
+/// side) stands (`ResourceCache::side`); ordered from best to worst, so the state of two
+/// sides together is the larger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Side {
+    /// Serves reads.
+    Ready,
+    /// Initializing, and started less than [`STARTING`] ago: about to serve.
+    Starting,
+    /// Not serving and not about to (never synced within [`STARTING`], stopped, shed, or
+    /// protobuf off): its reads go to the apiserver.
+    Failing,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Readiness {
     /// Not synced yet: requests pass through.
@@ -203,6 +221,9 @@ pub struct ResourceCache {
     rv_tx: watch::Sender<u64>,
     ready_tx: watch::Sender<Readiness>,
     unhealthy: Mutex<Option<String>>,
+    /// True once the upstream watch has been healthy at least once (the first sync
+    /// confirmed, or a warm start's resumed watch proved itself).
+    confirmed_tx: watch::Sender<bool>,
     relists: std::sync::atomic::AtomicU64,
     /// The last relists told to watchers as events: (the state's resourceVersion before,
     /// the new list's), most recent last, at most [`ABSORBED_KEPT`].
@@ -410,6 +431,7 @@ impl ResourceCache {
             rv_tx: watch::channel(0).0,
             ready_tx: watch::channel(Readiness::Pending).0,
             unhealthy: Mutex::new(Some("not synced yet".into())),
+            confirmed_tx: watch::channel(false).0,
             relists: Default::default(),
             absorbed: Default::default(),
             absorbed_total: Default::default(),
@@ -497,6 +519,56 @@ impl ResourceCache {
     /// (created less than [`STARTING`] ago): a resuming watch may wait for it.
     pub fn starting(&self) -> bool {
         self.readiness() == Readiness::Pending && self.created.elapsed() < STARTING
+    }
+
+    /// Where the sides a read needs stand: the JSON cache and, for `protobuf`, the protobuf
+    /// side. `latest`: the read wants the most recent state (a watch without
+    /// resourceVersion), which a cache serves only once its upstream watch is confirmed, so
+    /// a cache that has synced (or was restored from saved state) but never been confirmed
+    /// yet is still starting for it.
+    pub fn side(&self, protobuf: bool, latest: bool) -> Side {
+        let young = self.created.elapsed() < STARTING;
+        let json = match self.readiness() {
+            Readiness::Ready if latest && !*self.confirmed_tx.borrow() => {
+                if young {
+                    Side::Starting
+                } else {
+                    Side::Ready
+                }
+            }
+            Readiness::Ready => Side::Ready,
+            Readiness::Pending if young => Side::Starting,
+            _ => Side::Failing,
+        };
+        if !protobuf {
+            return json;
+        }
+        let proto = if self.protobuf_ready() {
+            Side::Ready
+        } else if self.protobuf_coming() {
+            Side::Starting
+        } else {
+            Side::Failing
+        };
+        json.max(proto)
+    }
+
+    /// How long the sides a read needs have been starting (for its `Retry-After`).
+    pub fn starting_for(&self, protobuf: bool) -> Duration {
+        let json = self.created.elapsed();
+        match self.proto_wanted_at.get() {
+            Some(t) if protobuf && self.is_ready() => t.elapsed(),
+            _ => json,
+        }
+    }
+
+    /// Waits (bounded) until the upstream watch has been confirmed once (see
+    /// [`Self::side`]); false on timeout.
+    pub async fn wait_confirmed(&self, bound: Duration) -> bool {
+        let mut r = self.confirmed_tx.subscribe();
+        tokio::time::timeout(bound, r.wait_for(|c| *c))
+            .await
+            .is_ok_and(|r| r.is_ok())
     }
 
     /// Waits (bounded) until the cache has synced; false on timeout or once stopped.
@@ -1362,7 +1434,12 @@ impl ReflectorSink for ResourceCache {
     }
 
     fn set_unhealthy(&self, reason: Option<String>) {
+        let healthy = reason.is_none();
         *self.unhealthy.lock() = reason;
+        if healthy && self.is_ready() {
+            self.confirmed_tx
+                .send_if_modified(|c| !std::mem::replace(c, true));
+        }
     }
 }
 

@@ -178,6 +178,15 @@ impl ResourceCache {
             && !self.proto_shed.is_cancelled()
     }
 
+    /// The resource is served from now on (the registry put it in the served set): with
+    /// `cache.protobufSide: eager` a built-in resource's protobuf side starts with it, so
+    /// its protobuf readers find it synced rather than start it (custom resources have none).
+    pub fn served(&self) {
+        if self.cfg.protobuf_eager && !self.resource.custom {
+            self.want_protobuf();
+        }
+    }
+
     /// A protobuf reader came: the registry starts this resource's protobuf side once.
     pub fn want_protobuf(&self) {
         if !self.cfg.proto_budget.enabled() || self.proto_shed.is_cancelled() {
@@ -188,8 +197,8 @@ impl ResourceCache {
         }
     }
 
-    /// Whether this resource's protobuf side is starting: the first protobuf reader came
-    /// less than [`STARTING`] ago, protobuf is enabled, the side was not shed for its memory
+    /// Whether this resource's protobuf side is starting: it was started (with the resource,
+    /// or by its first protobuf reader) less than [`STARTING`] ago, protobuf is enabled, the side was not shed for its memory
     /// budget and has not synced yet.
     pub fn protobuf_coming(&self) -> bool {
         self.cfg.proto_budget.enabled()

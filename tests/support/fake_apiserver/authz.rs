@@ -13,6 +13,11 @@ pub(super) fn bearer_token(headers: &HeaderMap) -> Option<&str> {
 
 /// The caller's user name (the impersonated user, else the token) when it is on the deny list.
 pub(super) fn denied_caller(shared: &Shared, headers: &HeaderMap) -> Option<String> {
+    if let Some(t) = bearer_token(headers)
+        && lock(&shared.deny_resources).contains(t)
+    {
+        return Some(t.to_string());
+    }
     let deny = lock(&shared.deny);
     if deny.is_empty() {
         return None;

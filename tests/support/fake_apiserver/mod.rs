@@ -123,6 +123,8 @@ struct Shared {
     bookmark_interval: tokio::sync::watch::Sender<Duration>,
     /// Tokens and user names that are not authorized for anything (see [`Faults::deny`]).
     deny: Mutex<HashSet<String>>,
+    /// `Faults::deny_resources_of`.
+    deny_resources: Mutex<HashSet<String>>,
     impersonators: Mutex<HashSet<String>>,
     only_in: Mutex<std::collections::HashMap<String, HashSet<String>>>,
     /// Extra delay of access and token reviews only (see [`Faults::set_review_delay`]).
@@ -193,6 +195,7 @@ impl FakeApiServer {
             refuse: AtomicBool::new(false),
             bookmark_interval: tokio::sync::watch::channel(DEFAULT_BOOKMARK_INTERVAL).0,
             deny: Mutex::new(HashSet::new()),
+            deny_resources: Mutex::new(HashSet::new()),
             impersonators: Mutex::new(HashSet::new()),
             only_in: Mutex::new(std::collections::HashMap::new()),
             review_delay: Mutex::new(Duration::ZERO),
@@ -428,6 +431,18 @@ impl Faults {
     /// ([`Faults::allow_impersonation`]).
     pub fn deny(&self, token_or_user: &str) {
         lock(&self.shared.deny).insert(token_or_user.to_string());
+    }
+
+    /// While on, the resource requests (reads and writes, not reviews) of callers with this
+    /// bearer token get 403 Forbidden: e.g. the proxy's own LIST of a resource, so its cache
+    /// stays in its first sync while the proxy's access reviews still work.
+    pub fn deny_resources_of(&self, token: &str, on: bool) {
+        let mut d = lock(&self.shared.deny_resources);
+        if on {
+            d.insert(token.to_string());
+        } else {
+            d.remove(token);
+        }
     }
 
     /// Lets `user` impersonate: SubjectAccessReviews with verb `impersonate` are allowed only

@@ -148,7 +148,7 @@ async fn watches_while_the_cache_initializes_are_asked_to_retry_and_never_stay_o
     assert_eq!(open().await, 0.0);
     let w = proxy
         .watch_plain(
-            &format!("/api/v1/namespaces/{NS}/secrets?watch=1"),
+            &format!("/api/v1/namespaces/{NS}/pods?watch=1"),
             "alice",
             false,
         )

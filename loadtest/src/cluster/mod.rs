@@ -141,7 +141,7 @@ impl ApiSnap {
             }
             per.push((format!("{res} {verb}"), n));
         }
-        per.sort_by(|a, b| b.1.cmp(&a.1));
+        per.sort_by_key(|b| std::cmp::Reverse(b.1));
         per.truncate(10);
         d.top = per;
         d

@@ -41,6 +41,8 @@ for b in "${wanted[@]}"; do
   if [ "$b" = kwok-stages.yaml ]; then
     # The module `go install` just fetched (the module cache is read-only: read, never write).
     dir=$(go env GOMODCACHE)/sigs.k8s.io/kwok@$KWOK_VERSION/kustomize/stage
+    # A module cache cleaned since kwok was built: fetch the module again (outside any module).
+    [ -d "$dir" ] || (cd "$root" && go mod download "sigs.k8s.io/kwok@$KWOK_VERSION" >&2)
     {
       for f in node/fast/node-initialize.yaml node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
                pod/fast/pod-ready.yaml pod/fast/pod-complete.yaml pod/fast/pod-delete.yaml; do

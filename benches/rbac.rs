@@ -4,7 +4,11 @@
 //! worst case of a role of 10,000 rules none of which matches; plus building such a policy
 //! (what every batch of RBAC changes costs the follower, off the request path).
 //!
-//! Run: `cargo bench --bench rbac`. Figures are in the issue notes and docs/architecture.md.
+//! Run: `cargo bench --bench rbac`. Measured on the 2-core dev machine (Dec 2026, load 5-7
+//! from concurrent builds), medians: an allow 332 ns at 100 bindings of each kind, 387 ns at
+//! 10,000; no allow 234 / 226 ns; no allow through a role of 10,000 rules 125 / 141 µs (the
+//! one case that grows: with the rules of the roles bound to the caller, never with the
+//! bindings); a policy build 0.13 ms at 100, 17.4 ms at 10,000 of each kind.
 
 use std::hint::black_box;
 use std::sync::Arc;

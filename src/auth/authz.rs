@@ -23,7 +23,8 @@
 //! ServiceAccount's pods and a kubelet's rotated certificates share decisions. A denial
 //! answered less than [`DENY_SETTLE`] after an outage of the apiserver ended is not kept:
 //! a restarted apiserver refuses requests until its authorizers' informers have synced, and
-//! a client must not see that refusal longer than direct. Concurrent identical
+//! a client must not see that refusal longer than direct. Nor is a node's: the Node
+//! authorizer's answers change with every pod bound to the node. Concurrent identical
 //! questions share one review (single flight, moka's `try_get_with`): a thousand watchers
 //! opening at once cost one `SubjectAccessReview`, not a thousand. If the one asking is
 //! cancelled, a waiter takes over; an error is not cached, and a waiter given an error answer
@@ -615,9 +616,14 @@ impl Authorizer {
         };
         if led
             && matches!(r, Ok(Decision::Deny(_)))
-            && self.upstream.reachability().recovered_within(DENY_SETTLE)
+            && (IdentityKind::of(id) == IdentityKind::Node
+                || self.upstream.reachability().recovered_within(DENY_SETTLE))
         {
-            // Possibly the refusal of an apiserver still starting: asked again next time.
+            // Not kept: the refusal of an apiserver still starting, or a node's. The Node
+            // authorizer allows a kubelet an object once a pod bound to its node refers to
+            // it (its graph follows pods within milliseconds): a kubelet asking for a new
+            // pod's Secret just before that edge exists would have been refused for the
+            // whole deny TTL. Asked again next time, as the apiserver decides afresh.
             self.decisions.invalidate(&key).await;
         }
         self.count(

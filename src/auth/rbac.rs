@@ -269,7 +269,7 @@ pub fn rule_allows(rule: &PolicyRule, a: &Attributes) -> bool {
             .resources
             .iter()
             .any(|r| resource_matches(r, &a.resource, &a.subresource))
-        && (rule.resource_names.is_empty() || rule.resource_names.iter().any(|n| *n == a.name))
+        && (rule.resource_names.is_empty() || rule.resource_names.contains(&a.name))
 }
 
 /// `ResourceMatches` for one of a rule's resources: `*`, the combined

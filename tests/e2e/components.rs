@@ -6,10 +6,10 @@
 //! every Pod to a fake Node, all through the proxy.
 //!
 //! What the proxy serves them: client-go 1.35+ starts informers with a streaming list (a
-//! WATCH with `sendInitialEvents=true`, feature gate `WatchListClient`, on by default), and
-//! their first protobuf requests start the resources' protobuf sides and go to the apiserver
-//! (a side serves nothing before it has synced), so with their defaults these components LIST
-//! none of these resources. Once those
+//! WATCH with `sendInitialEvents=true`, feature gate `WatchListClient`, on by default); the
+//! resources' protobuf sides start with their caches (`cache.protobufSide: eager`), and a
+//! watch that comes while one syncs waits for it or is asked to retry (429), so with their
+//! defaults these components LIST none of these resources. Once those
 //! have synced, each component is restarted with `--feature-gates=WatchListClient=false` (the
 //! LIST+WATCH start every client-go before 1.35 makes): the LISTs of pods, nodes,
 //! replicasets and deployments their informers make must then come from the cache, and the

@@ -144,7 +144,8 @@ pub fn build_state(
             max_age: c.state_max_age,
             save_interval: c.state_save_interval,
             // Sealed with a key derived from the token keys only when those are the shared,
-            // persistent ones (a generated key dies with the process).
+            // persistent ones (a generated key dies with the process); otherwise (empty) with
+            // a local key file in the state directory (`persist::LOCAL_KEY`).
             keys: match config.tokens.key_file {
                 Some(_) => keys.current().derive("kube-cache-proxy/cache-state/v1"),
                 None => Vec::new(),

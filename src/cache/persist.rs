@@ -17,7 +17,8 @@
 //! object:   u32 length | body (JSON) | u32 length | protobuf envelope (length 0: none)
 //! ```
 //!
-//! A sealed file's checksum is written but not read: its chunks are authenticated (below).
+//! The checksum is written but not read: every file is sealed and its chunks are
+//! authenticated (below).
 //!
 //! All integers are little endian. The header names where the state came from (the
 //! upstream's URL, the resource, a custom resource's CRD uid), its resourceVersions and when
@@ -26,12 +27,33 @@
 //! another upstream, resource or CRD, or older than `cache.stateMaxAge` is ignored with a log
 //! line and never served; the cache then lists as on a cold start.
 //!
-//! Sealing: when the continue-token key file is configured (`tokens.keyFile`, shared by the
-//! replicas and kept in a Secret), the payload is encrypted and authenticated with
-//! ChaCha20-Poly1305 under a key derived from it, chunk by chunk (the header, the chunk's
-//! index and whether it is the last are the associated data), so the node's disk never
-//! holds the objects in clear and no chunk can be dropped, moved or cut off. Without a key file, files are plain and
-//! Secrets are not saved (their cache lists again after a restart).
+//! Sealing: every file is sealed. The payload is encrypted and authenticated with
+//! ChaCha20-Poly1305, chunk by chunk (the header, the chunk's index and whether it is the
+//! last are the associated data), so no byte can be changed and no chunk dropped, moved or
+//! cut off without the file being refused. The key:
+//! - with the continue-token key file (`tokens.keyFile`, shared by the replicas and kept in
+//!   a Secret), one derived from it: the node's disk never holds the objects in clear;
+//! - without it, a local key ([`LOCAL_KEY`]: 32 random bytes in `<stateDir>/.state-key`,
+//!   created 0600 by the first save, exclusively, and reused by later starts; refused unless
+//!   it is a regular file of the proxy's own user that nobody else may read or write). It
+//!   authenticates the files but lies beside them, so it hides nothing from whoever can read
+//!   the directory: Secrets are still saved only with `tokens.keyFile` (without it their
+//!   cache lists again after a restart).
+//!
+//! A file that is not sealed (written by an earlier version without a key file, or edited
+//! and its SHA-256 recomputed: a checksum proves nothing against whoever can write the
+//! directory) is refused with a warning and never served; that cache starts cold. Without a
+//! usable key (the local key file missing, another user's, or readable by others) files are
+//! neither written nor read.
+//!
+//! On disk, whatever the umask: the directory 0700 (an existing one is changed to 0700; if
+//! the proxy may not, e.g. a volume owned by root, that is logged once), every file 0600
+//! (state, temporaries, the local key). Temporaries have unpredictable names
+//! (`<file>.tmp-<random hex>`) and are created exclusively (`O_CREAT|O_EXCL`, which fails on
+//! any existing name, a symlink included: nothing planted there is followed or truncated);
+//! the rename then replaces the state file itself, never what a symlink there points to.
+//! Temporaries left by a crash are removed by a later save of the same resource once they
+//! are an hour old.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -95,8 +117,8 @@ pub struct Persist {
     pub upstream: String,
     /// A file written longer ago than this is ignored.
     pub max_age: Duration,
-    /// Sealing keys, (id, key): the first seals, any opens. Empty: files are plain and
-    /// Secrets are not saved.
+    /// Sealing keys from `tokens.keyFile`, (id, key): the first seals, any opens. Empty:
+    /// files are sealed with the local key ([`LOCAL_KEY`]) and Secrets are not saved.
     pub keys: Vec<(String, [u8; 32])>,
     /// Besides at shutdown, states that changed are saved this often (a crash then loses at
     /// most this much; the restarted proxy catches up with its upstream watch). Zero: only
@@ -114,7 +136,14 @@ impl std::fmt::Debug for Persist {
             .field("dir", &self.dir)
             .field("upstream", &self.upstream)
             .field("max_age", &self.max_age)
-            .field("sealed", &!self.keys.is_empty())
+            .field(
+                "key",
+                &if self.keys.is_empty() {
+                    LOCAL_KEY
+                } else {
+                    "tokens.keyFile"
+                },
+            )
             .finish()
     }
 }
@@ -133,6 +162,10 @@ pub enum PersistError {
     Corrupt(&'static str),
     #[error("written {age:?} ago, more than cache.stateMaxAge")]
     Stale { age: Duration },
+    #[error(
+        "not sealed (written by an earlier version without tokens.keyFile, or edited): not trusted"
+    )]
+    Unsealed,
 }
 
 /// What one save wrote.
@@ -217,15 +250,88 @@ impl Persist {
         }
     }
 
+    /// Makes the state directory 0700 whatever the umask: created so (with `create`, its
+    /// missing parents too), an existing one changed. One the proxy may not change (a volume
+    /// owned by another user) is logged once and used as it is: its files are 0600 and
+    /// sealed, and a local key there must be the proxy's own.
+    fn private_dir(&self, create: bool) -> std::io::Result<()> {
+        use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+        if create {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(0o700)
+                .create(&self.dir)?;
+        }
+        let mode = match std::fs::metadata(&self.dir) {
+            Ok(m) => m.permissions().mode() & 0o7777,
+            Err(e) if !create && e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if mode != 0o700
+            && let Err(e) =
+                std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(0o700))
+        {
+            static WARNED: std::sync::atomic::AtomicBool =
+                std::sync::atomic::AtomicBool::new(false);
+            if !WARNED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+                tracing::warn!(dir = %self.dir.display(), mode = %format!("{mode:04o}"), error = %e, "cache.stateDir: cannot make the directory private (0700); its files are 0600 and sealed");
+            }
+        }
+        Ok(())
+    }
+
+    /// The local sealing key, (id, key), used when `tokens.keyFile` is not set: read from
+    /// [`LOCAL_KEY`] in the state directory; `None` when there is none, unless `create`,
+    /// which makes one (32 random bytes, 0600, written whole under a temporary name and
+    /// linked to its name, which fails if it exists: a reader sees a whole key or none, and
+    /// of two proxies making one at once, one key wins and both use it).
+    fn local_key(&self, create: bool) -> Result<Option<(String, [u8; 32])>, PersistError> {
+        use std::io::Write as _;
+        let path = self.dir.join(LOCAL_KEY);
+        let io = |source| PersistError::Io {
+            path: path.clone(),
+            source,
+        };
+        match read_local_key(&path, &self.dir) {
+            Ok(key) => return Ok(Some(local_key_id(key))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && create => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io(e)),
+        }
+        let mut key = [0u8; 32];
+        random(&mut key)?;
+        let (tmp, mut file) = create_temporary(&path).map_err(io)?;
+        let made = file
+            .write_all(&key)
+            .and_then(|()| file.sync_all())
+            .and_then(|()| std::fs::hard_link(&tmp, &path));
+        drop(file);
+        let _ = std::fs::remove_file(&tmp);
+        match made {
+            Ok(()) => {
+                sync_dir(&self.dir);
+                tracing::info!(path = %path.display(), "cache state: made a local sealing key (no tokens.keyFile)");
+                Ok(Some(local_key_id(key)))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                read_local_key(&path, &self.dir)
+                    .map(|k| Some(local_key_id(k)))
+                    .map_err(io)
+            }
+            Err(e) => Err(io(e)),
+        }
+    }
+
     /// Writes `image` as `r`'s state file (atomically: a temporary file, synced, renamed),
     /// streamed in chunks of about `CHUNK` bytes, so saving holds one chunk beyond the
-    /// cache itself.
+    /// cache itself. Always sealed: with the first of [`Persist::keys`], else with the
+    /// local key (made by the first save).
     pub fn save(&self, r: &Resource, uid: &str, image: &Image) -> Result<Saved, PersistError> {
         let io = |path: &Path| {
             let path = path.to_path_buf();
             move |source| PersistError::Io { path, source }
         };
-        std::fs::create_dir_all(&self.dir).map_err(io(&self.dir))?;
+        self.private_dir(true).map_err(io(&self.dir))?;
         let mut header = Header {
             identity: self.identity(r, uid),
             rv: image.rv,
@@ -245,69 +351,31 @@ impl Persist {
                 )
             }),
         };
-        let seal = match self.keys.first() {
-            Some((id, key)) => {
-                let mut n = [0u8; ring::aead::NONCE_LEN];
-                ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut n)
-                    .map_err(|_| PersistError::Corrupt("the system random source failed"))?;
-                header.sealed = Some((id.clone(), hex(&n)));
-                Some((seal_key(key), n))
-            }
-            None => None,
+        let _one_at_a_time = SAVING.lock();
+        let (id, key) = match self.keys.first() {
+            Some(k) => k.clone(),
+            None => self.local_key(true)?.expect("made when there is none"),
         };
+        let mut n = [0u8; ring::aead::NONCE_LEN];
+        random(&mut n)?;
+        header.sealed = Some((id, hex(&n)));
         let header_json = serde_json::to_vec(&header).expect("the header serializes");
 
         let path = self.path(r);
-        let tmp = path.with_extension("state.tmp");
-        let _one_at_a_time = SAVING.lock();
-        let file = std::fs::File::create(&tmp).map_err(io(&tmp))?;
-        let mut w = Chunks {
-            out: std::io::BufWriter::with_capacity(1 << 20, file),
-            sha: Sha256::new(),
-            written: 0,
-            buf: Vec::with_capacity(CHUNK + (64 << 10)),
-            seal,
-            aad: header_json.clone(),
-            index: 0,
+        remove_stale_temporaries(&path);
+        let (tmp, file) = create_temporary(&path).map_err(io(&path))?;
+        let bytes = match write_file(file, &header_json, Some((seal_key(&key), n)), image) {
+            Ok(b) => b,
+            Err(e) => {
+                let _ = std::fs::remove_file(&tmp);
+                return Err(io(&tmp)(e));
+            }
         };
-        let head = [
-            &MAGIC[..],
-            &FORMAT.to_le_bytes(),
-            &(header_json.len() as u32).to_le_bytes(),
-            &header_json,
-        ];
-        for part in head {
-            w.emit(part).map_err(io(&tmp))?;
+        if let Err(e) = std::fs::rename(&tmp, &path) {
+            let _ = std::fs::remove_file(&tmp);
+            return Err(io(&path)(e));
         }
-        let put = |w: &mut Chunks<_>, b: &[u8]| w.put(b).map_err(io(&tmp));
-        put(&mut w, &(image.base.len() as u64).to_le_bytes())?;
-        // Envelopes only of a side that runs (a shed one's history keeps some for a while).
-        let with_protobuf = image.protobuf.started;
-        let object = |w: &mut Chunks<_>, o: &CachedObject| {
-            put(w, &body_len(o))?;
-            put(w, &o.body)?;
-            let envelope = match o.proto.get() {
-                Some(b) if with_protobuf => &b[..],
-                _ => &[][..],
-            };
-            put(w, &len_u32(envelope.len()))?;
-            put(w, envelope)
-        };
-        for o in &image.base {
-            object(&mut w, o)?;
-        }
-        put(&mut w, &(image.events.len() as u64).to_le_bytes())?;
-        for (kind, age, o) in &image.events {
-            put(&mut w, &[kind_byte(*kind)])?;
-            let ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
-            put(&mut w, &ms.to_le_bytes())?;
-            object(&mut w, o)?;
-        }
-        let bytes = w.finish().map_err(io(&tmp))?;
-        std::fs::rename(&tmp, &path).map_err(io(&path))?;
-        if let Ok(d) = std::fs::File::open(&self.dir) {
-            let _ = d.sync_all();
-        }
+        sync_dir(&self.dir);
         Ok(Saved {
             bytes,
             objects: image.base.len(),
@@ -320,6 +388,10 @@ impl Persist {
     /// upstream.
     pub fn load(&self, r: &Resource, uid: &str) -> Result<Option<Image>, PersistError> {
         let path = self.path(r);
+        self.private_dir(false).map_err(|source| PersistError::Io {
+            path: self.dir.clone(),
+            source,
+        })?;
         let file = match std::fs::read(&path) {
             Ok(f) => f,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -329,12 +401,13 @@ impl Persist {
     }
 
     /// Decodes a whole file. The payload is assembled in the file's own buffer (each chunk,
-    /// opened in place when sealed, moved down over the chunk headers before it): with
-    /// 100,000 objects, fresh memory the kernel must zero was most of a warm start's time
-    /// (`perf`: `clear_page_erms` 58% of the samples), and this spares one copy of the file.
-    /// A sealed file is not hashed: every chunk is authenticated, with the header, its index
-    /// and whether it is the last, which the checksum would only repeat (`perf`: SHA-256 was
-    /// 42% of a sealed load). Chunks are opened, and objects parsed, on every core
+    /// opened in place, moved down over the chunk headers before it): with 100,000 objects,
+    /// fresh memory the kernel must zero was most of a warm start's time (`perf`:
+    /// `clear_page_erms` 58% of the samples), and this spares one copy of the file. A file
+    /// that is not sealed is refused ([`PersistError::Unsealed`]); a sealed one is not
+    /// hashed: every chunk is authenticated, with the header, its index and whether it is
+    /// the last, which the checksum would only repeat (`perf`: SHA-256 was 42% of a sealed
+    /// load). Chunks are opened, and objects parsed, on every core
     /// ([`par_map`]): a warm start waits for its largest file.
     fn decode(
         &self,
@@ -364,16 +437,14 @@ impl Persist {
         }
         let header_json = rd.take(hlen)?.to_vec();
         let chunks_at = content_len - rd.0.len();
-        // Nothing in the header is trusted before the checksum (plain) or the chunks (sealed)
-        // are verified; until then it only decides to refuse the file.
-        let header: Result<Header, _> =
-            serde_json::from_slice(&header_json).map_err(|_| PersistError::Corrupt("header"));
-        if !matches!(&header, Ok(h) if h.sealed.is_some())
-            && Sha256::digest(&file[..content_len])[..] != file[content_len..]
-        {
-            return Err(PersistError::Corrupt("checksum mismatch"));
-        }
-        let header = header?;
+        // Nothing in the header is trusted before the chunks are opened (they authenticate
+        // it); until then it only decides to refuse the file. A file that is not sealed is
+        // refused whatever its checksum: anyone who can write the directory can recompute it.
+        let header: Header =
+            serde_json::from_slice(&header_json).map_err(|_| PersistError::Corrupt("header"))?;
+        let Some((key_id, nonce)) = header.sealed.clone() else {
+            return Err(PersistError::Unsealed);
+        };
         file.truncate(content_len);
         let want = self.identity(r, uid);
         if header.identity != want {
@@ -387,20 +458,31 @@ impl Persist {
         if age > self.max_age {
             return Err(PersistError::Stale { age });
         }
-        let key = match &header.sealed {
-            None => None,
-            Some((id, nonce)) => {
-                let Some((_, key)) = self.keys.iter().find(|(k, _)| k == id) else {
+        let key = if self.keys.is_empty() {
+            match self.local_key(false)? {
+                Some((id, key)) if id == key_id => key,
+                found => {
                     return Err(PersistError::Foreign(format!(
-                        "sealed with key {id:?}, not in tokens.keyFile"
+                        "sealed with key {key_id:?}; no tokens.keyFile, and the local key ({}) is {}",
+                        self.dir.join(LOCAL_KEY).display(),
+                        found.map_or("missing".to_string(), |(id, _)| format!("{id:?}"))
                     )));
-                };
-                let n: [u8; ring::aead::NONCE_LEN] = unhex(nonce)
-                    .and_then(|v| v.try_into().ok())
-                    .ok_or(PersistError::Corrupt("nonce"))?;
-                Some((seal_key(key), n))
+                }
+            }
+        } else {
+            match self.keys.iter().find(|(k, _)| *k == key_id) {
+                Some((_, key)) => *key,
+                None => {
+                    return Err(PersistError::Foreign(format!(
+                        "sealed with key {key_id:?}, not in tokens.keyFile"
+                    )));
+                }
             }
         };
+        let n: [u8; ring::aead::NONCE_LEN] = unhex(&nonce)
+            .and_then(|v| v.try_into().ok())
+            .ok_or(PersistError::Corrupt("nonce"))?;
+        let (key, base) = (seal_key(&key), n);
         // Where the chunks are: (start, stop) of each one's bytes.
         let mut chunks = Vec::new();
         let mut at = chunks_at;
@@ -428,32 +510,30 @@ impl Persist {
         if at != file.len() {
             return Err(PersistError::Corrupt("trailing bytes"));
         }
-        // Sealed: each chunk opened in place, under its own nonce, with its index and whether
-        // it is the last in the associated data (so none can be dropped, reordered or cut
-        // off). The plain bytes of each: (start, length).
-        let plain: Vec<(usize, usize)> = match &key {
-            None => chunks.iter().map(|&(s, e)| (s, e - s)).collect(),
-            Some((key, base)) => {
-                let count = chunks.len() as u64;
-                let mut rest = &mut file[chunks_at..];
-                let mut offset = chunks_at;
-                let mut work = Vec::with_capacity(chunks.len());
-                for (index, &(start, stop)) in (0u64..).zip(&chunks) {
-                    let (before, tail) = std::mem::take(&mut rest).split_at_mut(stop - offset);
-                    work.push((index, start, &mut before[start - offset..]));
-                    rest = tail;
-                    offset = stop;
-                }
-                let header_json = &header_json;
-                par_map(work, 1, |(index, start, bytes)| {
-                    let aad = chunk_aad(header_json, index, index + 1 == count);
-                    key.open_in_place(chunk_nonce(base, index), ring::aead::Aad::from(aad), bytes)
-                        .map(|p| (start, p.len()))
-                        .map_err(|_| PersistError::Corrupt("does not open with its key"))
-                })
-                .into_iter()
-                .collect::<Result<_, _>>()?
+        // Each chunk opened in place, under its own nonce, with its index and whether it is
+        // the last in the associated data (so none can be dropped, reordered or cut off). The
+        // plain bytes of each: (start, length).
+        let plain: Vec<(usize, usize)> = {
+            let (key, base) = (&key, &base);
+            let count = chunks.len() as u64;
+            let mut rest = &mut file[chunks_at..];
+            let mut offset = chunks_at;
+            let mut work = Vec::with_capacity(chunks.len());
+            for (index, &(start, stop)) in (0u64..).zip(&chunks) {
+                let (before, tail) = std::mem::take(&mut rest).split_at_mut(stop - offset);
+                work.push((index, start, &mut before[start - offset..]));
+                rest = tail;
+                offset = stop;
             }
+            let header_json = &header_json;
+            par_map(work, 1, |(index, start, bytes)| {
+                let aad = chunk_aad(header_json, index, index + 1 == count);
+                key.open_in_place(chunk_nonce(base, index), ring::aead::Aad::from(aad), bytes)
+                    .map(|p| (start, p.len()))
+                    .map_err(|_| PersistError::Corrupt("does not open with its key"))
+            })
+            .into_iter()
+            .collect::<Result<_, _>>()?
         };
         // The payload goes to `chunks_at..end`, each chunk's bytes moved down over the
         // headers (and, sealed, tags) before them: it never overtakes what it reads.
@@ -533,6 +613,202 @@ impl Persist {
             },
         })
     }
+}
+
+/// Writes a state file to `file`: the header, the payload in chunks (sealed with `seal`;
+/// `None` only in tests, for the files earlier versions wrote without a key), the
+/// checksum, then syncs it. The bytes written.
+fn write_file(
+    file: std::fs::File,
+    header_json: &[u8],
+    seal: Option<(ring::aead::LessSafeKey, [u8; ring::aead::NONCE_LEN])>,
+    image: &Image,
+) -> std::io::Result<u64> {
+    let mut w = Chunks {
+        out: std::io::BufWriter::with_capacity(1 << 20, file),
+        sha: Sha256::new(),
+        written: 0,
+        buf: Vec::with_capacity(CHUNK + (64 << 10)),
+        seal,
+        aad: header_json.to_vec(),
+        index: 0,
+    };
+    let head = [
+        &MAGIC[..],
+        &FORMAT.to_le_bytes(),
+        &(header_json.len() as u32).to_le_bytes(),
+        header_json,
+    ];
+    for part in head {
+        w.emit(part)?;
+    }
+    w.put(&(image.base.len() as u64).to_le_bytes())?;
+    // Envelopes only of a side that runs (a shed one's history keeps some for a while).
+    let with_protobuf = image.protobuf.started;
+    let object = |w: &mut Chunks<_>, o: &CachedObject| {
+        w.put(&body_len(o))?;
+        w.put(&o.body)?;
+        let envelope = match o.proto.get() {
+            Some(b) if with_protobuf => &b[..],
+            _ => &[][..],
+        };
+        w.put(&len_u32(envelope.len()))?;
+        w.put(envelope)
+    };
+    for o in &image.base {
+        object(&mut w, o)?;
+    }
+    w.put(&(image.events.len() as u64).to_le_bytes())?;
+    for (kind, age, o) in &image.events {
+        w.put(&[kind_byte(*kind)])?;
+        let ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
+        w.put(&ms.to_le_bytes())?;
+        object(&mut w, o)?;
+    }
+    w.finish()
+}
+
+/// The local sealing key's file in the state directory, used when `tokens.keyFile` is not
+/// set (see the module's documentation).
+pub const LOCAL_KEY: &str = ".state-key";
+
+/// How old a save's leftover temporary must be to be removed: no save takes that long.
+const STALE_TEMPORARY: Duration = Duration::from_secs(3600);
+
+fn random(buf: &mut [u8]) -> Result<(), PersistError> {
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), buf)
+        .map_err(|_| PersistError::Corrupt("the system random source failed"))
+}
+
+/// A new file `<path>.tmp-<random hex>`, 0600 whatever the umask, created exclusively
+/// (`O_CREAT|O_EXCL`): an existing name, a symlink included (dangling or not), fails
+/// instead of being followed or truncated, and the name cannot be guessed beforehand.
+fn create_temporary(path: &Path) -> std::io::Result<(PathBuf, std::fs::File)> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    let mut suffix = [0u8; 12];
+    random(&mut suffix).map_err(std::io::Error::other)?;
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(format!(".tmp-{}", hex(&suffix)));
+    let tmp = path.with_file_name(name);
+    let file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)?;
+    // The umask can only have removed bits; this makes it exactly 0600.
+    if let Err(e) = file.set_permissions(std::fs::Permissions::from_mode(0o600)) {
+        drop(file);
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
+    }
+    Ok((tmp, file))
+}
+
+/// Removes what crashed saves of `path` left: its temporaries older than
+/// [`STALE_TEMPORARY`], and the fixed-name one of earlier versions (`<path>.tmp`). Regular
+/// files only: anything else there (a symlink) is left alone, never followed.
+fn remove_stale_temporaries(path: &Path) {
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name().and_then(|n| n.to_str())) else {
+        return;
+    };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let old = format!("{name}.tmp");
+    let ours = format!("{name}.tmp-");
+    for e in entries.flatten() {
+        let n = e.file_name();
+        let Some(n) = n.to_str() else {
+            continue;
+        };
+        if n != old && !n.starts_with(&ours) {
+            continue;
+        }
+        // Not followed: the entry's own type.
+        let Ok(m) = e.metadata() else {
+            continue;
+        };
+        let aged = m
+            .modified()
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > STALE_TEMPORARY);
+        if m.file_type().is_file() && (n == old || aged) {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+}
+
+fn sync_dir(dir: &Path) {
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
+/// The local key's id (in the files' headers): a hash of the key, so a file sealed with
+/// another local key is told apart from a damaged one.
+fn local_key_id(key: [u8; 32]) -> (String, [u8; 32]) {
+    let h = Sha256::new()
+        .chain_update(b"kube-cache-proxy/cache-state/local-key-id\0")
+        .chain_update(key)
+        .finalize();
+    (format!("local:{}", hex(&h[..8])), key)
+}
+
+/// Reads the local key file, refusing anything but a regular file (not a symlink) of 32
+/// bytes, owned by the proxy's user, that nobody else may read or write: a key someone else
+/// could have planted or read would let them forge a state that is then served.
+fn read_local_key(path: &Path, dir: &Path) -> std::io::Result<[u8; 32]> {
+    use std::io::Read as _;
+    use std::os::unix::fs::MetadataExt;
+    let bad = |why: String| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "{why}; the local key must be a regular file of 32 bytes, mode 0600, owned by \
+                 the proxy's user (removing it makes the next save create a new one; the \
+                 states sealed with it are then refused)"
+            ),
+        )
+    };
+    let link = std::fs::symlink_metadata(path)?;
+    if !link.file_type().is_file() {
+        return Err(bad("not a regular file".into()));
+    }
+    let mut file = std::fs::File::open(path)?;
+    let meta = file.metadata()?;
+    if (meta.dev(), meta.ino()) != (link.dev(), link.ino()) {
+        return Err(bad("replaced while being opened".into()));
+    }
+    let own = own_uid(dir)?;
+    if meta.uid() != own {
+        return Err(bad(format!("owned by uid {}, not {own}", meta.uid())));
+    }
+    if meta.mode() & 0o077 != 0 {
+        return Err(bad(format!("mode {:04o}", meta.mode() & 0o7777)));
+    }
+    if meta.len() != 32 {
+        return Err(bad(format!("{} bytes", meta.len())));
+    }
+    let mut key = [0u8; 32];
+    file.read_exact(&mut key)?;
+    Ok(key)
+}
+
+/// The proxy's user as the file system records it: the owner of a file it creates in `dir`
+/// (std has no `geteuid`, and this crate forbids `unsafe`). Found once.
+fn own_uid(dir: &Path) -> std::io::Result<u32> {
+    use std::os::unix::fs::MetadataExt;
+    static UID: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    if let Some(uid) = UID.get() {
+        return Ok(*uid);
+    }
+    let (probe, file) = create_temporary(&dir.join(".uid-probe"))?;
+    let uid = file.metadata().map(|m| m.uid());
+    drop(file);
+    let _ = std::fs::remove_file(&probe);
+    let uid = uid?;
+    Ok(*UID.get_or_init(|| uid))
 }
 
 /// Where one object's body and protobuf envelope (empty: none) are in the payload.
@@ -861,10 +1137,10 @@ mod tests {
         i
     }
 
-    /// What is saved loads back the same, plain and sealed; the ages grow by the time the
-    /// file lay on disk (at least, never less).
+    /// What is saved loads back the same, with and without `tokens.keyFile` (sealed either
+    /// way); the ages grow by the time the file lay on disk (at least, never less).
     #[test]
-    fn an_image_round_trips_plain_and_sealed() {
+    fn an_image_round_trips_with_and_without_a_key_file() {
         for keys in [vec![], vec![("k1".to_string(), [7u8; 32])]] {
             let dir = tempfile::tempdir().unwrap();
             let p = persist(dir.path(), keys.clone());
@@ -877,11 +1153,7 @@ mod tests {
             assert_eq!(without_ages(got), without_ages(image()));
             let file = std::fs::read(p.path(&configmaps())).unwrap();
             let clear = file.windows(5).any(|w| w == b"\"u-a\"");
-            assert_eq!(
-                clear,
-                keys.is_empty(),
-                "sealed files hold no object in clear"
-            );
+            assert!(!clear, "sealed files hold no object in clear");
         }
     }
 
@@ -958,8 +1230,8 @@ mod tests {
     }
 
     /// An envelope that is not one of this resource's (another kind, or not an envelope)
-    /// refuses the whole file, even when the checksum holds (a file written by a buggy or
-    /// foreign writer): it would be served to protobuf readers as it is.
+    /// refuses the whole file, even when it opens with its key (a file written by a buggy
+    /// writer): it would be served to protobuf readers as it is.
     #[test]
     fn a_file_with_an_envelope_of_another_kind_is_refused() {
         let other = Bytes::from(crate::k8s::protobuf_write::object_envelope(
@@ -979,8 +1251,8 @@ mod tests {
     }
 
     /// Every flipped byte, every truncation and every foreign origin is refused; no file is
-    /// "none". A sealed file's checksum is not read (its chunks are authenticated): a flipped
-    /// byte there changes nothing it holds.
+    /// "none". The checksum is not read (the chunks are authenticated): a flipped byte there
+    /// changes nothing the file holds.
     #[test]
     fn damaged_foreign_or_stale_files_are_refused() {
         let now = SystemTime::now();
@@ -993,8 +1265,7 @@ mod tests {
                 let p = persist(dir.path(), keys.clone());
                 p.save(&r, "", &img).unwrap();
                 let file = std::fs::read(p.path(&r)).unwrap();
-                let sealed = !keys.is_empty();
-                let content = file.len() - if sealed { 32 } else { 0 };
+                let content = file.len() - 32;
                 let tail = content.saturating_sub(16)..content;
                 // Each chunk's flag and length.
                 let hlen = u32::from_le_bytes(file[12..16].try_into().unwrap()) as usize;
@@ -1017,7 +1288,9 @@ mod tests {
                 for i in (content..file.len()).step_by(if step == 7 { 1 } else { 31 }) {
                     let mut bad = file.clone();
                     bad[i] ^= 0x40;
-                    let got = p.decode(&r, "", bad, now).expect("a sealed file");
+                    let got = p
+                        .decode(&r, "", bad, now)
+                        .expect("the checksum is not read");
                     assert_eq!(without_ages(got), without_ages(img.clone()));
                 }
             }
@@ -1075,13 +1348,344 @@ mod tests {
         assert!(rotated.decode(&r, "", file.clone(), now).is_ok());
     }
 
-    /// Secrets are written only sealed.
+    /// Secrets are written only with `tokens.keyFile`: the local key lies beside the files,
+    /// so it hides nothing from whoever can read the directory.
     #[test]
-    fn secrets_are_saved_only_sealed() {
+    fn secrets_are_saved_only_with_a_key_file() {
         let dir = tempfile::tempdir().unwrap();
         let secrets = Resource::core("secrets", "Secret", true);
         assert!(!persist(dir.path(), vec![]).may_save(&secrets));
         assert!(persist(dir.path(), vec![("k".into(), [1; 32])]).may_save(&secrets));
         assert!(persist(dir.path(), vec![]).may_save(&configmaps()));
+    }
+
+    fn mode(path: &Path) -> u32 {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::symlink_metadata(path)
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o7777
+    }
+
+    fn key() -> Vec<(String, [u8; 32])> {
+        vec![("k1".to_string(), [7u8; 32])]
+    }
+
+    /// Set in the child the umask test runs itself in: the umask it was given.
+    const UMASK_CHILD: &str = "KUBE_CACHE_PROXY_PERSIST_TEST_UMASK";
+
+    /// With umask 022 (and 000) the state directory is 0700 and every file in it 0600: a
+    /// directory made by the save, its parents, an existing 0755 one (as earlier versions
+    /// left it), a state file left 0644, with and without `tokens.keyFile` (the local key
+    /// included). The umask is the process's, so the test runs itself again in a child
+    /// started by `sh -c 'umask …; exec …'` (this crate forbids `unsafe`, so no `umask(2)`).
+    #[test]
+    fn the_state_directory_and_files_are_private_whatever_the_umask() {
+        if let Ok(umask) = std::env::var(UMASK_CHILD) {
+            return private_whatever_the_umask(&umask);
+        }
+        let exe = std::env::current_exe().unwrap();
+        let name = format!(
+            "{}::the_state_directory_and_files_are_private_whatever_the_umask",
+            module_path!().split_once("::").unwrap().1
+        );
+        for umask in ["022", "000"] {
+            let out = std::process::Command::new("/bin/sh")
+                .arg("-c")
+                .arg(format!("umask {umask} && exec \"$0\" \"$@\""))
+                .arg(&exe)
+                .args([&name, "--exact", "--nocapture", "--test-threads=1"])
+                .env(UMASK_CHILD, umask)
+                .output()
+                .unwrap();
+            let text = format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+            assert!(out.status.success(), "umask {umask}:\n{text}");
+            assert!(text.contains("1 passed"), "umask {umask}: ran\n{text}");
+        }
+    }
+
+    fn private_whatever_the_umask(umask: &str) {
+        use std::os::unix::fs::PermissionsExt;
+        // The child runs under the umask it was given (Linux shows it).
+        if let Ok(status) = std::fs::read_to_string("/proc/self/status")
+            && let Some(line) = status.lines().find(|l| l.starts_with("Umask:"))
+        {
+            assert_eq!(line.split_whitespace().nth(1), Some(&*format!("0{umask}")));
+        }
+        let root = tempfile::tempdir().unwrap();
+        let existing = root.path().join("existing");
+        std::fs::create_dir(&existing).unwrap();
+        std::fs::set_permissions(&existing, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let old = existing.join("core_v1_configmaps.state");
+        std::fs::write(&old, b"an earlier version's file").unwrap();
+        std::fs::set_permissions(&old, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let fresh = root.path().join("parent/state");
+        for dir in [existing, fresh] {
+            for keys in [vec![], key()] {
+                let p = persist(&dir, keys);
+                p.save(&configmaps(), "", &image()).unwrap();
+                assert!(p.load(&configmaps(), "").unwrap().is_some());
+                assert_eq!(mode(&dir), 0o700, "{}", dir.display());
+                let files: Vec<_> = std::fs::read_dir(&dir)
+                    .unwrap()
+                    .map(|e| e.unwrap().path())
+                    .collect();
+                let names: Vec<_> = files.iter().map(|f| f.file_name().unwrap()).collect();
+                assert!(
+                    names.contains(&std::ffi::OsStr::new(LOCAL_KEY)),
+                    "{names:?}"
+                );
+                assert_eq!(files.len(), 2, "no temporary left: {names:?}");
+                for f in files {
+                    assert_eq!(mode(&f), 0o600, "{}", f.display());
+                }
+            }
+        }
+        assert_eq!(mode(&root.path().join("parent")), 0o700);
+        // An existing directory is made private at load too, before any save.
+        let loose = root.path().join("loose");
+        std::fs::create_dir(&loose).unwrap();
+        std::fs::set_permissions(&loose, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(
+            persist(&loose, vec![])
+                .load(&configmaps(), "")
+                .unwrap()
+                .is_none()
+        );
+        assert_eq!(mode(&loose), 0o700);
+    }
+
+    /// A state file as an earlier version wrote it without a key (or as anyone who can write
+    /// the directory can): plain, one ConfigMap with `body`, its SHA-256 recomputed. Built
+    /// byte by byte, as an attacker would.
+    fn forged_plain_file(p: &Persist, r: &Resource, body: &str) -> Vec<u8> {
+        let header = Header {
+            identity: p.identity(r, ""),
+            rv: 20,
+            oldest_rv: 20,
+            relist_rv: None,
+            absorbed: vec![],
+            saved_at_unix_ms: unix_ms(SystemTime::now()),
+            writer: "0.1.0".into(),
+            sealed: None,
+            protobuf_complete: false,
+            protobuf_started: false,
+            protobuf_bookmark: None,
+        };
+        let header = serde_json::to_vec(&header).unwrap();
+        let mut payload = 1u64.to_le_bytes().to_vec();
+        payload.extend((body.len() as u32).to_le_bytes());
+        payload.extend(body.as_bytes());
+        payload.extend(0u32.to_le_bytes());
+        payload.extend(0u64.to_le_bytes());
+        let mut f = MAGIC.to_vec();
+        f.extend(FORMAT.to_le_bytes());
+        f.extend((header.len() as u32).to_le_bytes());
+        f.extend(&header);
+        f.push(1);
+        f.extend((payload.len() as u32).to_le_bytes());
+        f.extend(&payload);
+        let sum = Sha256::digest(&f);
+        f.extend(sum);
+        f
+    }
+
+    /// An edited state file whose SHA-256 is recomputed is never loaded, with or without
+    /// `tokens.keyFile`: neither a plain file (an earlier version's, or forged with another
+    /// value than the apiserver has), nor the saved file with a byte changed.
+    #[test]
+    fn an_edited_state_file_with_a_recomputed_checksum_is_refused() {
+        let r = configmaps();
+        let forged = r#"{"metadata":{"name":"a","namespace":"ns","resourceVersion":"20","uid":"u-a"},"data":{"k":"FFFFFFFF"}}"#;
+        for keys in [vec![], key()] {
+            let dir = tempfile::tempdir().unwrap();
+            let p = persist(dir.path(), keys.clone());
+            p.save(&r, "", &image()).unwrap();
+            let path = p.path(&r);
+
+            // The saved file, edited: the value in clear if it were there, else a byte of
+            // its payload; the checksum recomputed.
+            let mut file = std::fs::read(&path).unwrap();
+            let content = file.len() - 32;
+            match file.windows(7).position(|w| w == br#""k":"v""#) {
+                Some(at) => file[at + 5] = b'F',
+                None => file[content - 20] ^= 0x01,
+            }
+            let sum = Sha256::digest(&file[..content]);
+            file[content..].copy_from_slice(&sum);
+            std::fs::write(&path, &file).unwrap();
+            let got = p.load(&r, "");
+            assert!(got.is_err(), "an edited file was loaded: {got:?}");
+
+            // A plain file with another value and a valid checksum.
+            std::fs::write(&path, forged_plain_file(&p, &r, forged)).unwrap();
+            let got = p.load(&r, "");
+            assert!(got.is_err(), "a forged plain file was loaded: {got:?}");
+            let err = got.unwrap_err().to_string();
+            assert!(err.contains("not sealed"), "{err}");
+        }
+    }
+
+    /// A symlink to a victim file planted at every name earlier versions wrote their
+    /// temporary under (`<file>.tmp`, one per resource), and at the state file's own name, is
+    /// not followed: the victim is untouched after saves (with and without
+    /// `tokens.keyFile`), the state is written and loads; the planted temporaries are left
+    /// alone. Temporary names are unpredictable.
+    #[test]
+    fn a_symlink_planted_at_the_temporary_name_is_not_followed() {
+        let root = tempfile::tempdir().unwrap();
+        let victim = root.path().join("victim");
+        std::fs::write(&victim, b"precious").unwrap();
+        let deployments = Resource {
+            group: "apps".into(),
+            resource: "deployments".into(),
+            kind: "Deployment".into(),
+            ..configmaps()
+        };
+        let resources = [
+            configmaps(),
+            Resource::core("secrets", "Secret", true),
+            deployments,
+        ];
+        for (i, keys) in [vec![], key()].into_iter().enumerate() {
+            let dir = root.path().join(format!("state-{i}"));
+            std::fs::create_dir(&dir).unwrap();
+            let p = persist(&dir, keys);
+            let mut planted = vec![];
+            for r in &resources {
+                let old_tmp = p.path(r).with_extension("state.tmp");
+                std::os::unix::fs::symlink(&victim, &old_tmp).unwrap();
+                planted.push(old_tmp);
+            }
+            std::os::unix::fs::symlink(&victim, p.path(&configmaps())).unwrap();
+            for round in 0..2 {
+                for r in &resources {
+                    p.save(r, "", &image()).unwrap();
+                }
+                assert_eq!(
+                    std::fs::read(&victim).unwrap(),
+                    b"precious",
+                    "round {round}"
+                );
+            }
+            for l in &planted {
+                assert!(std::fs::symlink_metadata(l).unwrap().is_symlink());
+            }
+            let state = std::fs::symlink_metadata(p.path(&configmaps())).unwrap();
+            assert!(
+                state.file_type().is_file(),
+                "the state file replaced the symlink"
+            );
+            let got = p.load(&configmaps(), "").unwrap().unwrap();
+            assert_eq!(without_ages(got), without_ages(image()));
+        }
+        let target = root.path().join("x.state");
+        let (a, _) = create_temporary(&target).unwrap();
+        let (b, _) = create_temporary(&target).unwrap();
+        assert_ne!(a, b);
+        for t in [a, b] {
+            let name = t.file_name().unwrap().to_str().unwrap().to_string();
+            let suffix = name.strip_prefix("x.state.tmp-").unwrap();
+            assert_eq!(suffix.len(), 24, "{name}");
+            assert!(suffix.bytes().all(|c| c.is_ascii_hexdigit()), "{name}");
+            assert_eq!(mode(&t), 0o600);
+        }
+    }
+
+    /// Temporaries a crash left (an hour old) and an earlier version's fixed-name one are
+    /// removed by the next save; a recent one (another save in progress) is not.
+    #[test]
+    fn a_save_removes_stale_temporaries() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = persist(dir.path(), vec![]);
+        let path = p.path(&configmaps());
+        let name = |s: &str| dir.path().join(format!("core_v1_configmaps.state{s}"));
+        let (aged, recent, old) = (name(".tmp-0a1b"), name(".tmp-2c3d"), name(".tmp"));
+        for f in [&aged, &recent, &old] {
+            std::fs::write(f, b"left over").unwrap();
+        }
+        std::fs::File::options()
+            .write(true)
+            .open(&aged)
+            .unwrap()
+            .set_modified(SystemTime::now() - Duration::from_secs(7200))
+            .unwrap();
+        p.save(&configmaps(), "", &image()).unwrap();
+        assert!(!aged.exists() && !old.exists());
+        assert!(recent.exists() && path.exists());
+    }
+
+    /// Without `tokens.keyFile` the local key is made once (of several saves at once, one
+    /// key wins), 0600, and reused by a restarted proxy; one that is a symlink, readable by
+    /// others or another user's is refused (nothing loaded, nothing saved); when it is gone
+    /// the files sealed with it are refused and the next save makes a new one.
+    #[test]
+    fn the_local_key_is_made_once_kept_private_and_reused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let r = configmaps();
+        let keys: Vec<_> = std::thread::scope(|s| {
+            let tasks: Vec<_> = (0..8)
+                .map(|_| s.spawn(|| persist(dir.path(), vec![]).local_key(true).unwrap()))
+                .collect();
+            tasks.into_iter().map(|t| t.join().unwrap()).collect()
+        });
+        assert!(keys.iter().all(|k| *k == keys[0]), "one key");
+        let key_path = dir.path().join(LOCAL_KEY);
+        assert_eq!(mode(&key_path), 0o600);
+        assert_eq!(
+            std::fs::read(&key_path).unwrap(),
+            keys[0].clone().unwrap().1
+        );
+        assert_eq!(
+            std::fs::read_dir(dir.path()).unwrap().count(),
+            1,
+            "only the key"
+        );
+
+        persist(dir.path(), vec![]).save(&r, "", &image()).unwrap();
+        let restarted = persist(dir.path(), vec![]);
+        assert!(restarted.load(&r, "").unwrap().is_some());
+        // A file sealed with the local key is not opened with tokens.keyFile's, and back.
+        assert!(persist(dir.path(), key()).load(&r, "").is_err());
+
+        std::fs::set_permissions(&key_path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        assert!(restarted.load(&r, "").is_err(), "a key others may read");
+        assert!(restarted.save(&r, "", &image()).is_err());
+        std::fs::set_permissions(&key_path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert!(restarted.load(&r, "").unwrap().is_some());
+
+        // Another user's key (only where this test may give it away: as root).
+        if std::os::unix::fs::chown(&key_path, Some(54321), None).is_ok() {
+            assert!(restarted.load(&r, "").is_err(), "another user's key");
+            assert!(restarted.save(&r, "", &image()).is_err());
+            std::os::unix::fs::chown(&key_path, Some(own_uid(dir.path()).unwrap()), None).unwrap();
+            assert!(restarted.load(&r, "").unwrap().is_some());
+        }
+
+        // A symlink to a key-like file is refused, not followed.
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::rename(&key_path, &elsewhere).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &key_path).unwrap();
+        assert!(restarted.load(&r, "").is_err(), "a symlinked key");
+        assert!(restarted.save(&r, "", &image()).is_err());
+        std::fs::remove_file(&key_path).unwrap();
+
+        // Gone: the file is refused (a cold start), the next save makes a new key.
+        assert!(matches!(
+            restarted.load(&r, ""),
+            Err(PersistError::Foreign(_))
+        ));
+        restarted.save(&r, "", &image()).unwrap();
+        assert_ne!(
+            std::fs::read(&key_path).unwrap(),
+            std::fs::read(&elsewhere).unwrap()
+        );
+        assert!(restarted.load(&r, "").unwrap().is_some());
     }
 }

@@ -35,67 +35,47 @@ fn binding(kind: &str, name: &str, subject: serde_json::Value) -> Arc<BindingObj
 /// `n` namespaces with one RoleBinding each (a ServiceAccount reading pods through a
 /// ClusterRole), `n` ClusterRoleBindings (one user each), plus a role of 10,000 rules bound
 /// to group `wide`.
-fn objects(
-    n: usize,
-) -> (
-    Vec<String>,
-    Vec<Arc<BindingObject>>,
-    Vec<Arc<BindingObject>>,
-    Arc<RoleObject>,
-    Arc<RoleObject>,
-) {
-    let namespaces: Vec<String> = (0..n).map(|i| format!("ns-{i}")).collect();
-    let rbs = (0..n)
-        .map(|_| {
-            binding(
-                "ClusterRole",
-                "reader",
-                json!({"kind": "ServiceAccount", "name": "agent"}),
-            )
-        })
-        .collect();
-    let crbs = (0..n)
-        .map(|i| {
-            binding(
-                "ClusterRole",
-                "reader",
-                json!({"kind": "User", "name": format!("user-{i}")}),
-            )
-        })
-        .chain(std::iter::once(binding(
-            "ClusterRole",
-            "wide",
-            json!({"kind": "Group", "name": "wide"}),
-        )))
-        .collect();
-    let reader = role(
-        json!([{"verbs": ["get", "list", "watch"], "apiGroups": [""], "resources": ["pods", "configmaps"]}]),
-    );
-    let wide = role(serde_json::Value::Array(
-        (0..10_000)
-            .map(|i| json!({"verbs": ["get"], "apiGroups": [format!("g{i}.example.com")], "resources": ["things"]}))
-            .collect(),
-    ));
-    (namespaces, rbs, crbs, reader, wide)
+struct Fixture {
+    namespaces: Vec<String>,
+    role_bindings: Vec<Arc<BindingObject>>,
+    cluster_role_bindings: Vec<Arc<BindingObject>>,
+    reader: Arc<RoleObject>,
+    wide: Arc<RoleObject>,
 }
 
-fn build(
-    namespaces: &[String],
-    rbs: &[Arc<BindingObject>],
-    crbs: &[Arc<BindingObject>],
-    reader: &Arc<RoleObject>,
-    wide: &Arc<RoleObject>,
-) -> Policy {
-    Policy::new(PolicyObjects {
-        roles: vec![],
-        cluster_roles: vec![("reader", reader.clone()), ("wide", wide.clone())],
-        role_bindings: namespaces
-            .iter()
-            .zip(rbs)
-            .map(|(ns, b)| (ns.as_str(), b.clone()))
-            .collect(),
-        cluster_role_bindings: crbs.to_vec(),
-    })
+impl Fixture {
+    fn new(n: usize) -> Fixture {
+        Fixture {
+            namespaces: (0..n).map(|i| format!("ns-{i}")).collect(),
+            role_bindings: (0..n)
+                .map(|_| binding("ClusterRole", "reader", json!({"kind": "ServiceAccount", "name": "agent"})))
+                .collect(),
+            cluster_role_bindings: (0..n)
+                .map(|i| binding("ClusterRole", "reader", json!({"kind": "User", "name": format!("user-{i}")})))
+                .chain(std::iter::once(binding("ClusterRole", "wide", json!({"kind": "Group", "name": "wide"}))))
+                .collect(),
+            reader: role(json!([{"verbs": ["get", "list", "watch"], "apiGroups": [""], "resources": ["pods", "configmaps"]}])),
+            wide: role(serde_json::Value::Array(
+                (0..10_000)
+                    .map(|i| json!({"verbs": ["get"], "apiGroups": [format!("g{i}.example.com")], "resources": ["things"]}))
+                    .collect(),
+            )),
+        }
+    }
+
+    fn build(&self) -> Policy {
+        Policy::new(PolicyObjects {
+            roles: vec![],
+            cluster_roles: vec![("reader", self.reader.clone()), ("wide", self.wide.clone())],
+            role_bindings: self
+                .namespaces
+                .iter()
+                .zip(&self.role_bindings)
+                .map(|(ns, b)| (ns.as_str(), b.clone()))
+                .collect(),
+            cluster_role_bindings: self.cluster_role_bindings.clone(),
+        })
+    }
 }
 
 fn bench(c: &mut Criterion) {
@@ -111,9 +91,9 @@ fn bench(c: &mut Criterion) {
         .map(String::from)
         .to_vec();
     for n in [100, 10_000] {
-        let (namespaces, rbs, crbs, reader, wide) = objects(n);
-        let policy = build(&namespaces, &rbs, &crbs, &reader, &wide);
-        let ns = &namespaces[n / 2];
+        let fixture = Fixture::new(n);
+        let policy = fixture.build();
+        let ns = &fixture.namespaces[n / 2];
         let sa = format!("system:serviceaccount:{ns}:agent");
         assert!(policy.allows(&sa, &groups, &get(ns)));
         c.bench_function(&format!("rbac allow, {n} bindings each kind"), |b| {
@@ -130,7 +110,7 @@ fn bench(c: &mut Criterion) {
             |b| b.iter(|| black_box(policy.allows(black_box("x"), &wide_groups, &get(ns)))),
         );
         c.bench_function(&format!("rbac policy build, {n} bindings each kind"), |b| {
-            b.iter(|| black_box(build(&namespaces, &rbs, &crbs, &reader, &wide)))
+            b.iter(|| black_box(fixture.build()))
         });
     }
 }

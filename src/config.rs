@@ -526,9 +526,13 @@ pub struct CacheConfig {
     /// container restarts) where each cache's state — objects, resourceVersion, event
     /// history — is written at shutdown and read back at start, so the restarted proxy
     /// resumes its upstream watches without a LIST and clients resume their watches without
-    /// 410 or relist. Files are checksummed and bound to the upstream and resource; with
-    /// `tokens.keyFile` they are encrypted (ChaCha20-Poly1305), without it Secrets are not
-    /// written. Unset: off (a restart lists every resource again).
+    /// 410 or relist. Files are sealed (ChaCha20-Poly1305: authenticated and encrypted) and
+    /// bound to the upstream and resource, with a key derived from `tokens.keyFile`, or
+    /// without one from a local key made once beside them (`<stateDir>/.state-key`, 0600);
+    /// an unsealed or tampered file is refused (that cache starts cold). The directory is
+    /// 0700 and the files 0600 whatever the umask. Secrets are written only with
+    /// `tokens.keyFile` (a key beside the files authenticates them but hides nothing from a
+    /// reader of the directory). Unset: off (a restart lists every resource again).
     pub state_dir: Option<std::path::PathBuf>,
     /// A saved state written longer ago than this is ignored: twice kube-apiserver's default
     /// etcd compaction interval (5 minutes), past which resuming from it would most likely

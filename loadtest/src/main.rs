@@ -904,6 +904,7 @@ async fn cluster_main(args: &Args, out: &std::path::Path) -> anyhow::Result<bool
         probe_rate: args.cluster_probe_rate,
         converge_timeout_s: args.cluster_timeout,
         restart_window_s: args.cluster_restart_window,
+        proxy_extra_config: args.proxy_extra_config.clone(),
     };
     let work = std::env::temp_dir().join(format!("kcp-loadtest-{}", std::process::id()));
     let r = cluster::run(&o, &work, args.cluster_k8s_bin.clone()).await;

@@ -50,6 +50,9 @@ pub struct ClusterOpts {
     pub converge_timeout_s: f64,
     /// The apiserver-restart phase's window, from the new apiserver's readiness.
     pub restart_window_s: f64,
+    /// YAML added to the proxy's configuration (`--proxy-extra-config`), e.g.
+    /// `authorization: {localRbac: off}` to compare with every read reviewed.
+    pub proxy_extra_config: Option<String>,
 }
 
 /// What one phase cost and did on one side.
@@ -372,8 +375,9 @@ async fn phases_of(
             std::fs::write(
                 &files.config,
                 format!(
-                    "cache:\n  resources: [all]\ntls:\n  clientCaFile: {}\n",
-                    ctx.cp.dir.join("pki/client-ca.crt").display()
+                    "cache:\n  resources: [all]\ntls:\n  clientCaFile: {}\n{}\n",
+                    ctx.cp.dir.join("pki/client-ca.crt").display(),
+                    ctx.o.proxy_extra_config.as_deref().unwrap_or("")
                 ),
             )?;
             let px = ProxyChild::start(&files, None, ctx.cp.admin_token()).await?;
@@ -1151,6 +1155,9 @@ pub fn markdown(r: &ClusterRun) -> String {
         o.deployments * o.replicas,
         o.probe_rate
     );
+    if let Some(extra) = &o.proxy_extra_config {
+        md.push_str(&format!("Proxy configuration added: `{extra}`\n\n"));
+    }
     let failed: Vec<&crate::Check> = r.checks.iter().filter(|c| !c.pass).collect();
     if failed.is_empty() {
         md.push_str("All checks passed.\n\n");

@@ -849,3 +849,66 @@ impl crate::cache::reflector::proto::ProtoSink for ResourceCache {
             .store(0, std::sync::atomic::Ordering::Relaxed);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A watch waits for the first discovery only for a resource it may cache, and only
+    /// while that discovery has not been applied within `STARTING` of the start.
+    #[tokio::test(start_paused = true)]
+    async fn a_watch_waits_for_the_first_discovery_only_where_it_may_bring_a_cache() {
+        let named = Caches {
+            started: Some(std::time::Instant::now()),
+            ..Caches::default()
+        };
+        named.missing.insert(
+            "configmaps".into(),
+            "discovery has not succeeded yet".into(),
+        );
+        named.missing.insert(
+            "deployment.apps".into(),
+            "deployment.apps is not served by the apiserver".into(),
+        );
+        assert!(named.discovering("", "configmaps"));
+        assert!(!named.discovering("", "pods"), "not selected");
+        assert!(
+            !named.discovering("apps", "deployment"),
+            "discovered: not served"
+        );
+        let all = Caches {
+            started: Some(std::time::Instant::now()),
+            ..Caches::default()
+        };
+        all.missing
+            .insert(discovery::ALL.into(), "not discovered yet".into());
+        assert!(all.discovering("apps", "deployments"));
+        // Built without `start` (tests): never.
+        let other = Caches::default();
+        other.missing.insert(
+            "configmaps".into(),
+            "discovery has not succeeded yet".into(),
+        );
+        assert!(!other.discovering("", "configmaps"));
+
+        // A plan applied wakes the waiter; none within the bound: false.
+        assert!(
+            !named
+                .wait_discovered("", "configmaps", Duration::from_secs(3))
+                .await
+        );
+        let named = Arc::new(named);
+        let waiting = tokio::spawn({
+            let named = named.clone();
+            async move {
+                named
+                    .wait_discovered("", "configmaps", Duration::from_secs(3))
+                    .await
+            }
+        });
+        tokio::task::yield_now().await;
+        named.apply(Plan::default(), |_, _| unreachable!(), &[]);
+        assert!(waiting.await.unwrap());
+        assert!(!named.discovering("", "configmaps"));
+    }
+}

@@ -372,6 +372,20 @@ impl Consistency {
         }
     }
 
+    /// Brings `cache` to the apiserver's current revision within `bound` (a probe round,
+    /// which advances the cache once it proved that nothing of the resource changed since,
+    /// waiting for a catch-up watch when one is needed); whether it got there. For a read
+    /// that must be newer than a revision the caller cannot name (an inconsistent
+    /// continuation, issued when etcd compacted the walk's revision).
+    pub async fn advance(self: &Arc<Self>, cache: &Arc<ResourceCache>, bound: Duration) -> bool {
+        if self.upstream.reachability().outage().is_some() || cache.unhealthy().is_some() {
+            return false;
+        }
+        tokio::time::timeout(bound, self.confirm(cache, false))
+            .await
+            .unwrap_or(false)
+    }
+
     /// Whether an upstream watch is catching the cache of `resource` (its label, e.g.
     /// `secrets`) up to a newer revision for strict reads, which meanwhile pass through.
     pub fn catching_up(&self, resource: &str) -> bool {

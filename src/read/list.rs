@@ -501,7 +501,15 @@ async fn list_inner(
                 }
             };
             if t.rv == 0 {
-                // An inconsistent continuation: the latest state from that key on.
+                // An inconsistent continuation: the latest state from that key on, at etcd's
+                // current revision as etcd3 storage reads it (its resourceVersion is newer
+                // than the compacted one the walk started at, even when nothing of this
+                // resource changed since and the cache's own resourceVersion is still that
+                // old one). One probe round per walk; without an answer, the cache's
+                // current state (consistent, if not as new).
+                if let Some(c) = cx.upstream {
+                    c.advance(cache, cx.cfg.wait_for_rv).await;
+                }
                 let snap = cache.current();
                 let rv = snap.rv;
                 (

@@ -1009,16 +1009,16 @@ async fn hundreds_of_passthrough_watches_are_not_capped_by_the_apiservers_stream
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_hundred_watchers_cost_the_apiserver_one_watch() {
+async fn a_hundred_watchers_add_no_watch_at_the_apiserver() {
     let ns = "e2e-fanout";
     let env = env(ns).await;
     env.churn(ns, "pre", 4).await;
-    // Wait for the proxy's configmaps cache: the apiserver then sees its one watch.
+    // Wait for the proxy's configmaps cache and its protobuf side (started with it,
+    // `cache.protobufSide: eager`): the apiserver then sees their two watches.
     eventually("the configmaps cache to sync", BOUND, async || {
-        let synced = env
-            .proxy
-            .cache("", "v1", "configmaps")
-            .is_some_and(|c| c.is_ready());
+        let synced = env.proxy.cache("", "v1", "configmaps").is_some_and(|c| {
+            c.is_ready() && c.proto_synced.load(std::sync::atomic::Ordering::Relaxed) > 0
+        });
         ok_if(synced, "not synced")
     })
     .await;
@@ -1058,13 +1058,17 @@ async fn a_hundred_watchers_cost_the_apiserver_one_watch() {
         .await;
     }
     // The apiserver's own metrics: its open configmaps WATCHes are its own internal ones
-    // plus the proxy's one, however many watchers the proxy serves.
+    // plus the proxy's two (the JSON and the protobuf side), however many watchers the proxy
+    // serves.
     let after = support::e2e::apiserver_watches(&env.admin, "configmaps").await;
     assert_eq!(
         after, baseline,
         "100 downstream watchers must not add upstream watches"
     );
-    assert_eq!(after.1, 1, "the proxy's one cluster-wide configmaps watch");
+    assert_eq!(
+        after.1, 2,
+        "the proxy's cluster-wide configmaps watches: its JSON and its protobuf side"
+    );
     // And the proxy says it served them.
     let c = env.proxy.client(None, false);
     let m = support::proxy::body_string(c.get(&env.proxy.admin("/metrics"), None).await).await;
@@ -1214,9 +1218,9 @@ async fn configmaps_served_from_cache(env: &Env) -> f64 {
 
 /// A client-go metadata informer (`metadatainformer`) decodes every watch event through the
 /// proxy as it does direct, so a bounded number of writes costs it no relist: one LIST, one
-/// WATCH, no watch or decode error. With the client's own Accept (protobuf first) the
-/// apiserver answers; with its JSON clauses only (`--accept=json`) the cache answers, with
-/// PartialObjectMetadataList and PartialObjectMetadata events.
+/// WATCH, no watch or decode error. The cache answers both, with the client's own Accept
+/// (protobuf first: the protobuf side started with the cache) and with its JSON clauses only
+/// (`--accept=json`), with PartialObjectMetadataList and PartialObjectMetadata events.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metadata_informers_do_not_relist_under_writes() {
     let ns = "e2e-metadata";
@@ -1235,6 +1239,17 @@ async fn metadata_informers_do_not_relist_under_writes() {
     ];
     for (run, (via, kubeconfig, accept)) in runs.into_iter().enumerate() {
         let what = format!("{via}, accept={accept}");
+        if via == "proxy" {
+            // The protobuf side starts with the cache (`cache.protobufSide: eager`).
+            eventually("the configmaps protobuf side to sync", BOUND, async || {
+                let synced = env
+                    .proxy
+                    .cache("", "v1", "configmaps")
+                    .is_some_and(|c| c.proto_synced.load(std::sync::atomic::Ordering::Relaxed) > 0);
+                ok_if(synced, "not synced")
+            })
+            .await;
+        }
         let cached_before = configmaps_served_from_cache(&env).await;
         let mut ic = InformerCheck::spawn(
             &bin,
@@ -1274,11 +1289,9 @@ async fn metadata_informers_do_not_relist_under_writes() {
         );
         let from_cache = configmaps_served_from_cache(&env).await - cached_before;
         match (via, accept) {
-            // The LIST and the WATCH.
-            ("proxy", "json") => assert_eq!(from_cache, 2.0, "{what}"),
-            // Protobuf: the first request starts the resource's protobuf side and is the
-            // apiserver's; the watch after it is the cache's once that side has synced.
-            ("proxy", _) => assert!(from_cache <= 1.0, "{what}: {from_cache}"),
+            // The LIST and the WATCH, in JSON and in protobuf (the protobuf side started
+            // with the cache).
+            ("proxy", _) => assert_eq!(from_cache, 2.0, "{what}"),
             _ => assert_eq!(from_cache, 0.0, "{what}"),
         }
     }

@@ -490,27 +490,7 @@ async fn the_proxy_authorizes_rbac_reads_locally_and_revokes_at_the_next_read() 
         .expect("control plane starts");
     let admin = cp.admin_client().await.unwrap();
     let ns = "lr-proxy";
-    call(
-        &admin,
-        Method::POST,
-        "/api/v1/namespaces",
-        Some(&json!({"metadata": {"name": ns}})),
-    )
-    .await;
-    call(
-        &admin,
-        Method::POST,
-        &format!("/api/v1/namespaces/{ns}/serviceaccounts"),
-        Some(&json!({"metadata": {"name": "reader"}})),
-    )
-    .await;
-    call(&admin, Method::POST, "/apis/rbac.authorization.k8s.io/v1/clusterroles", Some(&json!({
-        "metadata": {"name": "lr-cm-reader"},
-        "rules": [{"verbs": ["get", "list", "watch"], "apiGroups": [""], "resources": ["configmaps"]}]}))).await;
-    call(&admin, Method::POST, &format!("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings"), Some(&json!({
-        "metadata": {"name": "lr-cm-reader"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "lr-cm-reader"},
-        "subjects": [{"kind": "ServiceAccount", "name": "reader"}]}))).await;
+    configmap_reader(&admin, ns, "ClusterRole").await;
     const OBJECTS: usize = 50;
     for i in 0..OBJECTS {
         call(
@@ -528,15 +508,7 @@ async fn the_proxy_authorizes_rbac_reads_locally_and_revokes_at_the_next_read() 
         let code = r.status();
         (code, body_string(r).await)
     };
-    eventually(
-        "the proxy's caches to sync",
-        Duration::from_secs(120),
-        async || {
-            let (code, body) = proxy.admin_get("/readyz").await;
-            ok_if(code == 200, body)
-        },
-    )
-    .await;
+    synced(&proxy).await;
     eventually(
         "local RBAC to be confirmed",
         Duration::from_secs(120),
@@ -558,17 +530,10 @@ async fn the_proxy_authorizes_rbac_reads_locally_and_revokes_at_the_next_read() 
     )
     .await;
     // Two tokens of the ServiceAccount (two pods' worth): reads of every object by name.
-    let token = async || {
-        let v = call(
-            &admin,
-            Method::POST,
-            &format!("/api/v1/namespaces/{ns}/serviceaccounts/reader/token"),
-            Some(&json!({"spec": {}})),
-        )
-        .await;
-        v["status"]["token"].as_str().unwrap().to_string()
-    };
-    let tokens = [token().await, token().await];
+    let tokens = [
+        reader_token(&admin, ns).await,
+        reader_token(&admin, ns).await,
+    ];
     let reviews = async || {
         let (_, text) = proxy.admin_get("/metrics").await;
         sum_metric(
@@ -654,33 +619,7 @@ async fn restart_under_reads(mode: LocalRbacMode) {
         .expect("control plane starts");
     let admin = cp.admin_client().await.unwrap();
     let ns = "lr-restart";
-    call(
-        &admin,
-        Method::POST,
-        "/api/v1/namespaces",
-        Some(&json!({"metadata": {"name": ns}})),
-    )
-    .await;
-    call(
-        &admin,
-        Method::POST,
-        &format!("/api/v1/namespaces/{ns}/serviceaccounts"),
-        Some(&json!({"metadata": {"name": "reader"}})),
-    )
-    .await;
-    call(&admin, Method::POST, &format!("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/roles"), Some(&json!({
-        "metadata": {"name": "cm-reader"},
-        "rules": [{"verbs": ["get", "list", "watch"], "apiGroups": [""], "resources": ["configmaps"]}]}))).await;
-    call(
-        &admin,
-        Method::POST,
-        &format!("/apis/rbac.authorization.k8s.io/v1/namespaces/{ns}/rolebindings"),
-        Some(&json!({
-        "metadata": {"name": "cm-reader"},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "cm-reader"},
-        "subjects": [{"kind": "ServiceAccount", "name": "reader"}]})),
-    )
-    .await;
+    configmap_reader(&admin, ns, "Role").await;
     call(
         &admin,
         Method::POST,
@@ -688,25 +627,10 @@ async fn restart_under_reads(mode: LocalRbacMode) {
         Some(&json!({"metadata": {"name": "cm"}})),
     )
     .await;
-    let v = call(
-        &admin,
-        Method::POST,
-        &format!("/api/v1/namespaces/{ns}/serviceaccounts/reader/token"),
-        Some(&json!({"spec": {}})),
-    )
-    .await;
-    let token = v["status"]["token"].as_str().unwrap().to_string();
+    let token = reader_token(&admin, ns).await;
     let proxy =
         Arc::new(TestProxy::start_for(&cp, None, |c| c.authorization.local_rbac = mode).await);
-    eventually(
-        "the proxy's caches to sync",
-        Duration::from_secs(120),
-        async || {
-            let (code, body) = proxy.admin_get("/readyz").await;
-            ok_if(code == 200, body)
-        },
-    )
-    .await;
+    synced(&proxy).await;
     let client = Arc::new(proxy.client(None, true));
     // Each object name is a question of its own (a decision per name): while the apiserver
     // restarts, reads ask questions it has not answered before, so the proxy must ask them
@@ -784,4 +708,62 @@ async fn restart_under_reads(mode: LocalRbacMode) {
     );
     drop(client);
     cp.stop().await;
+}
+
+/// Namespace `ns` with ServiceAccount `reader`, allowed to read ConfigMaps there through a
+/// `role_kind` (`Role` or `ClusterRole`) named `lr-cm-reader` and a RoleBinding.
+async fn configmap_reader(admin: &kube::Client, ns: &str, role_kind: &str) {
+    let rbac = "/apis/rbac.authorization.k8s.io/v1";
+    let role_path = match role_kind {
+        "Role" => format!("{rbac}/namespaces/{ns}/roles"),
+        _ => format!("{rbac}/clusterroles"),
+    };
+    for (path, body) in [
+        (
+            "/api/v1/namespaces".to_string(),
+            json!({"metadata": {"name": ns}}),
+        ),
+        (
+            format!("/api/v1/namespaces/{ns}/serviceaccounts"),
+            json!({"metadata": {"name": "reader"}}),
+        ),
+        (
+            role_path,
+            json!({"metadata": {"name": "lr-cm-reader"},
+            "rules": [{"verbs": ["get", "list", "watch"], "apiGroups": [""], "resources": ["configmaps"]}]}),
+        ),
+        (
+            format!("{rbac}/namespaces/{ns}/rolebindings"),
+            json!({"metadata": {"name": "lr-cm-reader"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": role_kind, "name": "lr-cm-reader"},
+            "subjects": [{"kind": "ServiceAccount", "name": "reader"}]}),
+        ),
+    ] {
+        call(admin, Method::POST, &path, Some(&body)).await;
+    }
+}
+
+/// A new token of ServiceAccount `reader` in `ns` (each pod gets its own).
+async fn reader_token(admin: &kube::Client, ns: &str) -> String {
+    let v = call(
+        admin,
+        Method::POST,
+        &format!("/api/v1/namespaces/{ns}/serviceaccounts/reader/token"),
+        Some(&json!({"spec": {}})),
+    )
+    .await;
+    v["status"]["token"].as_str().unwrap().to_string()
+}
+
+/// Waits until the proxy's caches have synced.
+async fn synced(proxy: &TestProxy) {
+    eventually(
+        "the proxy's caches to sync",
+        Duration::from_secs(120),
+        async || {
+            let (code, body) = proxy.admin_get("/readyz").await;
+            ok_if(code == 200, body)
+        },
+    )
+    .await;
 }

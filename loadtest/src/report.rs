@@ -135,7 +135,9 @@ pub fn checks(run: &Run) -> Vec<Check> {
             ),
         ));
         let (lists, watches) = match (r.side, r.mode) {
-            ("proxy", StartMode::Legacy) => (1, 1),
+            // Counted from before the proxy started: its JSON side's LIST and WATCH, and
+            // its protobuf side's WATCH (started with the cache, `cache.protobufSide`).
+            ("proxy", StartMode::Legacy) => (1, 2),
             ("proxy", StartMode::WatchList) => (0, 0),
             (_, StartMode::Legacy) => (clients, clients as i64),
             (_, StartMode::WatchList) => (0, clients as i64),

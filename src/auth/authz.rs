@@ -56,28 +56,11 @@ use crate::auth::local_rbac::{LocalRbac, ProbeAnswer};
 use crate::cache::registry::Caches;
 use crate::cache::{ResourceCache, WatchError};
 use crate::http::body;
-use crate::k8s::Resource;
 use crate::k8s::status::{Reason, Status};
 use crate::upstream::{As, Upstream};
 
-/// What is being asked: a resource request, or, with `path` set, a non-resource URL
-/// (`nonResourceAttributes`: `path` and `verb` only, e.g. `get` on `/metrics`).
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
-pub struct Attributes {
-    pub verb: String,
-    /// A non-resource URL's path; empty for a resource request.
-    pub path: String,
-    pub group: String,
-    pub version: String,
-    pub resource: String,
-    pub subresource: String,
-    pub namespace: String,
-    pub name: String,
-    /// A list or watch's raw field and label selectors: authorizers decide on them (the Node
-    /// authorizer lets a kubelet read its own pods by `spec.nodeName`).
-    pub field_selector: String,
-    pub label_selector: String,
-}
+pub use super::attributes::Attributes;
+pub use super::rbac::rbac_resources;
 
 /// The apiserver's answer.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -186,25 +169,6 @@ impl IdentityKind {
 /// apiserver may have been starting (it denies until its RBAC and Node authorizers'
 /// informers synced, a few seconds), and the deny TTL would stretch that refusal.
 pub const DENY_SETTLE: Duration = Duration::from_secs(60);
-
-/// The RBAC resources whose changes void cached decisions (`authorizationFollowRbac`).
-pub fn rbac_resources() -> Vec<Resource> {
-    let rbac = |resource: &str, kind: &str, namespaced| Resource {
-        group: "rbac.authorization.k8s.io".into(),
-        version: "v1".into(),
-        resource: resource.into(),
-        kind: kind.into(),
-        namespaced,
-        custom: false,
-        selectable: Default::default(),
-    };
-    vec![
-        rbac("roles", "Role", true),
-        rbac("rolebindings", "RoleBinding", true),
-        rbac("clusterroles", "ClusterRole", false),
-        rbac("clusterrolebindings", "ClusterRoleBinding", false),
-    ]
-}
 
 /// After an RBAC change is seen, the decisions it scopes are forgotten again this much later:
 /// a review asked in between may have reached an apiserver whose authorizer had not seen the

@@ -35,8 +35,8 @@ use std::time::{Duration, Instant};
 use parking_lot::RwLock;
 use serde::de::DeserializeOwned;
 
+use super::attributes::Attributes;
 use super::authn::Identity;
-use super::authz::Attributes;
 use super::rbac::{BindingObject, Policy, PolicyObjects, RoleObject};
 use crate::cache::ObjectKey;
 use crate::cache::ResourceCache;
@@ -356,7 +356,7 @@ impl LocalRbac {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::auth::authz::rbac_resources;
+    use crate::auth::rbac::rbac_resources;
     use crate::cache::{CachedObject, EventKind, ReflectorSink, StoreConfig};
     use serde_json::json;
 

@@ -3,6 +3,7 @@
 //! TokenReview), authorization (RBAC evaluated locally, `rbac` and `local_rbac`; everything
 //! else by SubjectAccessReview, `authz`) and impersonation checks.
 
+pub mod attributes;
 pub mod authn;
 pub mod authz;
 pub mod identity;

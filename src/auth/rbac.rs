@@ -38,7 +38,27 @@ use std::sync::Arc;
 
 use serde::{Deserialize, Deserializer};
 
-use super::authz::Attributes;
+use super::attributes::Attributes;
+use crate::k8s::Resource;
+
+/// The RBAC resources whose changes void cached decisions (`authorizationFollowRbac`).
+pub fn rbac_resources() -> Vec<Resource> {
+    let rbac = |resource: &str, kind: &str, namespaced| Resource {
+        group: "rbac.authorization.k8s.io".into(),
+        version: "v1".into(),
+        resource: resource.into(),
+        kind: kind.into(),
+        namespaced,
+        custom: false,
+        selectable: Default::default(),
+    };
+    vec![
+        rbac("roles", "Role", true),
+        rbac("rolebindings", "RoleBinding", true),
+        rbac("clusterroles", "ClusterRole", false),
+        rbac("clusterrolebindings", "ClusterRoleBinding", false),
+    ]
+}
 
 /// The group kube-apiserver's first authorizer allows everything
 /// (`user.SystemPrivilegedGroup`).

@@ -502,6 +502,13 @@ async fn faulted_run(seed: u64) -> Outcome {
                     .await;
                     write_span!(step.span);
                     faults.set_refuse(false);
+                    // Until the proxy's upstream watch is back, what needs the apiserver (a
+                    // backfill for a resuming watcher) may still be answered "retry"; from
+                    // then on the proxy must serve it (its backfills try again at once).
+                    eventually_sync("the proxy to notice the recovery", GUARD, || {
+                        cache.unhealthy().map_or(Ok(()), Err)
+                    })
+                    .await;
                     epochs.bump(false);
                 }
                 Fault::UpstreamErrors => {

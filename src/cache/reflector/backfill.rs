@@ -36,7 +36,10 @@
 //! at most `SPELL` from the first of them: the retrying clients' resourceVersions gather
 //! in the next backfill (it starts from the oldest), which serves them all once the
 //! apiserver can. Past `SPELL` without a served backfill they get 410 and relist (from
-//! the proxy's cache), rather than wait without end.
+//! the proxy's cache), rather than wait without end. Once the cache's own upstream watch
+//! has come back after the last such try (the apiserver restarted and serves again), the
+//! next client's try goes ahead without waiting for a refill: the clients resume as soon
+//! as the apiserver can serve them.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -108,8 +111,9 @@ const SPELL: Duration = Duration::from_secs(60);
 /// One resource's backfill budget, and since when its tries have ended `Unavailable`.
 struct Budget {
     rate: governor::DefaultDirectRateLimiter,
-    /// The first of the unbroken run of tries that ended `Unavailable`, if the last did.
-    unavailable_since: std::sync::Mutex<Option<tokio::time::Instant>>,
+    /// The first of the unbroken run of tries that ended `Unavailable`, if the last did,
+    /// and the cache's upstream recoveries ([`ResourceCache::recoveries`]) at the last one.
+    unavailable_since: std::sync::Mutex<Option<(tokio::time::Instant, u64)>>,
 }
 
 impl Budget {
@@ -123,30 +127,33 @@ impl Budget {
         }
     }
 
-    /// Records how a try ended.
-    fn tried<T>(&self, out: &Result<T, BackfillError>) {
+    /// Records how a try ended; `recoveries`: the cache's upstream recoveries before it.
+    fn tried<T>(&self, out: &Result<T, BackfillError>, recoveries: u64) {
         let mut since = self
             .unavailable_since
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         match out {
             Err(BackfillError::Unavailable(_)) => {
-                since.get_or_insert_with(tokio::time::Instant::now);
+                let first = since.map_or_else(tokio::time::Instant::now, |(t, _)| t);
+                *since = Some((first, recoveries));
             }
             _ => *since = None,
         }
     }
 
     /// How long the apiserver has been unable to serve this resource's tries, when it still
-    /// is and that began less than [`SPELL`] ago.
-    fn in_spell(&self) -> Option<Duration> {
+    /// is and that began less than [`SPELL`] ago; and whether the cache's upstream watch
+    /// came back since the last of them (`recoveries` now), when the apiserver most
+    /// likely can serve it.
+    fn in_spell(&self, recoveries: u64) -> Option<(Duration, bool)> {
         let since = *self
             .unavailable_since
             .lock()
             .unwrap_or_else(|e| e.into_inner());
         since
-            .map(|t| t.elapsed())
-            .filter(|for_how_long| *for_how_long <= SPELL)
+            .map(|(t, at)| (t.elapsed(), recoveries > at))
+            .filter(|(for_how_long, _)| *for_how_long <= SPELL)
     }
 }
 
@@ -222,18 +229,27 @@ impl Backfiller {
                 .entry(cache.resource.label())
                 .or_insert_with(|| Arc::new(Budget::new()))
                 .clone();
+            // The upstream recoveries before this try: a try that fails is retried, past the
+            // budget, once the cache's upstream watch has come back after it (the apiserver
+            // restarted and can serve again), so its clients are not told to wait a refill.
+            let recoveries = cache.recoveries.load(Relaxed);
             if budget.rate.check().is_err() {
-                // The clients' resourceVersions stay in `backfill_wanted` for the next try.
-                if let Some(for_how_long) = budget.in_spell() {
-                    return Err(BackfillError::Unavailable(format!(
-                        "the apiserver could not serve this resource's backfills for {}s; \
-                         the next try is within {REFILL:?}",
-                        for_how_long.as_secs()
-                    )));
+                match budget.in_spell(recoveries) {
+                    Some((_, true)) => {}
+                    // The clients' resourceVersions stay in `backfill_wanted` for the next try.
+                    Some((for_how_long, false)) => {
+                        return Err(BackfillError::Unavailable(format!(
+                            "the apiserver could not serve this resource's backfills for {}s; \
+                             the next try is within {REFILL:?}",
+                            for_how_long.as_secs()
+                        )));
+                    }
+                    None => {
+                        return Err(BackfillError::Failed(format!(
+                            "more than {BURST} backfills of this resource, then one per {REFILL:?}"
+                        )));
+                    }
                 }
-                return Err(BackfillError::Failed(format!(
-                    "more than {BURST} backfills of this resource, then one per {REFILL:?}"
-                )));
             }
             let oldest = cache.backfill_wanted.swap(u64::MAX, Relaxed).min(from);
             // Real events only for the waiting clients: a difference would make every
@@ -242,7 +258,7 @@ impl Backfiller {
                 let out = tokio::time::timeout_at(deadline, self.fill_from(cache, oldest, false))
                     .await
                     .unwrap_or_else(|_| Err(late()));
-                budget.tried(&out);
+                budget.tried(&out, recoveries);
                 match out {
                     Ok(n) => return Ok(Some(n)),
                     // The older one is not to be had: this client's own may be.
@@ -254,7 +270,7 @@ impl Backfiller {
             let out = tokio::time::timeout_at(deadline, self.fill_from(cache, from, true))
                 .await
                 .unwrap_or_else(|_| Err(late()));
-            budget.tried(&out);
+            budget.tried(&out, recoveries);
             out.map(Some)
         };
         let out = run.await;
@@ -497,24 +513,46 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_spell_starts_at_the_first_unavailable_try_and_ends_with_any_other_outcome() {
         let b = Budget::new();
-        assert_eq!(b.in_spell(), None, "no try yet");
-        b.tried(&unavailable());
+        assert_eq!(b.in_spell(0), None, "no try yet");
+        b.tried(&unavailable(), 0);
         tokio::time::advance(Duration::from_secs(20)).await;
-        b.tried(&unavailable());
+        b.tried(&unavailable(), 0);
         assert_eq!(
-            b.in_spell(),
-            Some(Duration::from_secs(20)),
+            b.in_spell(0),
+            Some((Duration::from_secs(20), false)),
             "counted from the first try of the run"
         );
-        b.tried(&Err::<(), _>(BackfillError::Gone("410".into())));
-        assert_eq!(b.in_spell(), None, "a 410 ends it");
-        b.tried(&unavailable());
-        b.tried(&Ok(()));
-        assert_eq!(b.in_spell(), None, "a served try ends it");
-        b.tried(&unavailable());
+        b.tried(&Err::<(), _>(BackfillError::Gone("410".into())), 0);
+        assert_eq!(b.in_spell(0), None, "a 410 ends it");
+        b.tried(&unavailable(), 0);
+        b.tried(&Ok(()), 0);
+        assert_eq!(b.in_spell(0), None, "a served try ends it");
+        b.tried(&unavailable(), 0);
         tokio::time::advance(SPELL).await;
-        assert_eq!(b.in_spell(), Some(SPELL), "still within its bound");
+        assert_eq!(
+            b.in_spell(0),
+            Some((SPELL, false)),
+            "still within its bound"
+        );
         tokio::time::advance(Duration::from_secs(1)).await;
-        assert_eq!(b.in_spell(), None, "past its bound: the clients get 410");
+        assert_eq!(b.in_spell(0), None, "past its bound: the clients get 410");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_spell_asks_for_a_try_once_the_upstream_watch_came_back_after_its_last_one() {
+        let b = Budget::new();
+        b.tried(&unavailable(), 3);
+        assert_eq!(b.in_spell(3), Some((Duration::ZERO, false)), "still down");
+        assert_eq!(
+            b.in_spell(4),
+            Some((Duration::ZERO, true)),
+            "the upstream watch came back: try again now"
+        );
+        b.tried(&unavailable(), 4);
+        assert_eq!(
+            b.in_spell(4),
+            Some((Duration::ZERO, false)),
+            "that try failed too: wait for the next recovery or refill"
+        );
     }
 }

@@ -249,6 +249,9 @@ pub struct ResourceCache {
     /// The oldest resourceVersion clients waiting for a backfill asked for (`u64::MAX`:
     /// none).
     pub backfill_wanted: std::sync::atomic::AtomicU64,
+    /// How many times the upstream watch came back after being down (`set_unhealthy(None)`
+    /// after `Some`): a backfill the apiserver could not serve is tried again after one.
+    pub recoveries: std::sync::atomic::AtomicU64,
     /// The protobuf side (`protobuf_side`): object versions it delivered before the JSON
     /// side (by key and resourceVersion), attached when the JSON side applies them.
     proto_pending: Mutex<std::collections::HashMap<(ObjectKey, u64), Bytes>>,
@@ -444,6 +447,7 @@ impl ResourceCache {
             backfill_lock: Default::default(),
             backfill_floor: Default::default(),
             backfill_wanted: std::sync::atomic::AtomicU64::new(u64::MAX),
+            recoveries: Default::default(),
             proto_pending: Default::default(),
             proto_pending_len: Default::default(),
             proto_synced: Default::default(),
@@ -1435,7 +1439,11 @@ impl ReflectorSink for ResourceCache {
 
     fn set_unhealthy(&self, reason: Option<String>) {
         let healthy = reason.is_none();
-        *self.unhealthy.lock() = reason;
+        let was_down = std::mem::replace(&mut *self.unhealthy.lock(), reason).is_some();
+        if healthy && was_down {
+            self.recoveries
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         if healthy && self.is_ready() {
             self.confirmed_tx
                 .send_if_modified(|c| !std::mem::replace(c, true));

@@ -238,6 +238,10 @@ pub struct Metrics {
     /// (`kube_cache_proxy_passthrough_watches`; `verb` is always `watch`): a wave of them
     /// (a restart whose clients landed on the apiserver) shows as a step that stays.
     pub passthrough_watches: Family<PassthroughLabels, Gauge>,
+    /// Passed-through watches ended once the cache could serve their clients, by resource
+    /// and the reason they were passed through (`kube_cache_proxy_watches_moved_home_total`;
+    /// `verb` is always `watch`; `serve::homing`).
+    pub watches_moved_home: Family<PassthroughLabels, Counter>,
     /// The resources the request metrics may name ([`KnownResources`]).
     pub resources: KnownResources,
 }
@@ -301,6 +305,12 @@ impl Metrics {
             "kube_cache_proxy_passthrough_watches",
             "Watches of resources handed to the apiserver and still open, by resource and reason (verb is always watch)",
             passthrough_watches.clone(),
+        );
+        let watches_moved_home = Family::<PassthroughLabels, Counter>::default();
+        registry.register(
+            "kube_cache_proxy_watches_moved_home",
+            "Watches passed through to the apiserver while the cache could not serve them, ended cleanly once it could so that their clients watch again from the cache, by resource and the reason they were passed through (verb is always WATCH)",
+            watches_moved_home.clone(),
         );
         registry.register(
             "kube_cache_proxy_responses",
@@ -397,6 +407,7 @@ impl Metrics {
             response_bytes,
             passthrough,
             passthrough_watches,
+            watches_moved_home,
             resources: KnownResources::default(),
         }
     }

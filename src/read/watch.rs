@@ -147,6 +147,34 @@ impl Proto {
 
 type InitialItem = (Arc<CachedObject>, Option<Arc<Event>>, Delivery);
 
+/// Whether a watch resuming from `from` (a client's last resourceVersion) would be served
+/// by `cache` now, at once and as the apiserver would serve it: both sides it needs ready,
+/// `from` reached and still in the history (no 410, no backfill), and for `protobuf` every
+/// event after it with its envelope or still able to get one (events after the protobuf
+/// side's start; `Proto::never_ready`). `metadata`: a protobuf watch of
+/// `PartialObjectMetadata`. What moves a watch passed through while the cache was not ready
+/// back to it (`serve::homing`); the route and the pipeline's checks are the caller's.
+pub fn resumable(cache: &ResourceCache, from: u64, protobuf: bool, metadata: bool) -> bool {
+    if from == 0 || cache.side(protobuf, false) != crate::cache::Side::Ready || from > cache.rv() {
+        return false;
+    }
+    if protobuf && Proto::new(cache, metadata).is_none() {
+        return false;
+    }
+    let Ok((events, _)) = cache.changes_since(from) else {
+        return false;
+    };
+    if !protobuf {
+        return true;
+    }
+    let synced = cache
+        .proto_synced
+        .load(std::sync::atomic::Ordering::Relaxed);
+    events
+        .iter()
+        .all(|ev| ev.rv > synced || ev.proto_frame(Delivery::AsIs, metadata).is_some())
+}
+
 /// Serves a watch from `cache`, or hands it to the apiserver (cache not ready, or the wait for
 /// a newer resourceVersion failed). `protobuf`: in the apiserver's protobuf (from the
 /// objects' envelopes), `enc` then saying whole objects or metadata.

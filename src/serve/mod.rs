@@ -5,6 +5,7 @@ pub mod access;
 pub mod admin;
 pub mod caller;
 pub mod health;
+pub mod homing;
 pub mod passthrough;
 pub mod pipeline;
 pub mod state;

@@ -914,6 +914,15 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
                     if read {
                         tracing::trace!(reason = why, path = %path, "passthrough");
                     }
+                    // A watch passed through only because the cache could not serve it yet
+                    // is ended cleanly once it can (`homing`).
+                    let homing = crate::serve::homing::Homing::new(
+                        state,
+                        &info,
+                        query.as_deref(),
+                        req.headers(),
+                        why,
+                    );
                     let (resp, by) = Box::pin(forward_within_quota(
                         state,
                         conn,
@@ -955,6 +964,11 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
                                 open.dec();
                             });
                             resp = Response::from_parts(parts, b);
+                            if let Some(h) = homing
+                                && by == "upstream"
+                            {
+                                resp = h.wrap(resp, labels);
+                            }
                         }
                     }
                     (Box::pin(read_your_writes(state, &info, resp)).await, by)

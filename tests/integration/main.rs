@@ -14,6 +14,7 @@ mod dev;
 mod downstream_budget;
 mod fake_apiserver;
 mod fault_tier;
+mod homing;
 mod initializing;
 mod lists;
 mod ops;

@@ -178,8 +178,8 @@ impl prometheus_client::collector::Collector for AuthCollector {
         for source in Source::ALL {
             for (i, result) in RESULTS.iter().enumerate() {
                 let n = z.by_source[source as usize][i].load(Relaxed);
-                // Local RBAC only allows: its other cells stay absent, not zero.
-                if source == Source::LocalRbac && i > 0 {
+                // Local decisions only allow: their other cells stay absent, not zero.
+                if matches!(source, Source::LocalRbac | Source::LocalNode) && i > 0 {
                     continue;
                 }
                 sources
@@ -193,7 +193,7 @@ impl prometheus_client::collector::Collector for AuthCollector {
         emit(
             &mut enc,
             "kube_cache_proxy_authorization_decisions_by_source",
-            "Authorization decisions on cache-served requests by where they came from: local_rbac (RBAC evaluated in the proxy; allows only), review_cache (a SubjectAccessReview's cached or shared answer), review (a SubjectAccessReview sent for it)",
+            "Authorization decisions on cache-served requests by where they came from: local_rbac (RBAC evaluated in the proxy; allows only), local_node (the Node authorizer's graph walked in the proxy for kubelets; allows only), review_cache (a SubjectAccessReview's cached or shared answer), review (a SubjectAccessReview sent for it)",
             &sources,
         )?;
         let reviews = Family::<KindLabels, Counter>::default();

@@ -52,6 +52,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 use crate::auth::authn::Identity;
+use crate::auth::local_node::{LocalNode, NodeProbe};
 use crate::auth::local_rbac::{LocalRbac, ProbeAnswer};
 use crate::cache::registry::Caches;
 use crate::cache::{ResourceCache, WatchError};
@@ -95,7 +96,7 @@ pub struct AuthzStats {
     /// cluster, or one namespace).
     pub rbac_invalidations: AtomicU64,
     /// Decisions by [`Source`] and result (allowed, denied, error).
-    pub by_source: [[AtomicU64; 3]; 3],
+    pub by_source: [[AtomicU64; 3]; 4],
     /// SubjectAccessReviews sent, by [`IdentityKind`] of the identity asked about.
     pub reviews_by_kind: [AtomicU64; 4],
 }
@@ -109,16 +110,24 @@ pub enum Source {
     ReviewCache = 1,
     /// A review sent for this question.
     Review = 2,
+    /// The Node authorizer's graph walked in the proxy (`local_node`).
+    LocalNode = 3,
 }
 
 impl Source {
-    pub const ALL: [Source; 3] = [Source::LocalRbac, Source::ReviewCache, Source::Review];
+    pub const ALL: [Source; 4] = [
+        Source::LocalRbac,
+        Source::LocalNode,
+        Source::ReviewCache,
+        Source::Review,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Source::LocalRbac => "local_rbac",
             Source::ReviewCache => "review_cache",
             Source::Review => "review",
+            Source::LocalNode => "local_node",
         }
     }
 }
@@ -209,6 +218,8 @@ pub struct Authorizer {
     stale_grace: Duration,
     /// RBAC evaluated in the proxy, once [`Authorizer::follow_rbac`] started it.
     local: std::sync::OnceLock<Arc<LocalRbac>>,
+    /// The Node authorizer's allows decided in the proxy, started with local RBAC.
+    local_node: std::sync::OnceLock<Arc<LocalNode>>,
 }
 
 impl std::fmt::Debug for Authorizer {
@@ -314,6 +325,54 @@ fn review_body(id: &Identity, a: &Attributes) -> serde_json::Value {
 }
 
 /// One RBAC cache followed for [`Authorizer::follow_rbac`].
+/// Confirms local Node authorization (`local_node`) once local RBAC is active: asks the
+/// apiserver whether a node that does not exist may read its own Node, when the local RBAC
+/// policy does not allow that (only then does an allow show the Node authorizer).
+async fn probe_node(
+    authz: std::sync::Weak<Authorizer>,
+    local: Arc<LocalRbac>,
+    node: Arc<LocalNode>,
+) {
+    const RETRY: Duration = Duration::from_secs(5);
+    let (id, q) = LocalNode::probe();
+    let mut warned = false;
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        match local.mode() {
+            "refused" => return,
+            "active" => {}
+            _ => continue,
+        }
+        match local.decide(&id, &q) {
+            None => continue,
+            Some(true) => {
+                if !warned {
+                    warned = true;
+                    tracing::warn!(
+                        "local Node authorization not confirmed: RBAC lets every node read its own Node, so the apiserver's answer cannot show the Node authorizer; kubelets' cache reads are authorized by SubjectAccessReview"
+                    );
+                }
+                tokio::time::sleep(RETRY).await;
+                continue;
+            }
+            Some(false) => {}
+        }
+        let Some(z) = authz.upgrade() else { return };
+        let answer = match tokio::time::timeout(z.timeout, z.review(&id, &q)).await {
+            Ok(Ok(Decision::Allow)) => NodeProbe::Allowed,
+            Ok(Ok(Decision::Deny(_))) => NodeProbe::Denied,
+            Ok(Ok(Decision::Error(e))) => NodeProbe::Failed(e),
+            Ok(Err(f)) => NodeProbe::Failed(f.message),
+            Err(_) => NodeProbe::Failed("access review timed out".into()),
+        };
+        drop(z);
+        if node.probed(answer) {
+            return;
+        }
+        tokio::time::sleep(RETRY).await;
+    }
+}
+
 async fn follow(authz: std::sync::Weak<Authorizer>, cache: Arc<ResourceCache>) {
     /// How often an unsynced cache is looked at again (no I/O: its reflector retries).
     const UNSYNCED_POLL: Duration = Duration::from_millis(250);
@@ -429,12 +488,18 @@ impl Authorizer {
             allow_ttl,
             stale_grace: Duration::ZERO,
             local: std::sync::OnceLock::new(),
+            local_node: std::sync::OnceLock::new(),
         }
     }
 
     /// Local RBAC, when started (`/debug`, metrics).
     pub fn local_rbac(&self) -> Option<&Arc<LocalRbac>> {
         self.local.get()
+    }
+
+    /// Local Node authorization, when local RBAC is on.
+    pub fn local_node(&self) -> Option<&Arc<LocalNode>> {
+        self.local_node.get()
     }
 
     /// Serves allowed decisions up to `stale` past their TTL while the apiserver is
@@ -532,16 +597,27 @@ impl Authorizer {
     }
 
     async fn authorize_untraced(&self, id: &Identity, a: &Attributes) -> Decision {
-        if let Some(local) = self.local.get()
-            && local.decide(id, a) == Some(true)
+        // The apiserver's chain runs the Node authorizer before RBAC; either's allow is
+        // final, so the order here is only the cheaper first.
+        let local = if self
+            .local
+            .get()
+            .is_some_and(|l| l.decide(id, a) == Some(true))
         {
+            Some(Source::LocalRbac)
+        } else if self.local_node.get().is_some_and(|n| n.allows(id, a)) {
+            Some(Source::LocalNode)
+        } else {
+            None
+        };
+        if let Some(source) = local {
             self.stats.allowed.fetch_add(1, Relaxed);
-            self.count(Source::LocalRbac, 0);
+            self.count(source, 0);
             crate::telemetry::set_current(|| {
                 crate::telemetry::Attr::new("kcp.authz.decision", "allow")
             });
             crate::telemetry::set_current(|| {
-                crate::telemetry::Attr::new("kcp.authz.source", Source::LocalRbac.as_str())
+                crate::telemetry::Attr::new("kcp.authz.source", source.as_str())
             });
             return Decision::Allow;
         }
@@ -662,7 +738,7 @@ impl Authorizer {
     /// With `local_rbac`, also evaluates RBAC from those caches (see `local_rbac`).
     pub fn follow_rbac(
         self: &Arc<Self>,
-        caches: &Caches,
+        caches: &Arc<Caches>,
         local_rbac: bool,
         stop: tokio_util::sync::CancellationToken,
     ) {
@@ -718,6 +794,18 @@ impl Authorizer {
                 .outage()
                 .is_some_and(|o| o.duration() < grace)
         };
+        let node = Arc::new(LocalNode::new(caches));
+        if self.local_node.set(node.clone()).is_ok() {
+            let stop = stop.clone();
+            let this = Arc::downgrade(self);
+            let local = local.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = stop.cancelled() => {}
+                    _ = probe_node(this, local, node) => {}
+                }
+            });
+        }
         tokio::spawn(async move {
             tokio::select! {
                 _ = stop.cancelled() => {}

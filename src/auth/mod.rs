@@ -7,6 +7,7 @@ pub mod attributes;
 pub mod authn;
 pub mod authz;
 pub mod identity;
+pub mod local_node;
 pub mod local_rbac;
 pub mod rbac;
 

@@ -29,6 +29,7 @@ use http::{Method, Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use kube_cache_proxy::auth::authn::{AuthnMethod, METHODS};
+use kube_cache_proxy::auth::authz::Source;
 use serde_json::{Value, json};
 
 const NAMESPACES: [&str; 3] = ["ns-a", "ns-b", "ns-c"];
@@ -532,12 +533,15 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
         .await;
     }
     setup_rbac(&env).await;
-    // A pod bound to node-1 (the Node authorizer lets that kubelet read it by selector), and
+    // A pod bound to node-1 (the Node authorizer lets that kubelet read it by selector, and
+    // read the ConfigMap and Secret it refers to in ns-a, not those of other namespaces), and
     // bob may list and watch one ConfigMap of ns-a by name (RBAC `resourceNames`).
     env.admin(Method::POST, "/api/v1/namespaces/ns-a/pods",
         Some(json!({"metadata": {"name": "on-node-1"},
                     "spec": {"nodeName": "node-1",
-                             "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10"}]}}))).await;
+                             "containers": [{"name": "c", "image": "registry.k8s.io/pause:3.10",
+                                             "env": [{"name": "K", "valueFrom": {"configMapKeyRef": {"name": "cm-1", "key": "k"}}}]}],
+                             "volumes": [{"name": "s", "secret": {"secretName": "s-1"}}]}}))).await;
     env.admin(
         Method::POST,
         "/apis/rbac.authorization.k8s.io/v1/namespaces/ns-a/roles",
@@ -566,6 +570,17 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
     })
     .await;
 
+    // The kubelet's reads of its pods' objects are decided in the proxy once the apiserver
+    // confirmed it runs the Node authorizer (`auth::local_node`).
+    eventually(
+        "local Node authorization",
+        Duration::from_secs(60),
+        async || {
+            let mode = state.authz.local_node().map_or("off", |n| n.mode());
+            ok_if(mode == "active", mode)
+        },
+    )
+    .await;
     let (cert, key) = support::proxy::client_cert(&env.proxy.client_ca, "carol", &["ops"]);
     let (node_cert, node_key) = support::proxy::client_cert(
         &env.proxy.client_ca,
@@ -822,6 +837,18 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
         (load(&z.allowed), load(&z.denied), load(&z.errors)),
         (decided_allowed, decided_denied, 0),
         "decisions by the proxy: {z:?}"
+    );
+
+    // The kubelet's allowed reads of node-1's pods and of the Secret and ConfigMap its pod
+    // refers to were decided locally (the rest of its questions were reviewed).
+    let node_local = load(&z.by_source[Source::LocalNode as usize][0]);
+    let kubelet_allowed = results
+        .iter()
+        .filter(|r| r.0 == "kubelet-node-1" && r.4.status == 200)
+        .count() as u64;
+    assert!(
+        node_local >= 6 && node_local <= kubelet_allowed * 4,
+        "local node decisions: {node_local}, the kubelet's allowed cells: {kubelet_allowed}"
     );
 
     // Impersonation by a client-certificate caller, uid and extra included: carol may

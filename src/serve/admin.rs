@@ -1,6 +1,15 @@
 //! The admin listener: the proxy's own `/livez`, `/readyz`, `/healthz` (open, for probes),
 //! `/metrics` and `/debug/*` (authenticated and authorized as kube-rbac-proxy does).
 //!
+//! Health detail is the apiserver's: anyone may `get` `/readyz` (`?verbose` too: the
+//! `system:public-info-viewer` default), but what a caller without credentials sees is the
+//! public view ([`crate::serve::health::View`]: no cached resource by name), and
+//! `/<endpoint>/<check>` answers it 403 in the apiserver's words. A caller with credentials
+//! is authenticated (401) and authorized for the path (`get /readyz` for the listing,
+//! `get /readyz/upstream` for one check: 403 unless RBAC allows it, as on the apiserver) and
+//! then sees every check with its reason. Custom resource names are no secret from an
+//! authenticated caller: discovery lists them to `system:authenticated` by default.
+//!
 //! The API port is the apiserver's whole surface, so the proxy's own endpoints live on a
 //! second listener (`server.adminListen`), served by the same transport
 //! ([`crate::http::listener`]) through [`Admin`]. `/metrics` and `/debug/*` need a caller the
@@ -97,8 +106,10 @@ pub async fn handle<B>(state: &State, conn: &ConnInfo, req: Request<B>) -> Respo
         .into_response();
     }
     if health {
-        // Open for probes: the checks' names and pass/fail only (reasons are withheld from
-        // the listing, as the apiserver does).
+        let view = match health_view(state, conn, req.headers(), path, query).await {
+            Ok(v) => v,
+            Err(refused) => return refused.into_response(),
+        };
         return state
             .health
             .respond_with(
@@ -106,6 +117,7 @@ pub async fn handle<B>(state: &State, conn: &ConnInfo, req: Request<B>) -> Respo
                 query,
                 Some(state.upstream_check()),
                 state.cache_checks(),
+                view,
             )
             .unwrap_or_else(not_found);
     }
@@ -138,6 +150,47 @@ pub async fn handle<B>(state: &State, conn: &ConnInfo, req: Request<B>) -> Respo
         "/debug/paging" => state.paging.debug_response(),
         _ => not_found(),
     }
+}
+
+/// How much of the health checks this caller may see (see the module docs): plain
+/// `/readyz` (a probe) is the public view without asking anyone; detail (`?verbose`,
+/// `/readyz/<check>`) is the full view for a caller authorized for the path, the public
+/// listing for a caller without credentials, and 403 for one check asked anonymously.
+async fn health_view(
+    state: &State,
+    conn: &ConnInfo,
+    headers: &http::HeaderMap,
+    path: &str,
+    query: Option<&str>,
+) -> Result<crate::serve::health::View, Status> {
+    use crate::serve::health::{Endpoint, View};
+    if state.config.server.admin_auth == AdminAuth::None {
+        return Ok(View::Full);
+    }
+    let single = Endpoint::from_path(path).is_some_and(|(_, one)| one.is_some());
+    let verbose = query
+        .unwrap_or("")
+        .split('&')
+        .any(|p| p.split_once('=').map_or(p, |(k, _)| k) == "verbose");
+    if !single && !verbose {
+        return Ok(View::Public);
+    }
+    let credentials = conn.cert.is_some() || headers.contains_key(header::AUTHORIZATION);
+    if !credentials {
+        if !single {
+            return Ok(View::Public);
+        }
+        // kube-apiserver: `forbidden: User "system:anonymous" cannot get path "/readyz/etcd"`.
+        let attrs = Attributes {
+            verb: "get".into(),
+            path: path.into(),
+            ..Default::default()
+        };
+        let anonymous = crate::auth::authn::Identity::anonymous();
+        return Err(crate::auth::authz::forbidden(&anonymous, &attrs, ""));
+    }
+    authorize(state, conn, headers, path, "get").await?;
+    Ok(View::Full)
 }
 
 /// kube-rbac-proxy's check: the caller authenticated as for reads, then a

@@ -9,6 +9,13 @@
 //! and it names only configuration, no address or credential.
 //! `/readyz/<name>` runs one check; `?exclude=name` skips one (repeatable).
 //!
+//! Who sees what ([`View`]) follows kube-apiserver's defaults (`system:public-info-viewer`
+//! lets anyone `get` `/livez`, `/readyz` and `/healthz`, verbose included, and nothing below
+//! them): a probe or an anonymous caller gets the [`View::Public`] answer, where the
+//! per-resource checks are one `caches` check (cached resource names, custom ones included,
+//! are not shown to callers the apiserver would not show its discovery to); the per-resource
+//! listing and `/<endpoint>/<name>` need an authorized caller ([`crate::serve::admin`]).
+//!
 //! While the apiserver is unreachable, `upstream` passes for `cache.maxStaleness` with a note
 //! (`[+]upstream ok: degraded: the apiserver has been unreachable for 12s`): the caches still
 //! answer what they can, and every replica losing the same apiserver must not leave the
@@ -141,6 +148,19 @@ impl Endpoint {
     }
 }
 
+/// How much of the checks an answer shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum View {
+    /// Every check by name, per-resource reasons included (an authorized caller).
+    Full,
+    /// The built-in checks and one `caches` check standing for all per-resource ones, its
+    /// reason withheld (probes, anonymous callers): no cached resource is named.
+    Public,
+}
+
+/// The check that stands for every per-resource check in [`View::Public`].
+pub const CACHES_CHECK: &str = "caches";
+
 /// The proxy's health checks.
 #[derive(Debug, Clone)]
 pub struct Health {
@@ -189,20 +209,22 @@ impl Health {
 
     /// Answers a health request. `path` is e.g. `/readyz` or `/readyz/upstream`.
     pub fn respond(&self, path: &str, query: Option<&str>) -> Option<Response<Body>> {
-        self.respond_with(path, query, None, Vec::new())
+        self.respond_with(path, query, None, Vec::new(), View::Full)
     }
 
     /// As [`Self::respond`], with the `upstream` check's result given (`Some`: it replaces
     /// the last probe's, e.g. degraded during an outage) and `extra` readiness checks (one
     /// per cached resource). An `Ok(Some(note))` check passes and shows its note in the
     /// verbose listing (a resource that does not gate readiness but is not synced; the
-    /// upstream while degraded).
+    /// upstream while degraded). `view` says whether `extra` is listed by name or as one
+    /// `caches` check.
     pub fn respond_with(
         &self,
         path: &str,
         query: Option<&str>,
         upstream: Option<CheckResult>,
         extra: Vec<(String, CheckResult)>,
+        view: View,
     ) -> Option<Response<Body>> {
         let (ep, single) = Endpoint::from_path(path)?;
         let mut checks: Vec<(String, CheckResult)> = self
@@ -216,9 +238,14 @@ impl Health {
                 (c.name().to_string(), r)
             })
             .collect();
+        if ep == Endpoint::Readyz && view == View::Public && !extra.is_empty() {
+            // Failing when any resource fails; passing notes are not shown either.
+            let failing = extra.iter().find_map(|(_, r)| r.as_ref().err()).cloned();
+            checks.push((CACHES_CHECK.to_string(), failing.map_or(Ok(None), Err)));
+        }
         // The first `own` are the proxy's built-in checks (reasons withheld).
         let own = checks.len();
-        if ep == Endpoint::Readyz {
+        if ep == Endpoint::Readyz && view == View::Full {
             checks.extend(extra);
         }
         if let Some(name) = single {
@@ -401,7 +428,7 @@ mod tests {
             ),
         ];
         let r = h
-            .respond_with("/readyz", Some("verbose"), None, extra)
+            .respond_with("/readyz", Some("verbose"), None, extra, View::Full)
             .unwrap();
         assert_eq!(r.status(), 500);
         let b = r.into_body().collect().await.unwrap().to_bytes();
@@ -410,6 +437,77 @@ mod tests {
             "[+]ping ok\n[+]shutdown ok\n[-]upstream failed: reason withheld\n[+]cache:pods ok\n\
              [-]cache:deployment.apps failed: not discovered yet: deployment.apps is not served\n\
              readyz check failed\n"
+        );
+    }
+
+    /// What a probe or an anonymous caller sees: no cached resource by name, passing or
+    /// failing, only whether the caches as a whole are ready.
+    #[tokio::test]
+    async fn the_public_view_names_no_cached_resource() {
+        let h = Health::new();
+        h.upstream.set(Ok(()));
+        let extra = |failing: bool| {
+            vec![
+                ("cache:pods".to_string(), Ok(Some("note".to_string()))),
+                (
+                    "cache:widgets.secret-project.example.com".to_string(),
+                    if failing {
+                        Err(Unready::NotSynced(
+                            "widgets.secret-project.example.com".into(),
+                        ))
+                    } else {
+                        Ok(None)
+                    },
+                ),
+            ]
+        };
+        let body = async |r: Response<Body>| {
+            let code = r.status().as_u16();
+            let b = r.into_body().collect().await.unwrap().to_bytes();
+            (code, String::from_utf8(b.to_vec()).unwrap())
+        };
+        let r = h
+            .respond_with("/readyz", Some("verbose"), None, extra(false), View::Public)
+            .unwrap();
+        assert_eq!(
+            body(r).await,
+            (
+                200,
+                "[+]ping ok\n[+]shutdown ok\n[+]upstream ok\n[+]caches ok\nreadyz check passed\n"
+                    .into()
+            )
+        );
+        let r = h
+            .respond_with("/readyz", None, None, extra(true), View::Public)
+            .unwrap();
+        assert_eq!(
+            body(r).await,
+            (
+                500,
+                "[+]ping ok\n[+]shutdown ok\n[+]upstream ok\n[-]caches failed: reason withheld\n\
+                 readyz check failed\n"
+                    .into()
+            )
+        );
+        let r = h
+            .respond_with(
+                "/readyz",
+                Some("exclude=caches"),
+                None,
+                extra(true),
+                View::Public,
+            )
+            .unwrap();
+        assert_eq!(body(r).await, (200, "ok".into()));
+        // The full view is the per-resource listing.
+        let r = h
+            .respond_with("/readyz", Some("verbose"), None, extra(true), View::Full)
+            .unwrap();
+        let (code, full) = body(r).await;
+        assert_eq!(code, 500);
+        assert!(
+            full.contains("[-]cache:widgets.secret-project.example.com failed: not synced yet"),
+            "{full}"
         );
     }
 
@@ -447,7 +545,13 @@ mod tests {
         ));
         let note = "degraded: the apiserver has been unreachable for 12s".to_string();
         let r = h
-            .respond_with("/readyz", Some("verbose"), Some(Ok(Some(note))), Vec::new())
+            .respond_with(
+                "/readyz",
+                Some("verbose"),
+                Some(Ok(Some(note))),
+                Vec::new(),
+                View::Full,
+            )
             .unwrap();
         assert_eq!(r.status(), 200);
         let b = r.into_body().collect().await.unwrap().to_bytes();
@@ -463,7 +567,13 @@ mod tests {
             cause: "GET /readyz timed out after 5s".to_string(),
         };
         let r = h
-            .respond_with("/readyz/upstream", None, Some(Err(stale)), Vec::new())
+            .respond_with(
+                "/readyz/upstream",
+                None,
+                Some(Err(stale)),
+                Vec::new(),
+                View::Full,
+            )
             .unwrap();
         assert_eq!(r.status(), 500);
         let b = r.into_body().collect().await.unwrap().to_bytes();

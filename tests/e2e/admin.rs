@@ -125,14 +125,24 @@ async fn the_api_port_is_the_apiservers_and_the_admin_port_is_guarded_by_rbac() 
     assert_eq!(code, 200);
     assert!(serde_json::from_str::<Value>(&o).unwrap()["paths"].is_object());
 
-    // The admin listener: the proxy's own health, open.
+    // The admin listener: the proxy's own health, open; the per-resource checks are shown
+    // to an authorized caller only (anonymous callers see one `caches` check).
     let ready = eventually("the proxy's own readiness", BOUND, async || {
-        let (code, body) = proxy.admin_get("/readyz?verbose").await;
+        let r = proxy
+            .client(None, false)
+            .get(&proxy.admin("/readyz?verbose"), Some(&admin))
+            .await;
+        let code = r.status();
+        let body = body_string(r).await;
         ok_if(code == 200, body)
     })
     .await;
     assert!(ready.contains("[+]upstream ok\n"), "{ready}");
     assert!(ready.contains("[+]cache:configmaps ok\n"), "{ready}");
+    let (code, public) = proxy.admin_get("/readyz?verbose").await;
+    assert_eq!(code, 200, "{public}");
+    assert!(public.contains("[+]caches ok\n"), "{public}");
+    assert!(!public.contains("cache:"), "{public}");
     // /metrics: 401 without credentials; the apiserver's own 403 for a user without the
     // grant (the same Status as alice gets from the apiserver's /metrics directly).
     let (code, body) = proxy.admin_get("/metrics").await;

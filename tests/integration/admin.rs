@@ -130,10 +130,8 @@ async fn the_admin_listener_protects_metrics_and_debug_as_kube_rbac_proxy_does()
         "[+]ping ok\n[+]shutdown ok\n[+]upstream ok\nreadyz check passed\n"
     );
     assert_eq!(admin_get(&proxy, "/livez", None).await, (200, "ok".into()));
-    assert_eq!(
-        admin_get(&proxy, "/healthz/ping", None).await,
-        (200, "ok".into())
-    );
+    // One check's detail is not for anonymous callers (tests below).
+    assert_eq!(admin_get(&proxy, "/healthz/ping", None).await.0, 403);
     let (code, body) = admin_get(&proxy, "/readyz?verbose&exclude=upstream", None).await;
     assert_eq!(code, 200);
     assert!(body.contains("[+]upstream excluded: ok"), "{body}");
@@ -234,6 +232,86 @@ async fn the_admin_listener_protects_metrics_and_debug_as_kube_rbac_proxy_does()
         fake.requests()
             .iter()
             .all(|r| r.path != "/debug/paging" && r.path != "/debug/nothing"),
+    );
+    proxy.shutdown().await;
+}
+
+/// Plain `/readyz` and `/livez` are open for probes, and so is `?verbose`, as on the
+/// apiserver (`system:public-info-viewer`), but without credentials no cached resource is
+/// named (custom ones included) and one check's detail is refused in the apiserver's words
+/// (`forbidden: User "system:anonymous" cannot get path "/readyz/etcd"`, measured on
+/// kube-apiserver 1.36); an authorized caller sees every check.
+#[tokio::test]
+async fn health_detail_needs_an_authorized_caller_as_on_the_apiserver() {
+    let fake = fake().await;
+    fake.faults().deny("mallory");
+    let proxy = TestProxy::start(&fake.url(), |c| {
+        c.server.admin_auth = AdminAuth::Kubernetes;
+        c.cache.resources = vec!["configmaps".into()];
+    })
+    .await;
+    let full = eventually("the proxy's own readiness", BOUND, async || {
+        let (code, body) = admin_get(&proxy, "/readyz?verbose", Some("alice")).await;
+        ok_if(code == 200, body)
+    })
+    .await;
+    assert_eq!(
+        full,
+        "[+]ping ok\n[+]shutdown ok\n[+]upstream ok\n[+]cache:configmaps ok\nreadyz check passed\n"
+    );
+    assert_eq!(admin_get(&proxy, "/readyz", None).await, (200, "ok".into()));
+    assert_eq!(admin_get(&proxy, "/livez", None).await, (200, "ok".into()));
+    assert_eq!(
+        admin_get(&proxy, "/readyz?verbose", None).await,
+        (
+            200,
+            "[+]ping ok\n[+]shutdown ok\n[+]upstream ok\n[+]caches ok\nreadyz check passed\n"
+                .into()
+        )
+    );
+    assert_eq!(
+        admin_get(&proxy, "/livez?verbose", None).await,
+        (200, "[+]ping ok\nlivez check passed\n".into())
+    );
+    for path in [
+        "/readyz/upstream",
+        "/readyz/cache:configmaps",
+        "/livez/ping",
+        "/readyz/nope",
+    ] {
+        let (code, body) = admin_get(&proxy, path, None).await;
+        assert_eq!(code, 403, "{path}: {body}");
+        let s: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            s["message"],
+            format!("forbidden: User \"system:anonymous\" cannot get path \"{path}\""),
+        );
+        assert_eq!(s["reason"], "Forbidden");
+    }
+    // Credentials are checked when given: 401 for bad ones, 403 when RBAC says no.
+    assert_eq!(
+        admin_get(&proxy, "/readyz?verbose", Some("invalid-token"))
+            .await
+            .0,
+        401
+    );
+    let (code, body) = admin_get(&proxy, "/readyz/upstream", Some("mallory")).await;
+    assert_eq!(code, 403, "{body}");
+    let s: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert!(
+        s["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("forbidden: User \"mallory\" cannot get path \"/readyz/upstream\""),
+        "{body}"
+    );
+    assert_eq!(
+        admin_get(&proxy, "/readyz/cache:configmaps", Some("alice")).await,
+        (200, "ok".into())
+    );
+    assert_eq!(
+        admin_get(&proxy, "/readyz/nope", Some("alice")).await.0,
+        404
     );
     proxy.shutdown().await;
 }

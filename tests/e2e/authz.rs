@@ -932,6 +932,34 @@ async fn the_proxy_allows_and_denies_exactly_as_the_apiserver_and_never_serves_a
         "uids.authentication.k8s.io \"uid-other\" is forbidden: User \"carol\" cannot impersonate resource \"uids\" in API group \"authentication.k8s.io\" at the cluster scope"
     );
 
+    // An anonymous caller asking to impersonate gets the apiserver's own refusal, word for
+    // word (kube-apiserver 1.36: `... User "system:anonymous" cannot
+    // impersonate-on:user-info:list ...`; a group without a user is a 400).
+    for headers in [
+        &[("impersonate-user", "dave")][..],
+        &[("impersonate-group", "system:masters")][..],
+        &[("impersonate-user", "dave"), ("impersonate-group", "g")][..],
+        &[("impersonate-user", "system:serviceaccount:ns-a:reader")][..],
+    ] {
+        let anonymous = |base: &str| {
+            let mut b = Request::get(format!("{base}/api/v1/namespaces/ns-a/configmaps"));
+            for (k, v) in headers {
+                b = b.header(*k, *v);
+            }
+            b.body(Full::new(Bytes::new())).unwrap()
+        };
+        let direct = read(env.direct.request(anonymous(&env.cp.url)).await.unwrap()).await;
+        let via = read(clients.plain.send(anonymous(&env.proxy.https(""))).await).await;
+        let message = |b: &Bytes| serde_json::from_slice::<Value>(b).unwrap()["message"].clone();
+        assert_eq!(
+            (via.0, message(&via.1)),
+            (direct.0, message(&direct.1)),
+            "{headers:?}: {}",
+            String::from_utf8_lossy(&direct.1)
+        );
+        assert!(direct.0 == StatusCode::FORBIDDEN || direct.0 == StatusCode::BAD_REQUEST);
+    }
+
     // Revocation: a token bound to a pod stops working at the proxy once the pod is gone, as
     // at the apiserver (TokenReview on bound tokens; the proxy's authentication cache is 1 s
     // here, 10 s by default).

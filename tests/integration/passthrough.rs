@@ -880,7 +880,7 @@ async fn hostile_paths_get_a_bad_request_status_and_never_reach_upstream() {
     for path in [
         "/api/v1/namespaces/ns1/../../../secrets",
         "/api/v1//namespaces",
-        "/api/v1/namespaces/ns1%2Fconfigmaps",
+        "/api/v1/namespaces/ns1%2F%2Fconfigmaps",
         "/api/v1/namespaces/%ff%fe",
         "/api/v1/namespaces/%2e%2e/secrets",
     ] {

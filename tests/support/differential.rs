@@ -8,6 +8,7 @@
 //! # Layout
 //! - corpus model: [`Corpus`] reads `tests/e2e/differential/corpus.yaml`, whose templates expand
 //!   combinatorially into [`Request`]s (one per path x every combination of query values);
+//! - a path segment `$repeat:<text>:<n>` is `<text>` n times (a 9,000-character namespace);
 //! - symbols: `$seed`, `$current`, `$future`, `$compacted` and `$continue:<rv>:<start>` stand for
 //!   resourceVersions (and continue tokens) that differ per backend ([`Symbols`]);
 //! - [`Backend`]: a base URL, an HTTP client that trusts the backend's CA, a bearer token;
@@ -905,8 +906,29 @@ fn observe_reply(o: &mut Observation, p: &str, r: &Reply, mode: Mode) -> Option<
     }
 }
 
+/// A path with its `$repeat:<text>:<n>` segments expanded (`<text>` n times: a name longer
+/// than any the API accepts, without writing it out in the corpus).
+fn expand_path(path: &str) -> String {
+    path.split('/')
+        .map(|seg| {
+            let Some(rest) = seg.strip_prefix("$repeat:") else {
+                return seg.to_string();
+            };
+            let (text, n) = rest
+                .rsplit_once(':')
+                .unwrap_or_else(|| panic!("bad repeat symbol {seg}"));
+            text.repeat(
+                n.parse()
+                    .unwrap_or_else(|_| panic!("bad repeat count in {seg}")),
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("/")
+}
+
 fn path_and_query(req: &Request, symbols: &Symbols, query: &[(String, String)]) -> String {
     use percent_encoding::{NON_ALPHANUMERIC, utf8_percent_encode};
+    let path = expand_path(&req.path);
     let qs: Vec<String> = query
         .iter()
         .map(|(k, v)| {
@@ -918,9 +940,9 @@ fn path_and_query(req: &Request, symbols: &Symbols, query: &[(String, String)]) 
         })
         .collect();
     if qs.is_empty() {
-        req.path.clone()
+        path
     } else {
-        format!("{}?{}", req.path, qs.join("&"))
+        format!("{path}?{}", qs.join("&"))
     }
 }
 

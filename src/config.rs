@@ -444,7 +444,10 @@ pub struct CacheConfig {
     /// resources too), or `all`: every resource that can be listed and watched, minus
     /// `exclude` (see [`crate::cache::discovery`]). The version is the one discovery prefers.
     /// Everything else passes through. Leases are left out: they change every few seconds
-    /// per holder and are read by few.
+    /// per holder and are read by few. Secrets are left out too (opt-in): caching them
+    /// takes `list`/`watch` on every Secret of the cluster for the proxy's ServiceAccount and
+    /// holds them in its memory and state files; controllers that read Secrets at scale
+    /// gain the fan-out when an operator adds `secrets` (README, "Secrets").
     pub resources: Vec<String>,
     /// Resources `all` leaves out, named like `resources` (they pass through; a resource
     /// named in `resources` is cached regardless). Events are left out by default: written
@@ -583,7 +586,6 @@ impl Default for CacheConfig {
             resources: [
                 "pods",
                 "configmaps",
-                "secrets",
                 "services",
                 "endpointslices.discovery.k8s.io",
                 "nodes",
@@ -1200,6 +1202,15 @@ mod tests {
             Config::from_yaml("# only a comment\n").unwrap(),
             Config::default()
         );
+    }
+
+    /// Caching Secrets lets the proxy's ServiceAccount read every Secret of the cluster:
+    /// an operator's choice, not a default.
+    #[test]
+    fn secrets_are_not_cached_unless_listed() {
+        let c = Config::default();
+        assert!(!c.cache.resources.iter().any(|r| r == "secrets"));
+        assert!(c.cache.resources.iter().any(|r| r == "configmaps"));
     }
 
     #[test]

@@ -64,6 +64,8 @@ async fn chunked_kubectl_lists_equal_direct_and_strict_reads_see_every_write() {
     let upstream = kube_config(&cp.admin_kubeconfig_yaml()).await;
     let admin = kube::Client::try_from(upstream.clone()).unwrap();
     let proxy = TestProxy::start_with_kube(upstream, |c| {
+        // Secrets are opt-in.
+        c.cache.resources.push("secrets".into());
         c.lists.consistency_by_resource.insert(
             "secrets".into(),
             kube_cache_proxy::read::consistency::Mode::Strict,

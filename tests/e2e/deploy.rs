@@ -367,7 +367,18 @@ fn check_render(what: &str, docs: &[Value]) -> Config {
 
     // RBAC: the ServiceAccount the pods run as is bound to the ClusterRole and to
     // system:auth-delegator, and the role grants exactly what the configuration needs.
-    let sa = one(docs, "ServiceAccount");
+    // The scrape's own ServiceAccount and binding (serviceMonitor) are not the proxy's.
+    let not_scraper = |d: &&Value| {
+        !d["metadata"]["name"]
+            .as_str()
+            .is_some_and(|n| n.ends_with("-scraper"))
+    };
+    let sas: Vec<&Value> = of_kind(docs, "ServiceAccount")
+        .into_iter()
+        .filter(not_scraper)
+        .collect();
+    assert_eq!(sas.len(), 1, "{what}: one ServiceAccount for the proxy");
+    let sa = sas[0];
     let sa_subject = (
         sa["metadata"]["name"].as_str().unwrap(),
         sa["metadata"]["namespace"].as_str().unwrap(),
@@ -397,7 +408,10 @@ fn check_render(what: &str, docs: &[Value]) -> Config {
         "{what}: only the ClusterRole"
     );
     let role_name = role["metadata"]["name"].as_str().unwrap();
-    let bindings = of_kind(docs, "ClusterRoleBinding");
+    let bindings: Vec<&Value> = of_kind(docs, "ClusterRoleBinding")
+        .into_iter()
+        .filter(not_scraper)
+        .collect();
     let bound_to = |r: &str| {
         bindings.iter().any(|b| {
             b["roleRef"]["kind"] == "ClusterRole"
@@ -815,9 +829,32 @@ fn the_chart_renders_cert_manager_and_service_monitor_objects_when_enabled() {
     // The admin listener's Service port, with a bearer token and the CA cert-manager writes.
     assert_eq!(ep["port"], "metrics");
     assert_eq!(ep["scheme"], "https");
+    // The Prometheus Operator's supported `authorization` (not the deprecated
+    // `bearerTokenFile`), with the token of a ServiceAccount the chart binds to the
+    // metrics-reader role.
+    assert!(ep.get("bearerTokenFile").is_none(), "{ep}");
+    let scraper = format!("{name}-scraper");
     assert_eq!(
-        ep["bearerTokenFile"],
-        "/var/run/secrets/kubernetes.io/serviceaccount/token"
+        ep["authorization"],
+        json!({"type": "Bearer", "credentials": {"name": format!("{scraper}-token"), "key": "token"}})
+    );
+    let token = of_kind(&docs, "Secret")
+        .into_iter()
+        .find(|s| s["metadata"]["name"] == format!("{scraper}-token"))
+        .expect("the scraper's token Secret");
+    assert_eq!(token["type"], "kubernetes.io/service-account-token");
+    assert_eq!(
+        token["metadata"]["annotations"]["kubernetes.io/service-account.name"],
+        scraper.as_str()
+    );
+    let binding = of_kind(&docs, "ClusterRoleBinding")
+        .into_iter()
+        .find(|b| b["metadata"]["name"] == scraper.as_str())
+        .expect("the scraper's binding");
+    assert_eq!(binding["roleRef"]["name"], format!("{name}-metrics-reader"));
+    assert_eq!(
+        binding["subjects"],
+        json!([{"kind": "ServiceAccount", "name": scraper, "namespace": NS}])
     );
     assert_eq!(
         ep["tlsConfig"]["ca"]["secret"],
@@ -902,10 +939,68 @@ fn the_chart_turns_tracing_on_only_with_an_endpoint() {
     );
     assert_eq!(cfg.tracing.sampling_ratio, 1.0);
     check_config(&text);
+    // `--set` passes a fraction as a string: accepted, rendered as the number.
+    let (_, cfg) = proxy_config(&docs(&helm_template(&[
+        "tracing.endpoint=http://otel-collector.observability:4318",
+        "tracing.samplingRatio=0.01",
+    ])));
+    assert_eq!(cfg.tracing.sampling_ratio, 0.01);
+    for bad in ["1.5", "often"] {
+        let out = helm_template_output(
+            &[],
+            &[
+                "tracing.endpoint=http://c:4318",
+                &format!("tracing.samplingRatio={bad}"),
+            ],
+        );
+        assert!(!out.status.success(), "{bad}");
+        assert!(String::from_utf8_lossy(&out.stderr).contains("tracing/samplingRatio"));
+    }
     // A URL without a scheme is refused by the schema before anything renders.
     let out = helm_template_output(&[], &["tracing.endpoint=otel-collector:4318"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("tracing/endpoint"));
+}
+
+/// The TCP ports the rendered NetworkPolicy lets the pods reach.
+fn egress_ports(docs: &[Value]) -> BTreeSet<u64> {
+    one(docs, "NetworkPolicy")["spec"]["egress"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|r| r["ports"].as_array().cloned().unwrap_or_default())
+        .filter(|p| p["protocol"] == "TCP")
+        .filter_map(|p| p["port"].as_u64())
+        .collect()
+}
+
+/// Egress follows the enabled features: the OTLP collector's port with tracing on, etcd's
+/// metrics port with `paging.etcdMetricsUrl`, and rules of the user's own.
+#[test]
+fn the_chart_network_policy_lets_enabled_features_out() {
+    assert_eq!(
+        egress_ports(&docs(&helm_template(&[]))),
+        [53, 443, 6443].into()
+    );
+    let docs = docs(&helm_template(&[
+        "tracing.endpoint=http://otel-collector.observability:4318",
+        "config.paging.etcdMetricsUrl=http://10.0.0.5:2381",
+        "networkPolicy.extraEgress[0].ports[0].port=9090",
+        "networkPolicy.extraEgress[0].ports[0].protocol=TCP",
+    ]));
+    assert_eq!(
+        egress_ports(&docs),
+        [53, 443, 2381, 4318, 6443, 9090].into()
+    );
+    // A URL without a port: the scheme's.
+    let docs = self::docs(&helm_template(&[
+        "tracing.endpoint=https://collector.example",
+    ]));
+    assert!(egress_ports(&docs).contains(&443));
+    let docs = self::docs(&helm_template(&[
+        "tracing.endpoint=http://collector.example",
+    ]));
+    assert!(egress_ports(&docs).contains(&80));
 }
 
 #[test]
@@ -970,6 +1065,54 @@ fn the_chart_renders_digest_env_args_volumes_and_the_grafana_dashboard() {
     );
 }
 
+/// Bytes of a Kubernetes quantity as the manifests write them (`512Mi`, `3Gi`, `1000`).
+fn quantity_bytes(q: &str) -> u64 {
+    let (n, unit) = q
+        .find(|c: char| !c.is_ascii_digit())
+        .map_or((q, ""), |i| q.split_at(i));
+    let n: u64 = n.parse().unwrap_or_else(|_| panic!("quantity {q}"));
+    n * match unit {
+        "" => 1,
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "Ti" => 1 << 40,
+        other => panic!("unit {other} of {q}"),
+    }
+}
+
+/// The warm-restart state volume holds what a full cache saves: 1.14 x the cached bytes
+/// (measured), which the container's memory limit bounds; a kubelet evicts a pod whose
+/// emptyDir outgrows its sizeLimit, so every variant keeps it at 1.25 x the limit or more.
+#[test]
+fn the_state_volume_holds_the_saved_state_of_a_cache_as_large_as_the_memory_limit() {
+    assert_eq!(quantity_bytes("3Gi"), 3 << 30);
+    assert_eq!(quantity_bytes("512Mi"), 512 << 20);
+    for (what, docs) in [
+        ("kustomize base", docs(&kustomize("base"))),
+        ("kustomize overlays/ha", docs(&kustomize("overlays/ha"))),
+        ("helm defaults", docs(&helm_template(&[]))),
+    ] {
+        let pod = &one(&docs, "Deployment")["spec"]["template"]["spec"];
+        let memory = pod["containers"][0]["resources"]["limits"]["memory"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{what}: a memory limit"));
+        let state = pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == "state")
+            .unwrap_or_else(|| panic!("{what}: a state volume"));
+        let size = state["emptyDir"]["sizeLimit"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{what}: a sizeLimit"));
+        assert!(
+            quantity_bytes(size) * 4 >= quantity_bytes(memory) * 5,
+            "{what}: state sizeLimit {size} < 1.25 x memory limit {memory}"
+        );
+    }
+}
+
 /// The Grafana dashboard shipped in deploy/ (and in the chart).
 fn dashboard_json() -> String {
     std::fs::read_to_string(repo().join(DASHBOARD)).unwrap()
@@ -1007,11 +1150,118 @@ fn promql_metrics(expr: &str) -> BTreeSet<String> {
     out
 }
 
-/// What a Prometheus text exposition offers: sample names, and each family's type.
+/// What a Prometheus text exposition offers: sample names with their label names, and each
+/// family's type.
 #[derive(Debug, Default)]
 struct Scrape {
     samples: BTreeSet<String>,
+    labels: BTreeMap<String, BTreeSet<String>>,
     types: BTreeMap<String, String>,
+}
+
+/// The label names of a sample line's `{...}` (values may hold `,`, `}` and escaped `"`).
+fn sample_labels(l: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let Some(open) = l.find('{') else {
+        return out;
+    };
+    let mut rest = &l[open + 1..];
+    // The operator: `=`, or a query's `!=`, `=~`, `!~`.
+    while let Some(op) = rest.find(['=', '!']) {
+        let name = rest[..op].trim().trim_start_matches(',').trim();
+        if name.is_empty() || name.contains('}') {
+            break;
+        }
+        out.insert(name.to_string());
+        // Skip the quoted value.
+        let v = rest[op..].trim_start_matches(['=', '!', '~']);
+        let Some(v) = v.strip_prefix('"') else { break };
+        let mut end = None;
+        let mut escaped = false;
+        for (i, c) in v.char_indices() {
+            match c {
+                '\\' if !escaped => escaped = true,
+                '"' if !escaped => {
+                    end = Some(i);
+                    break;
+                }
+                _ => escaped = false,
+            }
+        }
+        let Some(end) = end else { break };
+        rest = &v[end + 1..];
+    }
+    out
+}
+
+/// Labels a query may use without the proxy exporting them: those Prometheus adds to every
+/// series of a scrape target (the ServiceMonitor's `job`, `namespace`, `pod`, ...).
+const TARGET_LABELS: &[&str] = &[
+    "job",
+    "namespace",
+    "pod",
+    "instance",
+    "service",
+    "endpoint",
+    "container",
+];
+
+/// The labels a PromQL expression groups by (`by (a, b)`, `without (c)`) or matches on
+/// (`name{a="x"}`), as `(metric or "", label)` pairs: a matcher names its metric, a
+/// grouping belongs to the expression.
+fn promql_labels(expr: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let b = expr.as_bytes();
+    let ident = |i: usize| {
+        let mut j = i;
+        while j < b.len() && (b[j].is_ascii_alphanumeric() || b[j] == b'_' || b[j] == b':') {
+            j += 1;
+        }
+        j
+    };
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'"' {
+            // A string: skip it.
+            i += 1;
+            while i < b.len() && b[i] != b'"' {
+                i += if b[i] == b'\\' { 2 } else { 1 };
+            }
+            i += 1;
+            continue;
+        }
+        if b[i].is_ascii_alphabetic() || b[i] == b'_' {
+            let end = ident(i);
+            let word = &expr[i..end];
+            let mut j = end;
+            while j < b.len() && b[j] == b' ' {
+                j += 1;
+            }
+            if matches!(word, "by" | "without") && j < b.len() && b[j] == b'(' {
+                let close = expr[j..].find(')').map_or(b.len(), |c| c + j);
+                for l in expr[j + 1..close].split(',') {
+                    let l = l.trim();
+                    if !l.is_empty() {
+                        out.push((String::new(), l.to_string()));
+                    }
+                }
+                i = close + 1;
+                continue;
+            }
+            if j < b.len() && b[j] == b'{' {
+                let close = expr[j..].find('}').map_or(b.len(), |c| c + j);
+                for m in sample_labels(&format!("x{}", &expr[j..=close.min(b.len() - 1)])) {
+                    out.push((word.to_string(), m));
+                }
+                i = close + 1;
+                continue;
+            }
+            i = end;
+            continue;
+        }
+        i += 1;
+    }
+    out
 }
 
 impl Scrape {
@@ -1026,6 +1276,10 @@ impl Scrape {
             } else if !l.starts_with('#') && !l.is_empty() {
                 let end = l.find(['{', ' ']).unwrap_or(l.len());
                 s.samples.insert(l[..end].to_string());
+                s.labels
+                    .entry(l[..end].to_string())
+                    .or_default()
+                    .extend(sample_labels(l));
             }
         }
         s
@@ -1074,6 +1328,28 @@ fn promql_names_and_scrape_suffixes_are_read_exactly() {
     ] {
         assert!(!s.has(no), "{no}");
     }
+    assert_eq!(
+        s.labels["c_total"],
+        ["a".to_string()].into_iter().collect::<BTreeSet<_>>()
+    );
+    assert_eq!(
+        sample_labels(r#"m{a="x,y}",b="q\"z",c=""} 1"#),
+        ["a", "b", "c"].map(String::from).into()
+    );
+    assert_eq!(
+        promql_labels(
+            r#"sum by (kind, pod) (rate(m_total{job=~"$job", x!="by (no)"}[5m])) / n{y!~"1"}"#
+        ),
+        [
+            ("", "kind"),
+            ("", "pod"),
+            ("m_total", "job"),
+            ("m_total", "x"),
+            ("n", "y")
+        ]
+        .map(|(m, l)| (m.to_string(), l.to_string()))
+        .to_vec()
+    );
 }
 
 /// The dashboard is a Grafana dashboard model (the fields Grafana requires to import it) and
@@ -1101,6 +1377,39 @@ fn check_dashboard(scrape: &str) {
             let expr = t["expr"].as_str().expect("a PromQL expr");
             let names = promql_metrics(expr);
             assert!(!names.is_empty(), "{title}: no metric in {expr}");
+            // Every label the query matches or groups by is one the proxy exports on those
+            // metrics (or one Prometheus adds to the target), and so is every label the
+            // legend names: `by (listener)` on a metric labelled `kind` shows nothing.
+            let exported =
+                |m: &str| -> BTreeSet<String> { scrape.labels.get(m).cloned().unwrap_or_default() };
+            let known_samples = names.iter().all(|n| scrape.labels.contains_key(n));
+            let legend = t["legendFormat"].as_str().unwrap_or("");
+            let legend_labels = legend.split("{{").skip(1).filter_map(|s| {
+                s.split_once("}}")
+                    .map(|(l, _)| (String::new(), l.trim().to_string()))
+            });
+            for (metric, label) in promql_labels(expr).into_iter().chain(legend_labels) {
+                if label == "le" || TARGET_LABELS.contains(&label.as_str()) {
+                    continue;
+                }
+                let ok = if metric.is_empty() {
+                    // A grouping: some metric of the query must carry it (only checkable
+                    // when the scrape had samples of them all).
+                    !known_samples || names.iter().any(|n| exported(n).contains(&label))
+                } else {
+                    !scrape.labels.contains_key(&metric) || exported(&metric).contains(&label)
+                };
+                assert!(
+                    ok,
+                    "{title}: label {label:?} is not on {} ({expr}); they have: {:?}",
+                    if metric.is_empty() {
+                        format!("{names:?}")
+                    } else {
+                        metric.clone()
+                    },
+                    names.iter().map(|n| (n, exported(n))).collect::<Vec<_>>()
+                );
+            }
             for n in names {
                 assert!(
                     scrape.has(&n),
@@ -1116,6 +1425,11 @@ fn check_dashboard(scrape: &str) {
     }
     // What the dashboard is for.
     for want in [
+        "process_resident_memory_bytes",
+        "kube_cache_proxy_upstream_up",
+        "kube_cache_proxy_degraded",
+        "kube_cache_proxy_passthrough_total",
+        "kube_cache_proxy_connections",
         "kube_cache_proxy_requests_total",
         "kube_cache_proxy_upstream_requests_total",
         "kube_cache_proxy_watchers",
@@ -1244,6 +1558,49 @@ async fn rendered_manifests_pass_a_server_side_dry_run() {
             .server
             .as_deref(),
         Some(format!("https://{RELEASE}.{NS}.svc:443").as_str())
+    );
+    // With cert-manager on, the NOTES still say that the continue-token Secret is the
+    // user's to create (cert-manager writes only the serving certificate). The API needs
+    // the Certificate kind for a server-side dry run: a stand-in CRD.
+    apply(
+        &kc,
+        &[&json!({
+            "apiVersion": "apiextensions.k8s.io/v1",
+            "kind": "CustomResourceDefinition",
+            "metadata": {"name": "certificates.cert-manager.io"},
+            "spec": {
+                "group": "cert-manager.io",
+                "scope": "Namespaced",
+                "names": {"kind": "Certificate", "plural": "certificates",
+                          "singular": "certificate", "listKind": "CertificateList"},
+                "versions": [{"name": "v1", "served": true, "storage": true,
+                              "schema": {"openAPIV3Schema": {"type": "object",
+                                  "x-kubernetes-preserve-unknown-fields": true}}}],
+            },
+        })],
+    );
+    let notes = eventually("a dry run with cert-manager", BOUND, async || {
+        let out = run(
+            helm(home.path())
+                .args(["install", RELEASE])
+                .arg(repo().join("deploy/helm/kube-cache-proxy"))
+                .args(["--namespace", NS, "--dry-run=server", "--kubeconfig"])
+                .arg(&kc)
+                .args(["--set", "tls.certManager.enabled=true"])
+                .args(["--set", "tls.certManager.issuerRef.name=cluster-ca"]),
+            None,
+        );
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        if !out.status.success() {
+            return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+        }
+        Ok(text)
+    })
+    .await;
+    let notes = notes.split_once("NOTES:").expect("helm prints the NOTES").1;
+    assert!(
+        notes.contains("until the Secret\nkube-cache-proxy-tokens holds the key file keys"),
+        "{notes}"
     );
     // The example kubeconfig names the same Service.
     let example =

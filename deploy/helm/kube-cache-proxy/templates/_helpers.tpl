@@ -35,6 +35,19 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end -}}
 {{- end -}}
 
+{{/* The TCP port of an http(s) URL: its own, else the scheme's (80, 443). */}}
+{{- define "kcp.urlPort" -}}
+{{- $u := urlParse . -}}
+{{- $hostPort := splitList ":" $u.host -}}
+{{- if gt (len $hostPort) 1 -}}
+{{- last $hostPort -}}
+{{- else if eq $u.scheme "https" -}}
+443
+{{- else -}}
+80
+{{- end -}}
+{{- end -}}
+
 {{- define "kcp.tlsSecretName" -}}
 {{- if .Values.tls.certManager.enabled -}}
 {{- printf "%s-tls" (include "kcp.fullname" .) -}}
@@ -78,7 +91,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $cfg "tenants" .Values.tenants -}}
 {{- end -}}
 {{- if .Values.tracing.endpoint -}}
-{{- $_ := set $cfg "tracing" (dict "otlp" (dict "endpoint" .Values.tracing.endpoint) "samplingRatio" .Values.tracing.samplingRatio) -}}
+{{- $_ := set $cfg "tracing" (dict "otlp" (dict "endpoint" .Values.tracing.endpoint) "samplingRatio" (float64 .Values.tracing.samplingRatio)) -}}
 {{- end -}}
 {{- $_ := set $cfg "tokens" (dict "keyFile" (printf "/etc/kube-cache-proxy/tokens/%s" .Values.tokens.keyFile)) -}}
 {{- $cfg = mergeOverwrite $cfg (deepCopy .Values.config) -}}

@@ -408,6 +408,8 @@ impl ExportClient {
     async fn send(&self, req: Request<Bytes>) -> Result<Response<Bytes>, HttpError> {
         use http_body_util::BodyExt as _;
         let client = self.client.clone();
+        // Named in the failure line: an export that cannot connect says where it tried.
+        let target = req.uri().clone();
         let (parts, body) = req.into_parts();
         let req = Request::from_parts(parts, http_body_util::Full::new(body));
         let task = self.rt.spawn(async move {
@@ -431,8 +433,11 @@ impl ExportClient {
         };
         match &r {
             Ok(resp) if resp.status().is_success() => {}
-            Ok(resp) => self.failed(&format!("the collector answered {}", resp.status())),
-            Err(e) => self.failed(&e.to_string()),
+            Ok(resp) => self.failed(&format!(
+                "POST {target}: the collector answered {}",
+                resp.status()
+            )),
+            Err(e) => self.failed(&format!("POST {target}: {}", error_chain(e.as_ref()))),
         }
         r
     }
@@ -450,6 +455,22 @@ impl ExportClient {
             f.logged_at = Some(Instant::now());
         }
     }
+}
+
+/// An error and its sources, `: `-separated (hyper's own text is only `client error
+/// (Connect)`; the cause, e.g. `Connection refused`, is in its sources).
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut next = e.source();
+    while let Some(s) = next {
+        let text = s.to_string();
+        if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        next = s.source();
+    }
+    out
 }
 
 impl HttpClient for ExportClient {
@@ -588,6 +609,48 @@ mod tests {
         assert_eq!(untouched.get("traceparent").unwrap(), PARENT);
         assert!(child("x", SpanKind::Internal, vec![]).is_none());
         t.shutdown().await;
+    }
+
+    /// The line about a failed export names the collector's address and the cause, not
+    /// only hyper's `client error (Connect)`.
+    #[tokio::test]
+    async fn a_failed_export_is_logged_with_the_endpoint_and_its_cause() {
+        #[derive(Clone, Default)]
+        struct Buf(Arc<parking_lot::Mutex<Vec<u8>>>);
+        impl std::io::Write for Buf {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buf = Buf::default();
+        let writer = buf.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        let _guard = tracing::subscriber::set_default(subscriber);
+        // A port nothing listens on: bound, then closed.
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let client = ExportClient::new().unwrap();
+        let req = Request::post(format!("http://{addr}/v1/traces"))
+            .body(Bytes::new())
+            .unwrap();
+        assert!(client.send(req).await.is_err());
+        let log = String::from_utf8(buf.0.lock().clone()).unwrap();
+        assert!(log.contains("exporting spans failed"), "{log}");
+        assert!(
+            log.contains(&format!(
+                "POST http://{addr}/v1/traces: client error (Connect): "
+            )),
+            "{log}"
+        );
     }
 
     #[tokio::test]

@@ -9,10 +9,19 @@ use clap::{Args, Parser, Subcommand};
 
 use crate::config::{AdminAuth, Config, ConfigError, LogFormat};
 
+/// `--version`: the package version and the source revision it was built from (as in
+/// `kube_cache_proxy_build_info`; `build.rs`).
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (revision ",
+    env!("KUBE_CACHE_PROXY_REVISION"),
+    ")"
+);
+
 #[derive(Debug, Parser)]
 #[command(
     name = "kube-cache-proxy",
-    version,
+    version = VERSION,
     about = "A watch-aware caching proxy for kube-apiserver"
 )]
 pub struct Cli {
@@ -70,8 +79,10 @@ pub struct ServeArgs {
     /// TLS listen address (default 0.0.0.0:8443).
     #[arg(long, env = "KCP_LISTEN")]
     pub listen: Option<SocketAddr>,
+    /// Serving certificate (PEM, chain first) of the TLS listener; reloaded when it changes.
     #[arg(long, env = "KCP_TLS_CERT_FILE")]
     pub tls_cert_file: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert-file.
     #[arg(long, env = "KCP_TLS_KEY_FILE")]
     pub tls_key_file: Option<PathBuf>,
     /// CA bundle for client certificates (mTLS).
@@ -80,6 +91,8 @@ pub struct ServeArgs {
     /// Plain-HTTP listen address for local use (loopback only unless allowed).
     #[arg(long, env = "KCP_INSECURE_LISTEN")]
     pub insecure_listen: Option<SocketAddr>,
+    /// Allow --insecure-listen on a non-loopback address (plain HTTP: bearer tokens travel
+    /// in the clear; only behind a trusted network hop).
     #[arg(long, env = "KCP_ALLOW_INSECURE_NON_LOOPBACK")]
     pub allow_insecure_non_loopback: bool,
     /// Admin listener (the proxy's own health, /metrics, /debug/*; default 0.0.0.0:8444 with
@@ -96,6 +109,7 @@ pub struct ServeArgs {
     /// Log filter, e.g. info or kube_cache_proxy=debug.
     #[arg(long, env = "KCP_LOG_LEVEL")]
     pub log_level: Option<String>,
+    /// Log line format: json (one object per line) or text.
     #[arg(long, env = "KCP_LOG_FORMAT")]
     pub log_format: Option<LogFormat>,
     /// The access log, one line per request at info level: on or off (default on).
@@ -302,22 +316,85 @@ pub async fn check_config(args: &CheckConfigArgs) -> Vec<String> {
     {
         // A field that did not parse has its default here: say nothing more about it.
         let failed: Vec<String> = errs.iter().map(|e| e.path.clone()).collect();
+        let tls_named = more
+            .iter()
+            .any(|e| !is_no_listener(e) && e.path.starts_with("tls."));
+        // "No listener" follows from a listener address that did not parse (it has its
+        // default here), and says nothing new beside another error about the TLS pair.
+        let listener_failed = failed
+            .iter()
+            .any(|f| f == "listen" || f == "insecureListen" || f == "tls" || f.starts_with("tls."));
         errs.extend(more.into_iter().filter(|e| {
             !failed
                 .iter()
                 .any(|f| e.path == *f || e.path.starts_with(&format!("{f}.")))
+                && !(is_no_listener(e) && (listener_failed || tls_named))
         }));
     }
     let mut out: Vec<String> = errs.iter().map(ToString::to_string).collect();
     if let Some(kc) = &args.kubeconfig {
-        out.extend(check_resources(&cfg, kc, args.context.as_deref()).await);
+        // Names the file already refuses are not looked up again.
+        let refused: Vec<String> = errs.iter().map(|e| e.path.clone()).collect();
+        out.extend(check_resources(&cfg, kc, args.context.as_deref(), &refused).await);
     }
     out
 }
 
+/// The error [`Config::validate`] gives a configuration without any listener.
+fn is_no_listener(e: &crate::config::FieldError) -> bool {
+    e.path == "tls.certFile" && e.message.starts_with("no listener")
+}
+
+/// Served resources of `group` whose name is close to `resource` (a prefix either way, or
+/// within two edits: `deploymens`, `deployment`), as `resource[.group]`.
+fn near_resources<'a>(
+    served: impl Iterator<Item = &'a (String, String)>,
+    group: &str,
+    resource: &str,
+) -> Vec<String> {
+    let mut near: Vec<String> = served
+        .filter(|(g, r)| {
+            g == group
+                && (r.starts_with(resource)
+                    || resource.starts_with(r.as_str())
+                    || edit_distance(r, resource) <= 2)
+        })
+        .map(|(g, r)| {
+            if g.is_empty() {
+                r.clone()
+            } else {
+                format!("{r}.{g}")
+            }
+        })
+        .collect();
+    near.sort();
+    near
+}
+
+/// Levenshtein distance, by characters.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let b: Vec<char> = b.chars().collect();
+    let mut prev: Vec<usize> = (0..=b.len()).collect();
+    for (i, ca) in a.chars().enumerate() {
+        let mut cur = vec![i + 1; b.len() + 1];
+        for (j, cb) in b.iter().enumerate() {
+            cur[j + 1] = (prev[j] + usize::from(ca != *cb))
+                .min(prev[j + 1] + 1)
+                .min(cur[j] + 1);
+        }
+        prev = cur;
+    }
+    prev[b.len()]
+}
+
 /// `cache.resources` against the discovery documents of the cluster `kubeconfig` names, read
 /// as the proxy reads them ([`crate::cache::registry::fetch`]).
-async fn check_resources(cfg: &Config, kubeconfig: &Path, context: Option<&str>) -> Vec<String> {
+async fn check_resources(
+    cfg: &Config,
+    kubeconfig: &Path,
+    context: Option<&str>,
+    refused: &[String],
+) -> Vec<String> {
     use crate::cache::discovery::{ALL, Selection, split_name};
     crate::http::tls::install_crypto_provider();
     let mut up = cfg.upstream.clone();
@@ -346,7 +423,7 @@ async fn check_resources(cfg: &Config, kubeconfig: &Path, context: Option<&str>)
     };
     let mut out = Vec::new();
     for (i, name) in cfg.cache.resources.iter().enumerate() {
-        if name == ALL {
+        if name == ALL || refused.contains(&format!("cache.resources[{i}]")) {
             continue;
         }
         let (resource, group) = split_name(name);
@@ -363,20 +440,7 @@ async fn check_resources(cfg: &Config, kubeconfig: &Path, context: Option<&str>)
                 d.failed_groups[group]
             ),
             None => {
-                let near: Vec<String> = d
-                    .served
-                    .keys()
-                    .filter(|(g, r)| {
-                        g == group && (r.starts_with(resource) || resource.starts_with(r.as_str()))
-                    })
-                    .map(|(g, r)| {
-                        if g.is_empty() {
-                            r.clone()
-                        } else {
-                            format!("{r}.{g}")
-                        }
-                    })
-                    .collect();
+                let near = near_resources(d.served.keys(), group, resource);
                 let hint = if near.is_empty() {
                     String::new()
                 } else {
@@ -537,6 +601,57 @@ mod tests {
     use super::*;
 
     #[test]
+    fn near_resource_names_are_suggested() {
+        let served = [
+            ("apps".to_string(), "deployments".to_string()),
+            ("apps".to_string(), "daemonsets".to_string()),
+            (String::new(), "pods".to_string()),
+            (String::new(), "podtemplates".to_string()),
+        ];
+        assert_eq!(
+            near_resources(served.iter(), "apps", "deploymens"),
+            ["deployments.apps"]
+        );
+        assert_eq!(
+            near_resources(served.iter(), "apps", "deployment"),
+            ["deployments.apps"]
+        );
+        assert_eq!(
+            near_resources(served.iter(), "", "pod"),
+            ["pods", "podtemplates"]
+        );
+        assert!(near_resources(served.iter(), "apps", "widgets").is_empty());
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+        assert_eq!(edit_distance("", "ab"), 2);
+    }
+
+    /// Every flag says what it does in `--help`.
+    #[test]
+    fn every_flag_has_help_text() {
+        use clap::CommandFactory;
+        let cli = Cli::command();
+        let mut missing = Vec::new();
+        for sub in cli.get_subcommands() {
+            for arg in sub.get_arguments() {
+                if arg.get_help().is_none() && arg.get_long_help().is_none() {
+                    missing.push(format!("{} --{}", sub.get_name(), arg.get_id()));
+                }
+            }
+        }
+        assert!(missing.is_empty(), "flags without help: {missing:?}");
+    }
+
+    #[test]
+    fn version_names_the_source_revision() {
+        use clap::CommandFactory;
+        let v = Cli::command().render_version();
+        assert!(
+            v.contains(&format!("(revision {})", env!("KUBE_CACHE_PROXY_REVISION"))),
+            "{v}"
+        );
+    }
+
+    #[test]
     fn flags_override_the_file() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("c.yaml");
@@ -612,6 +727,8 @@ mod tests {
                 "shutdown.dealy",
                 "tls.certFile",
                 "tls.clientCaFile",
+                // Beside the certificate, not hidden by it.
+                "tls.keyFile",
                 "tokens.keyFile",
             ],
             "{errs:#?}"

@@ -57,6 +57,13 @@ pub fn check_files(c: &Config, err: &mut dyn FnMut(&str, String)) {
             _ => "tls.certFile",
         };
         err(field, e.to_string());
+        // Loading stops at the certificate: a key file that cannot be read either is an
+        // error of its own, reported in the same run.
+        if field == "tls.certFile"
+            && let Err(ke) = std::fs::File::open(key)
+        {
+            err("tls.keyFile", format!("reading {}: {ke}", key.display()));
+        }
     }
     if let Some(p) = &c.tls.client_ca_file
         && let Err(e) = client_ca_roots(p)

@@ -77,7 +77,9 @@ fn a_broken_file_gets_every_error_at_once_and_exit_status_1() {
     assert_eq!(o.status.code(), Some(1));
     let stderr = String::from_utf8_lossy(&o.stderr);
     let lines: Vec<&str> = stderr.lines().collect();
-    assert_eq!(lines[0], "c.yaml: 6 error(s)", "{stderr}");
+    // (No "no listener" beside the unparsable `listen` and the incomplete TLS pair: it
+    // follows from them.)
+    assert_eq!(lines[0], "c.yaml: 5 error(s)", "{stderr}");
     let mut paths: Vec<&str> = lines[1..]
         .iter()
         .map(|l| l.split(": ").nth(1).unwrap())
@@ -91,11 +93,48 @@ fn a_broken_file_gets_every_error_at_once_and_exit_status_1() {
             "server.maxConnections",
             "shutdown.dealy",
             "tls.certFile",
-            "tls.certFile",
         ],
         "{stderr}"
     );
     // --no-files does not hide errors in the file itself.
     let o = check_config(&["--no-files", "c.yaml"], dir.path());
     assert_eq!(String::from_utf8_lossy(&o.stderr), stderr);
+}
+
+/// Both files of the serving pair are named and neither exists: both are reported.
+#[test]
+fn a_missing_key_file_is_reported_beside_a_missing_certificate() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("c.yaml"),
+        "tls:\n  certFile: /nonexistent/tls.crt\n  keyFile: /nonexistent/tls.key\n",
+    )
+    .unwrap();
+    let o = check_config(&["c.yaml"], dir.path());
+    assert_eq!(o.status.code(), Some(1));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(stderr.starts_with("c.yaml: 2 error(s)\n"), "{stderr}");
+    assert!(
+        stderr.contains("c.yaml: tls.certFile: ") && stderr.contains("/nonexistent/tls.crt"),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains("c.yaml: tls.keyFile: reading /nonexistent/tls.key: "),
+        "{stderr}"
+    );
+}
+
+/// An address that does not parse is the error; the "no listener" it would lead to is not
+/// reported as a second one.
+#[test]
+fn an_unparsable_listener_is_one_error() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("c.yaml"), "insecureListen: nowhere\n").unwrap();
+    let o = check_config(&["c.yaml"], dir.path());
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(
+        stderr.starts_with("c.yaml: 1 error(s)\nc.yaml: insecureListen: "),
+        "{stderr}"
+    );
 }

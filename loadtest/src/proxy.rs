@@ -152,12 +152,11 @@ impl ServedBy {
                 &[&resource, &verb, &b],
             ) as u64
         };
-        let lower = verb.to_lowercase();
         let mut reasons = std::collections::BTreeMap::new();
         for l in text.lines().filter(|l| {
             l.starts_with("kube_cache_proxy_passthrough_total{")
                 && l.contains(&resource)
-                && l.contains(&lower)
+                && l.contains(&verb)
         }) {
             let reason = l
                 .split_once("reason=\"")
@@ -350,9 +349,9 @@ mod tests {
                 "kube_cache_proxy_requests_total{{verb=\"WATCH\",resource=\"pods\",served_by=\"cache\"}} {watch_cache}\n\
                  kube_cache_proxy_requests_total{{verb=\"WATCH\",resource=\"pods\",served_by=\"upstream\"}} {not_reached}\n\
                  kube_cache_proxy_requests_total{{verb=\"LIST\",resource=\"pods\",served_by=\"upstream\"}} 9\n\
-                 kube_cache_proxy_passthrough_total{{verb=\"watch\",resource=\"pods\",reason=\"resourceVersion not reached\"}} {not_reached}\n\
-                 kube_cache_proxy_passthrough_total{{verb=\"list\",resource=\"pods\",reason=\"selector\"}} 9\n\
-                 kube_cache_proxy_passthrough_total{{verb=\"watch\",resource=\"nodes\",reason=\"selector\"}} 4\n"
+                 kube_cache_proxy_passthrough_total{{verb=\"WATCH\",resource=\"pods\",reason=\"resourceVersion not reached\"}} {not_reached}\n\
+                 kube_cache_proxy_passthrough_total{{verb=\"LIST\",resource=\"pods\",reason=\"selector\"}} 9\n\
+                 kube_cache_proxy_passthrough_total{{verb=\"WATCH\",resource=\"nodes\",reason=\"selector\"}} 4\n"
             )
         };
         let before = ServedBy::read(&at(10, 2), "pods", "WATCH");

@@ -196,11 +196,27 @@ pub struct ReasonLabels {
 
 /// A read the cache path handed to the apiserver, and why (`reason`: a fixed string of
 /// `read::delegate`, e.g. `resource not cached`, `resourceVersion not reached`).
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+///
+/// `verb` is exported upper-case (`LIST`, `WATCH`, `GET`) whatever case it is given in (the
+/// authorization verb, `list`): the apiserver's convention in `apiserver_request_total`,
+/// and the one of every other `verb` label here.
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
 pub struct PassthroughLabels {
     pub verb: String,
     pub resource: String,
     pub reason: String,
+}
+
+impl prometheus_client::encoding::EncodeLabelSet for PassthroughLabels {
+    fn encode(
+        &self,
+        encoder: &mut prometheus_client::encoding::LabelSetEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeLabel as _;
+        ("verb", self.verb.to_ascii_uppercase()).encode(encoder.encode_label())?;
+        ("resource", self.resource.as_str()).encode(encoder.encode_label())?;
+        ("reason", self.reason.as_str()).encode(encoder.encode_label())
+    }
 }
 
 pub struct Metrics {
@@ -303,7 +319,7 @@ impl Metrics {
         let passthrough_watches = Family::<PassthroughLabels, Gauge>::default();
         registry.register(
             "kube_cache_proxy_passthrough_watches",
-            "Watches of resources handed to the apiserver and still open, by resource and reason (verb is always watch)",
+            "Watches of resources handed to the apiserver and still open, by resource and reason (verb is always WATCH)",
             passthrough_watches.clone(),
         );
         let watches_moved_home = Family::<PassthroughLabels, Counter>::default();
@@ -566,5 +582,32 @@ mod resource_label_tests {
                 "{c}"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod verb_label_tests {
+    use super::*;
+
+    /// Every `verb` label is the apiserver's upper-case one, the passthrough counters' too
+    /// (they are given the lower-case authorization verb).
+    #[test]
+    fn passthrough_verbs_are_upper_case_as_in_the_request_metrics() {
+        let m = Metrics::new();
+        m.passthrough
+            .get_or_create(&PassthroughLabels {
+                verb: "list".into(),
+                resource: "pods".into(),
+                reason: "selector".into(),
+            })
+            .inc();
+        let text = m.encode();
+        assert!(
+            text.contains(
+                "kube_cache_proxy_passthrough_total{verb=\"LIST\",resource=\"pods\",reason=\"selector\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(!text.contains("verb=\"list\""), "{text}");
     }
 }

@@ -316,7 +316,7 @@ async fn protobuf_watches_opened_at_a_cold_start_are_the_caches() {
     assert_eq!(
         sum(
             "kube_cache_proxy_passthrough_total",
-            &["verb=\"watch\"", "resource=\"configmaps\""]
+            &["verb=\"WATCH\"", "resource=\"configmaps\""]
         ),
         0.0,
         "no watch passed through:\n{m}"

@@ -22,6 +22,7 @@ mod differential;
 mod ha;
 mod kubelet_watchers;
 mod lists;
+mod local_node;
 mod local_rbac;
 mod outage;
 mod paging;

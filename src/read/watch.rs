@@ -938,6 +938,52 @@ mod tests {
         );
     }
 
+    /// What moves a passed-through watch home (`serve::homing`): a resume the cache would
+    /// serve at once. Not before the cache has synced or reached the resourceVersion, never
+    /// from before its history (that would cost a backfill or a 410), and in protobuf only
+    /// when every envelope after it is there or can still come.
+    #[tokio::test]
+    async fn a_resume_is_the_caches_once_it_holds_the_resource_version_and_its_envelopes() {
+        use crate::k8s::protobuf_write::tests::real;
+        use crate::k8s::protobuf_write::with_resource_version;
+        let json = c2;
+        let get = unhex(real::GET_C2);
+        let at = |rv: u64| Bytes::from(with_resource_version(&get, &rv.to_string()).unwrap());
+        let key = crate::cache::ObjectKey::new("pb", "c2");
+        let cache = ResourceCache::new(configmaps(), StoreConfig::default());
+        assert!(!resumable(&cache, 209, false, false), "not synced");
+        cache.replace(vec![json(203)], 209);
+        assert!(resumable(&cache, 209, false, false));
+        assert!(!resumable(&cache, 210, false, false), "not reached");
+        assert!(
+            !resumable(&cache, 208, false, false),
+            "older than the history"
+        );
+        assert!(!resumable(&cache, 0, false, false));
+        // 210 happened before the protobuf side started: its envelope never comes.
+        cache.apply(EventKind::Modified, json(210));
+        cache.apply(EventKind::Modified, json(211));
+        assert!(resumable(&cache, 209, false, false));
+        assert!(!resumable(&cache, 211, true, false), "no protobuf side");
+        cache.want_protobuf();
+        cache.attach_protobuf(&key, 211, at(211));
+        let bm = unhex(real::CM_BOOKMARK);
+        let bm_object = proto_frames(&bm).remove(0).1;
+        crate::cache::reflector::proto::ProtoSink::bookmark(&*cache, 211, true, bm_object.into());
+        assert!(
+            !resumable(&cache, 209, true, false),
+            "210's envelope never comes"
+        );
+        assert!(resumable(&cache, 210, true, false));
+        assert!(resumable(&cache, 211, true, true), "metadata too");
+        // 212's envelope is still to come (after the side's start): served once it does.
+        cache.apply(EventKind::Modified, json(212));
+        assert!(resumable(&cache, 211, true, false));
+        // A backfilled stretch's envelopes, attached to its events, make it resumable.
+        cache.attach_protobuf(&key, 210, at(210));
+        assert!(resumable(&cache, 209, true, false));
+    }
+
     /// A watch that came while the cache was starting (right after the proxy started) waits
     /// for the sync and is served from the cache, whatever its start (a resume, a
     /// WatchList); without a sync within the wait it is asked to come back (429 "storage is

@@ -552,10 +552,11 @@ async fn client_go_informers_behind_the_proxy_do_not_relist_when_the_apiserver_r
 
 /// The proxy stopped gracefully (SIGTERM) and started again at the same address with
 /// `cache.stateDir`: it saves each cache's state, loads it at start and resumes its upstream
-/// watches without a LIST; client-go informers (legacy, WatchList, metadata, and the default
-/// protobuf one the cache passes through) re-watch from their last resourceVersion and get
-/// what they missed, writes made while the proxy was down included: no informer relists, and
-/// each ends with exactly the apiserver's state.
+/// watches without a LIST; client-go informers (legacy, WatchList, metadata, each in JSON
+/// and in protobuf) re-watch from their last resourceVersion and get what they missed,
+/// writes made while the proxy was down included: no informer relists, each ends with
+/// exactly the apiserver's state, and none is left on the apiserver once the caches serve
+/// them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_go_informers_do_not_relist_when_the_proxy_restarts_with_its_saved_state() {
     proxy_restart("e2e-proxy-restart", Restart::Warm).await;
@@ -564,8 +565,13 @@ async fn client_go_informers_do_not_relist_when_the_proxy_restarts_with_its_save
 /// The same without `cache.stateDir`: the restarted proxy lists afresh, after the writes
 /// made while it was down, so every informer resumes from a resourceVersion older than the
 /// new cache's history. The proxy extends the history back from the apiserver (an Exact
-/// list and a watch from the oldest resumed resourceVersion, `cache.backfill`) and the
-/// informers get exactly what they missed: no relist either.
+/// list and a watch from the oldest resumed resourceVersion, `cache.backfill`, and a
+/// protobuf watch for the stretch's envelopes) and the informers get exactly what they
+/// missed: no relist either (so no 410 either: client-go relists on one). The protobuf
+/// informers (legacy, WatchList, metadata) re-watch from the cache too, and once the caches
+/// serve them no informer's watch is left on the apiserver (the proxy's gauge of open
+/// passed-through watches, polled until 0; a re-watch passed through while the cache or its
+/// protobuf side started is moved home).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_go_informers_do_not_relist_when_the_proxy_restarts_without_saved_state() {
     proxy_restart("e2e-proxy-cold", Restart::Cold).await;
@@ -607,11 +613,14 @@ async fn proxy_restart(ns: &str, how: Restart) {
         .await
         .unwrap()
         .unwrap();
+    // JSON and protobuf (client-go's own Accept: protobuf first) informers of each kind.
     let sides = [
         ("legacy", "json"),
         ("watchlist", "json"),
         ("metadata", "json"),
         ("legacy", "client"),
+        ("watchlist", "client"),
+        ("metadata", "client"),
     ];
     let mut informers = spawn_informers(&bin, &env.proxy_kubeconfig, ns, &sides);
     let before = env.churn(ns, "before", 3).await;
@@ -664,6 +673,34 @@ async fn proxy_restart(ns: &str, how: Restart) {
             "{mode} ({accept}): the informer's cache differs from the apiserver"
         );
     }
+    // No informer's watch is left on the apiserver once the caches serve them: a re-watch
+    // the restarted proxy passed through (its cache or protobuf side still starting, a
+    // starting point without envelopes) has been moved home by now (`serve::homing`).
+    let configmaps_metric = async |name: &str| {
+        let (_, m) = env.proxy.admin_get("/metrics").await;
+        support::watch_validator::sum_metric(&m, name, &["resource=\"configmaps\""])
+    };
+    eventually(
+        "no configmaps watch of an informer left on the apiserver",
+        BOUND,
+        async || {
+            let open = configmaps_metric("kube_cache_proxy_passthrough_watches").await;
+            ok_if(open == 0.0, open)
+        },
+    )
+    .await;
+    let passed_through = {
+        let (_, m) = env.proxy.admin_get("/metrics").await;
+        m.lines()
+            .filter(|l| {
+                l.starts_with("kube_cache_proxy_passthrough_total{")
+                    && l.contains("verb=\"WATCH\"")
+                    && l.contains("resource=\"configmaps\"")
+            })
+            .map(str::to_string)
+            .collect::<Vec<_>>()
+    };
+    let moved_home = configmaps_metric("kube_cache_proxy_watches_moved_home_total").await;
     let e = entry(&state).unwrap();
     let lists: u64 = e.reflector.stats().snapshot().lists.iter().sum();
     let backfills = |c: fn(&BackfillStats) -> &std::sync::atomic::AtomicU64| {
@@ -694,6 +731,20 @@ async fn proxy_restart(ns: &str, how: Restart) {
         Restart::Cold => {
             assert_eq!(lists, 1, "the cold proxy lists configmaps once");
             assert!(filled >= 1, "the informers' resumes were backfilled");
+            // The backfill brought the stretch's protobuf envelopes too: no protobuf
+            // re-watch went to the apiserver for want of them.
+            assert!(
+                !passed_through
+                    .iter()
+                    .any(|l| l.contains("protobuf envelopes of the starting point missing")),
+                "{passed_through:?}"
+            );
+            let from_cache = configmaps_protobuf_from_cache(&env, "WATCH").await;
+            assert!(
+                from_cache >= 3.0,
+                "the three protobuf informers' re-watches were served from the cache \
+                 ({from_cache})"
+            );
         }
         Restart::ColdWithApiserver => {
             assert_eq!(lists, 1, "the cold proxy lists configmaps once");
@@ -717,13 +768,16 @@ async fn proxy_restart(ns: &str, how: Restart) {
         "proxy ({}) stopped gracefully in {stopped:?}, started in {started:?}, configmaps \
          cache ready {ready:?} after the start ({lists} upstream LISTs, {filled} backfills, \
          {differences} differences), every informer had the writes made while it was down \
-         {resumed:?} after the start; the informers' requests from the stop on (ms after the \
-         start; - before it): {timelines:#?}",
+         {resumed:?} after the start; configmaps watches passed through by the restarted \
+         proxy: {passed_through:?}, moved home: {}, left on the apiserver: 0; the \
+         informers' requests from the stop on (ms after the start; - before it): \
+         {timelines:#?}",
         match how {
             Restart::Warm => "saved state",
             Restart::Cold => "no saved state",
             Restart::ColdWithApiserver => "no saved state, kube-apiserver restarted",
-        }
+        },
+        moved_home as u64
     );
     env.proxy.shutdown().await;
     env.cp.stop().await;

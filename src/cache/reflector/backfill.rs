@@ -335,10 +335,24 @@ impl Backfiller {
             )));
         }
         match self.changes(cache, from, h, &base, &target, later).await {
-            Ok(events) => cache
-                .extend_history(from, base, events)
-                .map(|n| (n, Stretch::Events))
-                .map_err(|e| BackfillError::Failed(e.to_string())),
+            Ok(events) => {
+                let envelopes = self
+                    .protobuf_envelopes(cache, from, h, events.len(), later)
+                    .await;
+                let out = cache
+                    .extend_history(from, base, events)
+                    .map(|n| (n, Stretch::Events))
+                    .map_err(|e| BackfillError::Failed(e.to_string()));
+                // Attached as the stretch joins (no await between): a protobuf client
+                // resuming in it finds every envelope there, not a starting point whose
+                // envelopes never come.
+                if out.is_ok() {
+                    for (key, rv, envelope) in envelopes {
+                        cache.attach_protobuf(&key, rv, envelope);
+                    }
+                }
+                out
+            }
             // etcd still has the state at `from` (the Exact list) but the apiserver's watch
             // no longer has the changes after it (older than its watch cache), or they would
             // not fit the history: the difference still spares the client a relist.
@@ -466,6 +480,116 @@ impl Backfiller {
                 }
             }
         }
+    }
+
+    /// The protobuf envelopes of the `n` changes after `from` up to `h` (those
+    /// [`Self::changes`] read in JSON), from a protobuf watch from `from`, when the
+    /// resource's protobuf side runs: that side brings only the state it starts from and
+    /// what follows, so without them a protobuf client resuming in a backfilled stretch (after
+    /// a cold restart) would be handed to the apiserver. What cannot be had is logged and
+    /// left out: such a client then goes to the apiserver, as before, and is moved back
+    /// once it has passed the stretch (`serve::homing`).
+    async fn protobuf_envelopes(
+        &self,
+        cache: &ResourceCache,
+        from: u64,
+        h: u64,
+        n: usize,
+        later: bool,
+    ) -> Vec<(ObjectKey, u64, bytes::Bytes)> {
+        if n == 0 || cache.resource.custom || !cache.protobuf_started() {
+            return Vec::new();
+        }
+        let mut out = Vec::with_capacity(n);
+        let bound = if later {
+            self.timeout
+        } else {
+            Duration::from_secs(2)
+        };
+        let read = tokio::time::timeout(
+            bound,
+            self.read_protobuf(cache, from, h, n, later, &mut out),
+        );
+        match read.await {
+            Ok(Ok(())) => {}
+            Ok(Err(why)) => {
+                tracing::info!(resource = %cache.resource.label(), from, got = out.len(), of = n, error = %why, "backfill: protobuf envelopes not all had");
+            }
+            Err(_) => {
+                tracing::info!(resource = %cache.resource.label(), from, got = out.len(), of = n, "backfill: protobuf envelopes not all had within {bound:?}");
+            }
+        }
+        out
+    }
+
+    async fn read_protobuf(
+        &self,
+        cache: &ResourceCache,
+        from: u64,
+        h: u64,
+        n: usize,
+        later: bool,
+        out: &mut Vec<(ObjectKey, u64, bytes::Bytes)>,
+    ) -> Result<(), BackfillError> {
+        use super::proto::{FrameReader, ProtoItem, decode};
+        const WHAT: &str = "backfill protobuf watch";
+        let timeout_secs = if later {
+            self.timeout.as_secs().max(1)
+        } else {
+            1
+        };
+        let pq = format!(
+            "{}?watch=1&allowWatchBookmarks=true&resourceVersion={from}&timeoutSeconds={timeout_secs}",
+            cache.resource.collection_path(None)
+        );
+        let req = Request::get(self.upstream.uri(&pq))
+            .header(header::ACCEPT, "application/vnd.kubernetes.protobuf")
+            .body(body::empty())
+            .expect("a GET with a valid URI is a valid request");
+        let resp = self
+            .upstream
+            .send(req, As::Proxy, true)
+            .await
+            .map_err(|source| classify(ReflectorError::Transport { what: WHAT, source }))?;
+        if !resp.status().is_success() {
+            return Err(classify(error_response(WHAT, resp).await));
+        }
+        let mut body = resp.into_body();
+        let mut reader = FrameReader::default();
+        let mut frames = Vec::new();
+        while out.len() < n {
+            let Some(frame) = body.frame().await else {
+                return Ok(());
+            };
+            let frame = frame.map_err(|e| {
+                classify(ReflectorError::Body {
+                    what: WHAT,
+                    source: e.into(),
+                })
+            })?;
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            reader
+                .push(data, &mut frames)
+                .map_err(|e| BackfillError::Failed(e.to_string()))?;
+            for f in frames.drain(..) {
+                match decode(&f).map_err(|e| BackfillError::Failed(e.to_string()))? {
+                    ProtoItem::Object {
+                        key, rv, envelope, ..
+                    } if rv <= h => {
+                        out.push((key, rv, envelope));
+                    }
+                    ProtoItem::Object { .. } => return Ok(()),
+                    ProtoItem::Bookmark { rv, .. } if rv >= h => return Ok(()),
+                    ProtoItem::Bookmark { .. } => {}
+                    ProtoItem::Error(status) => {
+                        return Err(classify(ReflectorError::Status { what: WHAT, status }));
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     fn reached(

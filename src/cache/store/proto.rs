@@ -20,25 +20,31 @@ impl ResourceCache {
         // other frames, which it would otherwise keep alive as long as the object version.
         let envelope = Bytes::copy_from_slice(&envelope);
         let s = self.read();
+        let n = envelope.len() as u64;
+        let (mut found, mut fresh) = (false, false);
         if let Some(o) = s.objects.get(key)
             && o.meta.resource_version == rv
         {
-            let n = envelope.len() as u64;
-            if o.proto.set(envelope) {
-                self.charge_protobuf(n, s);
-            }
-            self.proto_attached.notify_waiters();
-            return Attached::Now;
+            found = true;
+            fresh |= o.proto.set(envelope.clone());
         }
+        // The history's event at `rv` too: the same object version, though not always the
+        // same allocation as the current object (a backfilled stretch's events are parsed
+        // from the backfill's own watch), and a protobuf watch resuming before it needs it.
         let i = s.history.partition_point(|e| e.rv < rv);
         if let Some(e) = s.history.get(i)
             && e.rv == rv
             && e.object.meta.name == key.name
             && e.object.meta.namespace == key.namespace
         {
-            let n = envelope.len() as u64;
-            if e.object.proto.set(envelope) {
+            found = true;
+            fresh |= e.object.proto.set(envelope.clone());
+        }
+        if found {
+            if fresh {
                 self.charge_protobuf(n, s);
+            } else {
+                drop(s);
             }
             self.proto_attached.notify_waiters();
             return Attached::Now;

@@ -559,3 +559,36 @@ proptest! {
         })?;
     }
 }
+
+/// A backfilled stretch's events are objects of their own, parsed from the backfill's
+/// watch: an envelope of a version that is also the current object's (p at 15, unchanged
+/// since) goes to the history's event too, so a protobuf watch resuming before it finds
+/// it; the current object keeps the one it had.
+#[tokio::test]
+async fn an_envelope_reaches_a_backfilled_event_of_the_current_version() {
+    let cache = ResourceCache::new(Resource::core("pods", "Pod", true), StoreConfig::default());
+    cache.replace(vec![pod("a", "p", None, 15)], 20);
+    cache.want_protobuf();
+    let key = ObjectKey::new("a", "p");
+    assert_eq!(
+        cache.attach_protobuf(&key, 15, Bytes::from_static(b"side")),
+        Attached::Now
+    );
+    let stretch = vec![(EventKind::Modified, pod("a", "p", None, 15))];
+    assert_eq!(
+        cache.extend_history(10, vec![pod("a", "p", None, 8)], stretch),
+        Ok(1)
+    );
+    let event = || cache.changes_since(10).unwrap().0.remove(0);
+    assert!(
+        event().object.proto.get().is_none(),
+        "not the current object"
+    );
+    assert_eq!(
+        cache.attach_protobuf(&key, 15, Bytes::from_static(b"backfill")),
+        Attached::Now
+    );
+    assert_eq!(event().object.proto.get().unwrap(), "backfill");
+    let (current, _) = cache.get("a", "p");
+    assert_eq!(current.unwrap().proto.get().unwrap(), "side");
+}

@@ -256,7 +256,7 @@ pub struct Metrics {
     pub passthrough_watches: Family<PassthroughLabels, Gauge>,
     /// Passed-through watches ended once the cache could serve their clients, by resource
     /// and the reason they were passed through (`kube_cache_proxy_watches_moved_home_total`;
-    /// `verb` is always `watch`; `serve::homing`).
+    /// `verb` is always `WATCH`; `serve::homing`).
     pub watches_moved_home: Family<PassthroughLabels, Counter>,
     /// The resources the request metrics may name ([`KnownResources`]).
     pub resources: KnownResources,

@@ -485,6 +485,9 @@ pub struct CacheConfig {
     /// events are suppressed, so a resume never starts far behind.
     #[serde(with = "duration")]
     pub filtered_bookmark_interval: Duration,
+    /// Bounds on the distinct field-level change filters (`X-Kube-Cache-Proxy-Watch-Fields`)
+    /// of one resource's open watches (`docs/watch-fields.md`).
+    pub watch_fields: WatchFieldsConfig,
     /// When the proxy must relist a resource (its upstream watch expired after compaction,
     /// or the apiserver restarted), keep downstream watches open and send them the
     /// difference between the old and the new state as ordinary ADDED/MODIFIED/DELETED
@@ -607,6 +610,7 @@ impl Default for CacheConfig {
             dispatch_budget: Duration::ZERO,
             bookmark_interval: Duration::from_secs(60),
             filtered_bookmark_interval: Duration::from_secs(5),
+            watch_fields: WatchFieldsConfig::default(),
             absorb_relists: true,
             backfill: true,
             protobuf_max_bytes: 2 << 30,
@@ -620,6 +624,31 @@ impl Default for CacheConfig {
             authorization_deny_ttl: Duration::from_secs(30),
             authorization_follow_rbac: true,
             max_staleness: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Bounds on the distinct field-level change filters of one resource's open watches
+/// (`cache.watchFields`). Each event of the resource is decided once per distinct filter (a
+/// cost bounded by the filter's size, after one comparison of the two objects), and equal
+/// filters share the decision; these bound how many there are, so one user cannot make every
+/// event of a resource cost what thousands of filters do. A watch beyond them gets 429
+/// TooManyRequests with Retry-After; one whose filter is already in use (by anyone, for the
+/// resource's bound; by the same user, for the user's) is always admitted.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct WatchFieldsConfig {
+    /// Distinct filters on one resource, all users together. 0: no filtered watch.
+    pub max_filters_per_resource: usize,
+    /// Distinct filters one user (the authenticated user name) holds on one resource.
+    pub max_filters_per_identity: usize,
+}
+
+impl Default for WatchFieldsConfig {
+    fn default() -> Self {
+        WatchFieldsConfig {
+            max_filters_per_resource: 1000,
+            max_filters_per_identity: 100,
         }
     }
 }

@@ -172,6 +172,13 @@ struct Args {
     /// ...of this many KiB each.
     #[arg(long, default_value_t = 10)]
     ingest_kib: usize,
+    /// Scenario fields-attack (run alone: `--only fields-attack`): watchers of the select
+    /// phases (each with a distinct 32-path filter in the distinct phase)...
+    #[arg(long, default_value_t = 6000)]
+    fa_watchers: usize,
+    /// ...seconds of writes per phase.
+    #[arg(long, default_value_t = 20.0)]
+    fa_secs: f64,
     /// Scenario hostile-streams (run alone: `--only hostile-streams`): connections...
     #[arg(long, default_value_t = 10)]
     hs_conns: usize,
@@ -800,6 +807,8 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         Some(warm_main(&env, &args, &out, &work).await.map(|()| true))
     } else if alone("ingest") {
         Some(ingest_main(&env, &args, &out).await.map(|()| true))
+    } else if alone("fields-attack") {
+        Some(fields_attack_main(&env, &args, &out).await)
     } else if alone("hostile-streams") {
         Some(hostile_main(&env, &args, &out).await.map(|()| true))
     } else if alone("idle-streams") {
@@ -1044,6 +1053,42 @@ fn write_scenario_report(
     )?;
     println!("{md}");
     Ok(())
+}
+
+/// Scenario fields-attack (`fields.rs`): many distinct watch field filters against one proxy,
+/// every phase in the same run, with its own report. Fails when a claim does not hold.
+async fn fields_attack_main(env: &Env, args: &Args, out: &std::path::Path) -> anyhow::Result<bool> {
+    let d = &env.direct;
+    let o = fields::AttackOpts {
+        namespace: "lt-fa".into(),
+        victim_namespace: "lt-fv".into(),
+        select_watchers: args.fa_watchers,
+        select_rate: 4.0,
+        ignore_watchers: 100,
+        keys: 40_000,
+        ignore_rate: 1.0,
+        streams_per_conn: 250,
+        secs: args.fa_secs,
+        victim_rate: 10.0,
+    };
+    say!("fields-attack: seeding lt-fa, lt-fv ...");
+    fields::attack_setup(d, &env.admin, &o).await?;
+    let px = env
+        .start_proxy_variant("fields-attack", fields::ATTACK_CONFIG)
+        .await?
+        .context("fields-attack starts its own proxy: not with --kubeconfig")?;
+    let pid = px.pid.context("proxy pid")?;
+    let r = fields::attack(&px.target, d, &env.admin, pid, &o).await;
+    px.stop().await;
+    let r = r?;
+    write_scenario_report(
+        out,
+        "fields-attack",
+        fields::attack_markdown(&o, &r),
+        args.proxy_extra_config.as_deref(),
+        &r,
+    )?;
+    Ok(r.passed())
 }
 
 /// Scenario hostile-streams (`hostile.rs`), apiserver then proxy, with its own report.

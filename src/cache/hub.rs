@@ -21,7 +21,7 @@ use dashmap::DashMap;
 use crate::cache::CachedObject;
 use crate::cache::event::{Delivery, Event};
 use crate::k8s::selector::{FieldSelector, LabelSelector};
-use crate::k8s::watch_fields::WatchFields;
+use crate::k8s::watch_fields::{ChangeSet, WatchFields};
 
 /// What a watcher wants to see.
 #[derive(Debug, Clone, Default)]
@@ -37,34 +37,46 @@ pub struct Filter {
     pub changes: Option<Arc<WatchFields>>,
 }
 
-/// The change decisions of one event, shared by every watcher with the same change filter
-/// (one decision per event per distinct filter; the objects are parsed at most once per
-/// event, and only when a watcher has a change filter).
+/// The change decisions of one event, shared by every watcher with the same change filter:
+/// the event's changed paths are computed once (the two objects parsed and compared once,
+/// only when a watcher has a change filter), then each distinct filter is decided once
+/// against them, at a cost bounded by the filter's size (`watch_fields::ChangeSet`). The
+/// decisions are kept by filter (hashed by its id, compared by content), so a watcher's
+/// lookup costs the same with one distinct filter or thousands.
 #[derive(Default)]
 pub struct ChangeMemo {
-    decided: Vec<(u64, bool)>,
-    /// The previous and the new object, parsed (`None`: unreadable, delivered).
-    parsed: Option<Option<(serde_json::Value, serde_json::Value)>>,
+    decided: std::collections::HashMap<Arc<WatchFields>, bool>,
+    /// The changed paths (`None`: an object is unreadable, delivered).
+    set: Option<Option<ChangeSet>>,
+    /// Decisions computed (distinct filters decided) and the time spent on the filter work
+    /// (parsing, changed paths, decisions), for the metrics.
+    evaluations: u64,
+    nanos: u64,
 }
 
 impl ChangeMemo {
-    fn changed(&mut self, f: &WatchFields, e: &Event) -> bool {
-        if let Some((_, c)) = self.decided.iter().find(|(id, _)| *id == f.id()) {
+    fn changed(&mut self, f: &Arc<WatchFields>, e: &Event) -> bool {
+        if let Some(c) = self.decided.get(&**f) {
             return *c;
         }
-        let parsed = self.parsed.get_or_insert_with(|| {
+        let start = std::time::Instant::now();
+        let set = self.set.get_or_insert_with(|| {
             let prev = e.prev.as_deref()?;
-            Some((
-                serde_json::from_slice(&prev.body).ok()?,
-                serde_json::from_slice(&e.object.body).ok()?,
-            ))
+            ChangeSet::from_json(&prev.body, &e.object.body)
         });
-        let c = match parsed {
-            Some((old, new)) => f.changed(old, new),
+        let c = match set {
+            Some(set) => f.changed_in(set),
             None => true,
         };
-        self.decided.push((f.id(), c));
+        self.decided.insert(f.clone(), c);
+        self.evaluations += 1;
+        self.nanos += start.elapsed().as_nanos() as u64;
         c
+    }
+
+    /// Distinct filters decided so far.
+    pub fn decisions(&self) -> usize {
+        self.decided.len()
     }
 }
 
@@ -427,6 +439,10 @@ pub struct HubStats {
     /// because they changed none of the watcher's fields.
     pub changes_delivered: AtomicU64,
     pub changes_suppressed: AtomicU64,
+    /// Change-filter decisions computed (one per event per distinct filter it concerned)
+    /// and the time spent on the filter work, in nanoseconds.
+    pub change_evaluations: AtomicU64,
+    pub change_nanos: AtomicU64,
 }
 
 pub struct Hub {
@@ -448,6 +464,9 @@ pub struct Hub {
     queue_bytes: usize,
     budget: TimeBudget,
     pub stats: HubStats,
+    /// The distinct change filters of this resource's watches (admitted by the pipeline,
+    /// within `cache.watchFields`).
+    pub change_filters: Arc<crate::k8s::watch_fields::Registry>,
 }
 
 /// Time the dispatcher may spend waiting for full queues, shared by all events (as
@@ -529,6 +548,7 @@ impl Hub {
             queue_bytes: queue_bytes.max(1),
             budget: TimeBudget::new(budget),
             stats: HubStats::default(),
+            change_filters: Default::default(),
         })
     }
 
@@ -707,6 +727,9 @@ impl Hub {
         self.stats.events_sent.fetch_add(sent, Ordering::Relaxed);
         if changes_delivered + changes_suppressed > 0 {
             let st = &self.stats;
+            st.change_evaluations
+                .fetch_add(memo.evaluations, Ordering::Relaxed);
+            st.change_nanos.fetch_add(memo.nanos, Ordering::Relaxed);
             st.changes_delivered
                 .fetch_add(changes_delivered, Ordering::Relaxed);
             st.changes_suppressed
@@ -880,7 +903,7 @@ mod tests {
         for f in [on_data(None), on_data(Some("a"))] {
             assert_eq!(f.delivery_of_changes(&e, &mut memo), None);
         }
-        assert_eq!(memo.decided.len(), 1);
+        assert_eq!(memo.decisions(), 1);
         let added = Arc::new(Event::new(EventKind::Added, v3.clone(), None));
         assert!(
             on_data(None)
@@ -891,6 +914,74 @@ mod tests {
         assert_eq!(hub.filtered(), 1);
         hub.close_all(CloseReason::Relist);
         assert_eq!(hub.filtered(), 0);
+    }
+
+    /// Thousands of distinct filters: each is decided once per event from the event's
+    /// changed paths (one decision per distinct filter, whatever the watchers sharing it),
+    /// and each watcher gets exactly what the direct comparison of its fields says.
+    #[tokio::test]
+    async fn many_distinct_filters_are_decided_once_each_from_the_changed_paths() {
+        let cm = |rv: u64, keys: &[(usize, &str)]| {
+            let data: serde_json::Map<String, serde_json::Value> = keys
+                .iter()
+                .map(|(k, v)| (format!("k{k}"), serde_json::json!(v)))
+                .collect();
+            let raw = serde_json::json!({"metadata": {"name": "x", "namespace": "a",
+                "resourceVersion": rv.to_string()}, "data": data})
+            .to_string();
+            Arc::new(
+                CachedObject::parse(
+                    Bytes::from(raw),
+                    &Resource::core("configmaps", "ConfigMap", true),
+                )
+                .unwrap(),
+            )
+        };
+        const N: usize = 2000;
+        let hub = Hub::new(16, Duration::from_millis(10));
+        // Watcher i selects key i (and 31 keys nobody writes); two watchers per filter.
+        let mut subs: Vec<(usize, Subscription)> = (0..2 * N)
+            .map(|w| {
+                let i = w % N;
+                let paths: Vec<String> = std::iter::once(format!("data[k{i}]"))
+                    .chain((0..31).map(|j| format!("data[unused-{i}-{j}]")))
+                    .collect();
+                let f = Filter {
+                    changes: Some(Arc::new(WatchFields::parse(&paths.join(",")).unwrap())),
+                    ..Filter::default()
+                };
+                (i, hub.subscribe(Arc::new(f)))
+            })
+            .collect();
+        let before: Vec<(usize, &str)> = (0..N).map(|k| (k, "0")).collect();
+        let mut after = before.clone();
+        for k in [7, 1234] {
+            after[k].1 = "1";
+        }
+        let (v1, v2) = (cm(1, &before), cm(2, &after));
+        let e = Arc::new(Event::new(
+            EventKind::Modified,
+            v2.clone(),
+            Some(v1.clone()),
+        ));
+        hub.dispatch(e.clone()).await;
+        let (old, new): (serde_json::Value, serde_json::Value) = (
+            serde_json::from_slice(&v1.body).unwrap(),
+            serde_json::from_slice(&v2.body).unwrap(),
+        );
+        for (i, s) in &mut subs {
+            let got = s.rx.try_recv().is_ok();
+            let f = WatchFields::parse(&format!("data[k{i}]")).unwrap();
+            assert_eq!(got, f.changed(&old, &new), "watcher of k{i}");
+            assert_eq!(got, *i == 7 || *i == 1234);
+        }
+        let st = &hub.stats;
+        assert_eq!(st.change_evaluations.load(Ordering::Relaxed), N as u64);
+        assert_eq!(st.changes_delivered.load(Ordering::Relaxed), 4);
+        assert_eq!(
+            st.changes_suppressed.load(Ordering::Relaxed),
+            2 * N as u64 - 4
+        );
     }
 
     #[tokio::test]

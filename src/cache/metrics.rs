@@ -80,6 +80,10 @@ impl Collector for CacheCollector {
         let snapshot_bytes = Family::<ResourceLabels, Gauge>::default();
         let field_filtered = Family::<ResultLabels, Counter>::default();
         let filtered_watchers = Family::<ResourceLabels, Gauge>::default();
+        let field_filters = Family::<ResourceLabels, Gauge>::default();
+        let field_evaluations = Family::<ResourceLabels, Counter>::default();
+        let field_seconds = Family::<ResourceLabels, Counter<f64>>::default();
+        let field_refused = Family::<ReasonLabels, Counter>::default();
         let proto_objects = Family::<StateLabels, Gauge>::default();
         let proto_bytes = Family::<ResourceLabels, Gauge>::default();
         let proto_watchers = Family::<ResourceLabels, Gauge>::default();
@@ -224,6 +228,30 @@ impl Collector for CacheCollector {
             filtered_watchers
                 .get_or_create(&l)
                 .set(e.cache.hub.filtered() as i64);
+            // The filter work, only for resources that ever had a filtered watch (the scrape
+            // stays proportionate to what is used).
+            let reg = &e.cache.hub.change_filters;
+            let refused = [
+                ("resource_limit", reg.refused_resource.load(Relaxed)),
+                ("identity_limit", reg.refused_identity.load(Relaxed)),
+            ];
+            let evaluations = hs.change_evaluations.load(Relaxed);
+            let distinct = reg.distinct();
+            if evaluations > 0 || distinct > 0 || refused.iter().any(|(_, n)| *n > 0) {
+                field_filters.get_or_create(&l).set(distinct as i64);
+                field_evaluations.get_or_create(&l).inc_by(evaluations);
+                field_seconds
+                    .get_or_create(&l)
+                    .inc_by(hs.change_nanos.load(Relaxed) as f64 / 1e9);
+                for (reason, n) in refused {
+                    field_refused
+                        .get_or_create(&ReasonLabels {
+                            resource: resource.clone(),
+                            reason: reason.into(),
+                        })
+                        .inc_by(n);
+                }
+            }
             snapshots
                 .get_or_create(&l)
                 .set(e.cache.retained_snapshots().0 as i64);
@@ -332,6 +360,30 @@ impl Collector for CacheCollector {
             "kube_cache_proxy_watch_field_filter_watchers",
             "Downstream watchers with a field-level change filter",
             &filtered_watchers,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_watch_field_filters",
+            "Distinct field-level change filters of the open watches (bounded by cache.watchFields)",
+            &field_filters,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_watch_field_filter_evaluations",
+            "Field-level change filter decisions computed: one per MODIFIED event per distinct filter of the watchers it reached",
+            &field_evaluations,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_watch_field_filter_seconds",
+            "Time the event dispatch spent on field-level change filters: parsing the two objects, their changed paths, the decisions",
+            &field_seconds,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_watch_field_filter_refused",
+            "Filtered watches refused (429) beyond cache.watchFields: resource_limit, identity_limit",
+            &field_refused,
         )?;
         emit(
             &mut enc,

@@ -14,8 +14,17 @@
 //! Lists are compared whole. A missing field and a JSON `null` are the same (Kubernetes'
 //! `omitempty` writes neither), objects compare by content whatever their key order.
 //! Hostile input is bounded: at most [`MAX_PATHS`] paths of at most [`MAX_PATH_LEN`] bytes.
+//!
+//! Cost: an event's [`ChangeSet`] (the paths where the two objects differ) is computed once,
+//! whatever the number of filters, in one walk of both objects; each distinct filter is then
+//! decided against it in time bounded by the filter's own size ([`WatchFields::changed_in`]),
+//! not the objects'. The number of distinct filters on a resource, in all and per identity,
+//! is bounded by [`Registry`] (`cache.watchFields`).
 
-use std::hash::{Hash, Hasher};
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use serde_json::Value;
 
@@ -31,15 +40,64 @@ pub const MAX_PATH_LEN: usize = 256;
 /// One segment of a path: a field name, then any `[key]` map keys.
 type Path = Vec<String>;
 
-/// A parsed filter. Equal filters have equal [`WatchFields::id`]s: the hub decides once per
-/// event per distinct filter.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A parsed filter. Equal filters are equal (`==`, and the same [`WatchFields::id`]): the
+/// hub decides once per event per distinct filter.
+#[derive(Debug, Clone)]
 pub struct WatchFields {
     ignore: bool,
     paths: Vec<Path>,
-    /// The canonical form (sorted, deduplicated), for logs and metrics.
+    /// The paths as a tree (shared prefixes once), for [`WatchFields::changed_in`].
+    tree: PathTree,
+    /// The canonical form (sorted, deduplicated, paths under another dropped), for logs and
+    /// metrics. It names the filter
+    /// exactly: two filters are equal when their forms and canonical forms are.
     canonical: String,
+    /// A hash of the paths, keyed per process (an attacker cannot make two filters collide
+    /// offline; equality is decided on the content anyway).
     id: u64,
+}
+
+impl PartialEq for WatchFields {
+    fn eq(&self, other: &Self) -> bool {
+        self.id == other.id && self.ignore == other.ignore && self.canonical == other.canonical
+    }
+}
+
+impl Eq for WatchFields {}
+
+/// By [`WatchFields::id`] (equal filters have equal ids).
+impl Hash for WatchFields {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        state.write_u64(self.id);
+    }
+}
+
+/// A trie of paths: where a path ends, and the next segments.
+#[derive(Debug, Clone, Default)]
+struct PathTree {
+    end: bool,
+    children: HashMap<Box<str>, PathTree>,
+}
+
+impl PathTree {
+    fn insert(&mut self, path: &[String]) {
+        let mut node = self;
+        for seg in path {
+            if node.end {
+                // A prefix is already selected (or ignored): it decides for everything below.
+                return;
+            }
+            node = node.children.entry(seg.as_str().into()).or_default();
+        }
+        node.end = true;
+        node.children.clear();
+    }
+}
+
+fn id_keys() -> &'static std::collections::hash_map::RandomState {
+    static KEYS: std::sync::OnceLock<std::collections::hash_map::RandomState> =
+        std::sync::OnceLock::new();
+    KEYS.get_or_init(Default::default)
 }
 
 impl WatchFields {
@@ -80,6 +138,15 @@ impl WatchFields {
         }
         paths.sort();
         paths.dedup();
+        // A path under another says nothing more (`data.k1` with `data`): dropped, so equal
+        // filters have one canonical form. Sorted, a path's prefixes come before it.
+        let mut kept: Vec<Path> = Vec::with_capacity(paths.len());
+        for p in paths {
+            if !kept.iter().any(|k| p.starts_with(k)) {
+                kept.push(p);
+            }
+        }
+        let paths = kept;
         let canonical = paths
             .iter()
             .filter(|p| !(ignore && p[..] == ["metadata", "resourceVersion"]))
@@ -89,13 +156,17 @@ impl WatchFields {
             })
             .collect::<Vec<_>>()
             .join(",");
-        let mut h = std::collections::hash_map::DefaultHasher::new();
-        (ignore, &paths).hash(&mut h);
+        let mut tree = PathTree::default();
+        for p in &paths {
+            tree.insert(p);
+        }
+        let id = id_keys().hash_one((ignore, &paths));
         Ok(WatchFields {
             ignore,
             paths,
+            tree,
             canonical,
-            id: h.finish(),
+            id,
         })
     }
 
@@ -107,7 +178,9 @@ impl WatchFields {
         &self.canonical
     }
 
-    /// Whether the change from `old` to `new` concerns this filter.
+    /// Whether the change from `old` to `new` concerns this filter, by comparing the two
+    /// objects under each path (the direct evaluation, whose cost grows with the objects;
+    /// [`WatchFields::changed_in`] decides the same from an event's [`ChangeSet`]).
     pub fn changed(&self, old: &Value, new: &Value) -> bool {
         if self.ignore {
             let ignored: Vec<&[String]> = self.paths.iter().map(|p| &p[..]).collect();
@@ -117,16 +190,299 @@ impl WatchFields {
         }
     }
 
+    /// [`WatchFields::changed`], decided from the paths where the objects differ. Its cost
+    /// is bounded by this filter's size: at each level of its tree it looks up the smaller
+    /// of its own segments and the changed ones in the other.
+    pub fn changed_in(&self, set: &ChangeSet) -> bool {
+        let Some(root) = &set.root else {
+            return false; // nothing differs
+        };
+        if self.ignore {
+            changed_outside(root, &self.tree)
+        } else {
+            changed_under(root, &self.tree)
+        }
+    }
+
     /// [`WatchFields::changed`] on two objects' JSON; unreadable JSON counts as changed (the
     /// event is delivered).
     pub fn changed_json(&self, old: &[u8], new: &[u8]) -> bool {
-        match (
-            serde_json::from_slice::<Value>(old),
-            serde_json::from_slice::<Value>(new),
-        ) {
-            (Ok(a), Ok(b)) => self.changed(&a, &b),
-            _ => true,
+        match ChangeSet::from_json(old, new) {
+            Some(set) => self.changed_in(&set),
+            None => true,
         }
+    }
+}
+
+/// Where two versions of an object differ: the set of paths `p` (field names and map keys)
+/// such that the values at `p` differ, with [`WatchFields::changed`]'s equality (missing is
+/// `null`, key order does not matter, lists whole). The set is closed under prefixes (a
+/// difference below is one above), so it is kept as a tree holding only what differs; its
+/// size is at most the two objects' (which bound it: an object is at most what the apiserver
+/// accepts, 3 MiB). Built in one walk of both objects, once per event whatever the number of
+/// filters.
+#[derive(Debug, Default)]
+pub struct ChangeSet {
+    /// `None`: the objects are equal.
+    root: Option<Diff>,
+}
+
+/// A path where the values differ.
+#[derive(Debug)]
+struct Diff {
+    /// Both values are objects, `null` or missing: the ignore form compares them key by key
+    /// (a missing or `null` object is an empty one). Otherwise (a scalar, a list, or an
+    /// object against a scalar or list) the values differ as a whole.
+    maplike: bool,
+    /// The keys below whose values differ (an object against anything else: the object's
+    /// keys with a value, as against a missing one).
+    children: HashMap<Box<str>, Diff>,
+}
+
+impl ChangeSet {
+    /// The changes from `old` to `new`.
+    pub fn new(old: &Value, new: &Value) -> ChangeSet {
+        ChangeSet {
+            root: diff(Some(old), Some(new)),
+        }
+    }
+
+    /// [`ChangeSet::new`] of two objects' JSON; `None` when either is unreadable.
+    pub fn from_json(old: &[u8], new: &[u8]) -> Option<ChangeSet> {
+        let old: Value = serde_json::from_slice(old).ok()?;
+        let new: Value = serde_json::from_slice(new).ok()?;
+        Some(ChangeSet::new(&old, &new))
+    }
+
+    /// Whether anything differs.
+    pub fn is_empty(&self) -> bool {
+        self.root.is_none()
+    }
+
+    /// The number of differing paths (for tests and metrics).
+    pub fn len(&self) -> usize {
+        fn count(d: &Diff) -> usize {
+            1 + d.children.values().map(count).sum::<usize>()
+        }
+        self.root.as_ref().map_or(0, count)
+    }
+}
+
+/// The differing paths between `a` and `b` (the values at one path, `None` when missing or
+/// under a non-object); `None` when they are equal ([`same`]).
+fn diff(a: Option<&Value>, b: Option<&Value>) -> Option<Diff> {
+    fn object(v: Option<&Value>) -> Option<&serde_json::Map<String, Value>> {
+        match v {
+            Some(Value::Object(m)) => Some(m),
+            _ => None,
+        }
+    }
+    let nullish = |v: Option<&Value>| matches!(v, None | Some(Value::Null));
+    let (oa, ob) = (object(a), object(b));
+    if oa.is_none() && ob.is_none() {
+        return (!same(a, b)).then(|| Diff {
+            maplike: nullish(a) && nullish(b),
+            children: HashMap::new(),
+        });
+    }
+    let empty = serde_json::Map::new();
+    let (ma, mb) = (oa.unwrap_or(&empty), ob.unwrap_or(&empty));
+    let mut children = HashMap::new();
+    for (k, v) in ma {
+        if let Some(d) = diff(Some(v), mb.get(k)) {
+            children.insert(k.as_str().into(), d);
+        }
+    }
+    for (k, v) in mb {
+        if !ma.contains_key(k)
+            && let Some(d) = diff(None, Some(v))
+        {
+            children.insert(k.as_str().into(), d);
+        }
+    }
+    // Two objects differ when a key does; an object never equals anything else.
+    let differs = !children.is_empty() || oa.is_none() || ob.is_none();
+    differs.then(|| Diff {
+        maplike: (oa.is_some() || nullish(a)) && (ob.is_some() || nullish(b)),
+        children,
+    })
+}
+
+/// The select form: whether a selected path (in `sel`, relative to `d`'s path) is a
+/// changed path. `d` differs, so a path ending here is changed.
+fn changed_under(d: &Diff, sel: &PathTree) -> bool {
+    if sel.end {
+        return true;
+    }
+    if d.children.len() <= sel.children.len() {
+        d.children
+            .iter()
+            .any(|(k, dc)| sel.children.get(k).is_some_and(|s| changed_under(dc, s)))
+    } else {
+        sel.children
+            .iter()
+            .any(|(k, s)| d.children.get(k).is_some_and(|dc| changed_under(dc, s)))
+    }
+}
+
+/// The ignore form: whether something differs outside the ignored paths (in `ig`, relative
+/// to `d`'s path), as [`eq_except`] decides. Each changed key either is not under an ignored
+/// path (a change: the walk stops) or is one of `ig`'s, so the walk visits at most `ig`'s
+/// nodes and one more per level.
+fn changed_outside(d: &Diff, ig: &PathTree) -> bool {
+    if ig.end {
+        return false;
+    }
+    if ig.children.is_empty() || !d.maplike {
+        return true;
+    }
+    d.children.iter().any(|(k, dc)| match ig.children.get(k) {
+        None => true,
+        Some(i) => changed_outside(dc, i),
+    })
+}
+
+/// How many distinct filters a resource may have at once, in all and per identity
+/// (`cache.watchFields`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    pub per_resource: usize,
+    pub per_identity: usize,
+}
+
+/// Why a filter was not admitted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Refused {
+    /// The resource has `limit` distinct filters.
+    Resource { limit: usize },
+    /// This identity has `limit` distinct filters on the resource.
+    Identity { limit: usize },
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Refused::Resource { limit } => write!(
+                f,
+                "{HEADER}: this resource's watches have {limit} distinct field filters, the most the proxy allows at once (cache.watchFields.maxFiltersPerResource); watch with one of the filters in use, without the header, or later"
+            ),
+            Refused::Identity { limit } => write!(
+                f,
+                "{HEADER}: your watches of this resource have {limit} distinct field filters, the most the proxy allows one user at once (cache.watchFields.maxFiltersPerIdentity); close some, or share a filter between watches"
+            ),
+        }
+    }
+}
+
+/// The distinct filters of one resource's open watches, with the identities holding them:
+/// the bound on how many decisions each event needs. A watch holds a [`Lease`] as long as it
+/// is open.
+#[derive(Debug, Default)]
+pub struct Registry {
+    state: parking_lot::Mutex<RegistryState>,
+    /// Admissions refused: over the resource's limit, over an identity's.
+    pub refused_resource: AtomicU64,
+    pub refused_identity: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct RegistryState {
+    /// Each distinct filter and the leases holding it.
+    filters: HashMap<Arc<WatchFields>, usize>,
+    /// Each identity's distinct filters and its leases holding each.
+    owners: HashMap<Box<str>, HashMap<Arc<WatchFields>, usize>>,
+}
+
+impl Registry {
+    /// Admits a watch with filter `f` for `owner` (an identity): always when the filter is
+    /// already in use (by anyone for the resource's limit, by `owner` for its own), else
+    /// while both counts are below their limits.
+    pub fn admit(
+        self: &Arc<Self>,
+        f: &Arc<WatchFields>,
+        owner: &str,
+        limits: Limits,
+    ) -> Result<Lease, Refused> {
+        let mut st = self.state.lock();
+        let st = &mut *st;
+        let known = st.filters.contains_key(&**f);
+        let mine = st.owners.get(owner);
+        let known_to_owner = mine.is_some_and(|m| m.contains_key(&**f));
+        if !known && st.filters.len() >= limits.per_resource {
+            self.refused_resource.fetch_add(1, Ordering::Relaxed);
+            return Err(Refused::Resource {
+                limit: limits.per_resource,
+            });
+        }
+        if !known_to_owner && mine.map_or(0, HashMap::len) >= limits.per_identity {
+            self.refused_identity.fetch_add(1, Ordering::Relaxed);
+            return Err(Refused::Identity {
+                limit: limits.per_identity,
+            });
+        }
+        *st.filters.entry(f.clone()).or_default() += 1;
+        *st.owners
+            .entry(owner.into())
+            .or_default()
+            .entry(f.clone())
+            .or_default() += 1;
+        Ok(Lease {
+            registry: self.clone(),
+            filter: f.clone(),
+            owner: owner.into(),
+        })
+    }
+
+    /// Distinct filters in use.
+    pub fn distinct(&self) -> usize {
+        self.state.lock().filters.len()
+    }
+
+    /// Identities with a filter in use.
+    pub fn identities(&self) -> usize {
+        self.state.lock().owners.len()
+    }
+
+    fn release(&self, f: &WatchFields, owner: &str) {
+        let mut st = self.state.lock();
+        if let Some(n) = st.filters.get_mut(f) {
+            *n -= 1;
+            if *n == 0 {
+                st.filters.remove(f);
+            }
+        }
+        if let Some(m) = st.owners.get_mut(owner) {
+            if let Some(n) = m.get_mut(f) {
+                *n -= 1;
+                if *n == 0 {
+                    m.remove(f);
+                }
+            }
+            if m.is_empty() {
+                st.owners.remove(owner);
+            }
+        }
+    }
+}
+
+/// A watch's admission of its filter ([`Registry::admit`]), released when dropped.
+pub struct Lease {
+    registry: Arc<Registry>,
+    filter: Arc<WatchFields>,
+    owner: Box<str>,
+}
+
+impl std::fmt::Debug for Lease {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lease")
+            .field("filter", &self.filter.canonical)
+            .finish()
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        self.registry.release(&self.filter, &self.owner);
     }
 }
 
@@ -280,6 +636,167 @@ mod tests {
         WatchFields::parse(s).unwrap()
     }
 
+    /// The direct evaluation, checked against the decision from the event's changed paths.
+    fn ch(f: &WatchFields, old: &Value, new: &Value) -> bool {
+        let direct = f.changed(old, new);
+        assert_eq!(
+            f.changed_in(&ChangeSet::new(old, new)),
+            direct,
+            "{} on {old} -> {new}",
+            f.canonical()
+        );
+        direct
+    }
+
+    /// Small JSON values: objects of a few keys (some of them the ones the ignore form
+    /// always ignores), nested, with scalars, lists and nulls, so that subtrees are often
+    /// equal, missing or of another kind.
+    fn value() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            (0i64..2).prop_map(|n| json!(n)),
+            Just(json!([0])),
+            Just(json!({})),
+            Just(json!("s")),
+        ];
+        leaf.prop_recursive(4, 40, 4, |inner| {
+            proptest::collection::btree_map("a|b|metadata|resourceVersion", inner, 0..4)
+                .prop_map(|m| Value::Object(m.into_iter().collect()))
+        })
+    }
+
+    /// A value and a variant of it: equal, one subtree replaced, or unrelated.
+    fn pair() -> impl proptest::strategy::Strategy<Value = (Value, Value)> {
+        use proptest::prelude::*;
+        (
+            value(),
+            value(),
+            0u8..3,
+            "a|b|metadata",
+            "a|b|resourceVersion",
+        )
+            .prop_map(|(a, b, how, k1, k2)| match how {
+                0 => (a.clone(), a),
+                1 => {
+                    let mut n = a.clone();
+                    match n.as_object_mut() {
+                        Some(m) => match m.get_mut(&k1).and_then(Value::as_object_mut) {
+                            Some(inner) => {
+                                inner.insert(k2, b);
+                            }
+                            None => {
+                                m.insert(k1, b);
+                            }
+                        },
+                        None => n = b,
+                    }
+                    (a, n)
+                }
+                _ => (a, b),
+            })
+    }
+
+    fn header() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        (
+            any::<bool>(),
+            proptest::collection::vec(
+                proptest::collection::vec("a|b|metadata|resourceVersion", 1..4),
+                1..4,
+            ),
+        )
+            .prop_map(|(ignore, paths)| {
+                paths
+                    .iter()
+                    .map(|p| format!("{}{}", if ignore { "-" } else { "" }, p.join(".")))
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(2000))]
+        /// The decision from an event's changed paths is the direct comparison's, for both
+        /// forms, over generated objects and filters (nested, missing, null, kind changes).
+        #[test]
+        fn the_changed_paths_decide_as_the_direct_comparison(
+            (old, new) in pair(),
+            h in header(),
+            g in header(),
+        ) {
+            let set = ChangeSet::new(&old, &new);
+            proptest::prop_assert_eq!(set.is_empty(), same(Some(&old), Some(&new)));
+            for hv in [h, g] {
+                let f = f(&hv);
+                proptest::prop_assert_eq!(
+                    f.changed_in(&set), f.changed(&old, &new),
+                    "{} on {} -> {}", f.canonical(), old, new
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_changed_paths_are_those_that_differ() {
+        let old = json!({"metadata": {"resourceVersion": "1", "labels": {"a": "1"}},
+                         "data": {"k1": "v", "k2": "v", "k3": null}, "list": [1]});
+        let new = json!({"metadata": {"resourceVersion": "2", "labels": {"a": "1"}},
+                         "data": {"k1": "w", "k2": "v"}, "list": [1], "spec": {}});
+        // The object, metadata, metadata.resourceVersion, data, data.k1, spec.
+        assert_eq!(ChangeSet::new(&old, &new).len(), 6);
+        assert!(ChangeSet::new(&old, &old).is_empty());
+        // The same filter content from two requests is one filter; a prefix subsumes.
+        assert_eq!(f("data, data.k1"), f("data"));
+        assert_eq!(f("data").id(), f(" data ").id());
+        assert_ne!(f("data"), f("-data"));
+        assert!(ch(&f("data[k1]"), &old, &new));
+        assert!(!ch(&f("data.k2,data.k3,list,metadata.labels"), &old, &new));
+        assert!(ch(&f("-metadata,-data"), &old, &new), "spec appeared");
+        assert!(!ch(&f("-metadata,-data,-spec"), &old, &new));
+    }
+
+    #[test]
+    fn distinct_filters_are_bounded_per_resource_and_per_identity() {
+        let reg = Arc::new(Registry::default());
+        let lim = Limits {
+            per_resource: 3,
+            per_identity: 2,
+        };
+        let a = |s: &str| Arc::new(f(s));
+        let l1 = reg.admit(&a("spec"), "alice", lim).unwrap();
+        let l2 = reg.admit(&a("status"), "alice", lim).unwrap();
+        // Her third distinct filter is refused; one she holds is not, nor someone else's.
+        assert_eq!(
+            reg.admit(&a("data"), "alice", lim).unwrap_err(),
+            Refused::Identity { limit: 2 }
+        );
+        let l3 = reg.admit(&a(" spec "), "alice", lim).unwrap();
+        let l4 = reg.admit(&a("data"), "bob", lim).unwrap();
+        assert_eq!(reg.distinct(), 3);
+        // The resource is full: a new filter is refused for anyone, one in use is not.
+        let e = reg.admit(&a("metadata"), "carol", lim).unwrap_err();
+        assert_eq!(e, Refused::Resource { limit: 3 });
+        assert!(e.to_string().contains("maxFiltersPerResource"), "{e}");
+        let l5 = reg.admit(&a("status"), "carol", lim).unwrap();
+        assert_eq!(reg.refused_identity.load(Ordering::Relaxed), 1);
+        assert_eq!(reg.refused_resource.load(Ordering::Relaxed), 1);
+        // Released as the watches end: a filter goes with its last lease.
+        drop(l1);
+        assert_eq!(reg.distinct(), 3, "alice still watches with spec");
+        drop(l3);
+        assert_eq!(reg.distinct(), 2);
+        reg.admit(&a("metadata"), "carol", lim).unwrap();
+        drop((l2, l4, l5));
+        assert_eq!((reg.distinct(), reg.identities()), (0, 0));
+        // A limit of 0 admits no filter.
+        let none = Limits {
+            per_resource: 0,
+            per_identity: 5,
+        };
+        assert!(reg.admit(&a("spec"), "alice", none).is_err());
+    }
+
     #[test]
     fn paths_parse_with_map_keys_and_bad_ones_say_why() {
         assert_eq!(
@@ -352,28 +869,28 @@ mod tests {
             v
         };
         let spec = f("spec");
-        assert!(!spec.changed(&old, &status_only));
+        assert!(!ch(&spec, &old, &status_only));
         let mut list = old.clone();
         list["spec"]["list"] = json!([2, 1]);
-        assert!(spec.changed(&old, &list), "lists compare whole, in order");
+        assert!(ch(&spec, &old, &list), "lists compare whole, in order");
         let ann = f("metadata.annotations[example.com/x]");
         let mut other = old.clone();
         other["metadata"]["annotations"]["other"] = json!("2");
-        assert!(!ann.changed(&old, &other));
+        assert!(!ch(&ann, &old, &other));
         let mut mine = old.clone();
         mine["metadata"]["annotations"]["example.com/x"] = json!("2");
-        assert!(ann.changed(&old, &mine));
+        assert!(ch(&ann, &old, &mine));
         // Missing and null are the same; a field appearing with a value is a change.
         let mut null = old.clone();
         null["spec"]["extra"] = Value::Null;
-        assert!(!spec.changed(&old, &null));
+        assert!(!ch(&spec, &old, &null));
         let mut added = old.clone();
         added["spec"]["extra"] = json!(0);
-        assert!(spec.changed(&old, &added));
+        assert!(ch(&spec, &old, &added));
         // Key order does not matter.
         let a: Value = serde_json::from_str(r#"{"spec":{"a":1,"b":2}}"#).unwrap();
         let b: Value = serde_json::from_str(r#"{"spec":{"b":2,"a":1}}"#).unwrap();
-        assert!(!spec.changed(&a, &b));
+        assert!(!ch(&spec, &a, &b));
     }
 
     #[test]
@@ -386,22 +903,22 @@ mod tests {
         heartbeat["status"]["n"] = json!(2);
         heartbeat["metadata"]["managedFields"] = json!([{"t": 2}]);
         heartbeat["metadata"]["resourceVersion"] = json!("2");
-        assert!(!ig.changed(&old, &heartbeat));
+        assert!(!ch(&ig, &old, &heartbeat));
         let mut label = heartbeat.clone();
         label["metadata"]["labels"]["a"] = json!("2");
-        assert!(ig.changed(&old, &label));
+        assert!(ch(&ig, &old, &label));
         // An ignored subtree appearing or vanishing is no change; anything else is.
         let mut no_status = old.clone();
         no_status.as_object_mut().unwrap().remove("status");
-        assert!(!ig.changed(&old, &no_status));
+        assert!(!ch(&ig, &old, &no_status));
         let mut new_field = old.clone();
         new_field["spec"]["y"] = json!(true);
-        assert!(ig.changed(&old, &new_field));
+        assert!(ch(&ig, &old, &new_field));
         // A map key path inside the ignore form.
         let ann = f("-metadata.annotations[ts]");
         let a = json!({"metadata": {"annotations": {"ts": "1", "k": "v"}}});
         let b = json!({"metadata": {"annotations": {"ts": "2", "k": "v"}}});
-        assert!(!ann.changed(&a, &b));
+        assert!(!ch(&ann, &a, &b));
     }
 
     proptest::proptest! {
@@ -418,9 +935,9 @@ mod tests {
             let (va, vb) = (json!({"x": to(&a), "y": to(&b)}), json!({"x": to(&b), "y": to(&b)}));
             let select = f("x");
             let ignore = f("-y");
-            proptest::prop_assert_eq!(select.changed(&va, &vb), a != b);
-            proptest::prop_assert_eq!(ignore.changed(&va, &vb), a != b);
-            proptest::prop_assert!(!select.changed(&va, &va));
+            proptest::prop_assert_eq!(ch(&select, &va, &vb), a != b);
+            proptest::prop_assert_eq!(ch(&ignore, &va, &vb), a != b);
+            proptest::prop_assert!(!ch(&select, &va, &va));
         }
     }
 }

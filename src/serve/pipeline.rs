@@ -71,7 +71,7 @@ async fn serve_from_cache(
     req: &Request<Incoming>,
     info: &RequestInfo,
     query: Option<&str>,
-    watch_fields: Option<Arc<WatchFields>>,
+    watch_fields: Option<ParsedWatchFields>,
 ) -> Served {
     let route = |state: &State| {
         router::route(req.method(), info, query, req.headers(), |g, v, r| {
@@ -130,6 +130,16 @@ async fn serve_from_cache(
             enc,
             protobuf,
         } => {
+            // The field filter header, validated now that the caller is authenticated and
+            // authorized (kube-apiserver's order: 401, 403, then 400 for a bad request).
+            let watch_fields = match watch_fields {
+                Some(Err(e)) => {
+                    state.metrics.reject("watch_fields");
+                    return Err(Status::bad_request(e).into());
+                }
+                Some(Ok(f)) => Some(f),
+                None => None,
+            };
             // While the cache or its protobuf side initializes: a bounded wait, then 429
             // (the client comes back), rather than a watch that stays on the apiserver.
             let latest = params.resource_version.as_deref().unwrap_or("").is_empty();
@@ -168,6 +178,12 @@ async fn serve_from_cache(
                 return delegate("field-level change filter in protobuf");
             }
             filter.namespaces = view.clone();
+            // A filter joins the resource's distinct filters within `cache.watchFields`
+            // (`watch_fields::Registry`), held as long as the stream.
+            let lease = match &watch_fields {
+                Some(f) => Some(admit_watch_fields(state, &cache, f, &id)?),
+                None => None,
+            };
             filter.changes = watch_fields;
             let resp = Box::pin(crate::telemetry::in_span(
                 "cache.watch",
@@ -201,6 +217,9 @@ async fn serve_from_cache(
             }
             if let Some(p) = permit {
                 b.on_end(move || drop(p));
+            }
+            if let Some(l) = lease {
+                b.on_end(move || drop(l));
             }
             Ok(Response::from_parts(parts, b))
         }
@@ -281,6 +300,54 @@ async fn serve_from_cache(
             .await
         }
     }
+}
+
+/// A watch's `X-Kube-Cache-Proxy-Watch-Fields`, parsed when the request comes and refused
+/// (400, the error) only after authentication and authorization: on the cache path once the
+/// caller is authorized, on the apiserver's path once it answered 2xx.
+type ParsedWatchFields = Result<Arc<WatchFields>, String>;
+
+/// Admits a watch's field filter among its resource's distinct filters, or refuses it.
+///
+/// Beyond the bound: 429 TooManyRequests with Retry-After, not 400 or 403. The request is
+/// well formed and the caller may watch (both already checked); what it asks is refused for
+/// the load it would add while other watches hold the room, and the room comes back as those
+/// end — the apiserver's own answer to "too much at once" (max-in-flight, priority and
+/// fairness) is 429, and client-go's reflector retries a 429 with backoff instead of failing
+/// the informer, as it does for a cache that initializes. A 403 would tell the client it may
+/// not watch, which is false, and a 400 that the request is wrong, which it is not (the same
+/// header is admitted once the load is gone).
+fn admit_watch_fields(
+    state: &State,
+    cache: &crate::cache::store::ResourceCache,
+    f: &Arc<WatchFields>,
+    id: &crate::auth::authn::Identity,
+) -> Result<crate::k8s::watch_fields::Lease, NotServed> {
+    let owner = if id.tenant.is_empty() {
+        id.user.clone()
+    } else {
+        format!("{}/{}", id.tenant, id.user)
+    };
+    let c = &state.config.cache.watch_fields;
+    let limits = crate::k8s::watch_fields::Limits {
+        per_resource: c.max_filters_per_resource,
+        per_identity: c.max_filters_per_identity,
+    };
+    cache
+        .hub
+        .change_filters
+        .admit(f, &owner, limits)
+        .map_err(|e| {
+            state.metrics.reject("watch_fields_limit");
+            NotServed::Refuse(Box::new(
+                Status::failure(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    Reason::TooManyRequests,
+                    e.to_string(),
+                )
+                .with_retry_after(10),
+            ))
+        })
 }
 
 /// Authentication and authorization of a cache-served request (`authn`, `authz`): the
@@ -779,22 +846,27 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
 
     let info = RequestInfo::parse(&method, &decoded, query.as_deref());
     // The opt-in field-level change filter of a watch (`k8s::watch_fields`): validated for
-    // every watch, applied by the cache; a watch the apiserver answers is told it is not.
-    let watch_fields = match req.headers().get(watch_fields::HEADER) {
-        Some(v) if info.verb == "watch" => {
-            match v
-                .to_str()
+    // every watch, applied by the cache; a watch the apiserver answers is told it is not. A
+    // malformed one is refused only once the caller is authenticated and authorized (as any
+    // apiserver: 401 and 403 before 400), so it is parsed here and refused later.
+    let watch_fields: Option<ParsedWatchFields> = match req.headers().get(watch_fields::HEADER) {
+        Some(v) if info.verb == "watch" => Some(
+            v.to_str()
                 .map_err(|_| format!("{}: not ASCII", watch_fields::HEADER))
                 .and_then(WatchFields::parse)
-            {
-                Ok(f) => Some(Arc::new(f)),
-                Err(e) => {
-                    state.metrics.reject("watch_fields");
-                    return refuse(Status::bad_request(e));
-                }
-            }
-        }
+                .map(Arc::new),
+        ),
         _ => None,
+    };
+    // On the apiserver's path the apiserver authenticates and authorizes: a malformed header
+    // is refused once it has answered 2xx (its stream is dropped unread).
+    let malformed = |resp: Response<Body>, by: &'static str| match &watch_fields {
+        Some(Err(e)) if resp.status().is_success() => {
+            drop(resp);
+            state.metrics.reject("watch_fields");
+            (Status::bad_request(e.clone()).into_response(), "proxy")
+        }
+        _ => (resp, by),
     };
     // A watch that arrives while this proxy drains (on a connection opened before) would be
     // ended at once, which client-go takes for a failed watch ("very short watch") and, in
@@ -865,7 +937,7 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         match gate {
             Err(refused) => (refused, "proxy"),
             Ok(Some(as_target)) => {
-                Box::pin(forward_within_quota(
+                let (resp, by) = Box::pin(forward_within_quota(
                     state,
                     conn,
                     &caller,
@@ -874,7 +946,8 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
                     &info,
                     long_running,
                 ))
-                .await
+                .await;
+                malformed(resp, by)
             }
             Ok(None) => match Box::pin(serve_from_cache(
                 state,
@@ -933,6 +1006,7 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
                         long_running,
                     ))
                     .await;
+                    let (resp, by) = malformed(resp, by);
                     // Counted once the answer shows whether the resource exists (its label).
                     let mut resp = resp;
                     if read {
@@ -997,7 +1071,7 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         resp.headers_mut().append(header::WARNING, v);
         state.metrics.degraded_reads.inc();
     }
-    if watch_fields.is_some() && resp.status().is_success() {
+    if matches!(watch_fields, Some(Ok(_))) && resp.status().is_success() {
         let applied = if served_by == "cache" {
             "applied"
         } else {
@@ -1040,7 +1114,10 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         };
         a.namespace = info.namespace.clone();
         a.code = code.as_u16();
-        if let Some(f) = &watch_fields {
+        if let Some(Err(_)) = &watch_fields {
+            a.watch_fields = Some("invalid refused".into());
+        }
+        if let Some(Ok(f)) = &watch_fields {
             let applied = resp
                 .headers()
                 .get(watch_fields::APPLIED_HEADER)

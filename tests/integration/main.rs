@@ -26,4 +26,5 @@ mod reflector;
 mod slow_consumer;
 mod tenancy;
 mod warm_restart;
+mod watch_fields;
 mod watch_validator;

@@ -248,18 +248,29 @@ struct Args {
     #[arg(long, default_value_t = 4)]
     pb_walkers: usize,
     /// Scenario cluster (run alone: `--only cluster`; both sides, each on its own control
-    /// plane): simulated nodes (KWOK)...
-    #[arg(long, default_value_t = 100)]
-    cluster_nodes: usize,
-    /// ...DaemonSet-like agents per node (each with its own ServiceAccount token)...
-    #[arg(long, default_value_t = 2)]
-    cluster_agents_per_node: usize,
-    /// ...Deployments...
-    #[arg(long, default_value_t = 20)]
-    cluster_deployments: usize,
-    /// ...pods in all (replicas per Deployment: this over the Deployments)...
-    #[arg(long, default_value_t = 1000)]
-    cluster_pods: usize,
+    /// plane): the large size (2,000 nodes × 2 agents, 200 Deployments, 60,000 pods; the
+    /// size flags below override its parts)...
+    #[arg(long)]
+    large: bool,
+    /// ...simulated nodes (KWOK; default 100)...
+    #[arg(long)]
+    cluster_nodes: Option<usize>,
+    /// ...DaemonSet-like agents per node (each with its own ServiceAccount token; default 2)...
+    #[arg(long)]
+    cluster_agents_per_node: Option<usize>,
+    /// ...Deployments (default 20)...
+    #[arg(long)]
+    cluster_deployments: Option<usize>,
+    /// ...pods in all (replicas per Deployment: this over the Deployments; default 1,000)...
+    #[arg(long)]
+    cluster_pods: Option<usize>,
+    /// ...a third side: the proxy with this YAML added to its configuration too (e.g.
+    /// `authorization: {localRbac: "off"}`), on a control plane of its own, in the same run...
+    #[arg(long)]
+    also_proxy_config: Option<String>,
+    /// ...without the proxy's rolling-restart phases...
+    #[arg(long)]
+    cluster_no_rolling_restart: bool,
     /// ...Node annotation writes per second (the agents' latency probes)...
     #[arg(long, default_value_t = 2.0)]
     cluster_probe_rate: f64,
@@ -904,16 +915,35 @@ async fn run(args: Args) -> anyhow::Result<bool> {
 /// Scenario cluster (`cluster/`): a simulated cluster, direct and through the proxy, each side
 /// on its own control plane, with its own report. Fails (exit 1) when a check fails.
 async fn cluster_main(args: &Args, out: &std::path::Path) -> anyhow::Result<bool> {
-    let deployments = args.cluster_deployments.max(1);
+    // (nodes, agents per node, Deployments, pods) of the size.
+    let preset = if args.large {
+        (2000, 2, 200, 60_000)
+    } else {
+        (100, 2, 20, 1000)
+    };
+    let explicit = args.cluster_nodes.is_some()
+        || args.cluster_agents_per_node.is_some()
+        || args.cluster_deployments.is_some()
+        || args.cluster_pods.is_some();
+    let size = match (args.large, explicit) {
+        (true, false) => "large",
+        (true, true) => "large, scaled down",
+        (false, false) => "default",
+        (false, true) => "custom",
+    };
+    let deployments = args.cluster_deployments.unwrap_or(preset.2).max(1);
     let o = cluster::ClusterOpts {
-        nodes: args.cluster_nodes.max(1),
-        agents_per_node: args.cluster_agents_per_node,
+        nodes: args.cluster_nodes.unwrap_or(preset.0).max(1),
+        agents_per_node: args.cluster_agents_per_node.unwrap_or(preset.1),
         deployments,
-        replicas: (args.cluster_pods / deployments).max(1),
+        replicas: (args.cluster_pods.unwrap_or(preset.3) / deployments).max(1),
         probe_rate: args.cluster_probe_rate,
         converge_timeout_s: args.cluster_timeout,
         restart_window_s: args.cluster_restart_window,
         proxy_extra_config: args.proxy_extra_config.clone(),
+        also_proxy_config: args.also_proxy_config.clone(),
+        rolling_restart: !args.cluster_no_rolling_restart,
+        size: size.into(),
     };
     let work = std::env::temp_dir().join(format!("kcp-loadtest-{}", std::process::id()));
     let r = cluster::run(&o, &work, args.cluster_k8s_bin.clone()).await;

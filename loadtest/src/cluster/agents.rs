@@ -47,6 +47,9 @@ pub struct Counters {
     pub running_seen: AtomicI64,
     /// Latency write → receipt of the driver's Node annotation writes, in µs.
     pub latencies: parking_lot::Mutex<Vec<u64>>,
+    /// The 410s by collection (`pods`, `pods with a field selector`, ...), taken by each
+    /// phase.
+    pub gone_by: parking_lot::Mutex<std::collections::BTreeMap<String, u64>>,
 }
 
 /// A snapshot of [`Counters`] (or the difference of two).
@@ -340,6 +343,13 @@ async fn informer(
             Err(e) => {
                 if e.downcast_ref::<Gone>().is_some() {
                     counters.gone.fetch_add(1, Relaxed);
+                    let what = path.rsplit('/').next().unwrap_or("?");
+                    let what = if selector.is_empty() {
+                        what.to_string()
+                    } else {
+                        format!("{what} with a field selector")
+                    };
+                    *counters.gone_by.lock().entry(what).or_default() += 1;
                     rv = None;
                 } else {
                     note_error(&counters, &e);

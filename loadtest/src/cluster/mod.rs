@@ -13,9 +13,13 @@
 //! Phases, each measured on each side: cluster up (proxy start, components, deployments until
 //! every pod is Running), agents' first connect, steady churn (scale down, env-change rollout,
 //! scale up), agent rollout (every DaemonSet agent restarts with a new token), kube-apiserver
-//! restart (SIGKILL, start again; measured for a fixed window from its readiness).
+//! restart (SIGKILL, start again; measured for a fixed window from its readiness); on the
+//! proxy's sides, a rolling restart of two proxy replicas behind a loopback balancer
+//! (`balancer.rs`), once cold and once warm (from `cache.stateDir`). A third side with other
+//! proxy settings (`--also-proxy-config`) runs the same phases on a control plane of its own.
 
 pub mod agents;
+pub mod balancer;
 pub mod components;
 
 use std::collections::BTreeMap;
@@ -51,8 +55,16 @@ pub struct ClusterOpts {
     /// The apiserver-restart phase's window, from the new apiserver's readiness.
     pub restart_window_s: f64,
     /// YAML added to the proxy's configuration (`--proxy-extra-config`), e.g.
-    /// `authorization: {localRbac: off}` to compare with every read reviewed.
+    /// `authorization: {localRbac: "off"}` to compare with every read reviewed. It must not set
+    /// `cache` or `tokens` (the scenario writes them).
     pub proxy_extra_config: Option<String>,
+    /// A third side: the proxy with this YAML added too (`--also-proxy-config`), on its own
+    /// control plane, in the same run.
+    pub also_proxy_config: Option<String>,
+    /// The proxy's rolling-restart phases (two replicas behind the balancer, cold then warm).
+    pub rolling_restart: bool,
+    /// The size's name in the report (`default`, `large`, `custom`).
+    pub size: String,
 }
 
 /// What one phase cost and did on one side.
@@ -71,7 +83,43 @@ pub struct Phase {
     /// Write → receipt of the driver's Node annotation writes at the agents.
     pub latency: Summary,
     pub proxy: Option<ProxyDelta>,
+    /// Each proxy replica's memory against what it caches, at the phase's end.
+    pub proxy_mem: Vec<ProxyMem>,
     pub notes: Vec<String>,
+}
+
+/// A proxy replica's RSS against its cache (`kube_cache_proxy_cache_bytes`,
+/// `_cache_objects`, `_cache_protobuf_bytes`, `_watchers`) at one instant.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct ProxyMem {
+    pub replica: String,
+    pub rss_mb: f64,
+    /// The cached objects' JSON bodies.
+    pub json_bytes: u64,
+    /// Their protobuf envelopes (the protobuf side).
+    pub protobuf_bytes: u64,
+    pub objects: u64,
+    /// Downstream watchers served from the cache.
+    pub watchers: u64,
+}
+
+impl ProxyMem {
+    /// The issue's memory target: 1.5 × the cached JSON + 4 KB per watch, in MiB.
+    pub fn budget_mb(&self) -> f64 {
+        (1.5 * self.json_bytes as f64 + 4096.0 * self.watchers as f64) / 1048576.0
+    }
+
+    fn parse(replica: &str, text: &str, rss_mb: f64) -> ProxyMem {
+        let s = |m: &str| stats::sum(text, m, &[]) as u64;
+        ProxyMem {
+            replica: replica.to_string(),
+            rss_mb,
+            json_bytes: s("kube_cache_proxy_cache_bytes"),
+            protobuf_bytes: s("kube_cache_proxy_cache_protobuf_bytes"),
+            objects: s("kube_cache_proxy_cache_objects"),
+            watchers: s("kube_cache_proxy_watchers"),
+        }
+    }
 }
 
 /// The apiserver's `apiserver_request_total` over a phase.
@@ -217,7 +265,10 @@ impl ProxySnap {
 /// One side's run.
 #[derive(Debug, Clone, Serialize)]
 pub struct Side {
-    pub side: &'static str,
+    pub side: String,
+    /// `/proc/loadavg` when the side started and when it ended (the machine is shared).
+    pub loadavg_start: String,
+    pub loadavg_end: String,
     pub phases: Vec<Phase>,
     /// The proxy's side: kube-state-metrics through the proxy against one started straight at
     /// the apiserver, scraped at the same instant after the steady churn.
@@ -243,6 +294,8 @@ pub struct ClusterRun {
     pub opts: ClusterOpts,
     pub sides: Vec<Side>,
     pub checks: Vec<crate::Check>,
+    /// The issue's targets, met or not: figures, not checks (a miss does not fail the run).
+    pub targets: Vec<crate::Check>,
 }
 
 /// Everything one side runs.
@@ -250,6 +303,19 @@ struct Ctx {
     cp: ControlPlane,
     direct: Target,
     proxy: Option<ProxyChild>,
+    /// The second replica (started before the rolling restart) and the balancer in front of
+    /// the replicas (from the proxy's start).
+    proxy_b: Option<ProxyChild>,
+    balancer: Option<balancer::Balancer>,
+    /// The replicas' files (a, b) and state directories.
+    proxy_files: Vec<ProxyFiles>,
+    state_dirs: Vec<PathBuf>,
+    /// The proxy configuration's additions on this side.
+    side_extra: Option<String>,
+    /// Replicas that exited during the phase: their CPU from the phase's start to their exit.
+    exited: Vec<ProcUsage>,
+    /// The proxies' counters restarted during the phase (their deltas count from zero).
+    proxy_counters_reset: bool,
     components: Vec<Component>,
     counters: Arc<Counters>,
     kubelets: Vec<Agent>,
@@ -288,33 +354,55 @@ pub async fn run(
         }
     };
     let cluster_bin = tokio::task::spawn_blocking(components::ensure_cluster_binaries).await??;
+    let mut specs: Vec<(String, Option<String>)> = vec![
+        ("apiserver".into(), None),
+        (
+            "proxy".into(),
+            Some(o.proxy_extra_config.clone().unwrap_or_default()),
+        ),
+    ];
+    if let Some(also) = &o.also_proxy_config {
+        let base = o.proxy_extra_config.clone().unwrap_or_default();
+        specs.push((format!("proxy, {also}"), Some(format!("{base}\n{also}"))));
+    }
     let mut sides = Vec::new();
-    for via_proxy in [false, true] {
-        let name = if via_proxy { "proxy" } else { "apiserver" };
+    for (i, (name, extra)) in specs.into_iter().enumerate() {
         say!("cluster: side {name}");
-        let dir = work.join(format!("cluster-{name}"));
-        let (phases, ksm) = run_side(o, via_proxy, &dir, &k8s_bin, &cluster_bin)
+        let dir = work.join(format!("cluster-{i}"));
+        let loadavg_start = loadavg();
+        let (phases, ksm) = run_side(o, extra, &dir, &k8s_bin, &cluster_bin)
             .await
             .with_context(|| {
                 format!("cluster scenario, side {name} (logs in {})", dir.display())
             })?;
         sides.push(Side {
             side: name,
+            loadavg_start,
+            loadavg_end: loadavg(),
             phases,
             ksm,
         });
     }
     let checks = checks(&sides);
+    let targets = targets(&sides);
     Ok(ClusterRun {
         opts: o.clone(),
         sides,
         checks,
+        targets,
     })
+}
+
+/// The first three fields of `/proc/loadavg` (1, 5 and 15 minutes).
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
 }
 
 async fn run_side(
     o: &ClusterOpts,
-    via_proxy: bool,
+    side_extra: Option<String>,
     dir: &Path,
     k8s_bin: &Path,
     cluster_bin: &Path,
@@ -329,9 +417,17 @@ async fn run_side(
     let api_addr: std::net::SocketAddr = cp.url.trim_start_matches("https://").parse()?;
     let direct = Target::new("apiserver", api_addr, &cp.ca_pem, cp.admin_token());
     setup(&direct, o).await?;
+    let via_proxy = side_extra.is_some();
     let mut ctx = Ctx {
         direct: direct.clone(),
         proxy: None,
+        proxy_b: None,
+        balancer: None,
+        proxy_files: Vec::new(),
+        state_dirs: Vec::new(),
+        side_extra,
+        exited: Vec::new(),
+        proxy_counters_reset: false,
         components: Vec::new(),
         counters: Arc::new(Counters::default()),
         kubelets: Vec::new(),
@@ -353,9 +449,10 @@ async fn run_side(
     for c in ctx.components.drain(..) {
         c.stop().await;
     }
-    if let Some(px) = ctx.proxy.take() {
+    for px in [ctx.proxy.take(), ctx.proxy_b.take()].into_iter().flatten() {
         px.stop().await;
     }
+    ctx.balancer.take();
     ctx.cp.stop().await;
     r.map(|()| (phases, ctx.ksm.take()))
 }
@@ -371,23 +468,20 @@ async fn phases_of(
     // Phase: cluster up (the proxy's start, the components, the workload created).
     let p = measure(ctx, "cluster up", async |ctx: &mut Ctx| {
         let endpoint = if via_proxy {
-            let files = ProxyFiles::write(dir, &ctx.cp.admin_kubeconfig_yaml(), None)?;
-            std::fs::write(
-                &files.config,
-                format!(
-                    "cache:\n  resources: [all]\ntls:\n  clientCaFile: {}\n{}\n",
-                    ctx.cp.dir.join("pki/client-ca.crt").display(),
-                    ctx.o.proxy_extra_config.as_deref().unwrap_or("")
-                ),
-            )?;
-            let px = ProxyChild::start(&files, None, ctx.cp.admin_token()).await?;
-            ctx.agent_addr = px.target.addr;
-            ctx.agent_ca = files.ca_pem.clone();
+            let files = replica_files(ctx, dir)?;
+            let px = ProxyChild::start(&files[0], None, ctx.cp.admin_token()).await?;
+            // Everything reaches the proxy through the balancer (a Service's address), so
+            // the rolling restart can add and replace replicas behind it.
+            let lb = balancer::Balancer::start(2, px.target.addr).await?;
+            ctx.agent_addr = lb.addr;
+            ctx.agent_ca = files[0].ca_pem.clone();
             let ep = Endpoint {
-                url: format!("https://{}", px.target.addr),
-                ca_pem: files.ca_pem.clone(),
+                url: format!("https://{}", lb.addr),
+                ca_pem: files[0].ca_pem.clone(),
             };
             ctx.proxy = Some(px);
+            ctx.balancer = Some(lb);
+            ctx.proxy_files = files;
             ep
         } else {
             Endpoint {
@@ -495,7 +589,173 @@ async fn later_phases(ctx: &mut Ctx, phases: &mut Vec<Phase>) -> anyhow::Result<
     // Phase: kube-apiserver restart.
     let p = restart_phase(ctx).await?;
     phases.push(p);
+
+    // Phases (the proxy's sides only): a rolling restart of two replicas, cold, then warm.
+    if ctx.proxy.is_some() && ctx.o.rolling_restart {
+        start_second_replica(ctx).await?;
+        for warm in [false, true] {
+            let p = rolling_phase(ctx, warm).await?;
+            phases.push(p);
+        }
+    }
     Ok(())
+}
+
+/// The two replicas' files: one serving certificate (the balancer passes TLS through), one
+/// continue-token key file (a token from one replica is good at the other, and the state
+/// files are sealed with it, Secrets included), a state directory and a log each.
+fn replica_files(ctx: &mut Ctx, dir: &Path) -> anyhow::Result<Vec<ProxyFiles>> {
+    let keys = dir.join("token-keys");
+    let mut secret = [0u8; 32];
+    ring::rand::SecureRandom::fill(&ring::rand::SystemRandom::new(), &mut secret)
+        .map_err(|_| anyhow::anyhow!("random"))?;
+    use base64::Engine as _;
+    let line = base64::engine::general_purpose::STANDARD.encode(secret);
+    std::fs::write(&keys, format!("k1 {line}\n"))?;
+    let a = ProxyFiles::write(dir, &ctx.cp.admin_kubeconfig_yaml(), None)?;
+    let mut b = a.variant("b", "")?;
+    b.log = dir.join("proxy-b.log");
+    let mut files = Vec::new();
+    for (name, f) in [("a", a), ("b", b)] {
+        let state = dir.join(format!("state-{name}"));
+        std::fs::write(
+            &f.config,
+            format!(
+                "cache:\n  resources: [all]\n  stateDir: {}\ntokens:\n  keyFile: {}\ntls:\n  clientCaFile: {}\n{}\n",
+                state.display(),
+                keys.display(),
+                ctx.cp.dir.join("pki/client-ca.crt").display(),
+                ctx.side_extra.as_deref().unwrap_or("")
+            ),
+        )?;
+        ctx.state_dirs.push(state);
+        files.push(f);
+    }
+    Ok(files)
+}
+
+/// The second replica, started before the rolling restart (its start is not measured) and put
+/// behind the balancer.
+async fn start_second_replica(ctx: &mut Ctx) -> anyhow::Result<()> {
+    say!("cluster: starting the second proxy replica");
+    let px = ProxyChild::start(&ctx.proxy_files[1], None, ctx.cp.admin_token()).await?;
+    if let Some(lb) = &ctx.balancer {
+        lb.set(1, Some(px.target.addr));
+    }
+    ctx.proxy_b = Some(px);
+    Ok(())
+}
+
+/// The rolling restart: each replica in turn taken out of the balancer, drained (SIGTERM),
+/// started again (`warm`: from the state it saved; otherwise its state directory emptied
+/// first) and put back; then until every pod and informer converged.
+async fn rolling_phase(ctx: &mut Ctx, warm: bool) -> anyhow::Result<Phase> {
+    let name = if warm {
+        "proxy rolling restart (warm)"
+    } else {
+        "proxy rolling restart (cold)"
+    };
+    ctx.proxy_counters_reset = true;
+    // The replicas' CPU at the phase's start (the sampler loses a process that exits).
+    let at_start: BTreeMap<u32, f64> = [&ctx.proxy, &ctx.proxy_b]
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p.pid)
+        .filter_map(|pid| Some((pid, stats::cpu_seconds(pid)?)))
+        .collect();
+    let p = measure(ctx, name, async move |ctx: &mut Ctx| {
+        let mut notes = Vec::new();
+        for slot in 0..2 {
+            let t = Instant::now();
+            let old = if slot == 0 {
+                ctx.proxy.take()
+            } else {
+                ctx.proxy_b.take()
+            }
+            .context("a proxy replica")?;
+            if let Some(lb) = &ctx.balancer {
+                lb.set(slot, None);
+            }
+            let pid = old.pid.context("replica pid")?;
+            let peak = hwm_kb(pid).unwrap_or(0) as f64 / 1024.0;
+            let cpu_end = drain(pid).await;
+            let start = at_start.get(&pid).copied().unwrap_or(0.0);
+            ctx.exited.push(ProcUsage {
+                name: replica_name(slot).into(),
+                pid,
+                cpu_s: (cpu_end - start).max(0.0),
+                cpu_pct: 0.0,
+                rss_peak_mb: peak,
+                rss_end_mb: 0.0,
+            });
+            old.stop().await;
+            let drained_s = t.elapsed().as_secs_f64();
+            if !warm {
+                let _ = std::fs::remove_dir_all(&ctx.state_dirs[slot]);
+                use std::os::unix::fs::DirBuilderExt as _;
+                std::fs::DirBuilder::new()
+                    .mode(0o700)
+                    .create(&ctx.state_dirs[slot])?;
+            }
+            let t = Instant::now();
+            let px = ProxyChild::start(&ctx.proxy_files[slot], None, ctx.cp.admin_token()).await?;
+            if let Some(lb) = &ctx.balancer {
+                lb.set(slot, Some(px.target.addr));
+            }
+            notes.push(format!(
+                "replica {}: drained in {drained_s:.1} s, ready in {:.1} s",
+                ["a", "b"][slot],
+                t.elapsed().as_secs_f64()
+            ));
+            if slot == 0 {
+                ctx.proxy = Some(px);
+            } else {
+                ctx.proxy_b = Some(px);
+            }
+        }
+        let (ok, s, more) = converge(ctx, true).await?;
+        notes.extend(more);
+        if let Some(lb) = &ctx.balancer {
+            notes.push(format!(
+                "connections the balancer handed to a / b since the proxy's start: {:?}",
+                lb.handed()
+            ));
+        }
+        Ok((ok, s, notes))
+    })
+    .await;
+    ctx.proxy_counters_reset = false;
+    p
+}
+
+fn replica_name(slot: usize) -> &'static str {
+    if slot == 0 { "proxy" } else { "proxy-b" }
+}
+
+/// SIGTERM to `pid`, then until it exited (a zombie until reaped: its CPU is still readable),
+/// at most 45 s; returns its CPU-s at the end.
+async fn drain(pid: u32) -> f64 {
+    let _ = tokio::process::Command::new("kill")
+        .arg("-TERM")
+        .arg(pid.to_string())
+        .status()
+        .await;
+    let mut last = stats::cpu_seconds(pid).unwrap_or(0.0);
+    let deadline = Instant::now() + Duration::from_secs(45);
+    while Instant::now() < deadline {
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            break;
+        };
+        last = stats::cpu_seconds(pid).unwrap_or(last);
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, r)| r.split_whitespace().next());
+        if matches!(state, Some("Z" | "X")) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    last
 }
 
 /// Runs `f` as one measured phase; `f` returns (converged, seconds to convergence, notes).
@@ -508,6 +768,7 @@ where
     let proxy_before = proxy_snap(ctx).await?;
     let counters_before = ctx.counters.values();
     ctx.counters.latencies.lock().clear();
+    ctx.counters.gone_by.lock().clear();
     // The proxy starts within the first phase: sample what runs at each check.
     let sampler = Sampler::start(&procs(ctx));
     let t0 = Instant::now();
@@ -516,6 +777,11 @@ where
     let wall_s = t0.elapsed().as_secs_f64();
     let converge_s = wall_s;
     let mut procs_used = sampler.finish().await;
+    // Replicas that exited during the phase: their CPU until they exited.
+    for e in ctx.exited.drain(..) {
+        procs_used.retain(|p| p.pid != e.pid);
+        procs_used.push(e);
+    }
     // Processes started during the phase (the proxy, the components): their whole life.
     for (n, pid) in procs(ctx) {
         if !procs_used.iter().any(|p| p.pid == pid) {
@@ -560,6 +826,32 @@ async fn finish(
     let api_after = api_snap(&ctx.direct).await?;
     let proxy_after = proxy_snap(ctx).await?;
     let latency = stats::summarize(std::mem::take(&mut *ctx.counters.latencies.lock()));
+    let gone_by = std::mem::take(&mut *ctx.counters.gone_by.lock());
+    let mut notes = notes;
+    if !gone_by.is_empty() {
+        notes.push(format!(
+            "410s by collection: {}",
+            gone_by
+                .iter()
+                .map(|(k, v)| format!("{k} {v}"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    let proxy_before = if ctx.proxy_counters_reset {
+        Some(ProxySnap::default())
+    } else {
+        proxy_before
+    };
+    let mut proxy_mem = Vec::new();
+    for (slot, px) in [&ctx.proxy, &ctx.proxy_b].into_iter().enumerate() {
+        if let Some((pid, admin)) = px.as_ref().and_then(|p| Some((p.pid?, p.admin.as_ref()?))) {
+            let rss = stats::rss_kb(pid).unwrap_or(0) as f64 / 1024.0;
+            if let Ok(text) = stats::metrics(admin).await {
+                proxy_mem.push(ProxyMem::parse(["a", "b"][slot], &text, rss));
+            }
+        }
+    }
     let p = Phase {
         name,
         wall_s,
@@ -575,6 +867,7 @@ async fn finish(
             (None, Some(a)) => Some(a.delta(&ProxySnap::default())),
             _ => None,
         },
+        proxy_mem,
         notes,
     };
     say!(
@@ -601,6 +894,7 @@ async fn restart_phase(ctx: &mut Ctx) -> anyhow::Result<Phase> {
     let proxy_before = proxy_snap(ctx).await?;
     let counters_before = ctx.counters.values();
     ctx.counters.latencies.lock().clear();
+    ctx.counters.gone_by.lock().clear();
     let t0 = Instant::now();
     ctx.cp
         .kill_and_restart_apiserver()
@@ -779,8 +1073,10 @@ fn procs(ctx: &Ctx) -> Vec<(String, u32)> {
         ("etcd".to_string(), pids[0]),
         ("kube-apiserver".to_string(), pids[1]),
     ];
-    if let Some(pid) = ctx.proxy.as_ref().and_then(|p| p.pid) {
-        v.push(("proxy".into(), pid));
+    for (slot, px) in [&ctx.proxy, &ctx.proxy_b].into_iter().enumerate() {
+        if let Some(pid) = px.as_ref().and_then(|p| p.pid) {
+            v.push((replica_name(slot).into(), pid));
+        }
     }
     for c in &ctx.components {
         if let Some(pid) = c.pid() {
@@ -802,11 +1098,24 @@ async fn api_snap(direct: &Target) -> anyhow::Result<ApiSnap> {
     anyhow::bail!("the apiserver's /metrics did not answer in 30 s")
 }
 
+/// The proxy replicas' counters, summed.
 async fn proxy_snap(ctx: &Ctx) -> anyhow::Result<Option<ProxySnap>> {
-    match ctx.proxy.as_ref().and_then(|p| p.admin.as_ref()) {
-        Some(admin) => Ok(Some(ProxySnap::parse(&stats::metrics(admin).await?))),
-        None => Ok(None),
+    let mut sum: Option<ProxySnap> = None;
+    for admin in [&ctx.proxy, &ctx.proxy_b]
+        .into_iter()
+        .flatten()
+        .filter_map(|p| p.admin.as_ref())
+    {
+        let s = ProxySnap::parse(&stats::metrics(admin).await?);
+        let acc = sum.get_or_insert_with(ProxySnap::default);
+        for (k, v) in s.0 {
+            *acc.0.entry(k).or_default() += v;
+        }
+        for (k, v) in s.1 {
+            *acc.1.entry(k).or_default() += v;
+        }
     }
+    Ok(sum)
 }
 
 /// Objects every phase needs: namespaces, the agents' ServiceAccounts and RBAC,
@@ -1121,10 +1430,17 @@ fn checks(sides: &[Side]) -> Vec<crate::Check> {
                 detail: format!("{} of {} lines differ", k.differing, k.lines),
             });
         }
-        if s.side == "proxy" {
-            let relists: u64 = s.phases.iter().map(|p| p.agents.relists).sum();
+        if s.side.starts_with("proxy") {
+            // The rolling restart's relists are a figure (the issue's target, in `targets`),
+            // not a correctness check: a replica resumes a watch only from its own history.
+            let relists: u64 = s
+                .phases
+                .iter()
+                .filter(|p| !p.name.starts_with("proxy rolling restart"))
+                .map(|p| p.agents.relists)
+                .sum();
             v.push(crate::Check {
-                name: "cluster: no agent relisted through the proxy".into(),
+                name: format!("cluster: no agent relisted through the proxy ({})", s.side),
                 pass: relists == 0,
                 detail: format!("{relists} relists"),
             });
@@ -1133,8 +1449,110 @@ fn checks(sides: &[Side]) -> Vec<crate::Check> {
     v
 }
 
+/// The issue's targets (figures of the run, ratios of the sides; a miss fails nothing).
+fn targets(sides: &[Side]) -> Vec<crate::Check> {
+    let mut v = Vec::new();
+    let phase = |s: &Side, n: &str| s.phases.iter().find(|p| p.name == n).cloned();
+    let api_cpu = |p: &Phase| cpu(p, "kube-apiserver").map_or(0.0, |u| u.cpu_s);
+    let direct = sides.iter().find(|s| s.side == "apiserver");
+    for s in sides.iter().filter(|s| s.side.starts_with("proxy")) {
+        let mut ratio = |phase_name: &str, what: &str, max: f64| {
+            if let (Some(d), Some(x)) = (
+                direct.and_then(|d| phase(d, phase_name)),
+                phase(s, phase_name),
+            ) {
+                let (a, b) = (api_cpu(&x), api_cpu(&d));
+                v.push(crate::Check {
+                    name: format!("{phase_name}: apiserver CPU-s {what} ({})", s.side),
+                    pass: a <= b * max,
+                    detail: format!("{a:.1} against {b:.1} direct ({:.2}×)", a / b.max(1e-9)),
+                });
+            }
+        };
+        ratio("agent rollout", "≤ 1/10 of direct", 0.1);
+        ratio("agents connect", "≤ 1/2 of direct", 0.5);
+        ratio("apiserver restart", "≤ 1/2 of direct", 0.5);
+        ratio("steady churn", "≤ direct", 1.0);
+        if let (Some(d), Some(x)) = (
+            direct.and_then(|d| phase(d, "steady churn")),
+            phase(s, "steady churn"),
+        ) {
+            v.push(crate::Check {
+                name: format!(
+                    "steady churn: open watches at the apiserver ≤ 1/5 of direct ({})",
+                    s.side
+                ),
+                pass: x.open_watches * 5 <= d.open_watches,
+                detail: format!("{} against {}", x.open_watches, d.open_watches),
+            });
+        }
+        for p in &s.phases {
+            v.push(crate::Check {
+                name: format!("{}: 0 client relists ({})", p.name, s.side),
+                pass: p.agents.relists == 0,
+                detail: format!("{} relists, {} 410s", p.agents.relists, p.agents.gone),
+            });
+            for m in &p.proxy_mem {
+                v.push(crate::Check {
+                    name: format!(
+                        "{}: proxy RSS ≤ 1.5 × cached JSON + 4 KB per watch (replica {}, {})",
+                        p.name, m.replica, s.side
+                    ),
+                    pass: m.rss_mb <= m.budget_mb(),
+                    detail: format!(
+                        "RSS {:.0} MiB, budget {:.1} MiB ({:.1} MiB JSON, {} watches)",
+                        m.rss_mb,
+                        m.budget_mb(),
+                        m.json_bytes as f64 / 1048576.0,
+                        m.watchers
+                    ),
+                });
+            }
+        }
+    }
+    v
+}
+
 fn cpu<'a>(p: &'a Phase, name: &str) -> Option<&'a ProcUsage> {
     p.procs.iter().find(|u| u.name == name)
+}
+
+/// Every replica of the proxy (`proxy`, `proxy-b`, restarted ones too): CPU-s summed, peak
+/// RSS the largest.
+fn proxy_usage(p: &Phase) -> Option<(f64, f64, usize)> {
+    let v: Vec<&ProcUsage> = p
+        .procs
+        .iter()
+        .filter(|u| u.name.starts_with("proxy"))
+        .collect();
+    if v.is_empty() {
+        return None;
+    }
+    Some((
+        v.iter().map(|u| u.cpu_s).sum(),
+        v.iter().map(|u| u.rss_peak_mb).fold(0.0, f64::max),
+        v.len(),
+    ))
+}
+
+/// The marginal RSS per watch on a proxy side: between the cluster's start and the agents'
+/// first connect (same objects, the agents' watches added), replica a.
+fn rss_per_watch(s: &Side) -> Option<(f64, u64)> {
+    let at = |n: &str| {
+        s.phases
+            .iter()
+            .find(|p| p.name == n)?
+            .proxy_mem
+            .iter()
+            .find(|m| m.replica == "a")
+            .cloned()
+    };
+    let (up, connect) = (at("cluster up")?, at("agents connect")?);
+    let dw = connect
+        .watchers
+        .checked_sub(up.watchers)
+        .filter(|d| *d > 0)?;
+    Some(((connect.rss_mb - up.rss_mb) * 1048576.0 / dw as f64, dw))
 }
 
 /// The report: per phase a table of both sides.
@@ -1155,9 +1573,30 @@ pub fn markdown(r: &ClusterRun) -> String {
         o.deployments * o.replicas,
         o.probe_rate
     );
+    md.insert_str(
+        md.find("\n\n").map_or(0, |i| i + 2),
+        &format!("Size: {}.\n\n", o.size),
+    );
     if let Some(extra) = &o.proxy_extra_config {
         md.push_str(&format!("Proxy configuration added: `{extra}`\n\n"));
     }
+    if let Some(also) = &o.also_proxy_config {
+        md.push_str(&format!(
+            "A third side, `proxy, {also}`: the proxy with `{also}` added, on a control plane of its own, same phases.\n\n"
+        ));
+    }
+    md.push_str(
+        "The proxy's sides reach the proxy through a loopback TCP balancer in the driver's process (the rolling restart's Service; the driver's CPU there includes copying the proxy's bytes). The proxy runs with `cache.stateDir` and `tokens.keyFile` set (used only by the warm rolling restart).\n\n\
+         **Noise**: the machine has 2 cores shared with other engineers' builds and tests while this ran; absolute CPU-s move by tens of percent between runs. Both sides run in the same run, one after the other, so the ratios are the figures of record. Load average (1/5/15 min) per side, at its start → end: ",
+    );
+    md.push_str(
+        &r.sides
+            .iter()
+            .map(|s| format!("{}: {} → {}", s.side, s.loadavg_start, s.loadavg_end))
+            .collect::<Vec<_>>()
+            .join("; "),
+    );
+    md.push_str(".\n\n");
     let failed: Vec<&crate::Check> = r.checks.iter().filter(|c| !c.pass).collect();
     if failed.is_empty() {
         md.push_str("All checks passed.\n\n");
@@ -1167,12 +1606,15 @@ pub fn markdown(r: &ClusterRun) -> String {
         }
         md.push('\n');
     }
-    let names: Vec<&str> = r
-        .sides
-        .first()
-        .map(|s| s.phases.iter().map(|p| p.name).collect())
-        .unwrap_or_default();
-    for name in names {
+    let mut names: Vec<&str> = Vec::new();
+    for s in &r.sides {
+        for p in &s.phases {
+            if !names.contains(&p.name) {
+                names.push(p.name);
+            }
+        }
+    }
+    for &name in &names {
         let ps: Vec<Option<&Phase>> = r
             .sides
             .iter()
@@ -1182,7 +1624,7 @@ pub fn markdown(r: &ClusterRun) -> String {
             "## {name}\n\n| | {} |\n|---|",
             r.sides
                 .iter()
-                .map(|s| s.side)
+                .map(|s| s.side.as_str())
                 .collect::<Vec<_>>()
                 .join(" | ")
         ));
@@ -1212,7 +1654,11 @@ pub fn markdown(r: &ClusterRun) -> String {
         }));
         md.push_str(&row("kube-apiserver", &proc_cell("kube-apiserver")));
         md.push_str(&row("etcd", &proc_cell("etcd")));
-        md.push_str(&row("proxy", &proc_cell("proxy")));
+        md.push_str(&row("proxy (all replicas)", &|p| {
+            proxy_usage(p).map_or("-".into(), |(c, peak, n)| {
+                format!("{c:.1} CPU-s, peak {peak:.0} MiB ({n} processes)")
+            })
+        }));
         md.push_str(&row("driver (agents)", &proc_cell("driver")));
         md.push_str(&row("components (kcm, sched, kwok, ksm) CPU-s", &|p| {
             let c: Vec<String> = [
@@ -1302,7 +1748,139 @@ pub fn markdown(r: &ClusterRun) -> String {
                     .join("; ")
             })
         }));
+        md.push_str(&row(
+            "proxy memory (end): RSS / cached JSON / protobuf / objects / watches",
+            &|p| {
+                if p.proxy_mem.is_empty() {
+                    return "-".into();
+                }
+                p.proxy_mem
+                    .iter()
+                    .map(|m| {
+                        format!(
+                            "{}: {:.0} MiB / {:.1} MiB / {:.1} MiB / {} / {}",
+                            m.replica,
+                            m.rss_mb,
+                            m.json_bytes as f64 / 1048576.0,
+                            m.protobuf_bytes as f64 / 1048576.0,
+                            m.objects,
+                            m.watchers
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            },
+        ));
+        md.push_str(&row(
+            "proxy bytes per cached object: JSON / RSS; RSS ≤ 1.5 × JSON + 4 KB per watch",
+            &|p| {
+                if p.proxy_mem.is_empty() {
+                    return "-".into();
+                }
+                p.proxy_mem
+                    .iter()
+                    .map(|m| {
+                        let o = m.objects.max(1) as f64;
+                        format!(
+                            "{}: {:.0} B / {:.0} B; {:.0} ≤ {:.1} MiB {}",
+                            m.replica,
+                            m.json_bytes as f64 / o,
+                            m.rss_mb * 1048576.0 / o,
+                            m.rss_mb,
+                            m.budget_mb(),
+                            if m.rss_mb <= m.budget_mb() {
+                                "met"
+                            } else {
+                                "**missed**"
+                            }
+                        )
+                    })
+                    .collect::<Vec<_>>()
+                    .join("; ")
+            },
+        ));
         md.push_str(&row("notes", &|p| p.notes.join("; ")));
+        md.push('\n');
+        let absent: Vec<&str> = r
+            .sides
+            .iter()
+            .zip(&ps)
+            .filter(|(_, p)| p.is_none())
+            .map(|(s, _)| s.side.as_str())
+            .collect();
+        if !absent.is_empty() {
+            md.push_str(&format!(
+                "No equivalent on the {} side (no proxy there): nothing runs, the column shows \"-\".\n\n",
+                absent.join(", ")
+            ));
+        }
+    }
+    if r.sides.len() > 2 {
+        md.push_str("## SubjectAccessReviews at the apiserver, side by side\n\n| phase |");
+        for s in &r.sides {
+            md.push_str(&format!(" {} |", s.side));
+        }
+        md.push_str("\n|---|");
+        md.push_str(&"---|".repeat(r.sides.len()));
+        md.push('\n');
+        for name in &names {
+            md.push_str(&format!("| {name} |"));
+            for s in &r.sides {
+                let c = s
+                    .phases
+                    .iter()
+                    .find(|p| p.name == *name)
+                    .map_or("-".into(), |p| {
+                        let cached: u64 = p.proxy.as_ref().map_or(0, |x| {
+                            x.served
+                                .iter()
+                                .filter(|(k, _)| k.ends_with(" cache"))
+                                .map(|(_, v)| *v)
+                                .sum()
+                        });
+                        if p.proxy.is_some() {
+                            format!(
+                                "{} ({cached} cache-served requests)",
+                                p.api.subject_access_reviews
+                            )
+                        } else {
+                            p.api.subject_access_reviews.to_string()
+                        }
+                    });
+                md.push_str(&format!(" {c} |"));
+            }
+            md.push('\n');
+        }
+        md.push('\n');
+    }
+    let per_watch: Vec<String> = r
+        .sides
+        .iter()
+        .filter_map(|s| {
+            let (b, n) = rss_per_watch(s)?;
+            Some(format!(
+                "{}: {:.1} KiB per watch ({n} watches added)",
+                s.side,
+                b / 1024.0
+            ))
+        })
+        .collect();
+    if !per_watch.is_empty() {
+        md.push_str(&format!(
+            "## Proxy memory per watch\n\nThe proxy's RSS from the end of \"cluster up\" to the end of \"agents connect\" (the same objects, the agents' watches added) over the watches added, replica a: {}.\n\n",
+            per_watch.join("; ")
+        ));
+    }
+    if !r.targets.is_empty() {
+        md.push_str("## The issue's targets in this run\n\nFigures, not checks: a miss does not fail the run.\n\n");
+        for t in &r.targets {
+            md.push_str(&format!(
+                "- {} {}: {}\n",
+                if t.pass { "met" } else { "**missed**" },
+                t.name,
+                t.detail
+            ));
+        }
         md.push('\n');
     }
     for s in &r.sides {

@@ -834,13 +834,20 @@ async fn attack_phase(
             let req = patch(&o.namespace, obj, body);
             let conn = writer.clone();
             let errors = errors.clone();
-            js.spawn(async move {
+            let write = async move {
                 if let Err(e) = fetch(&conn, req).await
                     && errors.fetch_add(1, Ordering::Relaxed) == 0
                 {
                     eprintln!("fields-attack: a write failed: {e:#}");
                 }
-            });
+            };
+            // The large object's writes one at a time (at most the rate): concurrent ones
+            // pile up in the apiserver, which then times them out (504).
+            if big {
+                write.await;
+            } else {
+                js.spawn(write);
+            }
         }
         while js.join_next().await.is_some() {}
     };
@@ -966,7 +973,8 @@ pub fn attack_markdown(o: &AttackOpts, r: &AttackResult) -> String {
          (every filter selects `data`: delivered to all). Ignore phases: {} watchers, a \
          ConfigMap of {} keys × 8 B whose key `hot` is written at {}/s, every filter ignoring \
          `hot` and one key of its own (`-data[hot],-data[k<i>]`; the shared phase: all \
-         `-data[hot],-data[k0]`): nothing is delivered, the filters are what costs. Each phase {} s of \
+         `-data[hot],-data[k0]`), one write at a time: nothing is delivered, the filters are what \
+         costs. Each phase {} s of \
          writes; the victim writes its own ConfigMap in `{}` at {}/s and watches it.\n\n\
          Victim: write to receipt through the proxy (p50/p99/max), the same on a watch straight at \
          the apiserver (p99), and the proxy's receipt minus the direct one per event (p50/p99).\n\n\

@@ -9,6 +9,14 @@
 //! 10,000; no allow 234 / 226 ns; no allow through a role of 10,000 rules 125 / 141 µs (the
 //! one case that grows: with the rules of the roles bound to the caller, never with the
 //! bindings); a policy build 0.13 ms at 100, 17.4 ms at 10,000 of each kind.
+//!
+//! Also the Node authorizer's allows decided in the proxy (`auth::local_node::LocalNode::
+//! allows`) over a pods cache of 10,000 and 100,000 pods on 1,000 / 10,000 nodes (10 each):
+//! a kubelet's `get` of a Secret its pod refers to, of one none of its pods refers to (every
+//! pod of the node in that namespace looked at), and its pods' list by `spec.nodeName`.
+//! Measured the same way (load 4-6), medians at 10,000 / 100,000 pods: an allowed Secret
+//! 0.80 / 0.55 µs, another's 0.46 / 0.70 µs, the pods by selector 0.24 / 0.20 µs: the cost
+//! is the node's pods in the namespace, not the cluster's.
 
 use std::hint::black_box;
 use std::sync::Arc;
@@ -115,9 +123,83 @@ fn bench(c: &mut Criterion) {
     }
 }
 
+fn bench_node(c: &mut Criterion) {
+    use kube_cache_proxy::auth::authn::Identity;
+    use kube_cache_proxy::auth::local_node::{LocalNode, NodeProbe};
+    use kube_cache_proxy::cache::{
+        CachedObject, ReflectorSink, Resource, ResourceCache, StoreConfig,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let _in_runtime = rt.enter();
+    let r = Resource::core("pods", "Pod", true);
+    for pods in [10_000usize, 100_000] {
+        let cache = ResourceCache::new(r.clone(), StoreConfig::default());
+        let objects = (0..pods)
+            .map(|i| {
+                let v = json!({
+                    "metadata": {"name": format!("p{i}"), "namespace": format!("ns{}", i % 50),
+                                 "uid": format!("u{i}"), "resourceVersion": (i + 1).to_string()},
+                    "spec": {"nodeName": format!("n{}", i / 10),
+                             "containers": [{"name": "c", "image": "i",
+                                 "env": [{"name": "A", "valueFrom": {"configMapKeyRef": {"name": format!("cm{i}"), "key": "k"}}}]}],
+                             "volumes": [{"name": "s", "secret": {"secretName": format!("s{i}")}},
+                                         {"name": "t", "projected": {"sources": [{"secret": {"name": "shared"}}]}}]}
+                });
+                CachedObject::parse(v.to_string().into(), &r).unwrap()
+            })
+            .collect();
+        cache.replace(objects, pods as u64);
+        cache.set_unhealthy(None);
+        let pods_cache = cache.clone();
+        let local = LocalNode::with_pods(Box::new(move || Some(pods_cache.clone())));
+        local.probed(NodeProbe::Allowed);
+        // Pod 4,005 is on node n400, namespace ns5.
+        let id = Identity {
+            user: "system:node:n400".into(),
+            uid: String::new(),
+            groups: vec!["system:nodes".into()],
+            extra: Default::default(),
+            tenant: String::new(),
+        };
+        let get = |name: &str| Attributes {
+            verb: "get".into(),
+            version: "v1".into(),
+            resource: "secrets".into(),
+            namespace: "ns5".into(),
+            name: name.into(),
+            ..Default::default()
+        };
+        let (mine, other) = (get("s4005"), get("s4006"));
+        assert!(local.allows(&id, &mine));
+        assert!(!local.allows(&id, &other));
+        c.bench_function(&format!("node allow, a pod's secret, {pods} pods"), |b| {
+            b.iter(|| black_box(local.allows(&id, black_box(&mine))))
+        });
+        c.bench_function(
+            &format!("node no allow, another's secret, {pods} pods"),
+            |b| b.iter(|| black_box(local.allows(&id, black_box(&other)))),
+        );
+        let list = Attributes {
+            verb: "watch".into(),
+            version: "v1".into(),
+            resource: "pods".into(),
+            field_selector: "spec.nodeName=n400".into(),
+            ..Default::default()
+        };
+        assert!(local.allows(&id, &list));
+        c.bench_function(
+            &format!("node allow, its pods by selector, {pods} pods"),
+            |b| b.iter(|| black_box(local.allows(&id, black_box(&list)))),
+        );
+    }
+}
+
 criterion_group! {
     name = benches;
     config = Criterion::default().sample_size(20);
-    targets = bench
+    targets = bench, bench_node
 }
 criterion_main!(benches);

@@ -529,6 +529,18 @@ async fn the_proxy_authorizes_rbac_reads_locally_and_revokes_at_the_next_read() 
         },
     )
     .await;
+    // Local Node authorization's probe (one review, sent once local RBAC is active) is
+    // answered before the reviews are counted.
+    let state = proxy.running.as_ref().unwrap().state.clone();
+    eventually(
+        "local Node authorization to be confirmed",
+        Duration::from_secs(120),
+        async || {
+            let mode = state.authz.local_node().map_or("off", |n| n.mode());
+            ok_if(mode == "active", mode)
+        },
+    )
+    .await;
     // Two tokens of the ServiceAccount (two pods' worth): reads of every object by name.
     let tokens = [
         reader_token(&admin, ns).await,

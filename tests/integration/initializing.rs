@@ -103,9 +103,9 @@ async fn watches_while_the_cache_initializes_are_asked_to_retry_and_never_stay_o
             &[&format!("verb=\"{verb}\""), "resource=\"configmaps\""],
         )
     };
-    assert_eq!(passthrough("watch"), 0.0, "no watch went to the apiserver");
-    assert_eq!(passthrough("list"), 1.0, "the LIST with a limit");
-    assert_eq!(passthrough("get"), 1.0, "the GET");
+    assert_eq!(passthrough("WATCH"), 0.0, "no watch went to the apiserver");
+    assert_eq!(passthrough("LIST"), 1.0, "the LIST with a limit");
+    assert_eq!(passthrough("GET"), 1.0, "the GET");
     let served = sum_metric(
         &metrics,
         "kube_cache_proxy_requests_total",

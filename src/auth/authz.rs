@@ -14,8 +14,9 @@
 //! - the apiserver cannot answer: fail closed with 503 and `Retry-After` (never served).
 //!
 //! First, RBAC is evaluated in the proxy (`local_rbac`, `authorization.localRbac`): an
-//! allow there is final, as any allow in the apiserver's chain; only what RBAC does not allow
-//! (the Node authorizer's kubelets, webhooks' subjects, denials) is reviewed.
+//! allow there is final, as any allow in the apiserver's chain; then, for kubelets, the Node
+//! authorizer's allows walked over the proxy's pods (`local_node`); only what neither allows
+//! (the rest of the Node authorizer's, webhooks' subjects, denials) is reviewed.
 //!
 //! Decisions are cached per (identity hash, attributes) for kube-apiserver's webhook
 //! authorizer defaults: allowed 5 minutes, denied 30 s (configurable); the identity hash

@@ -11,12 +11,13 @@
 use std::time::Duration;
 
 use futures_util::{StreamExt, stream};
-use http::{Method, Request};
+use http::Method;
 use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
 use kube_cache_proxy::auth::authn::Identity;
 use kube_cache_proxy::auth::authz::Attributes;
 use serde_json::{Value, json};
 
+use crate::local_rbac::{Rng, call, env_u64};
 use crate::support::eventually::{eventually, ok_if};
 use crate::support::proxy::TestProxy;
 
@@ -26,35 +27,6 @@ const NODES: [&str; 4] = ["n0", "n1", "n2", "n3"];
 const SECRETS: [&str; 6] = ["s0", "s1", "s2", "s3", "s4", "s5"];
 const CONFIGMAPS: [&str; 6] = ["c0", "c1", "c2", "c3", "c4", "c5"];
 const PODS: usize = 40;
-
-/// splitmix64.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn pick<'a>(&mut self, xs: &[&'a str]) -> &'a str {
-        xs[self.below(xs.len())]
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
-    }
-}
-
-fn env_u64(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// A pod bound to one of the first three nodes, referring to a few Secrets and ConfigMaps
 /// each in one of the ways a pod can.
@@ -166,19 +138,6 @@ fn question(rng: &mut Rng) -> Attributes {
             rng.pick(&NODES),
         ),
     }
-}
-
-async fn call(client: &kube::Client, method: Method, path: &str, body: Option<&Value>) -> Value {
-    let req = Request::builder()
-        .method(method)
-        .uri(path)
-        .header("content-type", "application/json")
-        .body(body.map(|b| b.to_string().into_bytes()).unwrap_or_default())
-        .unwrap();
-    client
-        .request::<Value>(req)
-        .await
-        .unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
 /// The apiserver's SubjectAccessReview answer, the field selector included.

@@ -66,23 +66,23 @@ const PATHS: [&str; 7] = [
 
 /// splitmix64: a small deterministic generator (the cases must be the same on every run of
 /// a seed).
-struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)
     }
-    fn below(&mut self, n: usize) -> usize {
+    pub(crate) fn below(&mut self, n: usize) -> usize {
         (self.next() % n as u64) as usize
     }
-    fn pick<'a>(&mut self, xs: &[&'a str]) -> &'a str {
+    pub(crate) fn pick<'a>(&mut self, xs: &[&'a str]) -> &'a str {
         xs[self.below(xs.len())]
     }
-    fn chance(&mut self, percent: u64) -> bool {
+    pub(crate) fn chance(&mut self, percent: u64) -> bool {
         self.next() % 100 < percent
     }
     fn some<'a>(&mut self, xs: &[&'a str], max: usize) -> Vec<&'a str> {
@@ -94,7 +94,7 @@ impl Rng {
     }
 }
 
-fn env_u64(name: &str, default: u64) -> u64 {
+pub(crate) fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
         .ok()
         .and_then(|v| v.parse().ok())
@@ -263,7 +263,12 @@ fn question(rng: &mut Rng) -> Attributes {
     }
 }
 
-async fn call(client: &kube::Client, method: Method, path: &str, body: Option<&Value>) -> Value {
+pub(crate) async fn call(
+    client: &kube::Client,
+    method: Method,
+    path: &str,
+    body: Option<&Value>,
+) -> Value {
     let req = Request::builder()
         .method(method)
         .uri(path)

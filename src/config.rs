@@ -525,6 +525,14 @@ pub struct CacheConfig {
     /// that comes while the side it needs is starting waits for it or is asked to retry
     /// (429), as at a kube-apiserver whose watch cache initializes.
     pub protobuf_side: ProtobufSide,
+    /// Bound on the table side over all resources, in bytes: the rows kube-apiserver's
+    /// printers computed for each cached object version (`cache::table`), kept so Table
+    /// reads (`kubectl get`) are served from the cache. A resource's side starts with its
+    /// first Table reader. A resource whose rows would take the total over this bound is
+    /// shed: its side stops and its Tables go to the apiserver until the proxy restarts.
+    /// 0: no table side, every Table request passes through. Default 512 MiB: rows are
+    /// a few hundred bytes, about a quarter of a small pod.
+    pub table_max_bytes: u64,
     /// Bound on one backfill (the client's watch waits for it; then 410).
     #[serde(with = "duration")]
     pub backfill_timeout: Duration,
@@ -615,6 +623,7 @@ impl Default for CacheConfig {
             backfill: true,
             protobuf_max_bytes: 2 << 30,
             protobuf_side: ProtobufSide::Eager,
+            table_max_bytes: 512 << 20,
             backfill_timeout: Duration::from_secs(10),
             state_dir: None,
             state_max_age: Duration::from_secs(600),

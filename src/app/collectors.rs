@@ -323,7 +323,8 @@ impl prometheus_client::collector::Collector for BackfillCollector {
             "Watches older than a cache's history: filled (the history was extended back with \
              the apiserver's events), difference (with the difference from an Exact list: the \
              apiserver's watch no longer had the events), gone (410: compacted), unavailable (the \
-             apiserver could not serve it now: the client was told to retry, 429), failed (410)",
+             apiserver could not serve it now, or the resource's backfill budget was spent: \
+             the client was told to retry, 429), failed (410)",
             &outcomes,
         )?;
         let events = Counter::<u64>::default();

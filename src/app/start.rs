@@ -121,6 +121,9 @@ pub fn build_state(
             c.protobuf_max_bytes,
         )),
         protobuf_eager: c.protobuf_side == crate::config::ProtobufSide::Eager,
+        table_budget: std::sync::Arc::new(crate::cache::proto_budget::ProtoBudget::new(
+            c.table_max_bytes,
+        )),
     };
     let paging = crate::paging::Paging::new(config.paging.clone(), c.upstream_page_size);
     let reflector = crate::cache::reflector::ReflectorConfig {

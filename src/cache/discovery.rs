@@ -164,6 +164,10 @@ pub struct Crd {
     pub selectable: BTreeMap<String, CustomFields>,
     /// `status.conditions[Established]` is True: the apiserver serves its resource.
     pub established: bool,
+    /// The Table columns each served version declares after `Name` (its
+    /// `additionalPrinterColumns`, or the default `Age`), as the apiserver describes them
+    /// (`cache::table::crd_columns`): the table side's columns must be these.
+    pub printer_columns: BTreeMap<String, Vec<crate::cache::table::ColumnSig>>,
 }
 
 impl Crd {
@@ -202,6 +206,8 @@ impl Crd {
             served: bool,
             #[serde(default)]
             selectable_fields: Vec<SelectableField>,
+            #[serde(default)]
+            additional_printer_columns: Vec<crate::cache::table::PrinterColumn>,
         }
         #[derive(Deserialize)]
         #[serde(rename_all = "camelCase")]
@@ -230,6 +236,12 @@ impl Crd {
             })
             .collect();
         served.sort_by(|a, b| version_order(a, b));
+        let printer_columns = served_versions()
+            .map(|v| {
+                let cols = crate::cache::table::crd_columns(&v.additional_printer_columns);
+                (v.name.clone(), cols)
+            })
+            .collect();
         Some(Crd {
             uid: o.metadata.uid,
             group: o.spec.group,
@@ -238,6 +250,7 @@ impl Crd {
             namespaced: o.spec.scope == "Namespaced",
             served,
             selectable,
+            printer_columns,
             established: o.status.is_some_and(|s| {
                 s.conditions
                     .iter()
@@ -537,6 +550,7 @@ mod tests {
             served: vec!["v1".into(), "v1beta1".into()],
             selectable: BTreeMap::new(),
             established,
+            printer_columns: BTreeMap::new(),
         }
     }
 

@@ -14,6 +14,7 @@ pub mod persist;
 pub mod proto_budget;
 pub mod reflector;
 pub mod relist;
+pub mod table;
 
 pub use crate::k8s::Resource;
 pub use object::{CachedObject, ObjectKey};

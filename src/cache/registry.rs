@@ -344,6 +344,49 @@ impl Caches {
                 let _ = side.join().await;
             });
         }
+        // The table side: an upstream watch in Table form, started by the first Table
+        // reader of the resource (`cache::table`); its rows are pruned as the JSON side
+        // moves on, and it stops at shutdown or when the table bound sheds it.
+        {
+            let (c, up, cfg, stop, r) = (
+                cache.clone(),
+                upstream.clone(),
+                reflector.clone(),
+                stop.clone(),
+                resource.clone(),
+            );
+            tokio::spawn(async move {
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    () = c.table.wanted() => {}
+                }
+                tracing::info!(resource = %r.label(), "starting the table side (for a Table reader)");
+                let side_stop = stop.child_token();
+                let task = crate::cache::reflector::table::spawn(
+                    r,
+                    up,
+                    c.table.clone(),
+                    cfg,
+                    side_stop.clone(),
+                );
+                let mut tick = tokio::time::interval(PROTO_RECONCILE);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        () = stop.cancelled() => break,
+                        () = c.table.shed.cancelled() => break,
+                        _ = tick.tick() => {
+                            let snap = c.current();
+                            c.table.reconcile(snap.rv, |k| {
+                                snap.objects.get(k).map(|o| o.meta.resource_version)
+                            });
+                        }
+                    }
+                }
+                side_stop.cancel();
+                let _ = task.await;
+            });
+        }
         let handle = Reflector::spawn_from(
             resource,
             upstream.clone(),
@@ -628,6 +671,14 @@ impl Manager {
                 },
                 &keep,
             );
+            // The columns each CRD declares, for the table sides of their resources.
+            for c in crds.iter().flatten() {
+                for (version, cols) in &c.printer_columns {
+                    if let Some(cache) = self.caches.get(&c.group, version, &c.plural) {
+                        cache.table.expect_columns(cols.clone());
+                    }
+                }
+            }
             // Wait for the next discovery, a change of the CRDs, or shutdown.
             let until = next_discovery.saturating_duration_since(tokio::time::Instant::now());
             let crd_cache = self.crds.as_ref().map(|e| e.cache.clone());

@@ -248,14 +248,20 @@ async fn serve_io<S: Service, IO>(
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let budget = Arc::new(budget::Conn::new(state.downstream().clone()));
+    // HTTP/1 request lines with a `#`, which hyper cuts off (`crate::http::raw_target`).
+    let targets = Arc::new(crate::http::raw_target::Targets::default());
+    let stream = crate::http::raw_target::Scanned::new(stream, targets.clone());
     let (io, coalescing) = crate::http::coalesce::coalesce_counted(stream, Some(budget.clone()));
     let io = TokioIo::new(io);
     let conn = Arc::new(conn);
     // `call` returns a boxed future: an HTTP/2 stream holds the service future inline until
     // the response head is written and then keeps its size for the stream's life; the
     // pipeline's future is several KB, which every idle watch stream would carry.
-    let svc = service_fn(move |req| {
+    let svc = service_fn(move |mut req: http::Request<hyper::body::Incoming>| {
         use futures_util::FutureExt;
+        if let Some(target) = targets.restore(req.method(), req.uri()) {
+            *req.uri_mut() = target;
+        }
         let budget = budget.clone();
         state
             .clone()

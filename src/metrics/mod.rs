@@ -80,6 +80,17 @@ impl EncodingLabels {
     }
 }
 
+/// Whether `kube_cache_proxy_request_duration_seconds` observes requests of this (metrics)
+/// verb: not the long-running ones, `WATCH` and `CONNECT` (exec, attach, port-forward), whose
+/// duration is how long the client kept its stream (a watch's timeoutSeconds, minutes), all
+/// in the `+Inf` bucket. kube-apiserver observes them too, and every latency query of its
+/// histogram leaves them out (`verb!~"WATCH|CONNECT"`, as the shipped dashboard's
+/// `verb!="WATCH"`): here they would be half the scrape (26 lines for each watched resource).
+/// `kube_cache_proxy_requests_total` counts them.
+pub fn observes_duration(verb: &str) -> bool {
+    !matches!(verb, "WATCH" | "CONNECT")
+}
+
 /// `kube_cache_proxy_upstream_request_duration_seconds`'s buckets: the apiserver's own start at
 /// 5 ms, above a passed-through GET's whole round trip (about 1 ms on one machine), which
 /// the proxy's share of a request's latency is read against.

@@ -36,6 +36,7 @@ use http::{HeaderValue, Response, StatusCode, header};
 use crate::cache::event::{Encoding, put_object};
 use crate::cache::hub::Filter;
 use crate::cache::store::Snapshot;
+use crate::cache::table::TableForm;
 use crate::cache::{CachedObject, ObjectKey, ResourceCache};
 use crate::http::body::{self, Body};
 use crate::k8s::status::{Reason, Status};
@@ -411,6 +412,9 @@ pub struct ListContext<'a> {
     /// assembled from the objects' protobuf envelopes, or the apiserver answers when one is
     /// missing.
     pub protobuf: bool,
+    /// A Table (`as=Table;v=v1;g=meta.k8s.io`) with rows' objects as asked: pages show the
+    /// same objects, each by its row from the table side ([`crate::read::table`]).
+    pub table: Option<TableForm>,
 }
 
 fn expired_continue(cx: &ListContext<'_>, after: ObjectKey) -> Status {
@@ -451,6 +455,13 @@ pub async fn list(
 ) -> Served {
     use std::sync::atomic::Ordering::Relaxed;
     let out = list_inner(cache, filter, enc, p, cx, latest).await;
+    if cx.table.is_some() {
+        let t = &cache.table.stats;
+        match &out {
+            Err(NotServed::Delegate(_)) => t.passed_through.fetch_add(1, Relaxed),
+            _ => t.served.fetch_add(1, Relaxed),
+        };
+    }
     let st = &cache.list_stats;
     match &out {
         Ok(r) => {
@@ -594,6 +605,10 @@ async fn list_inner(
     let no_selectors = filter.labels.is_everything() && filter.fields.is_everything();
     let cands = Candidates::new(cache, &snap, filter, use_index && pos.after.is_none());
     if limit == 0 {
+        if let Some(form) = cx.table {
+            let page = select_page(&cands, filter, &pos, 0);
+            return write_table_page(cache, cx, form, list_rv, &page, None, &pos, None).await;
+        }
         if cx.protobuf {
             let page = select_page(&cands, filter, &pos, 0);
             return write_proto_page(cache, enc, cx, list_rv, &page, None).await;
@@ -624,10 +639,91 @@ async fn list_inner(
             .sign(&cx.binding, list_rv, last.clone(), *seen, total);
         (token, no_selectors.then(|| total.saturating_sub(*seen)))
     });
+    if let Some(form) = cx.table {
+        // A walk the cache starts it must finish (its continue tokens are the proxy's):
+        // every object it will show must have its row before the first page.
+        let walk = (pos.after.is_none() && page.next.is_some()).then_some((&cands, filter));
+        return write_table_page(cache, cx, form, list_rv, &page, meta, &pos, walk).await;
+    }
     if cx.protobuf {
         return write_proto_page(cache, enc, cx, list_rv, &page, meta).await;
     }
     Ok(write_page(cache, enc, cx, list_rv, &page, meta).await)
+}
+
+/// A page as a Table ([`crate::read::table`]). A row that does not come within the list's
+/// wait sends a first page to the apiserver; a later page of a walk the cache started gets
+/// the apiserver's answer to a continue token whose snapshot is gone (410 Expired, with a
+/// token that continues at the latest state). `walk`: the candidates of a walk's first
+/// page, every one of which must have its row.
+#[allow(clippy::too_many_arguments)] // the page's parts, as `write_page` takes them, and the walk's
+async fn write_table_page(
+    cache: &ResourceCache,
+    cx: &ListContext<'_>,
+    form: TableForm,
+    list_rv: u64,
+    page: &Page,
+    meta: Option<(String, Option<u64>)>,
+    pos: &Position,
+    walk: Option<(&Candidates<'_>, &Filter)>,
+) -> Served {
+    use crate::read::table;
+    let bound = cx.cfg.wait_for_rv;
+    if let Some((cands, filter)) = walk {
+        let all: Vec<&Arc<CachedObject>> = cands
+            .iter(None)
+            .filter(|(_, o)| filter.matches(o))
+            .map(|(_, o)| o)
+            .collect();
+        if table::rows_of(cache, &all, bound).await.is_none() {
+            return delegate(table::NO_ROW);
+        }
+    }
+    let items: Vec<&Arc<CachedObject>> = page.items.iter().collect();
+    let Some((cols, rows)) = table::rows_of(cache, &items, bound).await else {
+        return match &pos.after {
+            Some(after) => Err(expired_continue(cx, after.clone()).into()),
+            None => delegate(table::NO_ROW),
+        };
+    };
+    let list_meta = table::list_meta(list_rv, meta.as_ref());
+    let Some(b) = table::body(cache, &cols, &list_meta, &items, &rows, form) else {
+        return match &pos.after {
+            Some(after) => Err(expired_continue(cx, after.clone()).into()),
+            None => delegate(table::NO_ROW),
+        };
+    };
+    Ok(respond(b, cx.cfg, cx.accepts_gzip).await)
+}
+
+/// One object as a Table, or the apiserver's answer when the cache does not hold it or its
+/// row does not come within `bound`.
+pub async fn get_table(
+    cache: &ResourceCache,
+    snap: &Snapshot,
+    namespace: &str,
+    name: &str,
+    form: TableForm,
+    bound: Duration,
+) -> Served {
+    use std::sync::atomic::Ordering::Relaxed;
+    let ns = if cache.resource.namespaced {
+        namespace
+    } else {
+        ""
+    };
+    let out = match snap.objects.get(&ObjectKey::new(ns, name)) {
+        None => delegate("object not in the cache"),
+        Some(o) => crate::read::table::get(cache, o, form, bound)
+            .await
+            .map(json),
+    };
+    let t = &cache.table.stats;
+    match &out {
+        Ok(_) => t.served.fetch_add(1, Relaxed),
+        Err(_) => t.passed_through.fetch_add(1, Relaxed),
+    };
+    out
 }
 
 /// Objects at least this large go into a page body as the bytes the cache shares, not copied.
@@ -903,6 +999,7 @@ mod tests {
             page_cap: None,
             upstream: None,
             protobuf: false,
+            table: None,
         };
         let mut w = Walk {
             items: vec![],
@@ -1065,6 +1162,7 @@ mod tests {
                 page_cap: None,
                 upstream: None,
                 protobuf: false,
+                table: None,
             };
             let mut cont = None;
             let mut seen = Vec::new();
@@ -1197,6 +1295,7 @@ mod tests {
                     page_cap: None,
                     upstream: None,
                     protobuf: false,
+                    table: None,
                 };
                 let p = ListParams {
                     rv: Rv::Unset,

@@ -10,6 +10,7 @@ pub mod consistency;
 pub mod list;
 pub mod plan;
 pub mod router;
+pub mod table;
 pub mod token;
 pub mod watch;
 

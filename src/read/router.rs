@@ -11,6 +11,7 @@ use http::{HeaderMap, Method, header};
 
 use crate::cache::event::Encoding;
 use crate::cache::hub::Filter;
+use crate::cache::table::{IncludeObject, TableForm};
 use crate::cache::{ResourceCache, Side};
 use crate::k8s::fields::{FieldCheck, check_field_selector};
 use crate::k8s::request_info::RequestInfo;
@@ -28,12 +29,17 @@ pub enum Route {
         /// The apiserver's protobuf instead of `enc` (`enc` then says whole objects or
         /// metadata).
         protobuf: bool,
+        /// Each event as a Table of one row (`read::table::watch_body`), rows' objects as
+        /// asked; `enc` is then JSON.
+        table: Option<TableForm>,
     },
     Get {
         cache: Arc<ResourceCache>,
         enc: Encoding,
         /// The apiserver's protobuf instead of `enc`.
         protobuf: bool,
+        /// A Table of meta.k8s.io/v1 instead of `enc` (`read::table`), rows' objects as asked.
+        table: Option<TableForm>,
         /// `Latest` (subject to the consistency policy) or `Any`.
         at: ReadAt,
     },
@@ -43,6 +49,8 @@ pub enum Route {
         enc: Encoding,
         /// The apiserver's protobuf instead of `enc`.
         protobuf: bool,
+        /// A Table of meta.k8s.io/v1 instead of `enc` (`read::table`), rows' objects as asked.
+        table: Option<TableForm>,
         params: ListParams,
     },
 }
@@ -180,6 +188,14 @@ fn parse_accept(header: &str) -> Option<Vec<Clause<'_>>> {
 /// starts, [`while_unready`] decides.
 pub const PROTOBUF: &str = "encoding: protobuf";
 
+/// [`negotiate`]'s answer when the apiserver would write a Table of meta.k8s.io/v1 in JSON
+/// (`kubectl get`): the cache writes it from the table side's rows (`Route::{Get, List}`
+/// with `table`) once that side has synced; watches of Tables are the apiserver's.
+pub const TABLE: &str = "encoding: Table";
+
+/// As [`TABLE`], of meta.k8s.io/v1beta1 (older clients; kube-apiserver still serves it).
+pub const TABLE_V1BETA1: &str = "encoding: Table v1beta1";
+
 /// Why a read of a resource without a cache goes to the apiserver.
 pub const NOT_CACHED: &str = "resource not cached";
 
@@ -239,7 +255,15 @@ fn verdict(c: &Clause<'_>, media: &str, read: ReadKind, custom: bool, pretty: bo
         return Verdict::Skip;
     }
     match kind {
-        "Table" if json || media == "yaml" => Verdict::Wins(Err("encoding: Table")),
+        "Table" if json => {
+            let form = if version == "v1" {
+                TABLE
+            } else {
+                TABLE_V1BETA1
+            };
+            Verdict::Wins(pretty_ok(Some(c), read, pretty).and(Err(form)))
+        }
+        "Table" if json || media == "yaml" => Verdict::Wins(Err("encoding: Table not JSON v1")),
         "PartialObjectMetadata" | "PartialObjectMetadataList" => {
             let protobuf = media == "vnd.kubernetes.protobuf";
             if !(json || protobuf) || version != "v1" {
@@ -362,6 +386,54 @@ fn with_protobuf(negotiated: Result<Encoding, &'static str>) -> Served<(Encoding
     }
 }
 
+/// A Table read's `includeObject` (the apiserver's default, `Metadata`, when absent) and its
+/// query without it, for the list and GET planners; `Err(why)` for the apiserver (a value it
+/// refuses, repeated or encoded parameters).
+pub fn table_query(query: Option<&str>) -> Result<(IncludeObject, String), &'static str> {
+    let mut io = None;
+    let mut rest = Vec::new();
+    for pair in query.unwrap_or("").split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        if k == "includeObject" {
+            if io.is_some() {
+                return Err("table: repeated includeObject");
+            }
+            io = Some(IncludeObject::parse(v).ok_or("table: includeObject")?);
+        } else {
+            rest.push(pair);
+        }
+    }
+    Ok((io.unwrap_or(IncludeObject::Metadata), rest.join("&")))
+}
+
+/// A read's Table form, when it asks for one the cache writes: its `includeObject` and its
+/// query without it. A resource whose table side cannot serve (shed, off, or a column that
+/// depends on the clock) sends its Tables to the apiserver.
+fn table_of(
+    negotiated: Result<Encoding, &'static str>,
+    cache: &ResourceCache,
+    query: Option<&str>,
+) -> Served<Option<(TableForm, String)>> {
+    let v1beta1 = match negotiated {
+        Err(TABLE) => false,
+        Err(TABLE_V1BETA1) => true,
+        _ => return Ok(None),
+    };
+    let (io, rest) = match table_query(query) {
+        Ok(q) => q,
+        Err(why) => return delegate(why),
+    };
+    if !cache.table.ready() && !cache.table.coming(crate::cache::store::STARTING) {
+        cache
+            .table
+            .stats
+            .passed_through
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        return delegate(cache.table.not_ready_reason().unwrap_or(TABLE));
+    }
+    Ok(Some((TableForm { io, v1beta1 }, rest)))
+}
+
 /// What a read gets while a side of the cache it needs (the JSON cache, or the protobuf
 /// side) is not ready: what kube-apiserver does while its watch cache initializes
 /// (k8s.io/apiserver `storage/cacher`, feature ResilientWatchCacheInitialization, on and
@@ -442,6 +514,14 @@ pub fn route(
     {
         cache.want_protobuf();
     }
+    // A Table reader (kubectl get) starts the resource's table side: the Tables after it are
+    // the cache's.
+    if [ReadKind::List, ReadKind::Get]
+        .into_iter()
+        .any(|r| matches!(negotiate(r), Err(TABLE | TABLE_V1BETA1)))
+    {
+        cache.table.want();
+    }
     // Not ready and not about to be: the apiserver answers whatever the read.
     if cache.side(false, false) == Side::Failing {
         return delegate("cache not synced");
@@ -459,10 +539,19 @@ pub fn route(
     };
     match info.verb.as_str() {
         "watch" if info.name.is_empty() || info.name_from_selector => {
+            let table = table_of(negotiate(ReadKind::Watch), &cache, query)?;
+            let query = table.as_ref().map_or(query, |(_, q)| Some(q.as_str()));
             let Some(params) = WatchParams::parse(query) else {
                 return delegate("watch parameters");
             };
-            let (enc, protobuf) = with_protobuf(negotiate(ReadKind::Watch))?;
+            // A Table bookmark is a row of an empty object, which the cache does not keep.
+            if table.is_some() && (params.allow_bookmarks || params.send_initial_events.is_some()) {
+                return delegate("table watch with bookmarks");
+            }
+            let (enc, protobuf) = match &table {
+                Some(_) => (Encoding::Json, false),
+                None => with_protobuf(negotiate(ReadKind::Watch))?,
+            };
             let latest = params.resource_version.as_deref().unwrap_or("").is_empty();
             match while_unready(ReadKind::Watch, cache.side(protobuf, latest), false) {
                 Unready::Delegate => return delegate(unready_reason(&cache)),
@@ -488,15 +577,21 @@ pub fn route(
                 filter,
                 enc,
                 protobuf,
+                table: table.map(|(io, _)| io),
             })
         }
         "get" if !info.name.is_empty() => {
-            let (enc, protobuf) = with_protobuf(negotiate(ReadKind::Get))?;
+            let table = table_of(negotiate(ReadKind::Get), &cache, query)?;
+            let (enc, protobuf) = match &table {
+                Some(_) => (Encoding::Json, false),
+                None => with_protobuf(negotiate(ReadKind::Get))?,
+            };
             if while_unready(ReadKind::Get, cache.side(protobuf, false), false) != Unready::Serve {
                 return delegate(unready_reason(&cache));
             }
             // resourceVersion=0 ("any") or unset (most recent, when the consistency policy
             // confirms the cache); anything else is the apiserver's.
+            let query = table.as_ref().map_or(query, |(_, q)| Some(q.as_str()));
             let Some(at) = plan::get(query) else {
                 return delegate("get parameters");
             };
@@ -504,11 +599,17 @@ pub fn route(
                 cache,
                 enc,
                 protobuf,
+                table: table.map(|(io, _)| io),
                 at,
             })
         }
         "list" => {
-            let (enc, protobuf) = with_protobuf(negotiate(ReadKind::List))?;
+            let table = table_of(negotiate(ReadKind::List), &cache, query)?;
+            let (enc, protobuf) = match &table {
+                Some(_) => (Encoding::Json, false),
+                None => with_protobuf(negotiate(ReadKind::List))?,
+            };
+            let query = table.as_ref().map_or(query, |(_, q)| Some(q.as_str()));
             let params = match ListParams::parse(query) {
                 Ok(p) => p,
                 Err(why) => return delegate(why),
@@ -540,6 +641,7 @@ pub fn route(
                 filter,
                 enc,
                 protobuf,
+                table: table.map(|(io, _)| io),
                 params,
             })
         }
@@ -725,6 +827,72 @@ mod tests {
         // Two sides: the worse counts.
         assert_eq!(Side::Ready.max(Side::Starting), Side::Starting);
         assert_eq!(Side::Starting.max(Side::Failing), Side::Failing);
+    }
+
+    #[test]
+    fn tables_of_v1_in_json_are_the_caches_and_other_tables_the_apiservers() {
+        for read in [Get, List, Watch] {
+            for custom in [false, true] {
+                assert_eq!(
+                    negotiate(Some(KUBECTL_GET), read, custom, false),
+                    Err(TABLE)
+                );
+            }
+            assert_eq!(
+                negotiate(
+                    Some("application/json;as=Table;v=v1beta1;g=meta.k8s.io"),
+                    read,
+                    false,
+                    false
+                ),
+                Err(TABLE_V1BETA1)
+            );
+            for other in [
+                "application/yaml;as=Table;v=v1;g=meta.k8s.io",
+                "application/json;as=Table;v=v2;g=meta.k8s.io",
+            ] {
+                let got = negotiate(Some(other), read, false, false);
+                assert!(
+                    got.is_err() && got != Err(TABLE) && got != Err(TABLE_V1BETA1),
+                    "{other} {read:?}"
+                );
+            }
+        }
+        // Indented: the apiserver's.
+        let pretty = "application/json;as=Table;v=v1;g=meta.k8s.io;pretty=1";
+        assert_eq!(
+            negotiate(Some(pretty), List, false, false),
+            Err("encoding: pretty")
+        );
+        assert_eq!(
+            negotiate(Some(KUBECTL_GET), Get, false, true),
+            Err("encoding: pretty")
+        );
+        // includeObject is read, and left out of the query the planners read.
+        assert_eq!(
+            table_query(Some("limit=2&includeObject=None&continue=x")),
+            Ok((IncludeObject::None, "limit=2&continue=x".to_string()))
+        );
+        assert_eq!(
+            table_query(None),
+            Ok((IncludeObject::Metadata, String::new()))
+        );
+        assert_eq!(
+            table_query(Some("includeObject=")),
+            Ok((IncludeObject::Metadata, String::new()))
+        );
+        assert_eq!(
+            table_query(Some("includeObject=Object")).map(|q| q.0),
+            Ok(IncludeObject::Object)
+        );
+        // What the apiserver refuses (400) or reads in its own way is its to answer.
+        for q in [
+            "includeObject=Bogus",
+            "includeObject=none",
+            "includeObject=None&includeObject=Object",
+        ] {
+            assert!(table_query(Some(q)).is_err(), "{q}");
+        }
     }
 
     #[test]

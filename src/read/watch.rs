@@ -431,8 +431,19 @@ impl http_body::Body for WatchBody {
             this.drain.as_mut().poll(cx).is_ready() || this.deadline.as_mut().poll(cx).is_ready()
         };
         if ended {
+            // A watch ended by the drain (the proxy stopping) first gets what is queued for
+            // it and a bookmark at its progress, when it allows bookmarks: the client then
+            // watches again from this replica's progress, not from its last event, which
+            // another replica (or this one, restarted cold) holds in its history or
+            // serves with one backfill for every client of the resource instead of one per
+            // client's last event. (At the deadline the bookmark was sent 2 s before.)
+            let last = if st.bookmarks && st.drain.is_cancelled() {
+                st.bookmark_now().0
+            } else {
+                None
+            };
             st.done = true;
-            return Poll::Ready(None);
+            return Poll::Ready(last.map(|b| Ok(Frame::data(b))));
         }
         loop {
             match st.sub.rx.poll_recv(cx) {
@@ -745,12 +756,13 @@ mod tests {
         assert_eq!(cache.hub.len(), 0, "the ended watch is unsubscribed");
     }
 
-    /// Periodic bookmarks carry the progress; the drain ends a watch; the hub closing a
-    /// watcher ends its stream after what was queued.
+    /// Periodic bookmarks carry the progress; the drain ends a watch after what was queued
+    /// and a bookmark at its progress (when it allows bookmarks); the hub closing a watcher
+    /// ends its stream after what was queued.
     // Paused time: the deadline and bookmark timers fire when the runtime is idle, without
     // waiting seconds of wall-clock time.
     #[tokio::test(start_paused = true)]
-    async fn a_watch_bookmarks_periodically_and_ends_on_drain_or_hub_close() {
+    async fn a_watch_bookmarks_periodically_and_ends_on_drain_with_a_bookmark_or_hub_close() {
         let cfg = WatchConfig {
             bookmark_interval: Duration::from_millis(200),
             ..WatchConfig::default()
@@ -765,6 +777,38 @@ mod tests {
             assert!(bm.contains("\"BOOKMARK\"") && bm.contains("\"resourceVersion\":\"2\""));
             assert!(t0.elapsed() >= Duration::from_millis(200 * i - 20));
         }
+        // The drain: what is queued, then a bookmark at the progress, then the end.
+        cache.apply(EventKind::Modified, cm(3));
+        while cache.hub.dispatched_rv() < 3 {
+            tokio::task::yield_now().await;
+        }
+        drain.cancel();
+        let last = next(&mut b).await.unwrap();
+        let (ev, bm) = last.split_once('\n').unwrap();
+        assert!(
+            ev.contains("\"MODIFIED\"") && ev.contains("\"resourceVersion\":\"3\""),
+            "{last}"
+        );
+        assert!(
+            bm.contains("\"BOOKMARK\"") && bm.contains("\"resourceVersion\":\"3\""),
+            "{last}"
+        );
+        assert_eq!(next(&mut b).await, None);
+
+        // A watcher that does not allow bookmarks gets none at the drain.
+        let drain = Drain::new();
+        let resp = serve(
+            cache.clone(),
+            WatchParams::parse(Some("watch=1&resourceVersion=3")).unwrap(),
+            Filter::default(),
+            Encoding::Json,
+            false,
+            &cfg,
+            drain.clone(),
+        )
+        .await
+        .unwrap();
+        let mut b = resp.into_body();
         drain.cancel();
         assert_eq!(next(&mut b).await, None);
 

@@ -2,9 +2,11 @@
 //! `kube_cache_proxy::access`, written when the response body ends (a watch's line comes
 //! when the watch ends), in the configured log format (`log.format`: text or JSON).
 //!
-//! Fields: `user` and `groups` (how many) when the proxy knows the caller (it authenticated
-//! it for a cache read or a tenant quota, or by its client certificate; `-` otherwise: the
-//! apiserver authenticates what passes through), `verb`, `resource` (with `/subresource`),
+//! Fields: `user` and `groups` (how many) when the proxy knows the caller: it authenticated
+//! it (a cache read, a client certificate), or, for a request it passes through, identified
+//! it without asking the apiserver (the token file, a verdict it holds, a ServiceAccount JWT
+//! it verifies offline; not when the apiserver then answers 401); `-` otherwise (a token only
+//! the apiserver can judge: it authenticates what passes through), `verb`, `resource` (with `/subresource`),
 //! `namespace`, `path` (with the query), `code`, `served_by` (`cache`; `apiserver`: passed
 //! through, including the 503 when the apiserver could not be reached; `proxy`: a refusal the
 //! proxy wrote: 400, 401, 403, 429, ...), `bytes` (response body bytes sent, counted to the

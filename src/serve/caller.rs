@@ -17,6 +17,8 @@ pub struct Caller {
     /// The cache path took a read-quota token before handing the request to the apiserver
     /// (the passthrough then charges none).
     pub read_charged: bool,
+    /// Who [`Self::identify`] found without asking the apiserver (a passthrough request).
+    identified: Option<Arc<Identity>>,
 }
 
 impl Caller {
@@ -47,24 +49,34 @@ impl Caller {
         }
     }
 
-    /// Who the caller is, to charge its tenant on a passthrough request: the identity an
-    /// earlier step authenticated, else what the proxy can verify without asking the
-    /// apiserver (the apiserver authenticates a passthrough request itself; this only names
-    /// the tenant). `None`: not identified.
-    pub async fn identity_for_quota(
-        &self,
+    /// Who the caller is, to charge its tenant on a passthrough request and to name it in
+    /// its access-log line: the identity an earlier step authenticated, else what the proxy
+    /// can verify without asking the apiserver (the apiserver authenticates a passthrough
+    /// request itself; this only names the caller). `None`: not identified. Remembered: a
+    /// second call costs nothing.
+    pub async fn identify(
+        &mut self,
         state: &State,
         conn: &ConnInfo,
         headers: &HeaderMap,
     ) -> Option<Arc<Identity>> {
-        match &self.outcome {
-            Some(Outcome::Authenticated(id, _)) => Some(id.clone()),
-            _ => {
-                state
-                    .authn
-                    .identify_offline(conn.cert.as_deref(), headers)
-                    .await
-            }
+        if let Some(Outcome::Authenticated(id, _)) = &self.outcome {
+            return Some(id.clone());
         }
+        if self.identified.is_none() {
+            self.identified = state
+                .authn
+                .identify_offline(conn.cert.as_deref(), headers)
+                .await;
+        }
+        self.identified.clone()
+    }
+
+    /// The access log's user: the identity an earlier step authenticated, else the one
+    /// [`Self::identify`] found, unless the apiserver refused the credentials (`upstream_401`:
+    /// a revoked token the proxy's offline check still accepts is not named).
+    pub fn known(&self, upstream_401: bool) -> Option<&Identity> {
+        self.authenticated()
+            .or_else(|| self.identified.as_deref().filter(|_| !upstream_401))
     }
 }

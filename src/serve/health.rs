@@ -132,9 +132,13 @@ impl Endpoint {
         } else {
             return None;
         };
+        // Anything below `/<endpoint>/` names one check, as on the apiserver, whose mux has
+        // only `/<endpoint>` and `/<endpoint>/<check>`: `/readyz/` (an empty name) and
+        // `/readyz/a/b` are no check, so 404 for a caller allowed the path, 403 for one who
+        // is not (anonymous callers: `system:public-info-viewer` names exact paths only).
         match rest {
-            "" | "/" => Some((ep, None)),
-            r if r.starts_with('/') && !r[1..].contains('/') => Some((ep, Some(&r[1..]))),
+            "" => Some((ep, None)),
+            r if r.starts_with('/') => Some((ep, Some(&r[1..]))),
             _ => None,
         }
     }
@@ -589,6 +593,20 @@ mod tests {
         let h = Health::new();
         assert_eq!(get(&h, "/readyz/nope", None).await.0, 404);
         assert!(h.respond("/readyzz", None).is_none());
-        assert!(h.respond("/readyz/a/b", None).is_none());
+        // A trailing slash or a deeper path names no check (kube-apiserver 1.36: 404
+        // `404 page not found` for a caller allowed the path), not the listing.
+        for path in [
+            "/readyz/",
+            "/livez/",
+            "/healthz/",
+            "/readyz/a/b",
+            "/readyz//",
+        ] {
+            assert_eq!(
+                get(&h, path, None).await,
+                (404, "404 page not found\n".into()),
+                "{path}"
+            );
+        }
     }
 }

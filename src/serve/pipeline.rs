@@ -129,7 +129,11 @@ async fn serve_from_cache(
             mut filter,
             enc,
             protobuf,
+            table,
         } => {
+            if table.is_some() {
+                Box::pin(table_synced(&cache, state.watch.wait_for_rv)).await?;
+            }
             // The field filter header, validated now that the caller is authenticated and
             // authorized (kube-apiserver's order: 401, 403, then 400 for a bad request).
             let watch_fields = match watch_fields {
@@ -177,6 +181,10 @@ async fn serve_from_cache(
             if protobuf && watch_fields.is_some() {
                 return delegate("field-level change filter in protobuf");
             }
+            if table.is_some() && watch_fields.is_some() {
+                return delegate("field-level change filter in a Table");
+            }
+            let table = table.map(|form| crate::read::table::TableWatch::new(cache.clone(), form));
             filter.namespaces = view.clone();
             // A filter joins the resource's distinct filters within `cache.watchFields`
             // (`watch_fields::Registry`), held as long as the stream.
@@ -200,6 +208,12 @@ async fn serve_from_cache(
             .await?;
             // The tenant's watch slot is held as long as the stream.
             let (parts, mut b) = resp.into_parts();
+            if let Some(t) = table
+                && parts.status.is_success()
+            {
+                t.count_served();
+                b = crate::read::table::watch_body(b, t);
+            }
             // A filtered view is re-derived while the watch is open (`tenancy::ViewWatch`).
             if let Some(view) = view
                 && parts.status.is_success()
@@ -227,8 +241,12 @@ async fn serve_from_cache(
             cache,
             enc,
             protobuf,
+            table,
             at,
         } => {
+            if table.is_some() {
+                Box::pin(table_synced(&cache, state.lists.wait_for_rv)).await?;
+            }
             let snap = match at {
                 ReadAt::Latest => {
                     Box::pin(
@@ -240,6 +258,21 @@ async fn serve_from_cache(
                 }
                 _ => cache.current(),
             };
+            if let Some(form) = table {
+                let bound = state.lists.wait_for_rv;
+                return Box::pin(crate::telemetry::in_span(
+                    "cache.get",
+                    crate::read::list::get_table(
+                        &cache,
+                        &snap,
+                        &info.namespace,
+                        &info.name,
+                        form,
+                        bound,
+                    ),
+                ))
+                .await;
+            }
             crate::telemetry::in_span("cache.get", async {
                 crate::read::list::get(&cache, &snap, &info.namespace, &info.name, enc, protobuf)
             })
@@ -250,8 +283,12 @@ async fn serve_from_cache(
             mut filter,
             enc,
             protobuf,
+            table,
             params,
         } => {
+            if table.is_some() {
+                Box::pin(table_synced(&cache, state.lists.wait_for_rv)).await?;
+            }
             // While the cache or its protobuf side initializes (a list the apiserver's
             // cacher would not delegate): a bounded wait, then 429.
             Box::pin(crate::read::initialized(
@@ -292,6 +329,7 @@ async fn serve_from_cache(
                 page_cap: state.paging.downstream_cap().map(|c| c as u64),
                 upstream: Some(&state.consistency),
                 protobuf,
+                table,
             };
             Box::pin(crate::telemetry::in_span(
                 "cache.list",
@@ -300,6 +338,22 @@ async fn serve_from_cache(
             .await
         }
     }
+}
+
+/// A Table read while the resource's table side starts (its first Table reader started it):
+/// a bounded wait for it to sync, then the apiserver answers (counted as passed through).
+async fn table_synced(
+    cache: &crate::cache::ResourceCache,
+    bound: std::time::Duration,
+) -> Served<()> {
+    let t = &cache.table;
+    if t.ready() || t.wait_until(bound, || t.ready()).await {
+        return Ok(());
+    }
+    t.stats
+        .passed_through
+        .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    delegate(t.not_ready_reason().unwrap_or(router::TABLE))
 }
 
 /// A watch's `X-Kube-Cache-Proxy-Watch-Fields`, parsed when the request comes and refused
@@ -485,7 +539,7 @@ async fn impersonation_gate(
 async fn forward_within_quota(
     state: &State,
     conn: &ConnInfo,
-    caller: &Caller,
+    caller: &mut Caller,
     forward_as: &ConnInfo,
     req: Request<Incoming>,
     info: &RequestInfo,
@@ -493,7 +547,7 @@ async fn forward_within_quota(
 ) -> (Response<Body>, &'static str) {
     let mut permit = None;
     if state.tenancy.charges_passthrough(info, caller.read_charged)
-        && let Some(id) = caller.identity_for_quota(state, conn, req.headers()).await
+        && let Some(id) = caller.identify(state, conn, req.headers()).await
     {
         match state.tenancy.admit_passthrough(&id, info) {
             Ok(p) => permit = p,
@@ -919,6 +973,7 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
 
     // Authenticated at most once, by whichever step needs it first.
     let mut caller = Caller::default();
+    let logged = access.is_some();
     // A refusal the proxy wrote on the cache path (the access log's `served_by=proxy`; the
     // metrics keep `cache`).
     let mut refused = false;
@@ -940,7 +995,7 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
                 let (resp, by) = Box::pin(forward_within_quota(
                     state,
                     conn,
-                    &caller,
+                    &mut caller,
                     &as_target,
                     req,
                     &info,
@@ -996,10 +1051,16 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
                         req.headers(),
                         why,
                     );
+                    // The access log names a passed-through request's caller when the
+                    // proxy can identify it without asking the apiserver (remembered: the
+                    // tenant quota's charge asks the same).
+                    if logged {
+                        caller.identify(state, conn, req.headers()).await;
+                    }
                     let (resp, by) = Box::pin(forward_within_quota(
                         state,
                         conn,
-                        &caller,
+                        &mut caller,
                         conn,
                         req,
                         &info,
@@ -1131,8 +1192,11 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
             other => other,
         };
         a.audit_id = crate::serve::access::header(resp.headers(), AUDIT_ID);
+        // A passed-through request's caller as the proxy identified it (token file, a
+        // verdict it holds, a ServiceAccount JWT it verified, a client certificate), unless
+        // the apiserver refused the credentials.
         let known = caller
-            .authenticated()
+            .known(served_by == "upstream" && code == StatusCode::UNAUTHORIZED)
             .map(|id| (id.user.clone(), id.groups.len()))
             .or_else(|| conn.cert.as_ref().map(|c| (c.user.clone(), c.groups.len())));
         if let Some((user, groups)) = known {
@@ -1143,19 +1207,23 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
     let scope = info.metrics_scope().to_string();
     let paging = (verb == "LIST").then(|| state.paging.clone());
     let (hist_verb, hist_resource) = (verb.clone(), labels.resource.clone());
-    let hist = state
-        .metrics
-        .request_duration
-        .get_or_create(&DurationLabels {
-            verb,
-            group: labels.group,
-            version: labels.version,
-            resource: labels.resource,
-            subresource: labels.subresource,
-            scope,
-            served_by: served_by.into(),
-        })
-        .clone();
+    // A long-running request's duration is its stream's lifetime (a watch's timeoutSeconds,
+    // an exec session), not a latency: not observed (`crate::metrics::observes_duration`).
+    let hist = crate::metrics::observes_duration(&verb).then(|| {
+        state
+            .metrics
+            .request_duration
+            .get_or_create(&DurationLabels {
+                verb,
+                group: labels.group,
+                version: labels.version,
+                resource: labels.resource,
+                subresource: labels.subresource,
+                scope,
+                served_by: served_by.into(),
+            })
+            .clone()
+    });
     let enc = EncodingLabels {
         verb: hist_verb,
         resource: hist_resource,
@@ -1186,7 +1254,9 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         if let Some(t) = traced {
             t.end_with_status(code.as_u16());
         }
-        hist.observe(start.elapsed().as_secs_f64());
+        if let Some(h) = &hist {
+            h.observe(start.elapsed().as_secs_f64());
+        }
         if let Some(p) = &paging {
             p.record_list(start.elapsed());
         }

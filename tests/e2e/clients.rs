@@ -552,8 +552,8 @@ async fn client_go_informers_behind_the_proxy_do_not_relist_when_the_apiserver_r
 
 /// The proxy stopped gracefully (SIGTERM) and started again at the same address with
 /// `cache.stateDir`: it saves each cache's state, loads it at start and resumes its upstream
-/// watches without a LIST; client-go informers (legacy, WatchList, metadata, each in JSON
-/// and in protobuf) re-watch from their last resourceVersion and get what they missed,
+/// watches without a LIST; client-go informers (legacy, WatchList, metadata, and a
+/// controller-runtime cache's, each in JSON and in protobuf) re-watch from their last resourceVersion and get what they missed,
 /// writes made while the proxy was down included: no informer relists, each ends with
 /// exactly the apiserver's state, and none is left on the apiserver once the caches serve
 /// them.
@@ -568,7 +568,7 @@ async fn client_go_informers_do_not_relist_when_the_proxy_restarts_with_its_save
 /// list and a watch from the oldest resumed resourceVersion, `cache.backfill`, and a
 /// protobuf watch for the stretch's envelopes) and the informers get exactly what they
 /// missed: no relist either (so no 410 either: client-go relists on one). The protobuf
-/// informers (legacy, WatchList, metadata) re-watch from the cache too, and once the caches
+/// informers (legacy, WatchList, metadata, controller-runtime) re-watch from the cache too, and once the caches
 /// serve them no informer's watch is left on the apiserver (the proxy's gauge of open
 /// passed-through watches, polled until 0; a re-watch passed through while the cache or its
 /// protobuf side started is moved home).
@@ -613,14 +613,17 @@ async fn proxy_restart(ns: &str, how: Restart) {
         .await
         .unwrap()
         .unwrap();
-    // JSON and protobuf (client-go's own Accept: protobuf first) informers of each kind.
+    // JSON and protobuf (client-go's own Accept: protobuf first; controller-runtime asks for
+    // protobuf for built-in kinds) informers of each kind.
     let sides = [
         ("legacy", "json"),
         ("watchlist", "json"),
         ("metadata", "json"),
+        ("controller-runtime", "json"),
         ("legacy", "client"),
         ("watchlist", "client"),
         ("metadata", "client"),
+        ("controller-runtime", "client"),
     ];
     let mut informers = spawn_informers(&bin, &env.proxy_kubeconfig, ns, &sides);
     let before = env.churn(ns, "before", 3).await;
@@ -741,8 +744,8 @@ async fn proxy_restart(ns: &str, how: Restart) {
             );
             let from_cache = configmaps_protobuf_from_cache(&env, "WATCH").await;
             assert!(
-                from_cache >= 3.0,
-                "the three protobuf informers' re-watches were served from the cache \
+                from_cache >= 4.0,
+                "the four protobuf informers' re-watches were served from the cache \
                  ({from_cache})"
             );
         }
@@ -1452,24 +1455,8 @@ async fn kubectl_get_prints_the_same_tables_through_the_proxy() {
         .await;
     }
     // get -w: the initial rows, then a few writes, up to a last create both must print.
-    let watch = |kubeconfig: &PathBuf| {
-        let mut w = Command::new(env.cp.kubectl())
-            .arg("--kubeconfig")
-            .arg(kubeconfig)
-            .args(["get", "pods", "-n", ns, "-w"])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let (tx, rx) = std::sync::mpsc::channel::<String>();
-        let out = w.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
-        (w, rx)
-    };
+    let watch =
+        |kubeconfig: &PathBuf| support::e2e::kubectl_watch_pods(&env.cp.kubectl(), kubeconfig, ns);
     let watches = [watch(dk), watch(pk)];
     // The header and the two pods, on both, before the writes.
     let mut lines: Vec<Vec<String>> = watches

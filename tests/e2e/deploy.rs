@@ -1286,15 +1286,17 @@ impl Scrape {
     }
 
     /// Whether `name` can be queried: a sample in the scrape, or a series its family's type
-    /// defines though no sample of it was there yet (`_total` of a counter; `_bucket` of a
-    /// histogram; `_sum`, `_count` of a histogram or summary; the name of a gauge).
+    /// defines though no sample of it was there yet (`_total` of a counter, whose family is
+    /// named without it in OpenMetrics and with it in the text format 0.0.4; `_bucket` of a
+    /// histogram; `_sum`, `_count` of a histogram or summary; the name of a gauge). The
+    /// proxy's per-resource counters have no sample until their first count.
     fn has(&self, name: &str) -> bool {
         if self.samples.contains(name) {
             return true;
         }
         let ty = |base: &str| self.types.get(base).map(String::as_str);
         if let Some(base) = name.strip_suffix("_total") {
-            return ty(base) == Some("counter");
+            return ty(base) == Some("counter") || ty(name) == Some("counter");
         }
         if let Some(base) = name.strip_suffix("_bucket") {
             return ty(base) == Some("histogram");
@@ -1328,6 +1330,11 @@ fn promql_names_and_scrape_suffixes_are_read_exactly() {
     ] {
         assert!(!s.has(no), "{no}");
     }
+    // The text format 0.0.4 names a counter family with `_total`: declared, no sample yet.
+    let t = Scrape::parse("# TYPE d_total counter\n# TYPE e_total gauge\n");
+    assert!(t.has("d_total"));
+    assert!(!t.has("d"));
+    assert!(!t.has("e_total_total"));
     assert_eq!(
         s.labels["c_total"],
         ["a".to_string()].into_iter().collect::<BTreeSet<_>>()

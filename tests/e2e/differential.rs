@@ -106,6 +106,24 @@ async fn proxy_and_fake_answer_the_corpus_like_the_real_apiserver() {
     .await;
     let mut real = apiserver_backend(&cp);
     let seed = seed_objects(&real).await;
+    // Tables are served from each resource's table side, which its first Table reader starts
+    // (and waits for, up to 3 s): start them now, as a running proxy has them, so the
+    // corpus's Tables are answered when they are asked like its other reads.
+    let table_client = proxy.client(None, true);
+    for r in ["configmaps", "pods"] {
+        let cache = state.caches.get("", "v1", r).expect("cached");
+        let path = format!("/api/v1/namespaces/d1/{r}");
+        eventually(&format!("{r}: the table side to sync"), limit, async || {
+            let req = http::Request::get(proxy.https(&path))
+                .header("authorization", format!("Bearer {}", cp.admin_token()))
+                .header("accept", "application/json;as=Table;v=v1;g=meta.k8s.io")
+                .body(http_body_util::Full::new(bytes::Bytes::new()))
+                .unwrap();
+            let _ = table_client.send(req).await;
+            ok_if(cache.table.ready(), "not yet")
+        })
+        .await;
+    }
     real.symbols = Symbols {
         seed,
         current: real.current_rv().await,

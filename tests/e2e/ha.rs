@@ -47,6 +47,30 @@ async fn two_replicas(ns: &str, dir: &Path) -> (Env, TestProxy) {
     (env, b)
 }
 
+/// [`two_replicas`], both ready, behind a loopback balancer, and a kubeconfig (in `dir`)
+/// for the admin through it.
+async fn two_replicas_behind_a_balancer(
+    ns: &str,
+    dir: &Path,
+) -> (Env, TestProxy, Balancer, PathBuf) {
+    let (env, b) = two_replicas(ns, dir).await;
+    wait_ready(&env.proxy).await;
+    wait_ready(&b).await;
+    let lb = Balancer::start(vec![env.proxy.tls_addr, b.tls_addr]).await;
+    let kubeconfig = dir.join("lb.kubeconfig");
+    std::fs::write(
+        &kubeconfig,
+        ControlPlane::kubeconfig_yaml(
+            &format!("https://localhost:{}", lb.addr.port()),
+            Some(&env.proxy.ca_pem),
+            Some(env.cp.admin_token()),
+            None,
+        ),
+    )
+    .unwrap();
+    (env, b, lb, kubeconfig)
+}
+
 /// Synced, and its upstream watch confirmed: until then a list without resourceVersion
 /// passes through (bounded consistency) and its continue token is the apiserver's.
 async fn wait_ready(p: &TestProxy) {
@@ -149,21 +173,7 @@ async fn a_list_started_on_one_replica_continues_on_the_other() {
 async fn a_rolling_restart_of_two_replicas_costs_informers_no_relist() {
     let ns = "e2e-ha-rolling";
     let dir = tempfile::tempdir().unwrap();
-    let (mut env, mut b) = two_replicas(ns, dir.path()).await;
-    wait_ready(&env.proxy).await;
-    wait_ready(&b).await;
-    let lb = Balancer::start(vec![env.proxy.tls_addr, b.tls_addr]).await;
-    let kubeconfig = dir.path().join("lb.kubeconfig");
-    std::fs::write(
-        &kubeconfig,
-        ControlPlane::kubeconfig_yaml(
-            &format!("https://localhost:{}", lb.addr.port()),
-            Some(&env.proxy.ca_pem),
-            Some(env.cp.admin_token()),
-            None,
-        ),
-    )
-    .unwrap();
+    let (mut env, mut b, lb, kubeconfig) = two_replicas_behind_a_balancer(ns, dir.path()).await;
     env.churn(ns, "pre", 6).await;
     let bin = tokio::task::spawn_blocking(kube_cache_proxy::app::dev::ensure_client_binaries)
         .await
@@ -210,6 +220,82 @@ async fn a_rolling_restart_of_two_replicas_costs_informers_no_relist() {
     b.shutdown().await;
     env.proxy.shutdown().await;
     env.cp.stop().await;
+}
+
+/// A cold rolling restart (no saved state) while informers of several namespaces watch
+/// through the address, each last written at a different moment, so each resumes from its
+/// own resourceVersion, older than a cold replica's history: no informer relists, each ends
+/// with exactly the apiserver's state, and the watchers a drained replica ends resume
+/// together from its progress (the bookmark it sends them at the drain), costing the other
+/// replica at most one backfill rather than one per informer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cold_rolling_restart_costs_informers_resuming_from_scattered_versions_no_relist() {
+    let ns = "e2e-ha-cold";
+    let dir = tempfile::tempdir().unwrap();
+    let (mut env, mut b, _lb, kubeconfig) = two_replicas_behind_a_balancer(ns, dir.path()).await;
+    let bin = tokio::task::spawn_blocking(kube_cache_proxy::app::dev::ensure_client_binaries)
+        .await
+        .unwrap()
+        .unwrap();
+    let modes = ["legacy", "watchlist", "metadata", "controller-runtime"];
+    let namespaces: Vec<String> = (0..6).map(|i| format!("{ns}-{i}")).collect();
+    let mut informers = Vec::new();
+    for (i, n) in namespaces.iter().enumerate() {
+        env.cp.create_default_service_account(n).await.unwrap();
+        env.churn(n, "pre", 2).await;
+        let mode = modes[i % modes.len()];
+        informers.extend(
+            spawn_informers(&bin, &kubeconfig, n, &[(mode, "json")])
+                .into_iter()
+                .map(|x| (n.clone(), x)),
+        );
+    }
+    // One namespace after another: each informer's last event is its own resourceVersion.
+    for (n, (_, _, ic)) in informers.iter_mut() {
+        let last = env.churn(n, "before", 2).await;
+        ic.wait(last);
+    }
+    let cold = |c: &mut kube_cache_proxy::config::Config| c.cache.state_dir = None;
+    // A cold, then B cold: B's watchers (all of them by then) move to A, whose history
+    // starts after every informer's last event.
+    env.proxy.restart(cold).await;
+    wait_ready(&env.proxy).await;
+    let before = backfills(&env.proxy).await;
+    b.restart(cold).await;
+    wait_ready(&b).await;
+    for (n, (mode, _, ic)) in informers.iter_mut() {
+        let last = env.churn(n, "after", 2).await;
+        let (truth, _) = env.truth(n).await;
+        assert_eq!(
+            ic.wait(last),
+            truth,
+            "{mode} in {n}: differs from the apiserver"
+        );
+    }
+    let after = backfills(&env.proxy).await;
+    assert!(
+        after - before <= 1,
+        "the informers B drained resumed from one resourceVersion: {before} -> {after} backfills"
+    );
+    for (n, (mode, _, ic)) in informers {
+        assert_started_once(mode, &format!("{n} through the balancer"), &ic.finish());
+    }
+    b.shutdown().await;
+    env.proxy.shutdown().await;
+    env.cp.stop().await;
+}
+
+/// The backfills a proxy made (served with events or with a difference).
+async fn backfills(p: &TestProxy) -> u64 {
+    let (_, metrics) = p.admin_get("/metrics").await;
+    metrics
+        .lines()
+        .filter(|l| {
+            l.starts_with("kube_cache_proxy_backfills_total{outcome=\"filled\"}")
+                || l.starts_with("kube_cache_proxy_backfills_total{outcome=\"difference\"}")
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
 }
 
 /// A proxy whose upstream is another proxy (a tier): its informers sync and converge, and the

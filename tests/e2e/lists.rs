@@ -25,22 +25,6 @@ async fn kube_config(yaml: &str) -> kube::Config {
         .unwrap()
 }
 
-/// `apiserver_request_total` for LISTs of `resource`, summed over codes and scopes.
-async fn apiserver_lists(admin: &kube::Client, resource: &str) -> u64 {
-    let text = admin
-        .request_text(http::Request::get("/metrics").body(Vec::new()).unwrap())
-        .await
-        .unwrap();
-    text.lines()
-        .filter(|l| {
-            l.starts_with("apiserver_request_total{")
-                && l.contains("verb=\"LIST\"")
-                && l.contains(&format!("resource=\"{resource}\""))
-        })
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum::<f64>() as u64
-}
-
 fn kubectl(cp: &ControlPlane, kubeconfig: &std::path::Path, args: &[&str]) -> String {
     let o = Command::new(cp.kubectl())
         .arg("--kubeconfig")
@@ -117,9 +101,10 @@ async fn chunked_kubectl_lists_equal_direct_and_strict_reads_see_every_write() {
             let mut sel = args.clone();
             sel.extend(["-l", "app=a"]);
             for a in [&args, &sel] {
-                let before = apiserver_lists(&admin, "configmaps").await;
+                let before = crate::support::e2e::apiserver_lists(&admin, "configmaps").await;
                 let via: Value = serde_json::from_str(&kubectl(&cp, &pk, a)).unwrap();
-                upstream_lists += apiserver_lists(&admin, "configmaps").await - before;
+                upstream_lists +=
+                    crate::support::e2e::apiserver_lists(&admin, "configmaps").await - before;
                 let direct: Value = serde_json::from_str(&kubectl(&cp, &dk, a)).unwrap();
                 assert_eq!(via, direct, "kubectl {a:?}");
                 assert!(!via["items"].as_array().unwrap().is_empty());

@@ -29,4 +29,5 @@ mod paging;
 mod proto_side;
 mod protobuf;
 mod protobuf_watch;
+mod tables;
 mod watch_validator;

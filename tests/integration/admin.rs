@@ -278,6 +278,10 @@ async fn health_detail_needs_an_authorized_caller_as_on_the_apiserver() {
         "/readyz/cache:configmaps",
         "/livez/ping",
         "/readyz/nope",
+        // A trailing slash is no listing on the apiserver: a path of its own, not public.
+        "/readyz/",
+        "/livez/",
+        "/readyz/a/b",
     ] {
         let (code, body) = admin_get(&proxy, path, None).await;
         assert_eq!(code, 403, "{path}: {body}");
@@ -313,6 +317,15 @@ async fn health_detail_needs_an_authorized_caller_as_on_the_apiserver() {
         admin_get(&proxy, "/readyz/nope", Some("alice")).await.0,
         404
     );
+    // kube-apiserver 1.36 to a caller allowed the path: `/readyz/` and `/livez/` are no
+    // endpoint (404 `404 page not found`, as for an unknown check), not the plain answer.
+    for path in ["/readyz/", "/livez/", "/readyz/a/b"] {
+        assert_eq!(
+            admin_get(&proxy, path, Some("alice")).await,
+            (404, "404 page not found\n".into()),
+            "{path}"
+        );
+    }
     proxy.shutdown().await;
 }
 

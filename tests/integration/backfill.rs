@@ -394,9 +394,11 @@ async fn assert_retry_later(resp: hyper::Response<hyper::body::Incoming>) {
 }
 
 /// A client choosing ever older resourceVersions gets a few backfills of a resource (each
-/// an upstream list of the whole resource), then 410 until the budget refills.
+/// an upstream list of the whole resource), then is told to retry (429, at no upstream
+/// cost) rather than given a 410 that would make it relist; clients retrying gather, and
+/// the first try once the budget refills serves them all (it starts from the oldest).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn backfills_of_one_resource_are_rate_limited() {
+async fn backfills_of_one_resource_are_rate_limited_and_the_clients_past_the_budget_retry() {
     let fake = FakeApiServer::start().await;
     fake.create("/api/v1/namespaces", json!({"metadata": {"name": NS}}))
         .await;
@@ -405,26 +407,74 @@ async fn backfills_of_one_resource_are_rate_limited() {
     let client = proxy.client(None, true);
     let base = proxy.https(&format!("/api/v1/namespaces/{NS}/configmaps"));
     let newest = fake.writes("configmaps").last().unwrap().rv;
+    let url = |back: u64| {
+        format!(
+            "{base}?watch=1&resourceVersion={}&timeoutSeconds=1",
+            newest - back
+        )
+    };
     fake.clear_requests();
     let mut answers = Vec::new();
     for back in 1..=6 {
-        let url = format!(
-            "{base}?watch=1&resourceVersion={}&timeoutSeconds=1",
-            newest - back
-        );
-        let mut r = EventReader::new(client.get(&url, Some("tok")).await);
+        let resp = client.get(&url(back), Some("tok")).await;
+        if resp.status() == 429 {
+            assert_retry_later(resp).await;
+            answers.push("retry");
+            continue;
+        }
+        let mut r = EventReader::new(resp);
         let first = tokio::time::timeout(GUARD, r.next())
             .await
             .expect("an answer within the guard");
         let expired = first.is_some_and(|e| e["type"] == "ERROR" && e["object"]["code"] == 410);
-        answers.push(expired);
+        answers.push(if expired { "410" } else { "served" });
     }
     assert_eq!(
         answers,
-        [false, false, false, false, true, true],
-        "4 backfills, then 410"
+        ["served", "served", "served", "served", "retry", "retry"],
+        "4 backfills, then retry"
     );
-    assert_eq!(exact_lists(&fake.requests()), 4);
+    assert_eq!(
+        exact_lists(&fake.requests()),
+        4,
+        "the retries cost nothing upstream"
+    );
+    assert_backfills(&proxy, "unavailable", 2).await;
+
+    // The newer of the two retries as client-go does (after Retry-After) until the budget's
+    // next try: it starts from the older one's resourceVersion, so both are served by it.
+    let tries = tokio::time::timeout(Duration::from_secs(60), async {
+        let mut tries = 1;
+        loop {
+            let resp = client.get(&url(5), Some("tok")).await;
+            if resp.status() != 429 {
+                assert_eq!(resp.status(), 200, "served, not refused");
+                let mut r = EventReader::new(resp);
+                let first = r.next().await.expect("an event");
+                assert_ne!(first["type"], "ERROR", "{first}");
+                return tries;
+            }
+            tries += 1;
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
+    })
+    .await
+    .expect("served within a budget refill and a margin");
+    assert!(tries > 1, "the budget was still spent");
+    let mut r = EventReader::new(client.get(&url(6), Some("tok")).await);
+    let first = tokio::time::timeout(GUARD, r.next())
+        .await
+        .expect("an answer within the guard")
+        .expect("an event");
+    assert_ne!(
+        first["type"], "ERROR",
+        "the older one, served by the same try: {first}"
+    );
+    assert_eq!(
+        exact_lists(&fake.requests()),
+        5,
+        "one list served both waiting clients"
+    );
     proxy.shutdown().await;
 }
 

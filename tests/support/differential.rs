@@ -301,6 +301,8 @@ pub struct Backend {
     pub token: Option<String>,
     pub symbols: Symbols,
     client: HttpsClient,
+    /// For a target with a `#`, sent raw (`super::raw_http1`).
+    tls: std::sync::Arc<rustls::ClientConfig>,
 }
 
 /// A response read in full.
@@ -327,11 +329,13 @@ impl Backend {
                 roots.add(c.expect("CA PEM")).expect("CA certificate");
             }
         }
-        let tls = rustls::ClientConfig::builder()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
+        let tls = std::sync::Arc::new(
+            rustls::ClientConfig::builder()
+                .with_root_certificates(roots)
+                .with_no_client_auth(),
+        );
         let conn = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config(tls)
+            .with_tls_config((*tls).clone())
             .https_or_http()
             .enable_http1()
             .enable_http2()
@@ -342,6 +346,7 @@ impl Backend {
             token: token.map(str::to_string),
             symbols: Symbols::default(),
             client: Client::builder(TokioExecutor::new()).build(conn),
+            tls,
         }
     }
 
@@ -381,6 +386,22 @@ impl Backend {
         content_type: Option<&str>,
         accept: Option<&str>,
     ) -> Result<Reply, String> {
+        if path_and_query.contains('#') {
+            // A `http::Uri` drops the `#` and what follows: written as raw HTTP/1.1.
+            let tls = Some(self.tls.clone());
+            let token = self.token.as_deref();
+            let raw =
+                super::raw_http1::send(&self.base, tls, method.as_str(), path_and_query, token);
+            let r = tokio::time::timeout(REQUEST_TIMEOUT, raw)
+                .await
+                .map_err(|_| format!("no complete response within {REQUEST_TIMEOUT:?}"))??;
+            let (status, headers, body) = (r.status, r.headers, r.body);
+            return Ok(Reply {
+                status,
+                headers,
+                body,
+            });
+        }
         let req = self.request(method, path_and_query, body, content_type, accept);
         let fut = async {
             let resp = self.client.request(req).await.map_err(|e| e.to_string())?;
@@ -841,6 +862,22 @@ fn observe_list(o: &mut Observation, p: &str, l: &Value, mode: Mode) {
 
 fn observe_object(o: &mut Observation, p: &str, v: &Value, mode: Mode) {
     match mode {
+        // A Table: its resourceVersion observed apart, as a list's is (a GET's is its
+        // object's).
+        Mode::Exact if v["kind"] == "Table" => {
+            let mut rest = v.clone();
+            let meta = rest["metadata"].take();
+            o.set(
+                format!("{p}metadata.resourceVersion"),
+                meta["resourceVersion"].as_str().unwrap_or("absent"),
+            );
+            o.set(format!("{p}metadata.rest"), {
+                let mut m = meta;
+                m["resourceVersion"].take();
+                compact(&m)
+            });
+            o.set(format!("{p}object"), compact(&rest));
+        }
         Mode::Exact => o.set(format!("{p}object"), compact(v)),
         Mode::Structural => {
             o.set(format!("{p}object.kind"), v["kind"].to_string());

@@ -24,3 +24,45 @@ pub async fn apiserver_watches(admin: &kube::Client, resource: &str) -> (u64, u6
             (all + n, cluster + if is_cluster { n } else { 0 })
         })
 }
+
+/// `apiserver_request_total` for LISTs of `resource`, summed over codes and scopes.
+pub async fn apiserver_lists(admin: &kube::Client, resource: &str) -> u64 {
+    let text = admin
+        .request_text(http::Request::get("/metrics").body(Vec::new()).unwrap())
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| {
+            l.starts_with("apiserver_request_total{")
+                && l.contains("verb=\"LIST\"")
+                && l.contains(&format!("resource=\"{resource}\""))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum::<f64>() as u64
+}
+
+/// `kubectl get pods -n NS -w` through `kubeconfig`: the process and its output lines.
+pub fn kubectl_watch_pods(
+    kubectl: &std::path::Path,
+    kubeconfig: &std::path::Path,
+    ns: &str,
+) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
+    use std::io::{BufRead as _, BufReader};
+    use std::process::{Command, Stdio};
+    let mut w = Command::new(kubectl)
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(["get", "pods", "-n", ns, "-w"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let out = w.stdout.take().unwrap();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    (w, rx)
+}

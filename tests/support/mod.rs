@@ -14,4 +14,5 @@ pub mod fake_apiserver;
 pub mod otlp;
 pub mod pb;
 pub mod proxy;
+pub mod raw_http1;
 pub mod watch_validator;

@@ -29,7 +29,11 @@
 //! backfill is tried again at or below that resourceVersion (a client chooses its
 //! resourceVersion: it must not make the proxy list the resource upstream at will). A
 //! stretch that would not fit the history's bound is refused the same way, and a resource
-//! gets at most a few backfills, then one per 15 s (`BURST`, `REFILL`).
+//! gets at most a few backfills, then one per 15 s (`BURST`, `REFILL`). A client that
+//! finds the budget spent is told to retry, like one the apiserver could not serve (below),
+//! for at most `SPELL` since the last try: its resourceVersion gathers with the others'
+//! for the next try, so clients resuming from many different resourceVersions (a replica's
+//! watchers moving to another) cost a few lists and no relist.
 //!
 //! A budget spent on tries the apiserver could not serve (a large cluster's apiserver can
 //! take minutes to initialize its watch caches after a restart) still answers "retry", for
@@ -114,6 +118,9 @@ struct Budget {
     /// The first of the unbroken run of tries that ended `Unavailable`, if the last did,
     /// and the cache's upstream recoveries ([`ResourceCache::recoveries`]) at the last one.
     unavailable_since: std::sync::Mutex<Option<(tokio::time::Instant, u64)>>,
+    /// The first of the unbroken run of clients refused a try because the budget was spent
+    /// (reset by the next try).
+    spent_since: std::sync::Mutex<Option<tokio::time::Instant>>,
 }
 
 impl Budget {
@@ -124,11 +131,21 @@ impl Budget {
         Budget {
             rate: governor::RateLimiter::direct(q),
             unavailable_since: Default::default(),
+            spent_since: Default::default(),
         }
+    }
+
+    /// A client found the budget spent: for how long clients have (since the last try).
+    fn spent(&self) -> Duration {
+        let mut since = self.spent_since.lock().unwrap_or_else(|e| e.into_inner());
+        since
+            .get_or_insert_with(tokio::time::Instant::now)
+            .elapsed()
     }
 
     /// Records how a try ended; `recoveries`: the cache's upstream recoveries before it.
     fn tried<T>(&self, out: &Result<T, BackfillError>, recoveries: u64) {
+        *self.spent_since.lock().unwrap_or_else(|e| e.into_inner()) = None;
         let mut since = self
             .unavailable_since
             .lock()
@@ -244,10 +261,23 @@ impl Backfiller {
                             for_how_long.as_secs()
                         )));
                     }
+                    // Clients resuming from resourceVersions scattered over the stretch
+                    // (a replica's watchers moving to another) each want one: they are
+                    // told to retry, and their resourceVersions gather for the next try,
+                    // which serves them all; a 410 would make each of them relist. Bounded
+                    // like the apiserver's unavailability: past `SPELL`, 410.
                     None => {
-                        return Err(BackfillError::Failed(format!(
+                        let for_how_long = budget.spent();
+                        let why = format!(
                             "more than {BURST} backfills of this resource, then one per {REFILL:?}"
-                        )));
+                        );
+                        return Err(if for_how_long <= SPELL {
+                            BackfillError::Unavailable(format!(
+                                "{why}; the clients waiting are served by the next one"
+                            ))
+                        } else {
+                            BackfillError::Failed(why)
+                        });
                     }
                 }
             }
@@ -660,6 +690,22 @@ mod tests {
         );
         tokio::time::advance(Duration::from_secs(1)).await;
         assert_eq!(b.in_spell(0), None, "past its bound: the clients get 410");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn clients_finding_the_budget_spent_count_from_the_first_of_them_until_the_next_try() {
+        let b = Budget::new();
+        assert_eq!(
+            b.spent(),
+            Duration::ZERO,
+            "the first client starts the count"
+        );
+        tokio::time::advance(Duration::from_secs(20)).await;
+        assert_eq!(b.spent(), Duration::from_secs(20), "counted from the first");
+        tokio::time::advance(SPELL).await;
+        assert!(b.spent() > SPELL, "past its bound: the clients get 410");
+        b.tried(&Ok(()), 0);
+        assert_eq!(b.spent(), Duration::ZERO, "a try starts a new count");
     }
 
     #[tokio::test(start_paused = true)]

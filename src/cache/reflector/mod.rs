@@ -59,6 +59,7 @@ pub mod list;
 pub mod proto;
 pub mod state;
 pub mod stats;
+pub mod table;
 pub mod task;
 pub mod watch;
 

@@ -57,6 +57,8 @@ pub struct StoreConfig {
     /// A built-in resource's protobuf side starts with the resource, once it is served
     /// (`cache.protobufSide: eager`), rather than with its first protobuf reader.
     pub protobuf_eager: bool,
+    /// The process-wide bound on the table side's rows (`cache.tableMaxBytes`).
+    pub table_budget: Arc<crate::cache::proto_budget::ProtoBudget>,
 }
 
 impl Default for StoreConfig {
@@ -79,6 +81,7 @@ impl Default for StoreConfig {
             absorb_relists: true,
             proto_budget: Default::default(),
             protobuf_eager: true,
+            table_budget: Default::default(),
         }
     }
 }
@@ -289,6 +292,8 @@ pub struct ResourceCache {
     /// Cancelled when this resource is shed for the protobuf bound: its protobuf side stops
     /// for good (`crate::cache::proto_budget`).
     pub proto_shed: tokio_util::sync::CancellationToken,
+    /// The table side's rows and columns (`crate::cache::table`).
+    pub table: Arc<crate::cache::table::TableStore>,
 }
 
 /// How long the protobuf dispatcher waits for an event's envelope before it closes the
@@ -417,6 +422,12 @@ impl ResourceCache {
         let proto_attached = Arc::new(tokio::sync::Notify::new());
         let proto_waits_expired = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let index = FieldIndex::for_resource(&resource);
+        let table = Arc::new(crate::cache::table::TableStore::new(
+            resource.custom,
+            &resource.group,
+            &resource.resource,
+            cfg.table_budget.clone(),
+        ));
         let cache = Arc::new(ResourceCache {
             resource,
             cfg,
@@ -462,6 +473,7 @@ impl ResourceCache {
             proto_charged: Default::default(),
             proto_over: Default::default(),
             proto_shed: Default::default(),
+            table,
         });
         // The dispatcher: one task per resource, events in order; then the protobuf
         // watchers' (only while there are any: the events are dropped otherwise, and the

@@ -8,6 +8,10 @@
 //	watchlist  typed SharedInformerFactory, WatchListClient feature ON: one WATCH with
 //	           sendInitialEvents=true, ended by the "k8s.io/initial-events-end" bookmark
 //	metadata   metadatainformer (PartialObjectMetadata); WatchListClient OFF unless --watch-list=true
+//	controller-runtime
+//	           a controller-runtime cache (sigs.k8s.io/controller-runtime, what operators built
+//	           with it use): its informer for the typed kind, started by the cache; cluster-wide
+//	           (CACHE then lists --namespace only); WatchListClient OFF unless --watch-list=true
 //
 // --accept=json (any mode) drops the protobuf clauses from every Accept header the
 // informer sends, so its LIST and WATCH ask for JSON only (the kind's, or
@@ -80,6 +84,8 @@ import (
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
+	crcache "sigs.k8s.io/controller-runtime/pkg/cache"
+	"sigs.k8s.io/controller-runtime/pkg/client"
 )
 
 // waitBound bounds both the initial sync and each WAIT.
@@ -105,7 +111,7 @@ func main() {
 func run() error {
 	kubeconfig := flag.String("kubeconfig", "", "path of the kubeconfig to use (required)")
 	namespace := flag.String("namespace", "", "namespace to watch; empty for all namespaces")
-	mode := flag.String("mode", "legacy", "legacy | watchlist | metadata")
+	mode := flag.String("mode", "legacy", "legacy | watchlist | metadata | controller-runtime")
 	resource := flag.String("resource", "configmaps", "configmaps | pods")
 	watchList := flag.String("watch-list", "auto", "WatchListClient gate: auto (by mode) | true | false")
 	accept := flag.String("accept", "client", "client (the client's own Accept) | json (protobuf clauses dropped)")
@@ -128,7 +134,7 @@ func run() error {
 	switch *watchList {
 	case "auto":
 		switch *mode {
-		case "legacy", "metadata":
+		case "legacy", "metadata", "controller-runtime":
 			gate = "false"
 		case "watchlist":
 			gate = "true"
@@ -139,7 +145,7 @@ func run() error {
 		usage("--watch-list must be auto, true or false")
 	}
 	if gate == "" {
-		usage("--mode must be legacy, watchlist or metadata")
+		usage("--mode must be legacy, watchlist, metadata or controller-runtime")
 	}
 	// Must happen before client-go first reads its gates (it caches the environment then).
 	if err := os.Setenv("KUBE_FEATURE_WatchListClient", gate); err != nil {
@@ -168,7 +174,7 @@ func run() error {
 
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	informer, err := newInformer(cfg, *mode, *resource, *namespace)
+	informer, start, err := newInformer(ctx, cfg, *mode, *resource, *namespace)
 	if err != nil {
 		return err
 	}
@@ -207,7 +213,7 @@ func run() error {
 	}); err != nil {
 		return err
 	}
-	go informer.RunWithContext(ctx)
+	go start(ctx)
 
 	syncCtx, syncCancel := context.WithTimeout(ctx, waitBound)
 	synced := cache.WaitForCacheSync(syncCtx.Done(), informer.HasSynced)
@@ -233,7 +239,7 @@ func run() error {
 			if err := waitFor(informer, &handled, want); err != nil {
 				return err
 			}
-			out, err := dump(informer.GetStore())
+			out, err := dump(informer.GetStore(), *namespace)
 			if err != nil {
 				return err
 			}
@@ -263,25 +269,59 @@ func usage(msg string) {
 	os.Exit(2)
 }
 
-func newInformer(cfg *rest.Config, mode, resource, ns string) (cache.SharedIndexInformer, error) {
-	if mode == "metadata" {
+// newInformer builds the informer of mode and the function that runs it (for
+// controller-runtime, its cache, which starts the informers it made).
+func newInformer(ctx context.Context, cfg *rest.Config, mode, resource, ns string) (cache.SharedIndexInformer, func(context.Context), error) {
+	run := func(i cache.SharedIndexInformer) func(context.Context) {
+		return func(ctx context.Context) { i.RunWithContext(ctx) }
+	}
+	switch mode {
+	case "metadata":
 		mc, err := metadata.NewForConfig(cfg)
 		if err != nil {
-			return nil, fmt.Errorf("metadata client: %w", err)
+			return nil, nil, fmt.Errorf("metadata client: %w", err)
 		}
 		gvr := schema.GroupVersionResource{Version: "v1", Resource: resource}
 		f := metadatainformer.NewFilteredSharedInformerFactory(mc, 0, ns, nil)
-		return f.ForResource(gvr).Informer(), nil
+		i := f.ForResource(gvr).Informer()
+		return i, run(i), nil
+	case "controller-runtime":
+		// Cluster-wide: a cache restricted to namespaces wraps its informers in one that
+		// is not a SharedIndexInformer; the dump is restricted to the namespace instead.
+		c, err := crcache.New(cfg, crcache.Options{})
+		if err != nil {
+			return nil, nil, fmt.Errorf("controller-runtime cache: %w", err)
+		}
+		var obj client.Object = &corev1.ConfigMap{}
+		if resource == "pods" {
+			obj = &corev1.Pod{}
+		}
+		// Made before the cache starts: returned at once, started by Start.
+		inf, err := c.GetInformer(ctx, obj)
+		if err != nil {
+			return nil, nil, fmt.Errorf("controller-runtime informer: %w", err)
+		}
+		i, ok := inf.(cache.SharedIndexInformer)
+		if !ok {
+			return nil, nil, fmt.Errorf("controller-runtime informer is a %T, not a SharedIndexInformer", inf)
+		}
+		return i, func(ctx context.Context) {
+			if err := c.Start(ctx); err != nil {
+				fmt.Fprintf(os.Stderr, "informer-check: controller-runtime cache: %v\n", err)
+			}
+		}, nil
 	}
 	cs, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
-		return nil, fmt.Errorf("clientset: %w", err)
+		return nil, nil, fmt.Errorf("clientset: %w", err)
 	}
 	f := informers.NewSharedInformerFactoryWithOptions(cs, 0, informers.WithNamespace(ns))
 	if resource == "pods" {
-		return f.Core().V1().Pods().Informer(), nil
+		i := f.Core().V1().Pods().Informer()
+		return i, run(i), nil
 	}
-	return f.Core().V1().ConfigMaps().Informer(), nil
+	i := f.Core().V1().ConfigMaps().Informer()
+	return i, run(i), nil
 }
 
 // waitFor polls until the informer has synced up to resource version want and its handlers
@@ -316,13 +356,17 @@ func waitForRV(informer cache.SharedIndexInformer, want uint64) (string, error) 
 	}
 }
 
-func dump(store cache.Store) ([]byte, error) {
+// dump lists the store's objects in namespace ns (all when empty).
+func dump(store cache.Store, ns string) ([]byte, error) {
 	items := store.List()
 	entries := make([]entry, 0, len(items))
 	for _, obj := range items {
 		m, err := meta.Accessor(obj)
 		if err != nil {
 			return nil, fmt.Errorf("cache holds %T: %w", obj, err)
+		}
+		if ns != "" && m.GetNamespace() != ns {
+			continue
 		}
 		labels := m.GetLabels()
 		if labels == nil {

@@ -1,0 +1,1460 @@
+//! The table side of a resource's cache: the rows kube-apiserver's printers compute for each
+//! object version (`as=Table`, what `kubectl get` asks for), kept beside the cache so Table
+//! reads are answered from memory with the apiserver's own cells.
+//!
+//! Rows come from one upstream WATCH per resource in Table form (`reflector::table`), started
+//! by the resource's first Table reader; this module holds what it delivers (`read::table`
+//! assembles responses from it). Nothing here computes a cell from an object except the cells that
+//! change with the clock alone (below): built-in printers live in the apiserver, and a custom
+//! resource's columns follow its CRD, so the apiserver's rows are the only exact source.
+//!
+//! **Rows** are kept by object key and resourceVersion ([`TableStore::attach`]), so a snapshot
+//! at any resourceVersion finds the row of each of its object versions; a version the JSON
+//! side has since replaced or deleted keeps its row for [`TableStore::reconcile`]'s
+//! retention (the life of a paginated walk's snapshot), then gives it back.
+//!
+//! **Columns**: the first event of every upstream watch carries the resource's
+//! `columnDefinitions`. When they change (a CRD's `additionalPrinterColumns` were edited)
+//! every row held is of the old columns: they are dropped, the side is no longer synced, and
+//! the upstream watch starts over with initial events to fetch the rows again.
+//!
+//! **Cells that change with the clock**: kube-apiserver prints ages relative to the moment it
+//! encodes (`duration.HumanDuration(time.Since(creationTimestamp))`, "5m", "3d2h"). A row is
+//! the apiserver's for an object version *and a moment*; the cache re-renders the columns
+//! it knows to be an object's age at the moment it answers ([`Columns::age`]): a built-in's
+//! `Age` column (described as `creationTimestamp`), a custom resource's `date` column of
+//! `.metadata.creationTimestamp` (its default `Age` column included). A column that depends
+//! on the clock otherwise makes the resource's Tables the apiserver's: a custom resource's
+//! other `date` columns, and the built-ins whose printers print other relative times
+//! ([`CLOCK_PRINTERS`]); a built-in row with a cell like `"2 (5m ago)"` (pods' restarts)
+//! is not served either. Every age cell received is checked against the clock as it
+//! arrives: a cell that is not the age the cache would print makes its row unservable.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use bytes::{BufMut, BytesMut};
+use parking_lot::RwLock;
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use crate::cache::ObjectKey;
+use crate::cache::proto_budget::ProtoBudget;
+
+/// Built-in resources (group, resource) whose printers print a relative time other than the
+/// object's age (k8s.io/kubernetes `pkg/printers/internalversion/printers.go` at the pinned
+/// version): a Job's duration while it runs, a CronJob's last schedule, an Event's first and
+/// last seen, a ResourcePoolStatusRequest's completion, a DeviceTaintRule's time added.
+/// Their Tables are the apiserver's.
+pub const CLOCK_PRINTERS: &[(&str, &str)] = &[
+    ("batch", "jobs"),
+    ("batch", "cronjobs"),
+    ("", "events"),
+    ("events.k8s.io", "events"),
+    ("resource.k8s.io", "resourcepoolstatusrequests"),
+    ("resource.k8s.io", "devicetaintrules"),
+];
+
+/// `metav1.ObjectMeta`'s documentation of `creationTimestamp`: the description of every
+/// built-in printer's `Age` column and of a CRD's default one.
+pub const CREATION_DOC: &str = "CreationTimestamp is a timestamp representing the server time when this object was created. It is not guaranteed to be set in happens-before order across separate operations. Clients may not set this value. It is represented in RFC3339 form and is in UTC.\n\nPopulated by the system. Read-only. Null for lists. More info: https://git.k8s.io/community/contributors/devel/sig-architecture/api-conventions.md#metadata";
+
+/// A CRD printer column's description when its author gave none
+/// (apiextensions-apiserver `tableconvertor.New`), for `.metadata.creationTimestamp`.
+const CRD_CREATION_DESC: &str =
+    "Custom resource definition column (in JSONPath format): .metadata.creationTimestamp";
+
+/// Go's `duration.HumanDuration` (k8s.io/apimachinery `util/duration`), of `d` in
+/// milliseconds.
+pub fn human_duration(d_ms: i64) -> String {
+    // int(d.Seconds()) truncates toward zero.
+    let seconds = d_ms / 1000;
+    if seconds < -1 {
+        return "<invalid>".into();
+    }
+    if seconds < 0 || d_ms < 0 {
+        return "0s".into();
+    }
+    if seconds < 60 * 2 {
+        return format!("{seconds}s");
+    }
+    let minutes = seconds / 60;
+    if minutes < 10 {
+        let s = seconds % 60;
+        return if s == 0 {
+            format!("{minutes}m")
+        } else {
+            format!("{minutes}m{s}s")
+        };
+    }
+    if minutes < 60 * 3 {
+        return format!("{minutes}m");
+    }
+    let hours = seconds / 3600;
+    if hours < 8 {
+        let m = minutes % 60;
+        return if m == 0 {
+            format!("{hours}h")
+        } else {
+            format!("{hours}h{m}m")
+        };
+    }
+    if hours < 48 {
+        return format!("{hours}h");
+    }
+    if hours < 24 * 8 {
+        let h = hours % 24;
+        return if h == 0 {
+            format!("{}d", hours / 24)
+        } else {
+            format!("{}d{h}h", hours / 24)
+        };
+    }
+    if hours < 24 * 365 * 2 {
+        return format!("{}d", hours / 24);
+    }
+    if hours < 24 * 365 * 8 {
+        let dy = (hours / 24) % 365;
+        return if dy == 0 {
+            format!("{}y", hours / 24 / 365)
+        } else {
+            format!("{}y{dy}d", hours / 24 / 365)
+        };
+    }
+    format!("{}y", hours / 24 / 365)
+}
+
+/// Seconds since the epoch of a `metav1.Time` as the apiserver writes it
+/// (`2006-01-02T15:04:05Z`, RFC 3339 in UTC); `None` for anything else.
+pub fn parse_time(s: &str) -> Option<i64> {
+    let b = s.as_bytes();
+    if b.len() != 20 || b[4] != b'-' || b[7] != b'-' || b[10] != b'T' || b[19] != b'Z' {
+        return None;
+    }
+    if b[13] != b':' || b[16] != b':' {
+        return None;
+    }
+    let num = |r: std::ops::Range<usize>| -> Option<i64> {
+        let t = &s[r];
+        t.bytes()
+            .all(|c| c.is_ascii_digit())
+            .then(|| t.parse().ok())
+            .flatten()
+    };
+    let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
+    let (h, mi, se) = (num(11..13)?, num(14..16)?, num(17..19)?);
+    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || se > 60 {
+        return None;
+    }
+    // Days from civil (Howard Hinnant's algorithm).
+    let y = if mo <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (mo + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(days * 86_400 + h * 3600 + mi * 60 + se)
+}
+
+/// Milliseconds since the epoch, now.
+pub fn now_ms() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
+
+/// An age cell as the apiserver encodes it (Go's JSON escapes `<` and `>`).
+fn put_age_cell(b: &mut BytesMut, created: Option<i64>, now_ms: i64) {
+    match created {
+        None => b.put_slice(br#""\u003cunknown\u003e""#),
+        Some(c) => {
+            let s = human_duration(now_ms - c * 1000);
+            if s.starts_with('<') {
+                b.put_slice(br#""\u003cinvalid\u003e""#);
+            } else {
+                b.put_u8(b'"');
+                b.put_slice(s.as_bytes());
+                b.put_u8(b'"');
+            }
+        }
+    }
+}
+
+/// A Table column after `Name`, as a CRD declares it and a Table describes it: (name, type,
+/// format, description, priority).
+pub type ColumnSig = (String, String, String, String, i64);
+
+/// One of a CRD version's `additionalPrinterColumns`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PrinterColumn {
+    pub name: String,
+    #[serde(rename = "type")]
+    pub ty: String,
+    #[serde(default)]
+    pub format: String,
+    #[serde(default)]
+    pub description: String,
+    #[serde(default)]
+    pub priority: i64,
+    #[serde(default)]
+    pub json_path: String,
+}
+
+/// The columns after `Name` that the apiserver's Tables of a CRD version carry
+/// (apiextensions-apiserver `tableconvertor.New`; a version without printer columns gets the
+/// default `Age` of its creation timestamp, `serveDefaultColumnsIfEmpty`).
+pub fn crd_columns(declared: &[PrinterColumn]) -> Vec<ColumnSig> {
+    if declared.is_empty() {
+        return vec![(
+            "Age".into(),
+            "date".into(),
+            String::new(),
+            CREATION_DOC.into(),
+            0,
+        )];
+    }
+    declared
+        .iter()
+        .map(|c| {
+            let desc = if c.description.is_empty() {
+                format!(
+                    "Custom resource definition column (in JSONPath format): {}",
+                    c.json_path
+                )
+            } else {
+                c.description.clone()
+            };
+            (
+                c.name.clone(),
+                c.ty.clone(),
+                c.format.clone(),
+                desc,
+                c.priority,
+            )
+        })
+        .collect()
+}
+
+/// A resource's column definitions, as its Tables carry them.
+#[derive(Debug)]
+pub struct Columns {
+    /// The `columnDefinitions` array, as the apiserver wrote it.
+    pub raw: Box<str>,
+    /// The indexes of the columns that print the object's age (re-rendered when served).
+    pub age: Vec<usize>,
+    /// Why this resource's Tables cannot be served from the cache (a column that depends on
+    /// the clock otherwise); `None` when they can.
+    pub unservable: Option<&'static str>,
+    /// Empty lists have `"rows":null` (the apiserver's default table convertor, for resources
+    /// without printers: its columns are `Name` and `Created At`) rather than `[]`.
+    pub null_when_empty: bool,
+    /// Bumped whenever the definitions change: rows of another generation are not used.
+    pub generation: u64,
+    /// The columns after `Name` (compared with a CRD's declared ones).
+    pub sig: Vec<ColumnSig>,
+    /// Every column's name.
+    pub names: Vec<String>,
+}
+
+#[derive(Deserialize)]
+struct ColumnDef<'a> {
+    #[serde(borrow)]
+    name: std::borrow::Cow<'a, str>,
+    #[serde(borrow, rename = "type")]
+    ty: std::borrow::Cow<'a, str>,
+    #[serde(borrow, default)]
+    format: std::borrow::Cow<'a, str>,
+    #[serde(borrow, default)]
+    description: std::borrow::Cow<'a, str>,
+    #[serde(default)]
+    priority: i64,
+}
+
+impl Columns {
+    /// Reads `raw` (a `columnDefinitions` array) for a resource: `custom` for custom
+    /// resources, `group`/`resource` for [`CLOCK_PRINTERS`]. `None` when it cannot be read.
+    pub fn parse(
+        raw: &str,
+        custom: bool,
+        group: &str,
+        resource: &str,
+        generation: u64,
+    ) -> Option<Columns> {
+        let defs: Vec<ColumnDef<'_>> = serde_json::from_str(raw).ok()?;
+        let mut age = Vec::new();
+        let mut unservable = None;
+        for (i, d) in defs.iter().enumerate() {
+            if custom {
+                if d.ty == "date" {
+                    if d.description == CREATION_DOC || d.description == CRD_CREATION_DESC {
+                        age.push(i);
+                    } else {
+                        unservable = Some("table: a date column other than the age");
+                    }
+                }
+            } else if d.name == "Age" && d.ty == "string" && d.description == CREATION_DOC {
+                age.push(i);
+            }
+        }
+        if !custom && CLOCK_PRINTERS.contains(&(group, resource)) {
+            unservable = Some("table: a printer of relative times");
+        }
+        let null_when_empty = !custom
+            && defs.len() == 2
+            && defs[0].name == "Name"
+            && defs[1].name == "Created At"
+            && defs[1].ty == "date";
+        let sig = defs
+            .iter()
+            .skip(1)
+            .map(|d| {
+                (
+                    d.name.to_string(),
+                    d.ty.to_string(),
+                    d.format.to_string(),
+                    d.description.to_string(),
+                    d.priority,
+                )
+            })
+            .collect();
+        Some(Columns {
+            raw: raw.into(),
+            age,
+            unservable,
+            null_when_empty,
+            generation,
+            sig,
+            names: defs.iter().map(|d| d.name.to_string()).collect(),
+        })
+    }
+}
+
+/// One object version's row (without its object, which the cache writes from its own copy).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Row {
+    /// Each cell's JSON, as the apiserver wrote it (age cells are re-rendered when served).
+    pub cells: Box<[Box<str>]>,
+    /// The row's `conditions` array, when it has one.
+    pub conditions: Option<Box<str>>,
+    /// `metadata.creationTimestamp`, seconds since the epoch.
+    pub created: Option<i64>,
+    /// The columns' generation it was computed under.
+    pub generation: u64,
+    /// A cell that depends on the clock in a way the cache cannot re-render: not served.
+    pub clock_bound: bool,
+    /// A pod's restarts cell printed relative to the clock (`"2 (5m ago)"`), re-rendered
+    /// when served ([`Row::restarts_now`]).
+    pub restarts: Option<Restarts>,
+    /// When the row arrived (milliseconds since the epoch): the moment its clock-relative
+    /// cells were printed, give or take the way from the apiserver.
+    pub received_ms: i64,
+}
+
+/// A cell bound to the clock that the cache cannot re-render exactly: the apiserver answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("a table cell bound to the clock cannot be re-rendered exactly")]
+pub struct NotRerendered;
+
+/// A pod's restarts cell `"N (X ago)"` (k8s.io/kubernetes `printPod`: X is the time since
+/// the latest `lastState.terminated.finishedAt` of the containers it counts, which depend on
+/// the pod's initialization).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Restarts {
+    /// The cell's index.
+    pub index: usize,
+    /// `N (`: the count, which does not change with the clock.
+    pub prefix: Box<str>,
+    /// `X`, as printed when the row arrived.
+    pub printed: Box<str>,
+}
+
+/// Splits a restarts cell's JSON `"N (X ago)"` into `N (` and `X`.
+fn split_restarts(cell: &str) -> Option<(&str, &str)> {
+    let inner = cell.strip_prefix('"')?.strip_suffix(" ago)\"")?;
+    let open = inner.find(" (")?;
+    let (count, rest) = inner.split_at(open);
+    if count.is_empty() || !count.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let printed = &rest[2..];
+    if printed.is_empty() || printed.contains(['"', '\\', '(']) {
+        return None;
+    }
+    Some((&inner[..open + 2], printed))
+}
+
+/// Every `lastState.terminated.finishedAt` of a pod's container and init container
+/// statuses, seconds since the epoch; `None` when the pod cannot be read.
+pub fn pod_finished_times(pod: &[u8]) -> Option<Vec<i64>> {
+    #[derive(Deserialize)]
+    struct Pod {
+        #[serde(default)]
+        status: Status,
+    }
+    #[derive(Deserialize, Default)]
+    #[serde(rename_all = "camelCase")]
+    struct Status {
+        #[serde(default)]
+        container_statuses: Vec<ContainerStatus>,
+        #[serde(default)]
+        init_container_statuses: Vec<ContainerStatus>,
+    }
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct ContainerStatus {
+        #[serde(default)]
+        last_state: Option<LastState>,
+    }
+    #[derive(Deserialize)]
+    struct LastState {
+        #[serde(default)]
+        terminated: Option<Terminated>,
+    }
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Terminated {
+        #[serde(default)]
+        finished_at: Option<String>,
+    }
+    let p: Pod = serde_json::from_slice(pod).ok()?;
+    p.status
+        .container_statuses
+        .iter()
+        .chain(&p.status.init_container_statuses)
+        .filter_map(|c| {
+            c.last_state
+                .as_ref()?
+                .terminated
+                .as_ref()?
+                .finished_at
+                .as_deref()
+        })
+        .map(parse_time)
+        .collect()
+}
+
+impl Row {
+    /// The restarts cell's JSON at `now_ms` for the object version `object` (the pod's
+    /// JSON): `Ok(None)` when the row has none; `Err` when it cannot be re-rendered exactly.
+    /// The time it counts from is one of the pod's `finishedAt`s that prints as the cell did
+    /// when the row arrived; when those that do would print differently now, the cell is not
+    /// re-rendered (the printer's choice among them is not repeated here).
+    pub fn restarts_now(
+        &self,
+        object: &[u8],
+        now_ms: i64,
+    ) -> Result<Option<String>, NotRerendered> {
+        let Some(r) = &self.restarts else {
+            return Ok(None);
+        };
+        let times = pod_finished_times(object).ok_or(NotRerendered)?;
+        let printed_then = |t: i64| {
+            (-2..=1).any(|ds: i64| {
+                human_duration(self.received_ms + ds * 1000 - t * 1000) == *r.printed
+            })
+        };
+        let mut now: Option<String> = None;
+        for t in times.into_iter().filter(|t| printed_then(*t)) {
+            let x = human_duration(now_ms - t * 1000);
+            if now.as_ref().is_some_and(|n| *n != x) {
+                return Err(NotRerendered);
+            }
+            now = Some(x);
+        }
+        let x = now.ok_or(NotRerendered)?;
+        if x.starts_with('<') {
+            return Err(NotRerendered);
+        }
+        Ok(Some(format!("\"{}{x} ago)\"", r.prefix)))
+    }
+
+    fn bytes(&self) -> usize {
+        self.cells.iter().map(|c| c.len() + 16).sum::<usize>()
+            + self.conditions.as_ref().map_or(0, |c| c.len())
+            + 64
+    }
+
+    /// Writes the row: `{"cells":[..],"conditions":..,"object":..}` with `object` written by
+    /// `object` (`null` for includeObject=None), its age cells at `now_ms`.
+    pub fn put(
+        &self,
+        b: &mut BytesMut,
+        cols: &Columns,
+        now_ms: i64,
+        restarts: Option<&str>,
+        object: impl FnOnce(&mut BytesMut),
+    ) {
+        b.put_slice(b"{\"cells\":[");
+        for (i, c) in self.cells.iter().enumerate() {
+            if i > 0 {
+                b.put_u8(b',');
+            }
+            if cols.age.contains(&i) {
+                put_age_cell(b, self.created, now_ms);
+            } else if let (Some(r), Some(cell)) = (&self.restarts, restarts)
+                && r.index == i
+            {
+                b.put_slice(cell.as_bytes());
+            } else {
+                b.put_slice(c.as_bytes());
+            }
+        }
+        b.put_u8(b']');
+        if let Some(c) = &self.conditions {
+            b.put_slice(b",\"conditions\":");
+            b.put_slice(c.as_bytes());
+        }
+        b.put_slice(b",\"object\":");
+        object(b);
+        b.put_u8(b'}');
+    }
+}
+
+/// What one row of an upstream Table event says.
+#[derive(Debug)]
+pub struct RowIn {
+    pub key: ObjectKey,
+    pub rv: u64,
+    pub row: Row,
+    /// The row's object carried the `k8s.io/initial-events-end` annotation (a bookmark).
+    pub initial_events_end: bool,
+}
+
+#[derive(Deserialize)]
+struct TableIn<'a> {
+    #[serde(borrow)]
+    kind: std::borrow::Cow<'a, str>,
+    #[serde(borrow, rename = "columnDefinitions", default)]
+    columns: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    rows: Option<Vec<RowWire<'a>>>,
+}
+
+#[derive(Deserialize)]
+struct RowWire<'a> {
+    #[serde(borrow)]
+    cells: Vec<&'a RawValue>,
+    #[serde(borrow, default)]
+    conditions: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    object: Option<ObjectWire<'a>>,
+}
+
+#[derive(Deserialize)]
+struct ObjectWire<'a> {
+    #[serde(borrow, default)]
+    metadata: Option<MetaWire<'a>>,
+}
+
+#[derive(Deserialize)]
+struct MetaWire<'a> {
+    #[serde(borrow, default)]
+    name: std::borrow::Cow<'a, str>,
+    #[serde(borrow, default)]
+    namespace: std::borrow::Cow<'a, str>,
+    #[serde(borrow, default, rename = "resourceVersion")]
+    resource_version: std::borrow::Cow<'a, str>,
+    #[serde(borrow, default, rename = "creationTimestamp")]
+    creation: Option<std::borrow::Cow<'a, str>>,
+    #[serde(borrow, default)]
+    annotations: Option<HashMap<std::borrow::Cow<'a, str>, std::borrow::Cow<'a, str>>>,
+}
+
+/// A Table as an upstream watch event carries it (`includeObject=Metadata`): its column
+/// definitions (the first event of a watch; `null` after) and its rows.
+#[derive(Debug)]
+pub struct TableEvent {
+    pub columns: Option<String>,
+    pub rows: Vec<RowIn>,
+}
+
+/// Reads the Table of one watch event (`object` of the event line).
+///
+/// # Errors
+/// When it is not a Table with rows whose objects carry their metadata.
+pub fn parse_table_event(object: &str) -> Result<TableEvent, &'static str> {
+    // serde reads a struct from an array too: a Table is an object.
+    if !object.trim_start().starts_with('{') {
+        return Err("table event: not a Table");
+    }
+    let t: TableIn<'_> = serde_json::from_str(object).map_err(|_| "table event: not a Table")?;
+    if t.kind != "Table" {
+        return Err("table event: not a Table");
+    }
+    let columns = t
+        .columns
+        .map(|c| c.get())
+        .filter(|c| *c != "null")
+        .map(str::to_string);
+    let mut rows = Vec::new();
+    for r in t.rows.unwrap_or_default() {
+        let m = r
+            .object
+            .and_then(|o| o.metadata)
+            .ok_or("table event: a row without its object's metadata")?;
+        let initial_events_end = m.annotations.as_ref().is_some_and(|a| {
+            a.get("k8s.io/initial-events-end")
+                .is_some_and(|v| v == "true")
+        });
+        let rv = if m.resource_version.is_empty() {
+            0
+        } else {
+            m.resource_version
+                .parse()
+                .map_err(|_| "table event: resourceVersion")?
+        };
+        let clock_bound = r
+            .cells
+            .iter()
+            .any(|c| c.get().starts_with('"') && c.get().ends_with(" ago)\""));
+        let ago: Vec<usize> = (0..r.cells.len())
+            .filter(|&i| r.cells[i].get().ends_with(" ago)\""))
+            .collect();
+        let restarts = match ago.as_slice() {
+            [i] => split_restarts(r.cells[*i].get()).map(|(prefix, printed)| Restarts {
+                index: *i,
+                prefix: prefix.into(),
+                printed: printed.into(),
+            }),
+            _ => None,
+        };
+        rows.push(RowIn {
+            key: ObjectKey::new(&m.namespace, &m.name),
+            rv,
+            row: Row {
+                cells: r.cells.iter().map(|c| Box::from(c.get())).collect(),
+                conditions: r.conditions.map(|c| Box::from(c.get())),
+                created: m.creation.as_deref().and_then(parse_time),
+                generation: 0,
+                clock_bound,
+                restarts,
+                received_ms: 0,
+            },
+            initial_events_end,
+        });
+    }
+    Ok(TableEvent { columns, rows })
+}
+
+/// One key's row versions, oldest first, each with when the JSON side was seen past it.
+type Versions = Vec<(u64, Arc<Row>, Option<Instant>)>;
+
+#[derive(Debug, Default)]
+struct State {
+    columns: Option<Arc<Columns>>,
+    rows: HashMap<ObjectKey, Versions>,
+    /// The side's initial state has come whole, under the current columns.
+    synced: bool,
+    bytes: usize,
+    count: usize,
+}
+
+/// Counters of the table side and of Table reads (read by the metrics collector).
+#[derive(Debug, Default)]
+pub struct TableStats {
+    /// Table responses the cache wrote.
+    pub served: AtomicU64,
+    /// Table reads handed to the apiserver (a row missing, the side not synced, a column
+    /// that depends on the clock).
+    pub passed_through: AtomicU64,
+    /// Rows received from the upstream Table watch.
+    pub rows_in: AtomicU64,
+    /// Rows received whose age cell was not the age the cache prints (kept unservable).
+    pub age_mismatches: AtomicU64,
+    /// Column definition changes (each drops the rows and fetches them again).
+    pub column_changes: AtomicU64,
+}
+
+/// The table side's rows and columns for one resource (see the module docs).
+#[derive(Debug)]
+pub struct TableStore {
+    custom: bool,
+    group: String,
+    resource: String,
+    state: RwLock<State>,
+    wanted_tx: tokio::sync::watch::Sender<bool>,
+    wanted_at: OnceLock<Instant>,
+    /// Woken when rows attach or the side syncs (reads waiting for a row).
+    changed: tokio::sync::Notify,
+    /// The process-wide bound of rows' bytes (`cache.tableMaxBytes`).
+    budget: Arc<ProtoBudget>,
+    charged: AtomicU64,
+    /// Set when the bound shed this resource: its Tables are the apiserver's until restart.
+    pub shed: tokio_util::sync::CancellationToken,
+    /// Asked by the store when the columns change: the upstream watch starts over.
+    pub restart: AtomicBool,
+    /// The columns a custom resource's CRD declares (`None` for built-ins, or before the CRD
+    /// was read): Tables are served only while the side's columns are these.
+    expected: parking_lot::Mutex<Option<Vec<ColumnSig>>>,
+    /// Woken when the declared columns differ from the side's: its watch starts again.
+    kick: tokio::sync::Notify,
+    /// The resourceVersion the side's stream has passed (its synced events and bookmarks):
+    /// every row of a version at or before it has come.
+    progress: AtomicU64,
+    pub stats: TableStats,
+}
+
+/// How long a replaced version's row is kept for walks over older snapshots: as long as a
+/// paginated list's snapshot may be retained (`StoreConfig::snapshot_max_age`'s default).
+pub const SUPERSEDED_KEPT: Duration = Duration::from_secs(600);
+
+impl TableStore {
+    pub fn new(custom: bool, group: &str, resource: &str, budget: Arc<ProtoBudget>) -> TableStore {
+        TableStore {
+            custom,
+            group: group.to_string(),
+            resource: resource.to_string(),
+            state: RwLock::default(),
+            wanted_tx: tokio::sync::watch::Sender::new(false),
+            wanted_at: OnceLock::new(),
+            changed: tokio::sync::Notify::new(),
+            budget,
+            charged: AtomicU64::new(0),
+            shed: tokio_util::sync::CancellationToken::new(),
+            restart: AtomicBool::new(false),
+            progress: AtomicU64::new(0),
+            expected: parking_lot::Mutex::new(None),
+            kick: tokio::sync::Notify::new(),
+            stats: TableStats::default(),
+        }
+    }
+
+    /// A Table reader came: the registry starts the side once (bound enabled, not shed).
+    pub fn want(&self) {
+        if !self.budget.enabled() || self.shed.is_cancelled() {
+            return;
+        }
+        // Their Tables are the apiserver's whatever the side would hold.
+        if !self.custom && CLOCK_PRINTERS.contains(&(self.group.as_str(), self.resource.as_str())) {
+            return;
+        }
+        if self.wanted_at.set(Instant::now()).is_ok() {
+            self.wanted_tx.send_replace(true);
+        }
+    }
+
+    /// Resolves once a Table reader has come.
+    pub async fn wanted(&self) {
+        let mut rx = self.wanted_tx.subscribe();
+        let _ = rx.wait_for(|w| *w).await;
+    }
+
+    /// Whether the side started less than `bound` ago and has not synced: reads may wait.
+    pub fn coming(&self, bound: Duration) -> bool {
+        !self.shed.is_cancelled()
+            && self.wanted_at.get().is_some_and(|t| t.elapsed() < bound)
+            && !self.ready()
+            && self
+                .state
+                .read()
+                .columns
+                .as_ref()
+                .is_none_or(|c| c.unservable.is_none())
+    }
+
+    /// Whether Table reads can be answered: synced, not shed, columns servable and, for a
+    /// custom resource, the ones its CRD declares.
+    pub fn ready(&self) -> bool {
+        let s = self.state.read();
+        s.synced
+            && !self.shed.is_cancelled()
+            && s.columns.as_ref().is_some_and(|c| c.unservable.is_none())
+            && self.columns_expected_locked(&s)
+    }
+
+    fn columns_expected_locked(&self, s: &State) -> bool {
+        match (&*self.expected.lock(), &s.columns) {
+            (None, _) => true,
+            (Some(e), Some(c)) => *e == c.sig,
+            (Some(_), None) => false,
+        }
+    }
+
+    /// Whether the side's columns are the ones the CRD declares (always, for built-ins).
+    pub fn columns_expected(&self) -> bool {
+        self.columns_expected_locked(&self.state.read())
+    }
+
+    /// The columns the resource's CRD declares now (the registry follows CRDs): when the
+    /// side's differ, Tables go to the apiserver and the side's watch starts again, until
+    /// the apiserver's Tables carry them.
+    pub fn expect_columns(&self, sig: Vec<ColumnSig>) {
+        let changed = self.expected.lock().replace(sig.clone()) != Some(sig);
+        if changed && !self.columns_expected() {
+            // A permit if the side is not waiting right now: its next wait ends at once.
+            self.kick.notify_one();
+            self.changed.notify_waiters();
+        }
+    }
+
+    /// Resolves when the declared columns changed away from the side's ([`Self::expect_columns`]).
+    pub async fn kicked(&self) {
+        self.kick.notified().await;
+    }
+
+    /// Why this resource's Tables are the apiserver's now, if they are.
+    pub fn not_ready_reason(&self) -> Option<&'static str> {
+        if !self.custom && CLOCK_PRINTERS.contains(&(self.group.as_str(), self.resource.as_str())) {
+            return Some("table: a printer of relative times");
+        }
+        if self.shed.is_cancelled() {
+            return Some("table side shed for its memory bound");
+        }
+        let s = self.state.read();
+        if let Some(why) = s.columns.as_ref().and_then(|c| c.unservable) {
+            return Some(why);
+        }
+        if !self.columns_expected_locked(&s) {
+            return Some("table columns not yet the CRD's");
+        }
+        (!s.synced).then_some("table side not synced")
+    }
+
+    /// The current columns.
+    pub fn columns(&self) -> Option<Arc<Columns>> {
+        self.state.read().columns.clone()
+    }
+
+    /// Whether the row of `key` at `rv` has come but cannot be served (a cell bound to the
+    /// clock): waiting for it is pointless.
+    pub fn row_unservable(&self, key: &ObjectKey, rv: u64, generation: u64) -> bool {
+        let s = self.state.read();
+        s.rows.get(key).is_some_and(|v| {
+            v.iter()
+                .any(|(r, row, _)| *r == rv && row.generation == generation && row.clock_bound)
+        })
+    }
+
+    /// The row of `key` at `rv` under the current columns, when servable.
+    pub fn row(&self, key: &ObjectKey, rv: u64, generation: u64) -> Option<Arc<Row>> {
+        let s = self.state.read();
+        s.rows
+            .get(key)?
+            .iter()
+            .find(|(r, _, _)| *r == rv)
+            .map(|(_, row, _)| row.clone())
+            .filter(|r| r.generation == generation && !r.clock_bound)
+    }
+
+    /// The row of the last version of `key` before `rv` under the columns of `generation`
+    /// (what a deletion at `rv`, or a watch event leaving a selection at `rv`, shows: the
+    /// printers print a deleted object's last state), once the side has passed `rv`.
+    pub fn row_before(&self, key: &ObjectKey, rv: u64, generation: u64) -> Option<Arc<Row>> {
+        if self.progress.load(Relaxed) < rv {
+            return None;
+        }
+        let s = self.state.read();
+        s.rows
+            .get(key)?
+            .iter()
+            .rev()
+            .find(|(r, _, _)| *r < rv)
+            .map(|(_, row, _)| row.clone())
+            .filter(|r| r.generation == generation && !r.clock_bound)
+    }
+
+    /// The side's stream has passed `rv` (a synced stream's event or bookmark).
+    pub fn advance(&self, rv: u64) {
+        if self.progress.fetch_max(rv, Relaxed) < rv {
+            self.changed.notify_waiters();
+        }
+    }
+
+    /// Waits, at most `bound`, until `f` holds; re-checked whenever rows attach.
+    pub async fn wait_until(&self, bound: Duration, f: impl Fn() -> bool) -> bool {
+        let deadline = tokio::time::Instant::now() + bound;
+        loop {
+            let n = self.changed.notified();
+            tokio::pin!(n);
+            n.as_mut().enable();
+            if f() {
+                return true;
+            }
+            if tokio::time::timeout_at(deadline, n).await.is_err() {
+                return f();
+            }
+        }
+    }
+
+    /// The columns of a watch's first event. Different ones drop every row held and ask
+    /// the upstream watch to start over (`restart`); `None` when they cannot be read.
+    pub fn set_columns(&self, raw: &str) -> Option<()> {
+        let mut s = self.state.write();
+        if s.columns.as_ref().is_some_and(|c| &*c.raw == raw) {
+            return Some(());
+        }
+        let generation = s.columns.as_ref().map_or(1, |c| c.generation + 1);
+        let cols = Columns::parse(raw, self.custom, &self.group, &self.resource, generation)?;
+        let had = s.columns.replace(Arc::new(cols)).is_some();
+        if had {
+            self.stats.column_changes.fetch_add(1, Relaxed);
+            s.rows.clear();
+            s.synced = false;
+            let freed = std::mem::take(&mut s.bytes);
+            s.count = 0;
+            drop(s);
+            self.release(freed as u64);
+            self.restart.store(true, Relaxed);
+            self.changed.notify_waiters();
+        }
+        Some(())
+    }
+
+    /// One object version's row, received at `now_ms`. Age cells are checked against the
+    /// clock: one that is not the age the cache prints keeps the row from being served.
+    pub fn attach(&self, key: ObjectKey, rv: u64, mut row: Row, now_ms: i64) {
+        if self.shed.is_cancelled() {
+            return;
+        }
+        self.stats.rows_in.fetch_add(1, Relaxed);
+        let mut s = self.state.write();
+        let Some(cols) = s.columns.clone() else {
+            return;
+        };
+        row.generation = cols.generation;
+        row.received_ms = now_ms;
+        // Pods' restarts are re-rendered when served (`Row::restarts_now`); elsewhere a cell
+        // relative to the clock is the apiserver's.
+        let pods = !self.custom && self.group.is_empty() && self.resource == "pods";
+        if pods
+            && row.clock_bound
+            && row
+                .restarts
+                .as_ref()
+                .is_some_and(|r| cols.names.get(r.index).is_some_and(|n| n == "Restarts"))
+        {
+            row.clock_bound = false;
+        } else {
+            row.restarts = None;
+        }
+        if !row.clock_bound && !ages_agree(&row, &cols, now_ms) {
+            self.stats.age_mismatches.fetch_add(1, Relaxed);
+            row.clock_bound = true;
+        }
+        let n = row.bytes() + key.name.len() + key.namespace.len();
+        let v = s.rows.entry(key).or_default();
+        if v.iter().any(|(r, _, _)| *r == rv) {
+            return;
+        }
+        v.push((rv, Arc::new(row), None));
+        v.sort_by_key(|(r, _, _)| *r);
+        s.bytes += n;
+        s.count += 1;
+        drop(s);
+        self.charged.fetch_add(n as u64, Relaxed);
+        if !self.budget.charge(n as u64) {
+            self.shed_rows();
+        }
+        self.changed.notify_waiters();
+    }
+
+    /// The initial state has come whole: reads are served.
+    pub fn set_synced(&self, synced: bool) {
+        self.state.write().synced = synced;
+        self.changed.notify_waiters();
+    }
+
+    /// Drops rows of versions the JSON side replaced or deleted more than
+    /// [`SUPERSEDED_KEPT`] ago; `current(key)` is the JSON side's current version of a key,
+    /// `cache_rv` its resourceVersion. Called periodically while the side runs.
+    pub fn reconcile(&self, cache_rv: u64, current: impl Fn(&ObjectKey) -> Option<u64>) {
+        let now = Instant::now();
+        let mut s = self.state.write();
+        let mut freed = 0usize;
+        let mut dropped = 0usize;
+        s.rows.retain(|k, versions| {
+            let cur = current(k);
+            versions.retain_mut(|(rv, row, since)| {
+                let passed = *rv <= cache_rv && cur != Some(*rv);
+                if !passed {
+                    *since = None;
+                    return true;
+                }
+                let t = *since.get_or_insert(now);
+                if now.duration_since(t) < SUPERSEDED_KEPT {
+                    return true;
+                }
+                freed += row.bytes() + k.name.len() + k.namespace.len();
+                dropped += 1;
+                false
+            });
+            !versions.is_empty()
+        });
+        s.bytes -= freed.min(s.bytes);
+        s.count -= dropped.min(s.count);
+        drop(s);
+        self.release(freed as u64);
+    }
+
+    fn release(&self, n: u64) {
+        let n = n.min(self.charged.load(Relaxed));
+        self.charged.fetch_sub(n, Relaxed);
+        self.budget.release(n);
+    }
+
+    /// Sheds the rows (the bound was reached): the side stops, Tables go to the apiserver.
+    pub fn shed_rows(&self) {
+        if self.shed.is_cancelled() {
+            return;
+        }
+        self.shed.cancel();
+        tracing::warn!(
+            resource = %self.resource,
+            used = self.budget.used(),
+            max = self.budget.max(),
+            "the table side reached cache.tableMaxBytes: this resource's Tables go to the apiserver"
+        );
+        let mut s = self.state.write();
+        s.rows.clear();
+        s.synced = false;
+        s.bytes = 0;
+        s.count = 0;
+        drop(s);
+        self.release(self.charged.load(Relaxed));
+        self.changed.notify_waiters();
+    }
+
+    /// Rows held and their bytes.
+    pub fn size(&self) -> (usize, usize) {
+        let s = self.state.read();
+        (s.count, s.bytes)
+    }
+
+    /// The process-wide bound this store charges.
+    pub fn budget(&self) -> &ProtoBudget {
+        &self.budget
+    }
+
+    /// Whether a Table reader has started the side.
+    pub fn started(&self) -> bool {
+        self.wanted_at.get().is_some()
+    }
+}
+
+/// Whether each age cell of `row` is an age the cache would print within two seconds of
+/// `now_ms` (the apiserver encoded it a moment before it arrived; HumanDuration's seconds).
+fn ages_agree(row: &Row, cols: &Columns, now_ms: i64) -> bool {
+    cols.age.iter().all(|&i| {
+        let Some(cell) = row.cells.get(i) else {
+            return false;
+        };
+        (-2..=1).any(|ds: i64| {
+            let mut b = BytesMut::new();
+            put_age_cell(&mut b, row.created, now_ms + ds * 1000);
+            b.as_ref() == cell.as_bytes()
+        })
+    })
+}
+
+/// What a Table row carries as its object (`includeObject`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IncludeObject {
+    None,
+    /// `PartialObjectMetadata` of the Table's group version (the default).
+    Metadata,
+    Object,
+}
+
+impl IncludeObject {
+    /// The query value as the apiserver reads it (`TableOptions`); `None` for a value it
+    /// refuses (its 400 is its own to write).
+    pub fn parse(v: &str) -> Option<IncludeObject> {
+        match v {
+            "None" => Some(IncludeObject::None),
+            "" | "Metadata" => Some(IncludeObject::Metadata),
+            "Object" => Some(IncludeObject::Object),
+            _ => None,
+        }
+    }
+}
+
+/// A Table read's form: the group version of its Table (and of its rows'
+/// `PartialObjectMetadata`), and what its rows carry as their object.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TableForm {
+    pub io: IncludeObject,
+    /// meta.k8s.io/v1beta1 rather than v1 (kube-apiserver still serves both).
+    pub v1beta1: bool,
+}
+
+impl TableForm {
+    pub fn api_version(&self) -> &'static str {
+        if self.v1beta1 {
+            "meta.k8s.io/v1beta1"
+        } else {
+            "meta.k8s.io/v1"
+        }
+    }
+}
+
+/// A Table's opening up to its rows: `{"kind":"Table","apiVersion":"meta.k8s.io/v1",
+/// "metadata":{..},"columnDefinitions":..,"rows":`; `list_meta` is the inside of `metadata`.
+pub fn put_head(b: &mut BytesMut, api_version: &str, list_meta: &str, columns: &str) {
+    b.put_slice(b"{\"kind\":\"Table\",\"apiVersion\":\"");
+    b.put_slice(api_version.as_bytes());
+    b.put_slice(b"\",\"metadata\":{");
+    b.put_slice(list_meta.as_bytes());
+    b.put_slice(b"},\"columnDefinitions\":");
+    b.put_slice(columns.as_bytes());
+    b.put_slice(b",\"rows\":");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn human_durations_are_printed_as_apimachinery_prints_them() {
+        let s = 1000;
+        let m = 60 * s;
+        let h = 60 * m;
+        let d = 24 * h;
+        let y = 365 * d;
+        let table = [
+            (-3 * s, "<invalid>"),
+            (-2 * s, "<invalid>"),
+            (-1500, "0s"),
+            (-1, "0s"),
+            (0, "0s"),
+            (999, "0s"),
+            (59 * s, "59s"),
+            (119 * s, "119s"),
+            (2 * m, "2m"),
+            (2 * m + 5 * s, "2m5s"),
+            (9 * m + 59 * s, "9m59s"),
+            (10 * m + 30 * s, "10m"),
+            (179 * m, "179m"),
+            (3 * h, "3h"),
+            (3 * h + 7 * m, "3h7m"),
+            (8 * h + 30 * m, "8h"),
+            (47 * h, "47h"),
+            (2 * d, "2d"),
+            (2 * d + 5 * h, "2d5h"),
+            (8 * d + 5 * h, "8d"),
+            (2 * y - d, "729d"),
+            (2 * y, "2y"),
+            (3 * y + 10 * d, "3y10d"),
+            (8 * y + 10 * d, "8y"),
+        ];
+        for (ms, want) in table {
+            assert_eq!(human_duration(ms), want, "{ms} ms");
+        }
+    }
+
+    #[test]
+    fn apiserver_timestamps_parse_to_epoch_seconds_and_others_do_not() {
+        assert_eq!(parse_time("1970-01-01T00:00:00Z"), Some(0));
+        assert_eq!(parse_time("2026-12-07T11:00:07Z"), Some(1_796_641_207));
+        assert_eq!(parse_time("2000-02-29T23:59:59Z"), Some(951_868_799));
+        for bad in [
+            "",
+            "2026-12-07T11:00:07",
+            "2026-12-07T11:00:07.5Z",
+            "2026-12-07 11:00:07Z",
+            "2026-13-07T11:00:07Z",
+            "2026-12-07T11:00:07+01:00",
+            "+026-12-07T11:00:07Z",
+        ] {
+            assert_eq!(parse_time(bad), None, "{bad:?}");
+        }
+    }
+
+    const POD_COLUMNS: &str = r#"[{"name":"Name","type":"string","format":"name","description":"n","priority":0},{"name":"Restarts","type":"string","format":"","description":"r","priority":0},{"name":"Age","type":"string","format":"","description":"CREATION","priority":0}]"#;
+
+    fn pod_columns() -> String {
+        let q = serde_json::to_string(CREATION_DOC).unwrap();
+        POD_COLUMNS.replace("CREATION", &q[1..q.len() - 1])
+    }
+
+    fn store() -> TableStore {
+        TableStore::new(false, "", "pods", Arc::new(ProtoBudget::new(u64::MAX)))
+    }
+
+    fn event(name: &str, rv: u64, cells: &str, created: &str) -> String {
+        format!(
+            r#"{{"kind":"Table","apiVersion":"meta.k8s.io/v1","metadata":{{"resourceVersion":"{rv}"}},"columnDefinitions":null,"rows":[{{"cells":{cells},"object":{{"kind":"PartialObjectMetadata","apiVersion":"meta.k8s.io/v1","metadata":{{"name":"{name}","namespace":"ns","resourceVersion":"{rv}","creationTimestamp":"{created}"}}}}}}]}}"#
+        )
+    }
+
+    #[test]
+    fn builtin_age_columns_are_found_and_clock_printers_are_refused() {
+        let c = Columns::parse(&pod_columns(), false, "", "pods", 1).unwrap();
+        assert_eq!(c.age, vec![2]);
+        assert_eq!(c.unservable, None);
+        assert!(!c.null_when_empty);
+        let c = Columns::parse(&pod_columns(), false, "batch", "jobs", 1).unwrap();
+        assert!(c.unservable.is_some());
+        let default = r#"[{"name":"Name","type":"string","format":"name","description":"x","priority":0},{"name":"Created At","type":"date","format":"","description":"y","priority":0}]"#;
+        let c = Columns::parse(default, false, "", "things", 1).unwrap();
+        assert!(c.null_when_empty);
+        assert!(c.age.is_empty());
+    }
+
+    #[test]
+    fn custom_date_columns_are_ages_only_of_the_creation_timestamp() {
+        let cols = r#"[{"name":"Name","type":"string","format":"name","description":"x","priority":0},{"name":"Age","type":"date","format":"","description":"Custom resource definition column (in JSONPath format): .metadata.creationTimestamp","priority":0}]"#;
+        let c = Columns::parse(cols, true, "example.com", "widgets", 1).unwrap();
+        assert_eq!(c.age, vec![1]);
+        assert_eq!(c.unservable, None);
+        // A date of another path, or described by its author: the apiserver's.
+        let other = cols.replace(".metadata.creationTimestamp", ".status.lastSeen");
+        let c = Columns::parse(&other, true, "example.com", "widgets", 1).unwrap();
+        assert!(c.unservable.is_some());
+        // A built-in "Age" that is not the creation timestamp's is not re-rendered.
+        let c = Columns::parse(&other, false, "", "things", 1).unwrap();
+        assert!(c.age.is_empty());
+    }
+
+    #[test]
+    fn rows_are_kept_by_version_and_served_with_their_age_at_the_moment_of_reading() {
+        let st = store();
+        st.set_columns(&pod_columns()).unwrap();
+        let created = "2026-12-07T11:00:00Z";
+        let t0 = parse_time(created).unwrap() * 1000;
+        let ev = parse_table_event(&event("a", 7, r#"["a","0","5s"]"#, created)).unwrap();
+        assert!(ev.columns.is_none());
+        let r = ev.rows.into_iter().next().unwrap();
+        assert_eq!((r.key.name.as_ref(), r.rv), ("a", 7));
+        st.attach(r.key.clone(), r.rv, r.row, t0 + 5_300);
+        let cols = st.columns().unwrap();
+        let row = st.row(&r.key, 7, cols.generation).expect("served");
+        assert!(
+            st.row(&r.key, 8, cols.generation).is_none(),
+            "another version"
+        );
+        let mut b = BytesMut::new();
+        row.put(&mut b, &cols, t0 + 3 * 60_000 + 1_000, None, |b| {
+            b.put_slice(b"null")
+        });
+        assert_eq!(&b[..], br#"{"cells":["a","0","3m1s"],"object":null}"#);
+        // Not the age the clock says when it arrived: never served.
+        let ev = parse_table_event(&event("b", 8, r#"["b","0","1h"]"#, created)).unwrap();
+        let r = ev.rows.into_iter().next().unwrap();
+        st.attach(r.key.clone(), r.rv, r.row, t0 + 5_000);
+        assert!(st.row(&r.key, 8, cols.generation).is_none());
+        assert_eq!(st.stats.age_mismatches.load(Relaxed), 1);
+        // A pod's restarts printed relative to the clock: re-rendered from the pod's
+        // finishedAt that printed so when the row arrived (5 minutes before it).
+        let ev = parse_table_event(&event("c", 9, r#"["c","2 (5m ago)","5s"]"#, created)).unwrap();
+        let r = ev.rows.into_iter().next().unwrap();
+        st.attach(r.key.clone(), r.rv, r.row, t0 + 5_000);
+        let row = st.row(&r.key, 9, cols.generation).expect("served");
+        // The test's moments are within the day of `created`.
+        let at = |secs: i64| {
+            let t = t0 / 1000 + secs;
+            format!(
+                "2026-12-07T{:02}:{:02}:{:02}Z",
+                (t % 86_400) / 3600,
+                (t % 3600) / 60,
+                t % 60
+            )
+        };
+        let pod = |finished: &[String]| {
+            let cs: Vec<String> = finished
+                .iter()
+                .map(|f| {
+                    format!(r#"{{"name":"x","lastState":{{"terminated":{{"finishedAt":"{f}"}}}}}}"#)
+                })
+                .collect();
+            format!(
+                r#"{{"metadata":{{"name":"c"}},"status":{{"containerStatuses":[{}]}}}}"#,
+                cs.join(",")
+            )
+        };
+        let one = pod(&[at(-295), at(-3000)]);
+        assert_eq!(
+            row.restarts_now(one.as_bytes(), t0 + 65_000),
+            Ok(Some(r#""2 (6m ago)""#.to_string()))
+        );
+        // No finishedAt that printed so, or none at all: not re-rendered.
+        assert!(
+            row.restarts_now(pod(&[at(-3000)]).as_bytes(), t0 + 65_000)
+                .is_err()
+        );
+        assert!(row.restarts_now(b"{}", t0 + 65_000).is_err());
+        // The same cell of another resource is the apiserver's.
+        let other = TableStore::new(false, "", "nodes", Arc::new(ProtoBudget::new(u64::MAX)));
+        other.set_columns(&pod_columns()).unwrap();
+        let ev = parse_table_event(&event("c", 9, r#"["c","2 (5m ago)","5s"]"#, created)).unwrap();
+        let r = ev.rows.into_iter().next().unwrap();
+        other.attach(r.key.clone(), r.rv, r.row, t0 + 5_000);
+        let g = other.columns().unwrap().generation;
+        assert!(other.row(&r.key, 9, g).is_none());
+        assert!(other.row_unservable(&r.key, 9, g));
+    }
+
+    #[test]
+    fn restarts_are_not_re_rendered_from_finish_times_that_would_print_differently_now() {
+        let r = Row {
+            cells: vec![Box::from(r#""2 (10d ago)""#)].into(),
+            conditions: None,
+            created: None,
+            generation: 1,
+            clock_bound: false,
+            restarts: Some(Restarts {
+                index: 0,
+                prefix: "2 (".into(),
+                printed: "10d".into(),
+            }),
+            received_ms: parse_time("2026-12-17T12:00:00Z").unwrap() * 1000,
+        };
+        // Both printed "10d" when the row arrived; five hours later one is 11 days old.
+        let pod = r#"{"status":{"containerStatuses":[{"lastState":{"terminated":{"finishedAt":"2026-12-07T11:00:00Z"}}}],"initContainerStatuses":[{"lastState":{"terminated":{"finishedAt":"2026-12-06T16:00:00Z"}}}]}}"#;
+        let later = r.received_ms + 5 * 3_600_000;
+        assert!(r.restarts_now(pod.as_bytes(), later).is_err());
+        let one = r#"{"status":{"containerStatuses":[{"lastState":{"terminated":{"finishedAt":"2026-12-07T11:00:00Z"}}}]}}"#;
+        assert_eq!(
+            r.restarts_now(one.as_bytes(), later),
+            Ok(Some(r#""2 (10d ago)""#.to_string()))
+        );
+        assert_eq!(split_restarts(r#""12 (3m4s ago)""#), Some(("12 (", "3m4s")));
+        for bad in [
+            r#""x (3m ago)""#,
+            r#""2 (ago)""#,
+            r#"" (3m ago)""#,
+            r#""2 3m ago)""#,
+        ] {
+            assert_eq!(split_restarts(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn changed_columns_drop_every_row_and_ask_for_a_restart() {
+        let st = store();
+        st.set_columns(&pod_columns()).unwrap();
+        let created = "2026-12-07T11:00:00Z";
+        let t0 = parse_time(created).unwrap() * 1000;
+        let r = parse_table_event(&event("a", 7, r#"["a","0","0s"]"#, created))
+            .unwrap()
+            .rows
+            .remove(0);
+        st.attach(r.key.clone(), 7, r.row, t0);
+        st.set_synced(true);
+        assert!(st.ready());
+        st.set_columns(&pod_columns()).unwrap();
+        assert!(st.ready(), "the same columns again change nothing");
+        assert!(!st.restart.load(Relaxed));
+        st.set_columns(&pod_columns().replace("Restarts", "Restarted"))
+            .unwrap();
+        assert!(!st.ready());
+        assert!(st.restart.load(Relaxed));
+        assert_eq!(st.size(), (0, 0));
+        let g = st.columns().unwrap().generation;
+        assert_eq!(g, 2);
+        assert!(st.row(&r.key, 7, g).is_none());
+    }
+
+    #[test]
+    fn replaced_versions_are_kept_for_older_snapshots_then_released() {
+        let budget = Arc::new(ProtoBudget::new(u64::MAX));
+        let st = TableStore::new(false, "", "pods", budget.clone());
+        st.set_columns(&pod_columns()).unwrap();
+        let created = "2026-12-07T11:00:00Z";
+        let t0 = parse_time(created).unwrap() * 1000;
+        for rv in [7, 9] {
+            let r = parse_table_event(&event("a", rv, r#"["a","0","0s"]"#, created))
+                .unwrap()
+                .rows
+                .remove(0);
+            st.attach(r.key, rv, r.row, t0);
+        }
+        assert_eq!(st.size().0, 2);
+        assert!(budget.used() > 0);
+        let key = ObjectKey::new("ns", "a");
+        // The JSON side holds version 9: version 7 is marked, not dropped yet.
+        st.reconcile(9, |k| (k == &key).then_some(9));
+        assert_eq!(st.size().0, 2);
+        let g = st.columns().unwrap().generation;
+        assert!(st.row(&key, 7, g).is_some());
+        // A row ahead of the JSON side is never marked.
+        st.reconcile(8, |_| Some(7));
+        assert!(st.row(&key, 9, g).is_some());
+    }
+
+    #[test]
+    fn the_bound_sheds_the_rows_and_gives_the_bytes_back() {
+        let budget = Arc::new(ProtoBudget::new(100));
+        let st = TableStore::new(false, "", "pods", budget.clone());
+        st.set_columns(&pod_columns()).unwrap();
+        st.set_synced(true);
+        let created = "2026-12-07T11:00:00Z";
+        let t0 = parse_time(created).unwrap() * 1000;
+        let r = parse_table_event(&event("a", 7, r#"["a","0","0s"]"#, created))
+            .unwrap()
+            .rows
+            .remove(0);
+        st.attach(r.key, 7, r.row, t0);
+        assert!(st.shed.is_cancelled());
+        assert!(!st.ready());
+        assert_eq!(budget.used(), 0);
+        assert_eq!(st.size(), (0, 0));
+    }
+
+    #[test]
+    fn a_crds_declared_columns_are_described_as_the_apiserver_describes_them() {
+        let declared: Vec<PrinterColumn> = serde_json::from_str(
+            r#"[{"name":"Size","type":"integer","jsonPath":".spec.size"},
+                {"name":"Color","type":"string","jsonPath":".spec.color","priority":1,"description":"The colour."}]"#,
+        )
+        .unwrap();
+        let want = [
+            (
+                "Size".to_string(),
+                "integer".to_string(),
+                String::new(),
+                "Custom resource definition column (in JSONPath format): .spec.size".to_string(),
+                0,
+            ),
+            (
+                "Color".to_string(),
+                "string".to_string(),
+                String::new(),
+                "The colour.".to_string(),
+                1,
+            ),
+        ];
+        assert_eq!(crd_columns(&declared), want);
+        assert_eq!(crd_columns(&[])[0].0, "Age");
+        // The side's columns are compared after Name.
+        let raw = r#"[{"name":"Name","type":"string","format":"name","description":"n","priority":0},{"name":"Size","type":"integer","format":"","description":"Custom resource definition column (in JSONPath format): .spec.size","priority":0},{"name":"Color","type":"string","format":"","description":"The colour.","priority":1}]"#;
+        let st = TableStore::new(
+            true,
+            "example.com",
+            "widgets",
+            Arc::new(ProtoBudget::new(u64::MAX)),
+        );
+        st.set_columns(raw).unwrap();
+        st.set_synced(true);
+        assert!(st.ready(), "no CRD read yet");
+        st.expect_columns(crd_columns(&declared));
+        assert!(st.ready());
+        st.expect_columns(crd_columns(&declared[..1]));
+        assert!(!st.ready(), "the CRD dropped a column the side still has");
+        assert!(st.not_ready_reason().is_some());
+    }
+
+    #[test]
+    fn bookmarks_and_rows_without_metadata_are_told_apart() {
+        let bm = r#"{"kind":"Table","apiVersion":"meta.k8s.io/v1","metadata":{"resourceVersion":"222"},"columnDefinitions":null,"rows":[{"cells":["",0,"\u003cunknown\u003e"],"object":{"kind":"PartialObjectMetadata","apiVersion":"meta.k8s.io/v1","metadata":{"resourceVersion":"222","annotations":{"k8s.io/initial-events-end":"true"}}}}]}"#;
+        let ev = parse_table_event(bm).unwrap();
+        assert!(ev.rows[0].initial_events_end, "{ev:?}");
+        assert_eq!(ev.rows[0].rv, 222);
+        let none = r#"{"kind":"Table","columnDefinitions":[],"rows":[{"cells":[],"object":null}]}"#;
+        assert!(parse_table_event(none).is_err());
+        assert!(parse_table_event("[]").is_err());
+        assert!(parse_table_event(r#"["Table"]"#).is_err());
+        assert!(parse_table_event(r#"{"kind":"Status","rows":[]}"#).is_err());
+        let cols = parse_table_event(
+            r#"{"kind":"Table","columnDefinitions":[{"name":"Name"}],"rows":[]}"#,
+        )
+        .unwrap()
+        .columns;
+        assert_eq!(cols.as_deref(), Some(r#"[{"name":"Name"}]"#));
+    }
+}

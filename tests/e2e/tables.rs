@@ -1,0 +1,686 @@
+//! Tables (`as=Table;v=v1;g=meta.k8s.io`, what `kubectl get` asks for, and v1beta1) from the
+//! cache against
+//! a real kube-apiserver + etcd: pods, a deployment, configmaps and custom resources whose
+//! CRD has printer columns (integer, string of priority 1, number, date). Every Table the
+//! proxy writes — GET, LIST, a LIST at an exact resourceVersion, a paginated walk with
+//! `limit=2`, each with `includeObject` None, Metadata and Object — equals the apiserver's
+//! as JSON values, its age cells being the age of the object at the moment of the request
+//! (kube-apiserver prints them relative to its clock, so two answers a second apart may
+//! differ there and only there); and every one of them was written by the cache (the table
+//! side's counters), with no Table LIST reaching the apiserver. Then real kubectl prints the
+//! same `get`, `get -A`, `get -o wide`, `get --chunk-size=2` and custom resources' columns
+//! through the proxy as direct, from the cache.
+
+use std::process::Command;
+use std::sync::atomic::Ordering::Relaxed;
+use std::time::Duration;
+
+use crate::support::eventually::{eventually, ok_if};
+use crate::support::proxy::TestProxy;
+use kube_cache_proxy::app::dev::{ControlPlane, ControlPlaneOptions};
+use kube_cache_proxy::cache::table::{human_duration, now_ms, parse_time};
+use serde_json::{Value, json};
+
+/// Guard against hangs only.
+const BOUND: Duration = Duration::from_secs(60);
+const NS: &str = "e2e-tables";
+const TABLE: &str = "application/json;as=Table;v=v1;g=meta.k8s.io";
+/// An older client's Table.
+const TABLE_V1BETA1: &str = "application/json;as=Table;v=v1beta1;g=meta.k8s.io";
+/// kubectl get's Accept.
+const KUBECTL: &str = "application/json;as=Table;v=v1;g=meta.k8s.io,application/json;as=Table;v=v1beta1;g=meta.k8s.io,application/json";
+
+async fn kube_config(yaml: &str) -> kube::Config {
+    let kc = kube::config::Kubeconfig::from_yaml(yaml).unwrap();
+    kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .unwrap()
+}
+
+async fn send(
+    c: &kube::Client,
+    method: &str,
+    path: &str,
+    accept: &str,
+    body: Option<Value>,
+) -> Value {
+    let req = http::Request::builder()
+        .method(method)
+        .uri(path)
+        .header("accept", accept)
+        .header("content-type", "application/json")
+        .body(
+            body.map(|b| serde_json::to_vec(&b).unwrap())
+                .unwrap_or_default(),
+        )
+        .unwrap();
+    let text = c
+        .request_text(req)
+        .await
+        .unwrap_or_else(|e| panic!("{method} {path}: {e}"));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}: {text}"))
+}
+
+/// The columns printing an age (a built-in's `Age`, a custom resource's date of the creation
+/// timestamp: both named Age here).
+fn age_columns(t: &Value) -> Vec<usize> {
+    t["columnDefinitions"]
+        .as_array()
+        .map(|cols| {
+            cols.iter()
+                .enumerate()
+                .filter(|(_, c)| c["name"] == "Age")
+                .map(|(i, _)| i)
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Checks every age cell of `t` is the age of its object at some moment in
+/// `[from_ms - 2 s, to_ms + 1 s]` (HumanDuration's seconds; the apiserver's clock is this
+/// machine's), by the creation timestamp `created` gives for a row's name, and blanks it.
+fn check_and_blank_ages(
+    t: &mut Value,
+    cols: &[usize],
+    created: &dyn Fn(&str) -> i64,
+    from_ms: i64,
+    to_ms: i64,
+) {
+    let Some(rows) = t["rows"].as_array_mut() else {
+        return;
+    };
+    for r in rows {
+        let name = r["cells"][0].as_str().unwrap().to_string();
+        let c = created(&name) * 1000;
+        for &i in cols {
+            let cell = r["cells"][i].as_str().unwrap().to_string();
+            // HumanDuration changes only at whole seconds of the age: each second of the
+            // window, and its ends.
+            let (lo, hi) = (from_ms - 2000, to_ms + 1000);
+            let ok = (lo / 1000..=hi / 1000)
+                .map(|s| (s * 1000).clamp(lo, hi))
+                .chain([lo, hi])
+                .any(|t| human_duration(t - c) == cell);
+            assert!(
+                ok,
+                "age {cell:?} of {name} is not its age between {from_ms} and {to_ms} (created {c})"
+            );
+            r["cells"][i] = json!("<age>");
+        }
+        // A pod's restarts printed relative to the clock (`"2 (20m ago)"`): the time since
+        // the one finishedAt the test wrote.
+        for cell in r["cells"].as_array_mut().unwrap() {
+            let Some(text) = cell.as_str().and_then(|c| c.strip_suffix(" ago)")) else {
+                continue;
+            };
+            let (count, x) = text.split_once(" (").unwrap();
+            let f = parse_time(FINISHED.get().expect("a finishedAt written")).unwrap() * 1000;
+            let (lo, hi) = (from_ms - 2000, to_ms + 1000);
+            let ok = (lo / 1000..=hi / 1000)
+                .map(|s| (s * 1000).clamp(lo, hi))
+                .chain([lo, hi])
+                .any(|t| human_duration(t - f) == x);
+            assert!(ok, "restarts {text:?} of {name}");
+            RESTARTS_SEEN.fetch_add(1, Relaxed);
+            *cell = json!(format!("{count} (<t> ago)"));
+        }
+    }
+}
+
+/// `secs` since the epoch as the apiserver writes a time (RFC 3339, UTC, seconds).
+fn rfc3339(secs: i64) -> String {
+    // Howard Hinnant's civil_from_days.
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
+}
+
+/// Restarts cells relative to the clock met in the Tables compared.
+static RESTARTS_SEEN: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+/// The finishedAt written into a pod's last container state.
+static FINISHED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+
+/// Whether a kubectl cell is a HumanDuration (`5m`, `3m12s`, `2d5h`), in or out of
+/// parentheses (`(20m`).
+fn duration_like(c: &str) -> bool {
+    let c = c.trim_start_matches('(').trim_end_matches(')');
+    let mut parts = 0;
+    let mut rest = c;
+    while !rest.is_empty() {
+        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+        let unit = rest[digits..].chars().next();
+        if digits == 0 || !matches!(unit, Some('s' | 'm' | 'h' | 'd' | 'y')) {
+            return false;
+        }
+        rest = &rest[digits + 1..];
+        parts += 1;
+    }
+    parts > 0
+}
+
+fn kubectl(cp: &ControlPlane, kubeconfig: &std::path::Path, args: &[&str]) -> String {
+    let o = Command::new(cp.kubectl())
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "kubectl {args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// kubectl's table output split into cells, the AGE column and every duration (a pod's
+/// restarts `2 (20m ago)`) blanked.
+fn cells(out: &str) -> Vec<Vec<String>> {
+    let mut age = None;
+    out.lines()
+        .map(|l| {
+            let row: Vec<&str> = l.split_whitespace().collect();
+            if age.is_none() {
+                age = row.iter().position(|h| *h == "AGE");
+                return row.iter().map(|c| c.to_string()).collect();
+            }
+            row.iter()
+                .enumerate()
+                .map(|(k, c)| {
+                    if Some(k) == age || duration_like(c) {
+                        "<t>".to_string()
+                    } else {
+                        c.to_string()
+                    }
+                })
+                .collect()
+        })
+        .collect()
+}
+
+fn widgets_crd() -> Value {
+    json!({
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "widgets.example.com"},
+        "spec": {"group": "example.com", "scope": "Namespaced",
+                 "names": {"plural": "widgets", "singular": "widget", "kind": "Widget"},
+                 "versions": [{"name": "v1", "served": true, "storage": true,
+                    "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": true}},
+                    "additionalPrinterColumns": [
+                        {"name": "Size", "type": "integer", "jsonPath": ".spec.size"},
+                        {"name": "Color", "type": "string", "jsonPath": ".spec.color", "priority": 1},
+                        {"name": "Ratio", "type": "number", "jsonPath": ".spec.ratio"},
+                        {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]}]}
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tables_from_the_cache_equal_the_apiservers_and_kubectl_prints_the_same() {
+    let cp = ControlPlane::start(ControlPlaneOptions::default())
+        .await
+        .expect("control plane starts");
+    cp.create_default_service_account(NS).await.unwrap();
+    let upstream = kube_config(&cp.admin_kubeconfig_yaml()).await;
+    let admin = kube::Client::try_from(upstream.clone()).unwrap();
+    send(
+        &admin,
+        "POST",
+        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions",
+        "application/json",
+        Some(widgets_crd()),
+    )
+    .await;
+    eventually("the widgets CRD to be served", BOUND, async || {
+        let req = http::Request::get(format!("/apis/example.com/v1/namespaces/{NS}/widgets"))
+            .body(Vec::new())
+            .unwrap();
+        ok_if(admin.request_text(req).await.is_ok(), "not yet")
+    })
+    .await;
+    let proxy = TestProxy::start_with_kube(upstream, |c| {
+        c.cache.resources = vec![
+            "configmaps".into(),
+            "pods".into(),
+            "deployments.apps".into(),
+            "widgets.example.com".into(),
+        ];
+    })
+    .await;
+    let via = kube::Client::try_from(kube_config(&proxy.kubeconfig_yaml(cp.admin_token())).await)
+        .unwrap();
+    let state = proxy.running.as_ref().unwrap().state.clone();
+
+    // The objects: no kubelet runs, so pods stay Pending with no restarts.
+    for i in 0..5 {
+        send(
+            &admin,
+            "POST",
+            &format!("/api/v1/namespaces/{NS}/configmaps"),
+            "application/json",
+            Some(
+                json!({"metadata": {"name": format!("cm-{i}")}, "data": {"k": "v".repeat(i + 1)}}),
+            ),
+        )
+        .await;
+    }
+    for i in 0..3 {
+        let cs: Vec<_> = (0..=i)
+            .map(|c| json!({"name": format!("c{c}"), "image": "busybox"}))
+            .collect();
+        send(&admin, "POST", &format!("/api/v1/namespaces/{NS}/pods"), "application/json",
+            Some(json!({"metadata": {"name": format!("pod-{i}"), "labels": {"app": "t"}}, "spec": {"containers": cs}}))).await;
+    }
+    // pod-2's first container restarted twice, the last time 20 minutes ago: its restarts
+    // cell is printed relative to the clock (`2 (20m ago)`), re-rendered by the cache.
+    let finished = rfc3339(now_ms() / 1000 - 20 * 60);
+    FINISHED.set(finished.clone()).unwrap();
+    let status = json!({"status": {"containerStatuses": [{"name": "c0", "image": "busybox", "imageID": "", "ready": false, "restartCount": 2,
+        "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+        "lastState": {"terminated": {"exitCode": 1, "startedAt": finished, "finishedAt": finished}}}]}});
+    let req = http::Request::patch(format!("/api/v1/namespaces/{NS}/pods/pod-2/status"))
+        .header("content-type", "application/merge-patch+json")
+        .body(serde_json::to_vec(&status).unwrap())
+        .unwrap();
+    admin.request_text(req).await.unwrap();
+    send(&admin, "POST", &format!("/apis/apps/v1/namespaces/{NS}/deployments"), "application/json",
+        Some(json!({"metadata": {"name": "d"}, "spec": {"selector": {"matchLabels": {"app": "d"}}, "template": {"metadata": {"labels": {"app": "d"}}, "spec": {"containers": [{"name": "c", "image": "busybox"}]}}}}))).await;
+    for (i, (size, color, ratio)) in [
+        (1, "red", 0.5),
+        (2, "green", 1.25),
+        (3, "blue", 2.0),
+        (4, "red", 1e-7),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        send(&admin, "POST", &format!("/apis/example.com/v1/namespaces/{NS}/widgets"), "application/json",
+            Some(json!({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": format!("w-{i}")}, "spec": {"size": size, "color": color, "ratio": ratio}}))).await;
+    }
+    let collections = [
+        (
+            "",
+            "v1",
+            "configmaps",
+            format!("/api/v1/namespaces/{NS}/configmaps"),
+            5,
+        ),
+        ("", "v1", "pods", format!("/api/v1/namespaces/{NS}/pods"), 3),
+        (
+            "apps",
+            "v1",
+            "deployments",
+            format!("/apis/apps/v1/namespaces/{NS}/deployments"),
+            1,
+        ),
+        (
+            "example.com",
+            "v1",
+            "widgets",
+            format!("/apis/example.com/v1/namespaces/{NS}/widgets"),
+            4,
+        ),
+    ];
+    // Each resource's first Table reader starts its table side; until it synced (and the
+    // cache holds every object), Tables are the apiserver's.
+    for (g, v, r, path, n) in &collections {
+        eventually(&format!("{r}: a Table from the cache"), BOUND, async || {
+            let cache = state.caches.get(g, v, r).ok_or("no cache")?;
+            let before = cache.table.stats.served.load(Relaxed);
+            let t = send(&via, "GET", path, TABLE, None).await;
+            let rows = t["rows"].as_array().map_or(0, Vec::len);
+            ok_if(
+                cache.table.stats.served.load(Relaxed) > before && rows == *n,
+                format!("{rows} rows"),
+            )
+        })
+        .await;
+    }
+    let served = || -> (u64, u64) {
+        collections.iter().fold((0, 0), |(s, p), (g, v, r, _, _)| {
+            let t = &state.caches.get(g, v, r).unwrap().table.stats;
+            (
+                s + t.served.load(Relaxed),
+                p + t.passed_through.load(Relaxed),
+            )
+        })
+    };
+    let (served_before, passed_before) = served();
+
+    // Creation timestamps, by name, for the age cells.
+    let mut created = std::collections::HashMap::new();
+    for (_, _, _, path, _) in &collections {
+        let l = send(&admin, "GET", path, "application/json", None).await;
+        for i in l["items"].as_array().unwrap() {
+            let name = i["metadata"]["name"].as_str().unwrap().to_string();
+            created.insert(
+                name,
+                parse_time(i["metadata"]["creationTimestamp"].as_str().unwrap()).unwrap(),
+            );
+        }
+    }
+    let created = |n: &str| created[n];
+    // One Table through the proxy and one direct, compared as JSON values after their age
+    // cells were checked against the moments of the requests.
+    let proxied = std::cell::Cell::new(0u64);
+    let compare =
+        async |path: &str, accept: &str, what: &str, drop_continue: bool| -> (Value, Value) {
+            let t0 = now_ms();
+            let mut p = send(&via, "GET", path, accept, None).await;
+            let mut d = send(&admin, "GET", path, accept, None).await;
+            let t1 = now_ms();
+            proxied.set(proxied.get() + 1);
+            let cols = age_columns(&d);
+            assert_eq!(cols, age_columns(&p), "{what}: columns");
+            check_and_blank_ages(&mut p, &cols, &created, t0, t1);
+            check_and_blank_ages(&mut d, &cols, &created, t0, t1);
+            let (pm, dm) = (p["metadata"].take(), d["metadata"].take());
+            if drop_continue {
+                assert_eq!(
+                    pm["remainingItemCount"], dm["remainingItemCount"],
+                    "{what}: remainingItemCount"
+                );
+                assert_eq!(
+                    pm["continue"].is_string(),
+                    dm["continue"].is_string(),
+                    "{what}: continue"
+                );
+            } else {
+                assert_eq!(pm, dm, "{what}: metadata");
+            }
+            assert_eq!(p, d, "{what}: through the proxy (left) and direct (right)");
+            assert!(
+                p["rows"].as_array().is_some_and(|r| !r.is_empty()),
+                "{what}: no rows"
+            );
+            (pm, dm)
+        };
+    for (_, _, r, path, _) in &collections {
+        let list = send(&admin, "GET", path, "application/json", None).await;
+        let rv = list["metadata"]["resourceVersion"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        let first = list["items"][0]["metadata"]["name"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        for io in [
+            "",
+            "&includeObject=None",
+            "&includeObject=Metadata",
+            "&includeObject=Object",
+        ] {
+            for accept in [TABLE, KUBECTL, TABLE_V1BETA1] {
+                // Exact: both answer at the same resourceVersion, metadata included.
+                let exact = format!("{path}?resourceVersion={rv}&resourceVersionMatch=Exact{io}");
+                compare(&exact, accept, &format!("{r} list at {rv} {io}"), false).await;
+                // Most recent: the same objects (nothing is written meanwhile); the list's
+                // resourceVersion is etcd's current revision, read at two moments.
+                let latest = format!("{path}?limit=500{io}");
+                compare(&latest, accept, &format!("{r} list {io}"), true).await;
+                let get = format!("{path}/{first}?{}", io.trim_start_matches('&'));
+                compare(&get, accept, &format!("{r} get {first} {io}"), false).await;
+            }
+            // A walk of two per page: the same rows page by page, the proxy's own tokens.
+            let (mut pc, mut dc) = (String::new(), String::new());
+            loop {
+                let t0 = now_ms();
+                let page = |c: &str| {
+                    let c = if c.is_empty() {
+                        String::new()
+                    } else {
+                        format!("&continue={c}")
+                    };
+                    format!("{path}?limit=2{io}{c}")
+                };
+                let mut p = send(&via, "GET", &page(&pc), TABLE, None).await;
+                let mut d = send(&admin, "GET", &page(&dc), TABLE, None).await;
+                let t1 = now_ms();
+                proxied.set(proxied.get() + 1);
+                let cols = age_columns(&d);
+                check_and_blank_ages(&mut p, &cols, &created, t0, t1);
+                check_and_blank_ages(&mut d, &cols, &created, t0, t1);
+                let (pm, dm) = (p["metadata"].take(), d["metadata"].take());
+                assert_eq!(p, d, "{r} page after {pc:?} {io}");
+                assert_eq!(
+                    pm["remainingItemCount"], dm["remainingItemCount"],
+                    "{r} page {io}"
+                );
+                match (pm["continue"].as_str(), dm["continue"].as_str()) {
+                    (Some(a), Some(b)) => (pc, dc) = (a.to_string(), b.to_string()),
+                    (None, None) => break,
+                    other => panic!("{r} {io}: continue {other:?}"),
+                }
+            }
+        }
+    }
+    // Across namespaces.
+    compare("/api/v1/pods?limit=500", KUBECTL, "pods -A", true).await;
+    let (served_after, passed_after) = served();
+    assert_eq!(passed_after - passed_before, 0, "Tables passed through");
+    assert_eq!(
+        served_after - served_before,
+        proxied.get(),
+        "Tables written by the cache"
+    );
+    // Both sides printed pod-2's restarts relative to the clock, and they agreed.
+    assert!(
+        RESTARTS_SEEN.load(Relaxed) > 0,
+        "no restarts cell printed relative to the clock"
+    );
+    let proxied = proxied.get();
+    println!("tables: {proxied} Tables through the proxy equal to direct, all from the cache");
+
+    // kubectl, through the proxy and direct.
+    let dir = tempfile::tempdir().unwrap();
+    let pk = dir.path().join("proxy.kubeconfig");
+    std::fs::write(&pk, proxy.kubeconfig_yaml(cp.admin_token())).unwrap();
+    let dk = dir.path().join("direct.kubeconfig");
+    std::fs::write(&dk, cp.admin_kubeconfig_yaml()).unwrap();
+    let (served_before, passed_before) = served();
+    let pod_lists = crate::support::e2e::apiserver_lists(&admin, "pods").await;
+    let cases: [&[&str]; 8] = [
+        &["get", "pods", "-n", NS],
+        &["get", "pods", "-A"],
+        &["get", "pods", "-n", NS, "-o", "wide"],
+        &["get", "cm", "-n", NS, "--chunk-size=2"],
+        &["get", "deploy", "-n", NS],
+        &["get", "widgets", "-n", NS],
+        &["get", "widgets", "-n", NS, "-o", "wide"],
+        &["get", "widgets", "-n", NS, "--chunk-size=2", "-o", "wide"],
+    ];
+    for args in cases {
+        let p = kubectl(&cp, &pk, args);
+        let d = kubectl(&cp, &dk, args);
+        assert_eq!(
+            cells(&p),
+            cells(&d),
+            "kubectl {args:?}: through the proxy:\n{p}\ndirect:\n{d}"
+        );
+        assert!(cells(&p).len() > 1, "kubectl {args:?}: {p}");
+        if args[1] == "pods" {
+            assert!(
+                p.contains(" ago)"),
+                "kubectl {args:?}: pod-2's restarts: {p}"
+            );
+        }
+    }
+    let (served_after, passed_after) = served();
+    assert_eq!(
+        passed_after - passed_before,
+        0,
+        "kubectl's Tables passed through"
+    );
+    // Only the direct kubectl's three lists of pods reached the apiserver.
+    assert_eq!(
+        crate::support::e2e::apiserver_lists(&admin, "pods").await - pod_lists,
+        3,
+        "pod LISTs upstream"
+    );
+    // One page each, three for configmaps and two for widgets by twos.
+    assert_eq!(
+        served_after - served_before,
+        6 + 3 + 2,
+        "kubectl's Tables written by the cache"
+    );
+    println!(
+        "tables: kubectl {} gets equal to direct, {} Tables from the cache",
+        cases.len(),
+        served_after - served_before
+    );
+
+    // kubectl get -w: its LIST, then a watch from the list's resourceVersion, each event a
+    // Table of one row; a create, a relabel, a delete and a last create both must print.
+    let (served_before, passed_before) = served();
+    let watch = |kubeconfig: &std::path::Path| {
+        crate::support::e2e::kubectl_watch_pods(&cp.kubectl(), kubeconfig, NS)
+    };
+    let watches = [watch(&pk), watch(&dk)];
+    let mut lines: Vec<Vec<String>> = watches
+        .iter()
+        .map(|(_, rx)| {
+            (0..4)
+                .map(|_| rx.recv_timeout(BOUND).expect("header and three pods"))
+                .collect()
+        })
+        .collect();
+    let pods = format!("/api/v1/namespaces/{NS}/pods");
+    let pod = |name: &str| json!({"metadata": {"name": name}, "spec": {"containers": [{"name": "c", "image": "busybox"}]}});
+    send(
+        &admin,
+        "POST",
+        &pods,
+        "application/json",
+        Some(pod("pod-new")),
+    )
+    .await;
+    let req = http::Request::patch(format!("{pods}/pod-0"))
+        .header("content-type", "application/merge-patch+json")
+        .body(serde_json::to_vec(&json!({"metadata": {"labels": {"touched": "yes"}}})).unwrap())
+        .unwrap();
+    admin.request_text(req).await.unwrap();
+    send(
+        &admin,
+        "DELETE",
+        &format!("{pods}/pod-1"),
+        "application/json",
+        None,
+    )
+    .await;
+    send(
+        &admin,
+        "POST",
+        &pods,
+        "application/json",
+        Some(pod("zz-end")),
+    )
+    .await;
+    for ((_, rx), lines) in watches.iter().zip(&mut lines) {
+        loop {
+            let l = rx.recv_timeout(BOUND).expect("watch rows up to zz-end");
+            let end = l.starts_with("zz-end ");
+            lines.push(l);
+            if end {
+                break;
+            }
+        }
+    }
+    for (mut w, _) in watches {
+        let _ = w.kill();
+        let _ = w.wait();
+    }
+    assert_eq!(
+        cells(&lines[0].join("\n")),
+        cells(&lines[1].join("\n")),
+        "kubectl get -w through the proxy (left) and direct (right)"
+    );
+    let (served_after, passed_after) = served();
+    assert_eq!(
+        passed_after - passed_before,
+        0,
+        "kubectl get -w passed through"
+    );
+    assert_eq!(
+        served_after - served_before,
+        2,
+        "kubectl get -w's LIST and WATCH from the cache"
+    );
+    println!(
+        "tables: kubectl get -w printed {} lines through the proxy as direct",
+        lines[0].len()
+    );
+
+    // The CRD gets one more printer column: the proxy's widgets Tables carry it from the
+    // cache once the table side fetched its rows again (columns checked against the CRD).
+    let widgets = state.caches.get("example.com", "v1", "widgets").unwrap();
+    let changes = widgets.table.stats.column_changes.load(Relaxed);
+    let req = http::Request::patch(
+        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions/widgets.example.com",
+    )
+    .header("content-type", "application/json-patch+json")
+    .body(
+        serde_json::to_vec(
+            &json!([{"op": "add", "path": "/spec/versions/0/additionalPrinterColumns/-",
+            "value": {"name": "Shape", "type": "string", "jsonPath": ".spec.shape"}}]),
+        )
+        .unwrap(),
+    )
+    .unwrap();
+    admin.request_text(req).await.unwrap();
+    let path = format!("/apis/example.com/v1/namespaces/{NS}/widgets?limit=500");
+    eventually(
+        "the widgets' new column, from the cache",
+        BOUND,
+        async || {
+            let before = widgets.table.stats.served.load(Relaxed);
+            let t0 = now_ms();
+            let mut p = send(&via, "GET", &path, KUBECTL, None).await;
+            let mut d = send(&admin, "GET", &path, KUBECTL, None).await;
+            let t1 = now_ms();
+            let cached = widgets.table.stats.served.load(Relaxed) > before;
+            let cols = age_columns(&d);
+            check_and_blank_ages(&mut d, &cols, &created, t0, t1);
+            if age_columns(&p) == cols {
+                check_and_blank_ages(&mut p, &cols, &created, t0, t1);
+            }
+            let (_, _) = (p["metadata"].take(), d["metadata"].take());
+            let shape = d["columnDefinitions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|c| c["name"] == "Shape");
+            ok_if(
+                cached && shape && p == d,
+                format!("from the cache: {cached}; proxy:\n{p}\ndirect:\n{d}"),
+            )
+        },
+    )
+    .await;
+    assert!(widgets.table.stats.column_changes.load(Relaxed) > changes);
+    let (pw, dw) = (
+        kubectl(&cp, &pk, &["get", "widgets", "-n", NS, "-o", "wide"]),
+        kubectl(&cp, &dk, &["get", "widgets", "-n", NS, "-o", "wide"]),
+    );
+    assert_eq!(
+        cells(&pw),
+        cells(&dw),
+        "kubectl get widgets -o wide after the CRD changed"
+    );
+    assert!(pw.contains("SHAPE"), "{pw}");
+    proxy.shutdown().await;
+    cp.stop().await;
+}

@@ -458,6 +458,11 @@ pub struct CacheConfig {
     /// Events older than this leave the history (kube-apiserver keeps at least 75 s).
     #[serde(with = "duration")]
     pub history_max_age: Duration,
+    /// Past this age the history keeps an event without the watch frames encoded for it
+    /// (the watchers it was dispatched to hold their own; a watch that starts or resumes
+    /// later encodes them again): a few kilobytes per event less in churn.
+    #[serde(with = "duration")]
+    pub history_frames_kept: Duration,
     /// Events queued per watcher; a watcher whose queue stays full is closed.
     pub watcher_queue: usize,
     /// ...and object bytes queued per watcher (one event always fits): a watcher that falls
@@ -613,6 +618,7 @@ impl Default for CacheConfig {
             exclude: vec!["events".into(), "events.events.k8s.io".into()],
             history_max_events: 100_000,
             history_max_age: Duration::from_secs(150),
+            history_frames_kept: Duration::from_secs(5),
             watcher_queue: 1024,
             watcher_queue_bytes: 4 << 20,
             dispatch_budget: Duration::ZERO,

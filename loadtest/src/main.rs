@@ -87,6 +87,7 @@ mod scenarios;
 mod slow;
 mod stats;
 mod sweep;
+mod table;
 mod warm;
 
 use std::collections::BTreeMap;
@@ -247,6 +248,13 @@ struct Args {
     /// ...and list walkers in parallel (`limit=500`).
     #[arg(long, default_value_t = 4)]
     pb_walkers: usize,
+    /// Scenario table-list (run alone: `--only table-list`): pods listed by
+    /// `kubectl get pods -A` (a Table)...
+    #[arg(long, default_value_t = 100_000)]
+    table_pods: usize,
+    /// ...and timed runs per side.
+    #[arg(long, default_value_t = 20)]
+    table_runs: usize,
     /// Scenario cluster (run alone: `--only cluster`; both sides, each on its own control
     /// plane): the large size (2,000 nodes × 2 agents, 200 Deployments, 60,000 pods; the
     /// size flags below override its parts)...
@@ -826,6 +834,13 @@ async fn run(args: Args) -> anyhow::Result<bool> {
         Some(idle_main(&env, &args, &out).await.map(|()| true))
     } else if alone("slow-watcher") {
         Some(slow_main(&env, &args, &out).await.map(|()| true))
+    } else if alone("table-list") {
+        let o = table::TableOpts {
+            pods: args.table_pods,
+            runs: args.table_runs,
+        };
+        let extra = args.proxy_extra_config.as_deref();
+        Some(table::run(&env, &o, &out, &work, extra).await)
     } else if alone("pb-fanout") || alone("pb-list") {
         let o = pb::PbOpts {
             watchers: args.pb_watchers,

@@ -153,7 +153,7 @@ async fn with_proxy<T>(
 /// pods without it, and no controller-manager creates it here) and `count` pods `w-{i}`
 /// carrying `pad` bytes in an annotation, straight at the apiserver. Returns pods per
 /// second and the size of `w-0` in protobuf and in JSON.
-async fn seed_pods(
+pub(crate) async fn seed_pods(
     env: &Env,
     ns: &str,
     count: usize,

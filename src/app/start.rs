@@ -109,6 +109,7 @@ pub fn build_state(
     let store = crate::cache::StoreConfig {
         history_max_events: c.history_max_events,
         history_max_age: c.history_max_age,
+        history_frames_kept: c.history_frames_kept,
         watcher_queue: c.watcher_queue,
         watcher_queue_bytes: c.watcher_queue_bytes,
         dispatch_budget: c.dispatch_budget,

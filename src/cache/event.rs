@@ -67,6 +67,25 @@ impl Event {
         }
     }
 
+    /// Whether any watch frame was encoded for this event.
+    pub fn has_frames(&self) -> bool {
+        self.frames.iter().any(|f| f.get().is_some()) || self.proto_frames.get().is_some()
+    }
+
+    /// The same event (the same object states, resourceVersion and time) with no frame
+    /// encoded yet: what the history keeps once its watchers were served.
+    pub fn without_frames(&self) -> Event {
+        Event {
+            kind: self.kind,
+            object: self.object.clone(),
+            prev: self.prev.clone(),
+            rv: self.rv,
+            at: self.at,
+            frames: Default::default(),
+            proto_frames: OnceLock::new(),
+        }
+    }
+
     /// Whether the protobuf envelopes this event's frames are made from have come (from the
     /// resource's protobuf side): the new state's, or for a deletion the last state's. A
     /// watcher to whom the event is a selector exit also needs the previous state's, which

@@ -69,6 +69,18 @@ impl State {
             .map(|e| {
                 let c = &e.cache;
                 let r = match c.readiness() {
+                    // Warm start: not ready until the resumed watch has caught the saved
+                    // state up (about half a second), so the first clients are served, and
+                    // authorized locally, from the apiserver's latest state; bounded, so an
+                    // unreachable apiserver leaves the saved state serving.
+                    crate::cache::Readiness::Ready
+                        if c.restored_unconfirmed(crate::cache::store::WARM_CONFIRM) =>
+                    {
+                        gate(
+                            c.resource.custom,
+                            Unready::NotSynced(c.unhealthy().unwrap_or_default()),
+                        )
+                    }
                     crate::cache::Readiness::Ready => Ok(None),
                     crate::cache::Readiness::Pending => gate(
                         c.resource.custom,

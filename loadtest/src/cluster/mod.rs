@@ -616,22 +616,40 @@ fn replica_files(ctx: &mut Ctx, dir: &Path) -> anyhow::Result<Vec<ProxyFiles>> {
     let mut b = a.variant("b", "")?;
     b.log = dir.join("proxy-b.log");
     let mut files = Vec::new();
+    let (cache_more, rest) = split_cache_block(ctx.side_extra.as_deref().unwrap_or(""));
     for (name, f) in [("a", a), ("b", b)] {
         let state = dir.join(format!("state-{name}"));
         std::fs::write(
             &f.config,
             format!(
-                "cache:\n  resources: [all]\n  stateDir: {}\ntokens:\n  keyFile: {}\ntls:\n  clientCaFile: {}\n{}\n",
+                "cache:\n  resources: [all]\n  stateDir: {}\n{cache_more}tokens:\n  keyFile: {}\ntls:\n  clientCaFile: {}\n{rest}\n",
                 state.display(),
                 keys.display(),
                 ctx.cp.dir.join("pki/client-ca.crt").display(),
-                ctx.side_extra.as_deref().unwrap_or("")
             ),
         )?;
         ctx.state_dirs.push(state);
         files.push(f);
     }
     Ok(files)
+}
+
+/// A side's extra YAML split into the lines of its block-style `cache:` section (indented,
+/// merged into the replicas' own `cache:`) and the rest, so a side may change a cache
+/// setting (`--also-proxy-config $'cache:\n  historyFramesKept: 150s'`).
+fn split_cache_block(extra: &str) -> (String, String) {
+    let (mut cache, mut rest, mut inside) = (String::new(), String::new(), false);
+    for l in extra.lines() {
+        if l.trim_end() == "cache:" {
+            inside = true;
+            continue;
+        }
+        inside &= l.starts_with(' ') || l.is_empty();
+        let to = if inside { &mut cache } else { &mut rest };
+        to.push_str(l);
+        to.push('\n');
+    }
+    (cache, rest)
 }
 
 /// The second replica, started before the rolling restart (its start is not measured) and put
@@ -1908,6 +1926,22 @@ pub fn write(out: &Path, r: &ClusterRun) -> anyhow::Result<PathBuf> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_sides_cache_settings_join_the_replicas_cache_section() {
+        let (cache, rest) = split_cache_block(
+            "authorization: {localRbac: \"off\"}\ncache:\n  historyFramesKept: 150s\nlog:\n  level: info\n",
+        );
+        assert_eq!(cache, "  historyFramesKept: 150s\n");
+        assert_eq!(
+            rest,
+            "authorization: {localRbac: \"off\"}\nlog:\n  level: info\n"
+        );
+        assert_eq!(
+            split_cache_block("a: 1"),
+            (String::new(), "a: 1\n".to_string())
+        );
+    }
 
     #[test]
     fn apiserver_requests_are_summed_by_verb_and_reviews_counted() {

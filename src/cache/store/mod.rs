@@ -20,6 +20,7 @@ use super::event::{Delivery, Event};
 use super::persist::{Image, ProtoImage};
 use super::{CachedObject, EventKind, ObjectKey, ReflectorSink, Resource};
 use crate::cache::hub::{CloseReason, Filter, Hub, Subscription};
+pub use extend::BackfillRefused;
 
 /// Absorbed relists remembered per resource (for tests and diagnostics).
 const ABSORBED_KEPT: usize = 16;
@@ -31,6 +32,9 @@ pub struct StoreConfig {
     pub history_max_events: usize,
     /// Events older than this are dropped even below the count.
     pub history_max_age: Duration,
+    /// Past this age the history keeps an event without its encoded watch frames (see
+    /// [`ResourceCache::record_locked`]).
+    pub history_frames_kept: Duration,
     /// Queued events per watcher before it counts as slow...
     pub watcher_queue: usize,
     /// ...and queued object bytes (one event always fits).
@@ -68,6 +72,8 @@ impl Default for StoreConfig {
             // twice that, capped by count so a burst cannot hold unbounded memory.
             history_max_events: 100_000,
             history_max_age: Duration::from_secs(150),
+            // Its watchers were served within milliseconds; each holds its own reference.
+            history_frames_kept: Duration::from_secs(5),
             watcher_queue: 1024,
             // A slow watcher of 16 KiB objects was closed by kube-apiserver after about
             // 3.5 MB queued for it.
@@ -178,6 +184,10 @@ impl Retained {
 /// synced is failing, and reads pass through at once as before.
 pub const STARTING: Duration = Duration::from_secs(30);
 
+/// How long a cache restored from saved state keeps the proxy's readiness failing while its
+/// resumed upstream watch is not confirmed (`serve::state::cache_checks`).
+pub const WARM_CONFIRM: Duration = Duration::from_secs(5);
+
 /// Where the side of a resource's cache that a read needs (the JSON cache, or its protobuf
 /// side) stands (`ResourceCache::side`); ordered from best to worst, so the state of two
 /// sides together is the larger.
@@ -206,6 +216,11 @@ struct State {
     index: Option<FieldIndex>,
     rv: u64,
     history: VecDeque<Arc<Event>>,
+    /// How many of the history's oldest events are past `history_frames_kept` and hold no encoded
+    /// frames of their own any more (see [`ResourceCache::record_locked`]).
+    unframed: usize,
+    /// When retained snapshots past their retention were last let go.
+    snapshots_pruned: Instant,
     /// History holds every event with rv > oldest_rv.
     oldest_rv: u64,
     /// Bytes of the bodies of `objects` (the JSON as received).
@@ -436,6 +451,8 @@ impl ResourceCache {
                 index,
                 rv: 0,
                 history: VecDeque::new(),
+                unframed: 0,
+                snapshots_pruned: Instant::now(),
                 oldest_rv: 0,
                 bytes: 0,
                 relist_rv: None,
@@ -529,6 +546,18 @@ impl ResourceCache {
 
     pub fn is_ready(&self) -> bool {
         self.readiness() == Readiness::Ready
+    }
+
+    /// Whether the cache was restored from saved state (a warm start) and its resumed
+    /// upstream watch has not been confirmed yet, less than `within` after its creation:
+    /// it holds the state of the proxy's last save, not yet the apiserver's latest.
+    pub fn restored_unconfirmed(&self, within: Duration) -> bool {
+        self.restored_from
+            .load(std::sync::atomic::Ordering::Relaxed)
+            != 0
+            && self.readiness() == Readiness::Ready
+            && !*self.confirmed_tx.borrow()
+            && self.created.elapsed() < within
     }
 
     /// Whether the cache is in its first sync and young enough to be about to finish it
@@ -1005,6 +1034,7 @@ impl ResourceCache {
         s.oldest_rv = oldest_rv;
         s.relist_rv = relist_rv;
         s.history = history;
+        s.unframed = 0;
         {
             let mut w = self.absorbed.lock();
             w.clear();
@@ -1056,187 +1086,6 @@ impl ResourceCache {
         self.cfg.absorb_relists
     }
 
-    /// Whether a watch from `rv` could be resumed after extending the history back to it:
-    /// older than the history, and no absorbed relist in the way (inside one, the history
-    /// is a difference that real events cannot be joined to).
-    pub fn backfillable(&self, rv: u64) -> bool {
-        let oldest = self.read().oldest_rv;
-        rv > 0
-            && rv < oldest
-            && !self
-                .absorbed
-                .lock()
-                .iter()
-                .any(|(a, b)| (rv > *a && rv < *b) || (oldest > *a && oldest < *b))
-    }
-
-    /// Extends the history back to `from` with real events the apiserver still had
-    /// (`cache::reflector::backfill`): `base` is the state at exactly `from` (an Exact list),
-    /// `events` every change of the resource after `from` up to the history's start, in
-    /// order (a watch from `from`). Replayed over `base` they must arrive at the state the
-    /// history starts from (the current state with the history undone), object by object
-    /// and resourceVersion by resourceVersion; otherwise nothing changes. The events get
-    /// their previous states from the replay, as if they had been received live, so every
-    /// watcher (selectors, transitions, change filters) and every later resume in the
-    /// stretch is served exactly. Refused when the history would exceed its bound.
-    pub fn extend_history(
-        &self,
-        from: u64,
-        base: Vec<CachedObject>,
-        events: Vec<(EventKind, CachedObject)>,
-    ) -> Result<usize, BackfillRefused> {
-        let Some(join) = self.join_point(from, events.len())? else {
-            return Ok(0);
-        };
-        let mut objects = base_objects(from, base)?;
-        let mut history = Vec::with_capacity(events.len());
-        let mut last = from;
-        for (kind, object) in events {
-            let rv = object.meta.resource_version;
-            if rv <= last || rv > join.oldest {
-                return Err(BackfillRefused(
-                    "events out of order or past the history's start",
-                ));
-            }
-            last = rv;
-            let object = Arc::new(object);
-            let key = object.key();
-            let prev = match kind {
-                EventKind::Deleted => objects.remove(&key),
-                _ => objects.insert(key, object.clone()),
-            };
-            // A real history only: kube-apiserver's watch cache answers a resourceVersion
-            // older than its window, while it has evicted nothing, with its current state
-            // as ADDED events, which this refuses.
-            if (kind != EventKind::Added) == prev.is_none() {
-                return Err(BackfillRefused(
-                    "a change to an object the list did not hold, or an ADDED for one it did",
-                ));
-            }
-            let mut ev = Event::new(kind, object, prev);
-            ev.at = join.at;
-            history.push(Arc::new(ev));
-        }
-        let same = objects.len() == join.target.len()
-            && objects
-                .iter()
-                .zip(join.target.iter())
-                .all(|((ka, a), (kb, b))| {
-                    ka == kb && a.meta.resource_version == b.meta.resource_version
-                });
-        if !same {
-            return Err(BackfillRefused(
-                "the events do not lead to the state the history starts from",
-            ));
-        }
-        self.join_history(from, &join, history, false)
-    }
-
-    /// Extends the history back to `from` when the apiserver still has the state there
-    /// (`base`, an Exact list: etcd keeps every revision until compaction) but no longer the
-    /// changes after it (a watch from `from` is older than its watch cache's window): the
-    /// stretch becomes the difference from `base` to the state the history starts from, as
-    /// ADDED/MODIFIED/DELETED events with increasing resourceVersions (`cache::relist`),
-    /// exactly what the client's own relist would compute, and is recorded like an absorbed
-    /// relist: a resume from `from` gets the difference, one from strictly inside the stretch
-    /// gets 410 (its position among the difference's events is unknown).
-    pub fn extend_history_with_difference(
-        &self,
-        from: u64,
-        base: Vec<CachedObject>,
-    ) -> Result<usize, BackfillRefused> {
-        let Some(join) = self.join_point(from, 0)? else {
-            return Ok(0);
-        };
-        let objects = base_objects(from, base)?;
-        let Some(changes) = super::relist::difference(&objects, from, &join.target, join.oldest)
-        else {
-            return Err(BackfillRefused(
-                "no history leads from the listed state to the history's start",
-            ));
-        };
-        if join.len + changes.len() > self.cfg.history_max_events {
-            return Err(BackfillRefused("the history would exceed historyMaxEvents"));
-        }
-        let history = changes
-            .into_iter()
-            .map(|(kind, object, prev)| {
-                let mut ev = Event::new(kind, object, prev);
-                ev.at = join.at;
-                Arc::new(ev)
-            })
-            .collect();
-        self.join_history(from, &join, history, true)
-    }
-
-    /// Where a backfill joins the history: `None` when the history already reaches `from`.
-    fn join_point(&self, from: u64, events: usize) -> Result<Option<JoinPoint>, BackfillRefused> {
-        let (mut objects, undo, oldest, len, front_at) = {
-            let s = self.read();
-            if !self.is_ready() {
-                return Err(BackfillRefused("the cache is not synced"));
-            }
-            let undo: Vec<Arc<Event>> = s.history.iter().cloned().collect();
-            (
-                s.objects.clone(),
-                undo,
-                s.oldest_rv,
-                s.history.len(),
-                s.history.front().map(|e| e.at),
-            )
-        };
-        if from >= oldest {
-            return Ok(None);
-        }
-        if !self.backfillable(from) {
-            return Err(BackfillRefused("an absorbed relist lies in the way"));
-        }
-        if len + events > self.cfg.history_max_events {
-            return Err(BackfillRefused("the history would exceed historyMaxEvents"));
-        }
-        // The state the history starts from, at `oldest`.
-        rewind(&mut objects, None, &undo);
-        Ok(Some(JoinPoint {
-            target: objects,
-            oldest,
-            len,
-            at: front_at.unwrap_or_else(Instant::now),
-        }))
-    }
-
-    /// Puts `history` (the stretch `(from, join.oldest]`) in front of the history, unless the
-    /// history moved since `join` was read; `absorbed`: the stretch is a difference.
-    fn join_history(
-        &self,
-        from: u64,
-        join: &JoinPoint,
-        history: Vec<Arc<Event>>,
-        absorbed: bool,
-    ) -> Result<usize, BackfillRefused> {
-        let n = history.len();
-        let mut s = self.write();
-        // Trimmed, relisted or extended meanwhile: the join point is gone.
-        if s.oldest_rv != join.oldest || s.history.len() < join.len {
-            return Err(BackfillRefused("the history moved meanwhile"));
-        }
-        if s.history.len() + n > self.cfg.history_max_events {
-            return Err(BackfillRefused("the history would exceed historyMaxEvents"));
-        }
-        if absorbed {
-            let mut w = self.absorbed.lock();
-            if w.len() == ABSORBED_KEPT {
-                w.pop_front();
-            }
-            // Oldest first, as relists are recorded.
-            w.push_front((from, join.oldest));
-        }
-        for ev in history.into_iter().rev() {
-            s.history.push_front(ev);
-        }
-        s.oldest_rv = from;
-        Ok(n)
-    }
-
     fn record_locked(&self, s: &mut State, ev: Arc<Event>) {
         s.rv = ev.rv;
         s.history.push_back(ev.clone());
@@ -1249,6 +1098,33 @@ impl ResourceCache {
             }
             s.oldest_rv = front.rv;
             s.history.pop_front();
+            s.unframed = s.unframed.saturating_sub(1);
+        }
+        // Every watcher an event was dispatched to holds that event (and the frames encoded
+        // for it) in its own queue; the history's copy only serves watches that start or
+        // resume later. Past `history_frames_kept` the history keeps the event without its
+        // frames (kilobytes per event: the object's JSON and protobuf frames, copies of its body),
+        // freed once the queues let go of theirs; a late reader encodes them again. The
+        // newest event (this one, not dispatched yet) is never looked at.
+        while s.unframed + 1 < s.history.len() {
+            let e = &s.history[s.unframed];
+            if now.duration_since(e.at) <= self.cfg.history_frames_kept {
+                break;
+            }
+            if e.has_frames() {
+                let bare = Arc::new(e.without_frames());
+                s.history[s.unframed] = bare;
+            }
+            s.unframed += 1;
+        }
+        // A snapshot past its retention pins the object states it holds until it is let
+        // go: at most once a second, without waiting (`retain` takes the locks the other way
+        // round).
+        if now.duration_since(s.snapshots_pruned) >= Duration::from_secs(1)
+            && let Some(mut r) = self.retained.try_lock()
+        {
+            s.snapshots_pruned = now;
+            r.retain(|x| x.alive(now, &self.cfg));
         }
         // Queued in the critical section so the dispatcher sees events in order.
         let _ = self.dispatch.send(Dispatch::Event(ev));
@@ -1285,34 +1161,6 @@ pub enum Attached {
     /// The JSON side passed that version without keeping it.
     Dropped,
 }
-
-/// The history's start as a backfill found it (`ResourceCache::join_point`).
-struct JoinPoint {
-    /// The state at `oldest`: the current state with the history undone.
-    target: Objects,
-    oldest: u64,
-    /// The history's length then.
-    len: usize,
-    /// The time the stretch's events are given (the history's first event's).
-    at: Instant,
-}
-
-/// A backfill's Exact list as a state; refused when an object is newer than the list.
-fn base_objects(from: u64, base: Vec<CachedObject>) -> Result<Objects, BackfillRefused> {
-    let mut objects = Objects::new();
-    for o in base {
-        if o.meta.resource_version > from {
-            return Err(BackfillRefused("a listed object newer than the list"));
-        }
-        objects.insert(o.key(), Arc::new(o));
-    }
-    Ok(objects)
-}
-
-/// Why the history was not extended back ([`ResourceCache::extend_history`]).
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-#[error("history not extended: {0}")]
-pub struct BackfillRefused(pub &'static str);
 
 /// Why a saved image was not loaded.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -1423,6 +1271,7 @@ impl ReflectorSink for ResourceCache {
             });
             s.rv = rv;
             s.history.clear();
+            s.unframed = 0;
             s.oldest_rv = rv;
             let _ = self.dispatch.send(Dispatch::Progress(rv));
         }
@@ -1463,6 +1312,7 @@ impl ReflectorSink for ResourceCache {
     }
 }
 
+mod extend;
 mod proto;
 
 #[cfg(test)]

@@ -592,3 +592,70 @@ async fn an_envelope_reaches_a_backfilled_event_of_the_current_version() {
     let (current, _) = cache.get("a", "p");
     assert_eq!(current.unwrap().proto.get().unwrap(), "side");
 }
+
+/// Past `history_frames_kept` the history holds an event without the frames encoded for its
+/// watchers (a watcher that holds the event keeps them); a later reader gets the same
+/// event and encodes the same frame again. The newest event is never stripped.
+#[tokio::test]
+async fn the_history_lets_go_of_an_events_frames_once_its_watchers_were_served() {
+    let resource = Resource::core("pods", "Pod", true);
+    let cache = |kept| {
+        let cfg = StoreConfig {
+            history_frames_kept: kept,
+            ..StoreConfig::default()
+        };
+        let c = ResourceCache::new(resource.clone(), cfg);
+        c.replace(vec![pod("a", "p", None, 10)], 10);
+        c.apply(EventKind::Modified, pod("a", "p", Some("n1"), 11));
+        c
+    };
+    let frame = |e: &Event| {
+        e.frame(
+            &resource,
+            Delivery::AsIs,
+            super::super::event::Encoding::Json,
+        )
+    };
+    for (kept, stripped) in [(Duration::ZERO, true), (Duration::from_secs(3600), false)] {
+        let c = cache(kept);
+        let (events, _) = c.changes_since(10).unwrap();
+        let served = events[0].clone();
+        let encoded = frame(&served);
+        assert!(served.has_frames());
+        // The newest event is never looked at: still the same, frames and all.
+        std::thread::sleep(Duration::from_millis(2));
+        let (again, _) = c.changes_since(10).unwrap();
+        assert!(Arc::ptr_eq(&again[0], &served));
+        // The next change makes it an older event.
+        c.apply(EventKind::Modified, pod("a", "p", Some("n2"), 12));
+        let (later, _) = c.changes_since(10).unwrap();
+        assert_eq!(later.len(), 2);
+        let e = &later[0];
+        assert_eq!(!Arc::ptr_eq(e, &served), stripped, "kept {kept:?}");
+        assert_eq!(e.has_frames(), !stripped);
+        assert_eq!((e.rv, e.kind, e.at), (served.rv, served.kind, served.at));
+        assert!(Arc::ptr_eq(&e.object, &served.object));
+        // The watcher's copy keeps its frame; a late reader encodes the same bytes.
+        assert!(served.has_frames());
+        assert_eq!(frame(e), encoded);
+    }
+}
+
+/// A cache restored from saved state counts as unconfirmed (the proxy's readiness waits for
+/// it, bounded) until its resumed upstream watch has proved itself; a cold cache never does.
+#[tokio::test]
+async fn a_restored_cache_is_unconfirmed_until_its_resumed_watch_proves_itself() {
+    let r = Resource::core("pods", "Pod", true);
+    let hour = Duration::from_secs(3600);
+    let a = ResourceCache::new(r.clone(), StoreConfig::default());
+    a.replace(vec![pod("a", "p", None, 10)], 12);
+    assert!(!a.restored_unconfirmed(hour), "a cold cache");
+    let b = ResourceCache::new(r, StoreConfig::default());
+    b.restore(a.image().unwrap()).unwrap();
+    assert!(b.restored_unconfirmed(hour));
+    assert!(!b.restored_unconfirmed(Duration::ZERO), "past the bound");
+    b.set_unhealthy(Some("watch broken".into()));
+    assert!(b.restored_unconfirmed(hour));
+    b.set_unhealthy(None);
+    assert!(!b.restored_unconfirmed(hour));
+}

@@ -5,7 +5,6 @@
 //! - `strict` consistency: a write made directly on the apiserver, then a resourceVersion-unset
 //!   list through the proxy, always contains it (1,000 times).
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use crate::support::eventually::eventually;
@@ -26,18 +25,7 @@ async fn kube_config(yaml: &str) -> kube::Config {
 }
 
 fn kubectl(cp: &ControlPlane, kubeconfig: &std::path::Path, args: &[&str]) -> String {
-    let o = Command::new(cp.kubectl())
-        .arg("--kubeconfig")
-        .arg(kubeconfig)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "kubectl {args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
+    crate::support::e2e::kubectl_ok(&cp.kubectl(), kubeconfig, args)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,7 +11,6 @@
 //! same `get`, `get -A`, `get -o wide`, `get --chunk-size=2` and custom resources' columns
 //! through the proxy as direct, from the cache.
 
-use std::process::Command;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
@@ -173,18 +172,7 @@ fn duration_like(c: &str) -> bool {
 }
 
 fn kubectl(cp: &ControlPlane, kubeconfig: &std::path::Path, args: &[&str]) -> String {
-    let o = Command::new(cp.kubectl())
-        .arg("--kubeconfig")
-        .arg(kubeconfig)
-        .args(args)
-        .output()
-        .unwrap();
-    assert!(
-        o.status.success(),
-        "kubectl {args:?}: {}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    String::from_utf8_lossy(&o.stdout).into_owned()
+    crate::support::e2e::kubectl_ok(&cp.kubectl(), kubeconfig, args)
 }
 
 /// kubectl's table output split into cells, the AGE column and every duration (a pod's

@@ -1,13 +1,38 @@
 //! Helpers for the end-to-end tier (a real kube-apiserver).
 
+/// Runs `kubectl --kubeconfig KUBECONFIG ARGS`, asserts it succeeded, and returns its output.
+pub fn kubectl_ok(
+    kubectl: &std::path::Path,
+    kubeconfig: &std::path::Path,
+    args: &[&str],
+) -> String {
+    let o = std::process::Command::new(kubectl)
+        .arg("--kubeconfig")
+        .arg(kubeconfig)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "kubectl {args:?}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+/// The apiserver's `/metrics` text.
+async fn apiserver_metrics(admin: &kube::Client) -> String {
+    admin
+        .request_text(http::Request::get("/metrics").body(Vec::new()).unwrap())
+        .await
+        .unwrap()
+}
+
 /// The apiserver's own count of open WATCH requests for `resource`, from its `/metrics`:
 /// (all scopes, cluster scope). The apiserver keeps a couple of internal namespace-scoped
 /// watches of its own (configmaps in kube-system, for instance).
 pub async fn apiserver_watches(admin: &kube::Client, resource: &str) -> (u64, u64) {
-    let text = admin
-        .request_text(http::Request::get("/metrics").body(Vec::new()).unwrap())
-        .await
-        .unwrap();
+    let text = apiserver_metrics(admin).await;
     text.lines()
         .filter(|l| {
             l.starts_with("apiserver_longrunning_requests{")
@@ -27,10 +52,7 @@ pub async fn apiserver_watches(admin: &kube::Client, resource: &str) -> (u64, u6
 
 /// `apiserver_request_total` for LISTs of `resource`, summed over codes and scopes.
 pub async fn apiserver_lists(admin: &kube::Client, resource: &str) -> u64 {
-    let text = admin
-        .request_text(http::Request::get("/metrics").body(Vec::new()).unwrap())
-        .await
-        .unwrap();
+    let text = apiserver_metrics(admin).await;
     text.lines()
         .filter(|l| {
             l.starts_with("apiserver_request_total{")

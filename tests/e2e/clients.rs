@@ -189,13 +189,7 @@ impl InformerCheck {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let (tx, lines) = std::sync::mpsc::channel::<String>();
-        let stdout = child.stdout.take().unwrap();
-        std::thread::spawn(move || {
-            for l in BufReader::new(stdout).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
+        let lines = support::e2e::line_receiver(child.stdout.take().unwrap());
         let stderr = child.stderr.take().unwrap();
         let stderr = std::thread::spawn(move || {
             BufReader::new(stderr)
@@ -1478,20 +1472,7 @@ async fn kubectl_get_prints_the_same_tables_through_the_proxy() {
     pods.create(&PostParams::default(), &pod("zz-end", 1))
         .await
         .unwrap();
-    for ((_, rx), lines) in watches.iter().zip(&mut lines) {
-        loop {
-            let l = rx.recv_timeout(BOUND).expect("watch rows up to zz-end");
-            let end = l.starts_with("zz-end ");
-            lines.push(l);
-            if end {
-                break;
-            }
-        }
-    }
-    for (mut w, _) in watches {
-        let _ = w.kill();
-        let _ = w.wait();
-    }
+    support::e2e::kubectl_watches_until(watches.into(), &mut lines, "zz-end", BOUND);
     // Rows are flushed one by one, so split on whitespace; AGE by the header's position.
     let normalise = |lines: &[String]| -> Vec<Vec<String>> {
         let age = lines[0].split_whitespace().position(|h| h == "AGE");

@@ -577,20 +577,7 @@ async fn tables_from_the_cache_equal_the_apiservers_and_kubectl_prints_the_same(
         Some(pod("zz-end")),
     )
     .await;
-    for ((_, rx), lines) in watches.iter().zip(&mut lines) {
-        loop {
-            let l = rx.recv_timeout(BOUND).expect("watch rows up to zz-end");
-            let end = l.starts_with("zz-end ");
-            lines.push(l);
-            if end {
-                break;
-            }
-        }
-    }
-    for (mut w, _) in watches {
-        let _ = w.kill();
-        let _ = w.wait();
-    }
+    crate::support::e2e::kubectl_watches_until(watches.into(), &mut lines, "zz-end", BOUND);
     assert_eq!(
         cells(&lines[0].join("\n")),
         cells(&lines[1].join("\n")),

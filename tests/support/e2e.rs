@@ -69,7 +69,6 @@ pub fn kubectl_watch_pods(
     kubeconfig: &std::path::Path,
     ns: &str,
 ) -> (std::process::Child, std::sync::mpsc::Receiver<String>) {
-    use std::io::{BufRead as _, BufReader};
     use std::process::{Command, Stdio};
     let mut w = Command::new(kubectl)
         .arg("--kubeconfig")
@@ -79,12 +78,46 @@ pub fn kubectl_watch_pods(
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    let rx = line_receiver(w.stdout.take().unwrap());
+    (w, rx)
+}
+
+/// The lines of `out` (a child's output), read on a thread of their own.
+pub fn line_receiver(
+    out: impl std::io::Read + Send + 'static,
+) -> std::sync::mpsc::Receiver<String> {
+    use std::io::{BufRead as _, BufReader};
     let (tx, rx) = std::sync::mpsc::channel::<String>();
-    let out = w.stdout.take().unwrap();
     std::thread::spawn(move || {
         for l in BufReader::new(out).lines().map_while(Result::ok) {
             let _ = tx.send(l);
         }
     });
-    (w, rx)
+    rx
+}
+
+/// Reads each `kubectl get -w` of [`kubectl_watch_pods`] into its `lines` up to and including
+/// the row of pod `last` (each within `bound`), then ends the watches.
+pub fn kubectl_watches_until(
+    watches: Vec<(std::process::Child, std::sync::mpsc::Receiver<String>)>,
+    lines: &mut [Vec<String>],
+    last: &str,
+    bound: std::time::Duration,
+) {
+    for ((_, rx), lines) in watches.iter().zip(lines.iter_mut()) {
+        loop {
+            let l = rx
+                .recv_timeout(bound)
+                .unwrap_or_else(|e| panic!("watch rows up to {last}: {e}"));
+            let end = l.starts_with(&format!("{last} "));
+            lines.push(l);
+            if end {
+                break;
+            }
+        }
+    }
+    for (mut w, _) in watches {
+        let _ = w.kill();
+        let _ = w.wait();
+    }
 }

@@ -651,6 +651,10 @@ struct State {
     rows: HashMap<ObjectKey, Versions>,
     /// The side's initial state has come whole, under the current columns.
     synced: bool,
+    /// The row the apiserver prints for a bookmark (its empty object) under the current
+    /// columns, as the side's last bookmark showed it: cache-served Table watches write
+    /// their bookmarks with it.
+    bookmark: Option<Arc<Row>>,
     bytes: usize,
     count: usize,
 }
@@ -896,6 +900,7 @@ impl TableStore {
             self.stats.column_changes.fetch_add(1, Relaxed);
             s.rows.clear();
             s.synced = false;
+            s.bookmark = None;
             let freed = std::mem::take(&mut s.bytes);
             s.count = 0;
             drop(s);
@@ -952,6 +957,51 @@ impl TableStore {
             self.shed_rows();
         }
         self.changed.notify_waiters();
+    }
+
+    /// A bookmark's row, as the upstream Table watch printed it: the row of the resource's
+    /// empty object (no name, no creation timestamp: its age prints `<unknown>`), the same
+    /// for every bookmark under one set of columns.
+    pub fn set_bookmark_row(&self, mut row: Row) {
+        if self.shed.is_cancelled() {
+            return;
+        }
+        let mut s = self.state.write();
+        let Some(cols) = s.columns.clone() else {
+            return;
+        };
+        row.generation = cols.generation;
+        row.restarts = None;
+        row.created = None;
+        if s.bookmark.as_ref().is_some_and(|b| {
+            b.generation == row.generation && b.cells == row.cells && b.conditions == row.conditions
+        }) {
+            return;
+        }
+        s.bookmark = Some(Arc::new(row));
+        drop(s);
+        self.changed.notify_waiters();
+    }
+
+    /// The row a bookmark shows under the columns of `generation`, once a bookmark came.
+    pub fn bookmark_row(&self, generation: u64) -> Option<Arc<Row>> {
+        let s = self.state.read();
+        s.bookmark
+            .clone()
+            .filter(|b| b.generation == generation && !b.clock_bound)
+    }
+
+    /// Whether a cache-served Table watch can write bookmarks now: the side is synced under
+    /// servable columns and a bookmark's row came.
+    pub fn bookmarks_servable(&self) -> bool {
+        let s = self.state.read();
+        s.synced
+            && s.columns.as_ref().is_some_and(|c| {
+                c.unservable.is_none()
+                    && s.bookmark
+                        .as_ref()
+                        .is_some_and(|b| b.generation == c.generation && !b.clock_bound)
+            })
     }
 
     /// The initial state has come whole: reads are served.
@@ -1013,6 +1063,7 @@ impl TableStore {
         let mut s = self.state.write();
         s.rows.clear();
         s.synced = false;
+        s.bookmark = None;
         s.bytes = 0;
         s.count = 0;
         drop(s);

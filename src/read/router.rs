@@ -544,8 +544,13 @@ pub fn route(
             let Some(params) = WatchParams::parse(query) else {
                 return delegate("watch parameters");
             };
-            // A Table bookmark is a row of an empty object, which the cache does not keep.
-            if table.is_some() && (params.allow_bookmarks || params.send_initial_events.is_some()) {
+            // A Table bookmark is the row of an empty object: the table side keeps the one
+            // its own bookmarks showed (`TableStore::bookmark_row`); until one came, the
+            // apiserver writes them.
+            if table.is_some()
+                && (params.allow_bookmarks || params.send_initial_events.is_some())
+                && !cache.table.bookmarks_servable()
+            {
                 return delegate("table watch with bookmarks");
             }
             let (enc, protobuf) = match &table {

@@ -159,6 +159,18 @@ struct EventMeta<'a> {
     namespace: std::borrow::Cow<'a, str>,
     #[serde(borrow, default, rename = "resourceVersion")]
     resource_version: std::borrow::Cow<'a, str>,
+    #[serde(borrow, default)]
+    annotations: Option<std::collections::HashMap<std::borrow::Cow<'a, str>, std::borrow::Cow<'a, str>>>,
+}
+
+impl EventMeta<'_> {
+    /// A WatchList's last bookmark (`k8s.io/initial-events-end: "true"`).
+    fn initial_events_end(&self) -> bool {
+        self.annotations
+            .as_ref()
+            .and_then(|a| a.get("k8s.io/initial-events-end"))
+            .is_some_and(|v| v == "true")
+    }
 }
 
 /// What a Table watch has written so far.
@@ -205,12 +217,29 @@ impl TableWatch {
         let m: EventObject<'_> = serde_json::from_str(l.object.get()).ok()?;
         let rv: u64 = m.metadata.resource_version.parse().ok()?;
         let key = crate::cache::ObjectKey::new(&m.metadata.namespace, &m.metadata.name);
+        let t = &self.cache.table;
         let deleted = match &*l.ty {
             "ADDED" | "MODIFIED" => false,
             "DELETED" => true,
+            // The apiserver prints a bookmark's object (empty but for its resourceVersion
+            // and annotations) like any other: the row the table side's own bookmarks
+            // showed, its object as `includeObject` asks.
+            // `includeObject=None` keeps the initial-events-end bookmark's metadata (its
+            // annotation is what the client waits for: `handlers.asTable`).
+            "BOOKMARK" => {
+                let cols = t.columns().filter(|c| c.unservable.is_none())?;
+                let row = t.bookmark_row(cols.generation)?;
+                let object = l.object.get().as_bytes();
+                let form = self.form;
+                if form.io == IncludeObject::None && m.metadata.initial_events_end() {
+                    self.form.io = IncludeObject::Metadata;
+                }
+                let b = self.write(&l.ty, rv, object, &cols, &row, (now_ms(), None));
+                self.form = form;
+                return Some(b);
+            }
             _ => return None,
         };
-        let t = &self.cache.table;
         let find = || {
             let cols = t.columns().filter(|c| c.unservable.is_none())?;
             let row = if deleted {
@@ -234,15 +263,31 @@ impl TableWatch {
                 find()?
             }
         };
+        let object = l.object.get().as_bytes();
+        let now = now_ms();
+        let restarts = row.restarts_now(object, now).ok()?;
+        Some(self.write(&l.ty, rv, object, &cols, &row, (now, restarts.as_deref())))
+    }
+
+    /// One event line: a Table of one row, `columnDefinitions` on the watch's first event;
+    /// `cells` is the moment its ages print at and its restarts cell re-rendered, if any.
+    fn write(
+        &mut self,
+        ty: &str,
+        rv: u64,
+        object: &[u8],
+        cols: &Columns,
+        row: &Row,
+        (now, restarts): (i64, Option<&str>),
+    ) -> Bytes {
         let columns = if std::mem::take(&mut self.first) {
             &*cols.raw
         } else {
             "null"
         };
-        let object = l.object.get().as_bytes();
         let mut b = BytesMut::with_capacity(256 + object.len() + columns.len());
         b.put_slice(b"{\"type\":\"");
-        b.put_slice(l.ty.as_bytes());
+        b.put_slice(ty.as_bytes());
         b.put_slice(b"\",\"object\":");
         put_head(
             &mut b,
@@ -252,13 +297,11 @@ impl TableWatch {
         );
         b.put_u8(b'[');
         let form = self.form;
-        let now = now_ms();
-        let restarts = row.restarts_now(object, now).ok()?;
-        row.put(&mut b, &cols, now, restarts.as_deref(), |b| {
+        row.put(&mut b, cols, now, restarts, |b| {
             put_row_object(b, object, form, |b| b.put_slice(object))
         });
         b.put_slice(b"]}}\n");
-        Some(b.freeze())
+        b.freeze()
     }
 }
 
@@ -497,6 +540,66 @@ mod tests {
                 .await
                 .is_none()
         );
+    }
+
+    #[tokio::test]
+    async fn a_table_watch_writes_bookmarks_with_the_row_the_sides_bookmarks_showed() {
+        let c = cache();
+        c.table.set_columns(&columns()).unwrap();
+        let bookmark = |annotations: &str| {
+            format!(
+                r#"{{"type":"BOOKMARK","object":{{"kind":"ConfigMap","apiVersion":"v1","metadata":{{"resourceVersion":"12"{annotations}}}}}}}"#
+            )
+        };
+        let end = r#","annotations":{"k8s.io/initial-events-end":"true"}"#;
+        let mut w = TableWatch::new(c.clone(), NONE);
+        // No bookmark came upstream yet: no row to show, the stream ends (and the router
+        // sends such watches to the apiserver meanwhile).
+        assert!(!c.table.bookmarks_servable());
+        assert!(w.event(bookmark("").as_bytes()).await.is_none());
+        // The side's bookmark: the empty object's row, an age of `<unknown>`.
+        let upstream = r#"{"kind":"Table","apiVersion":"meta.k8s.io/v1","metadata":{"resourceVersion":"11"},"columnDefinitions":null,"rows":[{"cells":["",0,"\u003cunknown\u003e"],"object":{"kind":"PartialObjectMetadata","apiVersion":"meta.k8s.io/v1","metadata":{"resourceVersion":"11","annotations":{"k8s.io/initial-events-end":"true"}}}}]}"#;
+        let ev = parse_table_event(upstream).unwrap();
+        for r in ev.rows {
+            assert!(r.initial_events_end);
+            c.table.set_bookmark_row(r.row);
+        }
+        assert!(!c.table.bookmarks_servable(), "not before the side synced");
+        c.table.set_synced(true);
+        assert!(c.table.bookmarks_servable());
+        let parse = |b: Bytes| -> serde_json::Value { serde_json::from_slice(&b).unwrap() };
+        let e = parse(w.event(bookmark("").as_bytes()).await.unwrap());
+        assert_eq!(e["type"], "BOOKMARK");
+        assert_eq!(e["object"]["metadata"], serde_json::json!({"resourceVersion": "12"}));
+        assert_eq!(e["object"]["columnDefinitions"].as_array().unwrap().len(), 3);
+        let row = &e["object"]["rows"][0];
+        assert_eq!(row["cells"], serde_json::json!(["", 0, "<unknown>"]));
+        assert!(row["object"].is_null(), "includeObject=None: {row}");
+        // `None` keeps the initial-events-end bookmark's metadata, as kube-apiserver does.
+        let e = parse(w.event(bookmark(end).as_bytes()).await.unwrap());
+        assert!(e["object"]["columnDefinitions"].is_null());
+        let o = &e["object"]["rows"][0]["object"];
+        assert_eq!(o["kind"], "PartialObjectMetadata");
+        assert_eq!(o["metadata"]["resourceVersion"], "12");
+        assert_eq!(o["metadata"]["annotations"]["k8s.io/initial-events-end"], "true");
+        // And the form is back to `None` for the next bookmark.
+        let e = parse(w.event(bookmark("").as_bytes()).await.unwrap());
+        assert!(e["object"]["rows"][0]["object"].is_null());
+        // `Object`: the bookmark's object itself.
+        let mut w = TableWatch::new(
+            c.clone(),
+            TableForm {
+                io: IncludeObject::Object,
+                v1beta1: false,
+            },
+        );
+        let e = parse(w.event(bookmark(end).as_bytes()).await.unwrap());
+        assert_eq!(e["object"]["rows"][0]["object"]["kind"], "ConfigMap");
+        // Other columns: the row is dropped with the rest until a bookmark shows it again.
+        c.table
+            .set_columns(&columns().replace("\"Data\"", "\"Keys\""))
+            .unwrap();
+        assert!(!c.table.bookmarks_servable());
     }
 
     #[tokio::test(start_paused = true)]

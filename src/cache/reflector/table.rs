@@ -309,10 +309,16 @@ async fn watch(
                     "ADDED" | "MODIFIED" => store.attach(r.key, r.rv, r.row, now),
                     "BOOKMARK" => {
                         if r.initial_events_end {
-                            store.set_synced(true);
                             last_rv = r.rv;
                         } else if synced {
                             last_rv = last_rv.max(r.rv);
+                        }
+                        // Its row (the empty object's) first: a synced side can write
+                        // its watchers' bookmarks.
+                        let end = r.initial_events_end;
+                        store.set_bookmark_row(r.row);
+                        if end {
+                            store.set_synced(true);
                         }
                         continue;
                     }

@@ -160,7 +160,8 @@ struct EventMeta<'a> {
     #[serde(borrow, default, rename = "resourceVersion")]
     resource_version: std::borrow::Cow<'a, str>,
     #[serde(borrow, default)]
-    annotations: Option<std::collections::HashMap<std::borrow::Cow<'a, str>, std::borrow::Cow<'a, str>>>,
+    annotations:
+        Option<std::collections::HashMap<std::borrow::Cow<'a, str>, std::borrow::Cow<'a, str>>>,
 }
 
 impl EventMeta<'_> {
@@ -570,8 +571,14 @@ mod tests {
         let parse = |b: Bytes| -> serde_json::Value { serde_json::from_slice(&b).unwrap() };
         let e = parse(w.event(bookmark("").as_bytes()).await.unwrap());
         assert_eq!(e["type"], "BOOKMARK");
-        assert_eq!(e["object"]["metadata"], serde_json::json!({"resourceVersion": "12"}));
-        assert_eq!(e["object"]["columnDefinitions"].as_array().unwrap().len(), 3);
+        assert_eq!(
+            e["object"]["metadata"],
+            serde_json::json!({"resourceVersion": "12"})
+        );
+        assert_eq!(
+            e["object"]["columnDefinitions"].as_array().unwrap().len(),
+            3
+        );
         let row = &e["object"]["rows"][0];
         assert_eq!(row["cells"], serde_json::json!(["", 0, "<unknown>"]));
         assert!(row["object"].is_null(), "includeObject=None: {row}");
@@ -581,7 +588,10 @@ mod tests {
         let o = &e["object"]["rows"][0]["object"];
         assert_eq!(o["kind"], "PartialObjectMetadata");
         assert_eq!(o["metadata"]["resourceVersion"], "12");
-        assert_eq!(o["metadata"]["annotations"]["k8s.io/initial-events-end"], "true");
+        assert_eq!(
+            o["metadata"]["annotations"]["k8s.io/initial-events-end"],
+            "true"
+        );
         // And the form is back to `None` for the next bookmark.
         let e = parse(w.event(bookmark("").as_bytes()).await.unwrap());
         assert!(e["object"]["rows"][0]["object"].is_null());

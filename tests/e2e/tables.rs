@@ -76,13 +76,16 @@ async fn table_watch_until_initial_end(c: &kube::Client, path: &str) -> Vec<Valu
     loop {
         let line = tokio::time::timeout(BOUND, lines.next())
             .await
-            .unwrap_or_else(|_| panic!("{path}: no initial-events-end bookmark within {BOUND:?}: {events:?}"))
+            .unwrap_or_else(|_| {
+                panic!("{path}: no initial-events-end bookmark within {BOUND:?}: {events:?}")
+            })
             .unwrap_or_else(|| panic!("{path}: the watch ended before its bookmark: {events:?}"))
             .unwrap();
         if line.trim().is_empty() {
             continue;
         }
-        let e: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{path}: {e}: {line}"));
+        let e: Value =
+            serde_json::from_str(&line).unwrap_or_else(|e| panic!("{path}: {e}: {line}"));
         let end = e["type"] == "BOOKMARK"
             && e["object"]["rows"][0]["object"]["metadata"]["annotations"]["k8s.io/initial-events-end"]
                 == "true";
@@ -672,17 +675,26 @@ async fn tables_from_the_cache_equal_the_apiservers_and_kubectl_prints_the_same(
                 last["object"]["columnDefinitions"] = Value::Null;
                 added.sort_by_key(|e| e["object"]["rows"][0]["cells"][0].to_string());
             }
-            assert_eq!(p, d, "{r} Table watch with initial events {io}: proxy (left), direct");
+            assert_eq!(
+                p, d,
+                "{r} Table watch with initial events {io}: proxy (left), direct"
+            );
         }
     }
     let (served_after, passed_after) = served();
-    assert_eq!(passed_after - passed_before, 0, "Table watches passed through");
+    assert_eq!(
+        passed_after - passed_before,
+        0,
+        "Table watches passed through"
+    );
     assert_eq!(
         served_after - served_before,
         watched,
         "Table watches with bookmarks written by the cache"
     );
-    println!("tables: {watched} Table watches with initial events and bookmarks equal to direct, from the cache");
+    println!(
+        "tables: {watched} Table watches with initial events and bookmarks equal to direct, from the cache"
+    );
 
     // The CRD gets one more printer column: the proxy's widgets Tables carry it from the
     // cache once the table side fetched its rows again (columns checked against the CRD).

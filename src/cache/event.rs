@@ -252,13 +252,56 @@ pub fn with_resource_version(body: &[u8], old: u64, new: u64) -> Vec<u8> {
     }
 }
 
-/// A BOOKMARK frame at `rv` (the object is the kind's empty object with only
-/// `metadata.resourceVersion`, as the apiserver sends it).
+/// The longest JSON bookmark rest kept: the empty fields of a kind, a few dozen bytes.
+const BOOKMARK_REST_MAX: usize = 4096;
+
+/// From an upstream JSON watch line `{"type":"BOOKMARK","object":{"kind":..,"apiVersion":..,
+/// "metadata":{..}REST}}`, REST: what the apiserver writes after the bookmark object's
+/// metadata (its kind's empty fields: `,"spec":{"containers":null},"status":{}` for a Pod,
+/// nothing for a ConfigMap). `None` for anything of another shape.
+pub fn json_bookmark_rest(line: &[u8]) -> Option<Bytes> {
+    #[derive(serde::Deserialize)]
+    struct Line<'a> {
+        #[serde(borrow)]
+        object: &'a serde_json::value::RawValue,
+    }
+    let l: Line<'_> = serde_json::from_slice(line).ok()?;
+    let obj = l.object.get().as_bytes();
+    const KEY: &[u8] = b"\"metadata\":";
+    let at = obj.windows(KEY.len()).position(|w| w == KEY)? + KEY.len();
+    // Only the type meta before the metadata, as the apiserver orders them.
+    let head: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&[&obj[..at - KEY.len()], b"\"\":0}"].concat()).ok()?;
+    if head
+        .keys()
+        .any(|k| !matches!(k.as_str(), "kind" | "apiVersion" | ""))
+    {
+        return None;
+    }
+    let mut meta = serde_json::Deserializer::from_slice(&obj[at..])
+        .into_iter::<&serde_json::value::RawValue>();
+    meta.next()?.ok()?;
+    let rest = &obj[at + meta.byte_offset()..obj.len().checked_sub(1)?];
+    let well_formed = obj.ends_with(b"}")
+        && rest.len() <= BOOKMARK_REST_MAX
+        && (rest.is_empty()
+            || (rest.starts_with(b",")
+                && serde_json::from_slice::<serde_json::Value>(
+                    &[b"{\"\":0", rest, b"}"].concat(),
+                )
+                .is_ok()));
+    well_formed.then(|| Bytes::copy_from_slice(rest))
+}
+
+/// A BOOKMARK frame at `rv`: the kind's empty object with only `metadata.resourceVersion`
+/// (and the initial-events-end annotation), then `rest`, the kind's empty fields the
+/// apiserver writes after the metadata ([`json_bookmark_rest`]; JSON only).
 pub fn bookmark_frame(
     resource: &Resource,
     rv: u64,
     initial_events_end: bool,
     enc: Encoding,
+    rest: &[u8],
 ) -> Bytes {
     let (kind, api_version) = match enc {
         Encoding::Json => (resource.kind.clone(), resource.api_version()),
@@ -272,8 +315,12 @@ pub fn bookmark_frame(
     } else {
         ""
     };
+    let rest = match enc {
+        Encoding::Json => std::str::from_utf8(rest).unwrap_or(""),
+        Encoding::Metadata => "",
+    };
     Bytes::from(format!(
-        "{{\"type\":\"BOOKMARK\",\"object\":{{\"kind\":\"{kind}\",\"apiVersion\":\"{api_version}\",\"metadata\":{{\"resourceVersion\":\"{rv}\"{annotations}}}}}}}\n"
+        "{{\"type\":\"BOOKMARK\",\"object\":{{\"kind\":\"{kind}\",\"apiVersion\":\"{api_version}\",\"metadata\":{{\"resourceVersion\":\"{rv}\"{annotations}}}{rest}}}}}\n"
     ))
 }
 
@@ -364,14 +411,43 @@ mod tests {
     }
 
     #[test]
+    fn a_json_bookmarks_rest_is_what_the_apiserver_wrote_after_its_metadata() {
+        let pod = br#"{"type":"BOOKMARK","object":{"kind":"Pod","apiVersion":"v1","metadata":{"resourceVersion":"12","annotations":{"k8s.io/initial-events-end":"true"}},"spec":{"containers":null},"status":{}}}"#;
+        let rest = json_bookmark_rest(pod).unwrap();
+        assert_eq!(&rest[..], br#","spec":{"containers":null},"status":{}"#);
+        let r = Resource::core("pods", "Pod", true);
+        let v: serde_json::Value =
+            serde_json::from_slice(&bookmark_frame(&r, 13, false, Encoding::Json, &rest)).unwrap();
+        assert_eq!(
+            v["object"],
+            serde_json::json!({"kind": "Pod", "apiVersion": "v1", "metadata": {"resourceVersion": "13"}, "spec": {"containers": null}, "status": {}})
+        );
+        // Metadata-only watchers' bookmarks are PartialObjectMetadata: no rest.
+        let v: serde_json::Value =
+            serde_json::from_slice(&bookmark_frame(&r, 13, false, Encoding::Metadata, &rest))
+                .unwrap();
+        assert!(v["object"].get("spec").is_none());
+        let cm = br#"{"type":"BOOKMARK","object":{"kind":"ConfigMap","apiVersion":"v1","metadata":{"resourceVersion":"9"}}}"#;
+        assert_eq!(json_bookmark_rest(cm).as_deref(), Some(&b""[..]));
+        for bad in [
+            &br#"{"type":"BOOKMARK","object":{"kind":"Pod","extra":1,"metadata":{"resourceVersion":"9"}}}"#[..],
+            br#"{"type":"BOOKMARK","object":{"kind":"Pod"}}"#,
+            br#"{"type":"BOOKMARK","object":[1]}"#,
+            b"{}",
+        ] {
+            assert_eq!(json_bookmark_rest(bad), None, "{}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
     fn bookmarks_match_the_apiservers_shape() {
         let r = Resource::core("configmaps", "ConfigMap", true);
         assert_eq!(
-            &bookmark_frame(&r, 222, true, Encoding::Json)[..],
+            &bookmark_frame(&r, 222, true, Encoding::Json, b"")[..],
             &b"{\"type\":\"BOOKMARK\",\"object\":{\"kind\":\"ConfigMap\",\"apiVersion\":\"v1\",\"metadata\":{\"resourceVersion\":\"222\",\"annotations\":{\"k8s.io/initial-events-end\":\"true\"}}}}\n"[..]
         );
         let v: serde_json::Value =
-            serde_json::from_slice(&bookmark_frame(&r, 7, false, Encoding::Json)).unwrap();
+            serde_json::from_slice(&bookmark_frame(&r, 7, false, Encoding::Json, b"")).unwrap();
         assert_eq!(
             v["object"]["metadata"],
             serde_json::json!({"resourceVersion": "7"})

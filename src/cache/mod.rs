@@ -49,6 +49,10 @@ pub trait ReflectorSink: Send + Sync + 'static {
     fn apply(&self, kind: EventKind, object: CachedObject);
     /// Progress confirmed by the apiserver up to `rv` (a BOOKMARK, or the RV of a list).
     fn bookmark(&self, rv: u64);
+    /// A JSON BOOKMARK object's bytes after its metadata, as the apiserver wrote them
+    /// ([`event::json_bookmark_rest`]: the kind's empty fields, such as a Pod's
+    /// `,"spec":{"containers":null},"status":{}`), for the bookmarks the cache writes.
+    fn json_bookmark(&self, _rest: bytes::Bytes) {}
     /// The upstream watch is down or unconfirmed: `Some(reason)`; healthy again: `None`.
     /// Used for readiness and consistent-read gating.
     fn set_unhealthy(&self, reason: Option<String>);

@@ -547,9 +547,12 @@ pub fn route(
             // A Table bookmark is the row of an empty object: the table side keeps the one
             // its own bookmarks showed (`TableStore::bookmark_row`); until one came, the
             // apiserver writes them.
-            if table.is_some()
+            // With `includeObject=Object` a bookmark's row carries the empty object as the
+            // apiserver writes it: its fields after the metadata must be known too.
+            if let Some((form, _)) = &table
                 && (params.allow_bookmarks || params.send_initial_events.is_some())
-                && !cache.table.bookmarks_servable()
+                && (!cache.table.bookmarks_servable()
+                    || (form.io == IncludeObject::Object && cache.json_bookmark_rest().is_none()))
             {
                 return delegate("table watch with bookmarks");
             }

@@ -235,7 +235,7 @@ impl TableWatch {
                 if form.io == IncludeObject::None && m.metadata.initial_events_end() {
                     self.form.io = IncludeObject::Metadata;
                 }
-                let b = self.write(&l.ty, rv, object, &cols, &row, (now_ms(), None));
+                let b = self.write(&l.ty, rv, object, &cols, &row, None);
                 self.form = form;
                 return Some(b);
             }
@@ -267,11 +267,19 @@ impl TableWatch {
         let object = l.object.get().as_bytes();
         let now = now_ms();
         let restarts = row.restarts_now(object, now).ok()?;
-        Some(self.write(&l.ty, rv, object, &cols, &row, (now, restarts.as_deref())))
+        Some(self.write(
+            &l.ty,
+            rv,
+            object,
+            &cols,
+            &row,
+            Some((now, restarts.as_deref())),
+        ))
     }
 
     /// One event line: a Table of one row, `columnDefinitions` on the watch's first event;
-    /// `cells` is the moment its ages print at and its restarts cell re-rendered, if any.
+    /// `clock` is the moment its ages print at and its restarts cell re-rendered, if any
+    /// (`None`: a bookmark's row, its cells as received).
     fn write(
         &mut self,
         ty: &str,
@@ -279,7 +287,7 @@ impl TableWatch {
         object: &[u8],
         cols: &Columns,
         row: &Row,
-        (now, restarts): (i64, Option<&str>),
+        clock: Option<(i64, Option<&str>)>,
     ) -> Bytes {
         let columns = if std::mem::take(&mut self.first) {
             &*cols.raw
@@ -298,9 +306,11 @@ impl TableWatch {
         );
         b.put_u8(b'[');
         let form = self.form;
-        row.put(&mut b, cols, now, restarts, |b| {
-            put_row_object(b, object, form, |b| b.put_slice(object))
-        });
+        let object = |b: &mut BytesMut| put_row_object(b, object, form, |b| b.put_slice(object));
+        match clock {
+            Some((now, restarts)) => row.put(&mut b, cols, now, restarts, object),
+            None => row.put_as_received(&mut b, object),
+        }
         b.put_slice(b"]}}\n");
         b.freeze()
     }

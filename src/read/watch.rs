@@ -538,7 +538,16 @@ impl WatchState {
     fn bookmark_frame(&self, rv: u64, initial_events_end: bool) -> Bytes {
         match &self.proto {
             Some(p) => p.bookmark(rv, initial_events_end),
-            None => bookmark_frame(&self.cache.resource, rv, initial_events_end, self.enc),
+            None => {
+                let rest = self.cache.json_bookmark_rest().unwrap_or_default();
+                bookmark_frame(
+                    &self.cache.resource,
+                    rv,
+                    initial_events_end,
+                    self.enc,
+                    &rest,
+                )
+            }
         }
     }
 

@@ -403,6 +403,9 @@ impl Reflector {
                         self.stats.last_rv.store(rv, Ordering::Relaxed);
                     }
                     Ok(WatchItem::Bookmark(rv)) => {
+                        if let Some(rest) = crate::cache::event::json_bookmark_rest(&line) {
+                            self.sink.json_bookmark(rest);
+                        }
                         self.sink.bookmark(rv);
                         out.last_rv = rv;
                         out.delivered += 1;

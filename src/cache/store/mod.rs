@@ -280,6 +280,10 @@ pub struct ResourceCache {
     /// A protobuf BOOKMARK object's bytes after its resourceVersion, learnt from the
     /// apiserver's own (`protobuf_write::bookmark_rest`): the kind's empty fields.
     pub proto_bookmark: Mutex<Option<(String, Bytes)>>,
+    /// The same for JSON: the bytes after a BOOKMARK object's metadata, learnt from the
+    /// upstream watch's bookmarks (`event::json_bookmark_rest`); until one came, the cache's
+    /// JSON bookmarks end at their metadata.
+    json_bookmark: Mutex<Option<Bytes>>,
     proto_wanted_tx: watch::Sender<bool>,
     /// When the first protobuf reader came (`want_protobuf`); unset: none has.
     proto_wanted_at: std::sync::OnceLock<Instant>,
@@ -480,6 +484,7 @@ impl ResourceCache {
             proto_pending_len: Default::default(),
             proto_synced: Default::default(),
             proto_bookmark: Default::default(),
+            json_bookmark: Default::default(),
             proto_wanted_tx: watch::channel(false).0,
             proto_wanted_at: Default::default(),
             proto_resume: Default::default(),
@@ -697,6 +702,12 @@ impl ResourceCache {
 
     fn write(&self) -> RwLockWriteGuard<'_, State> {
         self.state.write()
+    }
+
+    /// The bytes after a JSON BOOKMARK object's metadata, once the apiserver's bookmarks
+    /// showed them (`ReflectorSink::json_bookmark`).
+    pub fn json_bookmark_rest(&self) -> Option<Bytes> {
+        self.json_bookmark.lock().clone()
     }
 
     /// The current state: an O(1) consistent snapshot.
@@ -1285,6 +1296,13 @@ impl ReflectorSink for ResourceCache {
         let rv = object.meta.resource_version;
         if self.apply_locked(&mut self.write(), kind, object) {
             self.rv_tx.send_replace(rv);
+        }
+    }
+
+    fn json_bookmark(&self, rest: Bytes) {
+        let mut b = self.json_bookmark.lock();
+        if b.as_ref() != Some(&rest) {
+            *b = Some(rest);
         }
     }
 

@@ -376,12 +376,30 @@ impl Row {
         restarts: Option<&str>,
         object: impl FnOnce(&mut BytesMut),
     ) {
+        self.put_cells(b, Some((&cols.age, now_ms)), restarts, object);
+    }
+
+    /// The row with its cells as received: a bookmark's (its empty object has no age; a
+    /// custom resource's date column of it is `null`, a built-in's `<unknown>`).
+    pub fn put_as_received(&self, b: &mut BytesMut, object: impl FnOnce(&mut BytesMut)) {
+        self.put_cells(b, None, None, object);
+    }
+
+    fn put_cells(
+        &self,
+        b: &mut BytesMut,
+        ages: Option<(&[usize], i64)>,
+        restarts: Option<&str>,
+        object: impl FnOnce(&mut BytesMut),
+    ) {
         b.put_slice(b"{\"cells\":[");
         for (i, c) in self.cells.iter().enumerate() {
             if i > 0 {
                 b.put_u8(b',');
             }
-            if cols.age.contains(&i) {
+            if let Some((age, now_ms)) = ages
+                && age.contains(&i)
+            {
                 put_age_cell(b, self.created, now_ms);
             } else if let (Some(r), Some(cell)) = (&self.restarts, restarts)
                 && r.index == i
@@ -846,8 +864,8 @@ impl TableStore {
     }
 
     /// A bookmark's row, as the upstream Table watch printed it: the row of the resource's
-    /// empty object (no name, no creation timestamp: its age prints `<unknown>`), the same
-    /// for every bookmark under one set of columns.
+    /// empty object (no name; a built-in's age `<unknown>`, a custom resource's date `null`),
+    /// the same for every bookmark under one set of columns, served as received.
     pub fn set_bookmark_row(&self, mut row: Row) {
         if self.shed.is_cancelled() {
             return;
@@ -857,8 +875,6 @@ impl TableStore {
             return;
         };
         row.generation = cols.generation;
-        row.restarts = None;
-        row.created = None;
         if s.bookmark.as_ref().is_some_and(|b| {
             b.generation == row.generation && b.cells == row.cells && b.conditions == row.conditions
         }) {

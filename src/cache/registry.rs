@@ -294,6 +294,7 @@ impl Caches {
         // resource (`cache.protobufSide: eager`) or when the first protobuf reader of this
         // built-in resource comes (custom resources have none).
         let proto_stats: Arc<std::sync::OnceLock<Arc<ProtoStats>>> = Default::default();
+        let mut table_settled = settled.clone();
         if !resource.custom {
             let (c, up, cfg, stop, r, stats) = (
                 cache.clone(),
@@ -360,7 +361,14 @@ impl Caches {
                     () = stop.cancelled() => return,
                     () = c.table.wanted() => {}
                 }
-                tracing::info!(resource = %r.label(), "starting the table side (for a Table reader)");
+                // Not before the saved state is loaded: a restored side resumes where it
+                // stopped (`TableStore::restore`).
+                tokio::select! {
+                    () = stop.cancelled() => return,
+                    _ = table_settled.wait_for(|s| *s) => {}
+                }
+                let from = c.table.take_resume();
+                tracing::info!(resource = %r.label(), resume_from = ?from, "starting the table side (for a Table reader, or restored)");
                 let side_stop = stop.child_token();
                 let task = crate::cache::reflector::table::spawn(
                     r,
@@ -368,6 +376,7 @@ impl Caches {
                     c.table.clone(),
                     cfg,
                     side_stop.clone(),
+                    from,
                 );
                 let mut tick = tokio::time::interval(PROTO_RECONCILE);
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -411,7 +411,18 @@ async fn run(sel: Selection) {
     let (proxy_report, proxy_time) = run_e2e(&e2e, &kubectl, &proxy_kc, &sel, &dir, "proxy").await;
     let direct = parse_report(&direct_report);
     let proxy_outcomes = parse_report(&proxy_report);
-    let t = table(&sel, &direct, &proxy_outcomes, (direct_time, proxy_time));
+    let mut t = table(&sel, &direct, &proxy_outcomes, (direct_time, proxy_time));
+    // Where the proxy's Tables came from (`as=Table`: kubectl's and the Table specs').
+    let (mut from_cache, mut passed) = (0, 0);
+    for e in proxy.running.as_ref().unwrap().state.caches.entries() {
+        let s = &e.cache.table.stats;
+        from_cache += s.served.load(std::sync::atomic::Ordering::Relaxed);
+        passed += s.passed_through.load(std::sync::atomic::Ordering::Relaxed);
+    }
+    let _ = writeln!(
+        t.markdown,
+        "\nTables through the proxy: {from_cache} written by the cache, {passed} passed through to the apiserver (the table sides' counters)."
+    );
     let md_path = out_dir().join(format!("{}.md", sel.name));
     std::fs::write(&md_path, &t.markdown).unwrap();
     println!("{}", t.markdown);

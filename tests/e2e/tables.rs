@@ -796,3 +796,125 @@ async fn tables_from_the_cache_equal_the_apiservers_and_kubectl_prints_the_same(
     proxy.shutdown().await;
     cp.stop().await;
 }
+
+/// A warm restart (`cache.stateDir`) keeps the table side: the restarted proxy answers
+/// Tables from rows it saved, equal to the apiserver's, before any row came from upstream;
+/// its side resumes its watch and brings the rows of versions written afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_restart_keeps_the_table_side() {
+    const NS: &str = "e2e-tables-warm";
+    let cp = ControlPlane::start(ControlPlaneOptions::default())
+        .await
+        .expect("control plane starts");
+    cp.create_default_service_account(NS).await.unwrap();
+    let upstream = kube_config(&cp.admin_kubeconfig_yaml()).await;
+    let admin = kube::Client::try_from(upstream.clone()).unwrap();
+    let cms = format!("/api/v1/namespaces/{NS}/configmaps");
+    for i in 0..4 {
+        send(
+            &admin,
+            "POST",
+            &cms,
+            "application/json",
+            Some(
+                json!({"metadata": {"name": format!("cm-{i}")}, "data": {"k": "v".repeat(i + 1)}}),
+            ),
+        )
+        .await;
+    }
+    let state_dir = tempfile::tempdir().unwrap();
+    let dir = state_dir.path().to_path_buf();
+    let mut proxy = TestProxy::start_with_kube(upstream, |c| {
+        c.cache.resources = vec!["configmaps".into()];
+        c.cache.state_dir = Some(dir);
+    })
+    .await;
+    let via = kube::Client::try_from(kube_config(&proxy.kubeconfig_yaml(cp.admin_token())).await)
+        .unwrap();
+    let cache_of = |p: &TestProxy| {
+        let state = &p.running.as_ref().unwrap().state;
+        state.caches.get("", "v1", "configmaps")
+    };
+    let cache = || cache_of(&proxy);
+    let path = format!("{cms}?limit=500");
+    // The side starts with the first Table reader.
+    eventually("configmaps: a Table from the cache", BOUND, async || {
+        let c = cache().ok_or("no cache")?;
+        let before = c.table.stats.served.load(Relaxed);
+        let t = send(&via, "GET", &path, TABLE, None).await;
+        let rows = t["rows"].as_array().map_or(0, Vec::len);
+        ok_if(
+            c.table.stats.served.load(Relaxed) > before && rows == 4,
+            format!("{rows} rows"),
+        )
+    })
+    .await;
+
+    proxy.restart(|_| {}).await;
+    let cache = || cache_of(&proxy);
+    let via = kube::Client::try_from(kube_config(&proxy.kubeconfig_yaml(cp.admin_token())).await)
+        .unwrap();
+    let mut created = std::collections::HashMap::new();
+    let l = send(&admin, "GET", &cms, "application/json", None).await;
+    for i in l["items"].as_array().unwrap() {
+        let at = i["metadata"]["creationTimestamp"].as_str().unwrap();
+        created.insert(
+            i["metadata"]["name"].as_str().unwrap().to_string(),
+            parse_time(at).unwrap(),
+        );
+    }
+    let created = |n: &str| created[n];
+    eventually(
+        "after the restart: the saved rows, from the cache",
+        BOUND,
+        async || {
+            let c = cache().ok_or("no cache")?;
+            let before = c.table.stats.served.load(Relaxed);
+            let t0 = now_ms();
+            let mut p = send(&via, "GET", &path, KUBECTL, None).await;
+            let mut d = send(&admin, "GET", &path, KUBECTL, None).await;
+            let t1 = now_ms();
+            let from_cache = c.table.stats.served.load(Relaxed) > before;
+            let cols = age_columns(&d);
+            check_and_blank_ages(&mut p, &cols, &created, t0, t1);
+            check_and_blank_ages(&mut d, &cols, &created, t0, t1);
+            let (_, _) = (p["metadata"].take(), d["metadata"].take());
+            ok_if(
+                from_cache && p == d,
+                format!("from the cache: {from_cache}; proxy:\n{p}\ndirect:\n{d}"),
+            )
+        },
+    )
+    .await;
+    let c = cache().unwrap();
+    assert_eq!(
+        c.table.stats.rows_in.load(Relaxed),
+        0,
+        "rows fetched from the apiserver after a warm restart"
+    );
+    // A version written after the restart: its row comes from the resumed watch.
+    let req = http::Request::patch(format!("{cms}/cm-0"))
+        .header("content-type", "application/merge-patch+json")
+        .body(serde_json::to_vec(&json!({"data": {"k": "changed", "k2": "new"}})).unwrap())
+        .unwrap();
+    admin.request_text(req).await.unwrap();
+    eventually(
+        "the changed configmap's row, from the cache",
+        BOUND,
+        async || {
+            let before = c.table.stats.served.load(Relaxed);
+            let t = send(&via, "GET", &format!("{cms}/cm-0"), TABLE, None).await;
+            let data = t["rows"][0]["cells"][1].clone();
+            let from_cache = c.table.stats.served.load(Relaxed) > before;
+            ok_if(
+                from_cache && data == 2,
+                format!("from the cache: {from_cache}; data {data}"),
+            )
+        },
+    )
+    .await;
+    assert!(c.table.stats.rows_in.load(Relaxed) > 0);
+    println!("tables: a warm restart kept the table side; its watch resumed");
+    proxy.shutdown().await;
+    cp.stop().await;
+}

@@ -14,6 +14,7 @@
 //! payload (the chunks' bytes, opened, in order):
 //!           u64 objects | per object of the state at the history's start: object
 //!           u64 events  | per event: u8 kind, u64 age in ms, object
+//!           u64 length | the table side (JSON, `table::TableImage`; length 0: none)
 //! object:   u32 length | body (JSON) | u32 length | protobuf envelope (length 0: none)
 //! ```
 //!
@@ -63,12 +64,16 @@ use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use super::table::TableImage;
 use super::{CachedObject, EventKind, Resource};
 
 const MAGIC: &[u8; 8] = b"KCPSTATE";
 /// The file layout's version; a file of another is ignored. 2: objects carry their
-/// protobuf envelopes.
-pub const FORMAT: u32 = 2;
+/// protobuf envelopes; 3: the table side follows the events (a file of 2 is read, without
+/// one).
+pub const FORMAT: u32 = 3;
+/// The oldest layout still read.
+const FORMAT_READ: u32 = 2;
 /// A header longer than this is not one of ours.
 const MAX_HEADER: usize = 1 << 20;
 
@@ -91,6 +96,8 @@ pub struct Image {
     /// The protobuf side's part; the envelopes themselves travel on the objects
     /// ([`CachedObject::proto`]).
     pub protobuf: ProtoImage,
+    /// The table side's columns and rows, when it had synced.
+    pub table: Option<TableImage>,
 }
 
 /// What a restarted proxy needs to serve protobuf readers at once, as before it stopped:
@@ -327,6 +334,17 @@ impl Persist {
     /// cache itself. Always sealed: with the first of [`Persist::keys`], else with the
     /// local key (made by the first save).
     pub fn save(&self, r: &Resource, uid: &str, image: &Image) -> Result<Saved, PersistError> {
+        self.save_format(r, uid, image, FORMAT)
+    }
+
+    /// [`Persist::save`] in the layout of `format` (tests write the previous one).
+    fn save_format(
+        &self,
+        r: &Resource,
+        uid: &str,
+        image: &Image,
+        format: u32,
+    ) -> Result<Saved, PersistError> {
         let io = |path: &Path| {
             let path = path.to_path_buf();
             move |source| PersistError::Io { path, source }
@@ -364,7 +382,8 @@ impl Persist {
         let path = self.path(r);
         remove_stale_temporaries(&path);
         let (tmp, file) = create_temporary(&path).map_err(io(&path))?;
-        let bytes = match write_file(file, &header_json, Some((seal_key(&key), n)), image) {
+        let seal = Some((seal_key(&key), n));
+        let bytes = match write_file(file, &header_json, seal, image, format) {
             Ok(b) => b,
             Err(e) => {
                 let _ = std::fs::remove_file(&tmp);
@@ -421,9 +440,9 @@ impl Persist {
         }
         let mut rd = Reader(&file[MAGIC.len()..]);
         let format = rd.u32()?;
-        if format != FORMAT {
+        if !(FORMAT_READ..=FORMAT).contains(&format) {
             return Err(PersistError::Foreign(format!(
-                "format {format}, this proxy reads {FORMAT}"
+                "format {format}, this proxy reads {FORMAT_READ} to {FORMAT}"
             )));
         }
         if file.len() < 32 + MAGIC.len() + 8 {
@@ -563,6 +582,18 @@ impl Persist {
             events.push((kind, age));
             records.push(Record::read(&mut rd, payload)?);
         }
+        let table = if format >= 3 {
+            let n = usize::try_from(rd.u64()?).map_err(|_| PersistError::Corrupt("table"))?;
+            match rd.take(n)? {
+                [] => None,
+                t => Some(
+                    serde_json::from_slice::<TableImage>(t)
+                        .map_err(|_| PersistError::Corrupt("the table side"))?,
+                ),
+            }
+        } else {
+            None
+        };
         if !rd.0.is_empty() {
             return Err(PersistError::Corrupt("trailing payload"));
         }
@@ -611,6 +642,7 @@ impl Persist {
                 started: header.protobuf_started,
                 bookmark,
             },
+            table,
         })
     }
 }
@@ -623,6 +655,7 @@ fn write_file(
     header_json: &[u8],
     seal: Option<(ring::aead::LessSafeKey, [u8; ring::aead::NONCE_LEN])>,
     image: &Image,
+    format: u32,
 ) -> std::io::Result<u64> {
     let mut w = Chunks {
         out: std::io::BufWriter::with_capacity(1 << 20, file),
@@ -635,7 +668,7 @@ fn write_file(
     };
     let head = [
         &MAGIC[..],
-        &FORMAT.to_le_bytes(),
+        &format.to_le_bytes(),
         &(header_json.len() as u32).to_le_bytes(),
         header_json,
     ];
@@ -664,6 +697,16 @@ fn write_file(
         let ms = u64::try_from(age.as_millis()).unwrap_or(u64::MAX);
         w.put(&ms.to_le_bytes())?;
         object(&mut w, o)?;
+    }
+    if format >= 3 {
+        let table = match &image.table {
+            Some(t) => serde_json::to_vec(t).map_err(std::io::Error::other)?,
+            None => Vec::new(),
+        };
+        w.put(&(table.len() as u64).to_le_bytes())?;
+        for part in table.chunks(CHUNK) {
+            w.put(part)?;
+        }
     }
     w.finish()
 }

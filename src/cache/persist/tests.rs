@@ -26,6 +26,7 @@ fn image() -> Image {
             (EventKind::Added, Duration::from_secs(1), cm("c", 18)),
         ],
         protobuf: ProtoImage::default(),
+        table: None,
     }
 }
 
@@ -97,6 +98,7 @@ fn a_large_image() -> Image {
         base: (0..9_000).map(|i| obj(i, i + 1)).collect(),
         events,
         protobuf: ProtoImage::default(),
+        table: None,
     }
 }
 
@@ -163,6 +165,7 @@ fn a_large_image_spans_chunks() {
         base,
         events: vec![],
         protobuf: ProtoImage::default(),
+        table: None,
     };
     for keys in [vec![], vec![("k1".to_string(), [7u8; 32])]] {
         let dir = tempfile::tempdir().unwrap();
@@ -199,6 +202,46 @@ fn envelopes_and_the_protobuf_sides_state_round_trip() {
             );
         }
     }
+}
+
+/// The table side's columns, rows and bookmark row come back as they were saved; a file
+/// of the previous layout (no table side) is still read.
+#[test]
+fn the_table_side_round_trips_and_the_previous_layout_is_read() {
+    use crate::cache::table::TableImage;
+    let table: TableImage = serde_json::from_value(serde_json::json!({
+        "columns": r#"[{"name":"Name","type":"string","format":"name","description":"n","priority":0}]"#,
+        "progress": 20,
+        "bookmark": {"cells": ["\"\""], "received_ms": 5},
+        "rows": [
+            {"namespace": "ns", "name": "a", "rv": 12, "row": {"cells": ["\"a\""], "created": 100, "received_ms": 7}},
+            {"namespace": "ns", "name": "c", "rv": 18, "row": {"cells": ["\"c\""], "conditions": "[]", "received_ms": 8}}
+        ]
+    }))
+    .unwrap();
+    let img = Image {
+        table: Some(table),
+        ..image()
+    };
+    for keys in [vec![], vec![("k1".to_string(), [7u8; 32])]] {
+        let dir = tempfile::tempdir().unwrap();
+        let p = persist(dir.path(), keys);
+        p.save(&configmaps(), "", &img).unwrap();
+        let got = p.load(&configmaps(), "").unwrap().unwrap();
+        assert_eq!(got.table, img.table);
+        assert_eq!(without_ages(got), without_ages(img.clone()));
+    }
+    // Format 2: the payload ends with the events.
+    let dir = tempfile::tempdir().unwrap();
+    let p = persist(dir.path(), vec![]);
+    let old = Image {
+        table: None,
+        ..image()
+    };
+    p.save_format(&configmaps(), "", &old, 2).unwrap();
+    let got = p.load(&configmaps(), "").unwrap().unwrap();
+    assert_eq!(got.table, None);
+    assert_eq!(without_ages(got), without_ages(old));
 }
 
 /// Envelopes of a side that was not running (shed: some history events keep theirs)

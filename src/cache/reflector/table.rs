@@ -7,6 +7,8 @@
 //!
 //! ```text
 //! state        outcome                                                      next
+//! (start)      restored from a warm restart's saved state                   Resume{saved}
+//! (start)      otherwise                                                    Initial
 //! Initial      (sendInitialEvents=true) initial-events-end bookmark came,   Resume{last rv}
 //!              then the stream ended or stalled
 //! Initial      ended before that bookmark                                   Backoff -> Initial
@@ -109,7 +111,8 @@ struct StatusWire {
     code: u16,
 }
 
-/// Starts the table side of `resource` on the current runtime; it runs until `shutdown` is
+/// Starts the table side of `resource` on the current runtime, with initial events or,
+/// restored from a warm restart's saved state, from `from`; it runs until `shutdown` is
 /// cancelled or the store is shed.
 pub fn spawn(
     resource: Resource,
@@ -117,6 +120,7 @@ pub fn spawn(
     store: Arc<TableStore>,
     cfg: ReflectorConfig,
     shutdown: CancellationToken,
+    from: Option<u64>,
 ) -> tokio::task::JoinHandle<()> {
     let span = tracing::info_span!("table_side", resource = %resource.label());
     tokio::spawn(
@@ -127,7 +131,10 @@ pub fn spawn(
                 cfg.backoff_max,
                 cfg.backoff_reset_after,
             );
-            let mut state = TableState::Initial;
+            let mut state = match from {
+                Some(rv) => TableState::Resume { rv },
+                None => TableState::Initial,
+            };
             let shed = store.shed.clone();
             while state != TableState::Stopped {
                 state = tokio::select! {

@@ -966,6 +966,7 @@ impl ResourceCache {
                 })
                 .collect(),
             protobuf,
+            table: self.table.image(),
         })
     }
 
@@ -986,6 +987,7 @@ impl ResourceCache {
             base,
             events,
             protobuf,
+            table,
         } = image;
         if rv < oldest_rv {
             return Err(RestoreError("resourceVersion before the history's start"));
@@ -1059,6 +1061,18 @@ impl ResourceCache {
         let _ = self.dispatch.send(Dispatch::Progress(rv));
         drop(s);
         self.restore_protobuf(rv, protobuf);
+        if let Some(t) = table {
+            let rows = t.rows.len();
+            match self.table.restore(t) {
+                Ok(()) => {
+                    tracing::info!(resource = %self.resource.label(), rows, "table side restored from the saved state");
+                }
+                // The side starts afresh with its first Table reader.
+                Err(e) => {
+                    tracing::warn!(resource = %self.resource.label(), error = e, "the saved table side is not used");
+                }
+            }
+        }
         self.rv_tx.send_replace(rv);
         self.ready_tx.send_replace(Readiness::Ready);
         tracing::info!(resource = %self.resource.label(), rv, objects = self.len(), history = self.read().history.len(), "cache restored from its saved state");

@@ -45,8 +45,10 @@ use crate::cache::ObjectKey;
 use crate::cache::proto_budget::ProtoBudget;
 
 mod clock;
+mod image;
 use clock::put_age_cell;
 pub use clock::{human_duration, now_ms, parse_time};
+pub use image::TableImage;
 
 /// Built-in resources (group, resource) whose printers print a relative time other than the
 /// object's age (k8s.io/kubernetes `pkg/printers/internalversion/printers.go` at the pinned
@@ -605,6 +607,8 @@ pub struct TableStore {
     /// The resourceVersion the side's stream has passed (its synced events and bookmarks):
     /// every row of a version at or before it has come.
     progress: AtomicU64,
+    /// Where the side resumes after a warm restart (`image::restore`), taken at its start.
+    resume: parking_lot::Mutex<Option<u64>>,
     pub stats: TableStats,
 }
 
@@ -627,6 +631,7 @@ impl TableStore {
             shed: tokio_util::sync::CancellationToken::new(),
             restart: AtomicBool::new(false),
             progress: AtomicU64::new(0),
+            resume: parking_lot::Mutex::new(None),
             expected: parking_lot::Mutex::new(None),
             kick: tokio::sync::Notify::new(),
             stats: TableStats::default(),

@@ -282,6 +282,20 @@ async fn tables_from_the_cache_equal_the_apiservers_and_kubectl_prints_the_same(
             "deployments.apps".into(),
             "widgets.example.com".into(),
         ];
+        // What `kubectl get all` and `get crd` ask for, but Jobs and CronJobs (their
+        // printers print relative times: their Tables are always the apiserver's).
+        c.cache.resources.extend(
+            [
+                "services",
+                "replicationcontrollers",
+                "replicasets.apps",
+                "statefulsets.apps",
+                "daemonsets.apps",
+                "horizontalpodautoscalers.autoscaling",
+                "customresourcedefinitions.apiextensions.k8s.io",
+            ]
+            .map(String::from),
+        );
     })
     .await;
     let via = kube::Client::try_from(kube_config(&proxy.kubeconfig_yaml(cp.admin_token())).await)
@@ -373,9 +387,39 @@ async fn tables_from_the_cache_equal_the_apiservers_and_kubectl_prints_the_same(
         })
         .await;
     }
+    // The other resources' table sides, started as `kubectl get all` and `get crd` would.
+    for path in [
+        format!("/api/v1/namespaces/{NS}/services"),
+        format!("/api/v1/namespaces/{NS}/replicationcontrollers"),
+        format!("/apis/apps/v1/namespaces/{NS}/replicasets"),
+        format!("/apis/apps/v1/namespaces/{NS}/statefulsets"),
+        format!("/apis/apps/v1/namespaces/{NS}/daemonsets"),
+        format!("/apis/autoscaling/v2/namespaces/{NS}/horizontalpodautoscalers"),
+        "/apis/apiextensions.k8s.io/v1/customresourcedefinitions".to_string(),
+    ] {
+        eventually(
+            &format!("{path}: a Table from the cache"),
+            BOUND,
+            async || {
+                let count = || {
+                    state
+                        .caches
+                        .entries()
+                        .iter()
+                        .map(|e| e.cache.table.stats.served.load(Relaxed))
+                        .sum::<u64>()
+                };
+                let before = count();
+                send(&via, "GET", &path, TABLE, None).await;
+                ok_if(count() > before, "not yet")
+            },
+        )
+        .await;
+    }
+    // Tables every cache wrote, and passed through.
     let served = || -> (u64, u64) {
-        collections.iter().fold((0, 0), |(s, p), (g, v, r, _, _)| {
-            let t = &state.caches.get(g, v, r).unwrap().table.stats;
+        state.caches.entries().iter().fold((0, 0), |(s, p), e| {
+            let t = &e.cache.table.stats;
             (
                 s + t.served.load(Relaxed),
                 p + t.passed_through.load(Relaxed),
@@ -517,7 +561,7 @@ async fn tables_from_the_cache_equal_the_apiservers_and_kubectl_prints_the_same(
     std::fs::write(&dk, cp.admin_kubeconfig_yaml()).unwrap();
     let (served_before, passed_before) = served();
     let pod_lists = crate::support::e2e::apiserver_lists(&admin, "pods").await;
-    let cases: [&[&str]; 8] = [
+    let cases: [&[&str]; 10] = [
         &["get", "pods", "-n", NS],
         &["get", "pods", "-A"],
         &["get", "pods", "-n", NS, "-o", "wide"],
@@ -526,6 +570,8 @@ async fn tables_from_the_cache_equal_the_apiservers_and_kubectl_prints_the_same(
         &["get", "widgets", "-n", NS],
         &["get", "widgets", "-n", NS, "-o", "wide"],
         &["get", "widgets", "-n", NS, "--chunk-size=2", "-o", "wide"],
+        &["get", "all", "-n", NS],
+        &["get", "crd"],
     ];
     for args in cases {
         let p = kubectl(&cp, &pk, args);
@@ -549,16 +595,18 @@ async fn tables_from_the_cache_equal_the_apiservers_and_kubectl_prints_the_same(
         0,
         "kubectl's Tables passed through"
     );
-    // Only the direct kubectl's three lists of pods reached the apiserver.
+    // Only the direct kubectl's four lists of pods (`get all` one of them) reached the
+    // apiserver.
     assert_eq!(
         crate::support::e2e::apiserver_lists(&admin, "pods").await - pod_lists,
-        3,
+        4,
         "pod LISTs upstream"
     );
-    // One page each, three for configmaps and two for widgets by twos.
+    // One page each, three for configmaps and two for widgets by twos; `get all` one
+    // Table per resource of the category but Jobs and CronJobs (8), `get crd` one.
     assert_eq!(
         served_after - served_before,
-        6 + 3 + 2,
+        6 + 3 + 2 + 8 + 1,
         "kubectl's Tables written by the cache"
     );
     println!(

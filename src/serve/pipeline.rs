@@ -833,6 +833,13 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
         .map(str::to_string);
 
     let audit_id = req.headers().get(AUDIT_ID).cloned();
+    // A Table read (`kubectl get`): its JSON answer is a Table in the per-encoding metrics.
+    let asks_table = req
+        .headers()
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("as=Table"));
     // The access-log line, when this request is sampled (`serve::access`). Boxed: the entry
     // lives as long as the response body (a watch's whole stream), and unboxed its ~270 bytes
     // were part of every stream's body even when nothing is logged (docs/architecture.md,
@@ -1224,10 +1231,14 @@ pub async fn handle(state: &State, conn: &ConnInfo, req: Request<Incoming>) -> R
             })
             .clone()
     });
+    let encoding = match EncodingLabels::encoding_of(resp.headers().get(header::CONTENT_TYPE)) {
+        "json" if asks_table && resp.status().is_success() => "table",
+        e => e,
+    };
     let enc = EncodingLabels {
         verb: hist_verb,
         resource: hist_resource,
-        encoding: EncodingLabels::encoding_of(resp.headers().get(header::CONTENT_TYPE)).into(),
+        encoding: encoding.into(),
         served_by: served_by.into(),
     };
     state.metrics.responses.get_or_create(&enc).inc();

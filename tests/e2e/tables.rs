@@ -609,6 +609,18 @@ async fn tables_from_the_cache_equal_the_apiservers_and_kubectl_prints_the_same(
         6 + 3 + 2 + 8 + 1,
         "kubectl's Tables written by the cache"
     );
+    // The per-encoding metrics count them as Tables.
+    let (code, m) = proxy.admin_get("/metrics").await;
+    assert_eq!(code, 200);
+    let tables = crate::support::watch_validator::sum_metric(
+        &m,
+        "kube_cache_proxy_responses_total",
+        &["encoding=\"table\"", "served_by=\"cache\""],
+    );
+    assert!(
+        tables >= (served_after - served_before) as f64,
+        "{tables} Table responses from the cache in the metrics"
+    );
     println!(
         "tables: kubectl {} gets equal to direct, {} Tables from the cache",
         cases.len(),

@@ -104,7 +104,7 @@ pub fn body(
         if i > 0 {
             b.put_u8(b',');
         }
-        let restarts = row.restarts_now(&o.body, now).ok()?;
+        let restarts = row.clock_cell_now(&o.body, now).ok()?;
         row.put(&mut b, cols, now, restarts.as_deref(), |b| {
             put_row_object(b, &o.body, form, |b| {
                 put_object(b, &cache.resource, &o.body, Encoding::Json)
@@ -266,7 +266,7 @@ impl TableWatch {
         };
         let object = l.object.get().as_bytes();
         let now = now_ms();
-        let restarts = row.restarts_now(object, now).ok()?;
+        let restarts = row.clock_cell_now(object, now).ok()?;
         Some(self.write(
             &l.ty,
             rv,

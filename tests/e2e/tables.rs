@@ -1,7 +1,8 @@
 //! Tables (`as=Table;v=v1;g=meta.k8s.io`, what `kubectl get` asks for, and v1beta1) from the
 //! cache against
-//! a real kube-apiserver + etcd: pods, a deployment, configmaps and custom resources whose
-//! CRD has printer columns (integer, string of priority 1, number, date). Every Table the
+//! a real kube-apiserver + etcd: pods, a deployment, configmaps, a running Job and a
+//! scheduled CronJob (their Duration and Last Schedule re-rendered) and custom resources
+//! whose CRD has printer columns (integer, string of priority 1, number, date). Every Table the
 //! proxy writes — GET, LIST, a LIST at an exact resourceVersion, a paginated walk with
 //! `limit=2`, each with `includeObject` None, Metadata and Object — equals the apiserver's
 //! as JSON values, its age cells being the age of the object at the moment of the request
@@ -282,10 +283,11 @@ async fn tables_from_the_cache_equal_the_apiservers_and_kubectl_prints_the_same(
             "deployments.apps".into(),
             "widgets.example.com".into(),
         ];
-        // What `kubectl get all` and `get crd` ask for, but Jobs and CronJobs (their
-        // printers print relative times: their Tables are always the apiserver's).
+        // The rest of what `kubectl get all` and `get crd` ask for.
         c.cache.resources.extend(
             [
+                "jobs.batch",
+                "cronjobs.batch",
                 "services",
                 "replicationcontrollers",
                 "replicasets.apps",
@@ -334,6 +336,37 @@ async fn tables_from_the_cache_equal_the_apiservers_and_kubectl_prints_the_same(
         .body(serde_json::to_vec(&status).unwrap())
         .unwrap();
     admin.request_text(req).await.unwrap();
+    // A Job started and a CronJob last scheduled 10 hours and a minute ago (no controller
+    // runs: their status stays as written): their Duration and Last Schedule print `10h`,
+    // relative to the clock, re-rendered by the cache (the same for the next 59 minutes).
+    let ten_hours_ago = rfc3339(now_ms() / 1000 - 10 * 3600 - 60);
+    let template = json!({"spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "busybox"}]}});
+    send(
+        &admin,
+        "POST",
+        &format!("/apis/batch/v1/namespaces/{NS}/jobs"),
+        "application/json",
+        Some(json!({"metadata": {"name": "job"}, "spec": {"template": template}})),
+    )
+    .await;
+    send(&admin, "POST", &format!("/apis/batch/v1/namespaces/{NS}/cronjobs"), "application/json",
+        Some(json!({"metadata": {"name": "cron"}, "spec": {"schedule": "*/5 * * * *", "jobTemplate": {"spec": {"template": template}}}}))).await;
+    for (path, status) in [
+        (
+            format!("/apis/batch/v1/namespaces/{NS}/jobs/job/status"),
+            json!({"status": {"startTime": ten_hours_ago}}),
+        ),
+        (
+            format!("/apis/batch/v1/namespaces/{NS}/cronjobs/cron/status"),
+            json!({"status": {"lastScheduleTime": ten_hours_ago}}),
+        ),
+    ] {
+        let req = http::Request::patch(path)
+            .header("content-type", "application/merge-patch+json")
+            .body(serde_json::to_vec(&status).unwrap())
+            .unwrap();
+        admin.request_text(req).await.unwrap();
+    }
     send(&admin, "POST", &format!("/apis/apps/v1/namespaces/{NS}/deployments"), "application/json",
         Some(json!({"metadata": {"name": "d"}, "spec": {"selector": {"matchLabels": {"app": "d"}}, "template": {"metadata": {"labels": {"app": "d"}}, "spec": {"containers": [{"name": "c", "image": "busybox"}]}}}}))).await;
     for (i, (size, color, ratio)) in [
@@ -370,6 +403,20 @@ async fn tables_from_the_cache_equal_the_apiservers_and_kubectl_prints_the_same(
             "widgets",
             format!("/apis/example.com/v1/namespaces/{NS}/widgets"),
             4,
+        ),
+        (
+            "batch",
+            "v1",
+            "jobs",
+            format!("/apis/batch/v1/namespaces/{NS}/jobs"),
+            1,
+        ),
+        (
+            "batch",
+            "v1",
+            "cronjobs",
+            format!("/apis/batch/v1/namespaces/{NS}/cronjobs"),
+            1,
         ),
     ];
     // Each resource's first Table reader starts its table side; until it synced (and the
@@ -603,10 +650,10 @@ async fn tables_from_the_cache_equal_the_apiservers_and_kubectl_prints_the_same(
         "pod LISTs upstream"
     );
     // One page each, three for configmaps and two for widgets by twos; `get all` one
-    // Table per resource of the category but Jobs and CronJobs (8), `get crd` one.
+    // Table per resource of the category (10), `get crd` one.
     assert_eq!(
         served_after - served_before,
-        6 + 3 + 2 + 8 + 1,
+        6 + 3 + 2 + 10 + 1,
         "kubectl's Tables written by the cache"
     );
     // The per-encoding metrics count them as Tables.

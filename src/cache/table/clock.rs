@@ -1,9 +1,12 @@
-//! The clock in a Table's cells: ages as kube-apiserver prints them, the timestamps they
-//! are printed from, and the moment of printing.
+//! The clock in a Table's cells: ages and durations as kube-apiserver prints them, the
+//! timestamps they are printed from (an object's creation, a pod's containers' last
+//! finishes, a Job's start and completion, a CronJob's last schedule), and the moment of
+//! printing.
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::{BufMut, BytesMut};
+use serde::Deserialize;
 
 /// Go's `duration.HumanDuration` (k8s.io/apimachinery `util/duration`), of `d` in
 /// milliseconds.
@@ -120,6 +123,116 @@ pub(super) fn put_age_cell(b: &mut BytesMut, created: Option<i64>, now_ms: i64) 
                 b.put_u8(b'"');
             }
         }
+    }
+}
+
+/// Splits a restarts cell's JSON `"N (X ago)"` into `N (` and `X`.
+pub(super) fn split_restarts(cell: &str) -> Option<(&str, &str)> {
+    let inner = cell.strip_prefix('"')?.strip_suffix(" ago)\"")?;
+    let open = inner.find(" (")?;
+    let (count, rest) = inner.split_at(open);
+    if count.is_empty() || !count.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    let printed = &rest[2..];
+    if printed.is_empty() || printed.contains(['"', '\\', '(']) {
+        return None;
+    }
+    Some((&inner[..open + 2], printed))
+}
+
+/// Every `lastState.terminated.finishedAt` of a pod's container and init container
+/// statuses, seconds since the epoch; `None` when the pod cannot be read.
+pub(super) fn pod_finished_times(pod: &[u8]) -> Option<Vec<i64>> {
+    #[derive(Deserialize)]
+    struct Pod {
+        #[serde(default)]
+        status: Status,
+    }
+    #[derive(Deserialize, Default)]
+    #[serde(rename_all = "camelCase")]
+    struct Status {
+        #[serde(default)]
+        container_statuses: Vec<ContainerStatus>,
+        #[serde(default)]
+        init_container_statuses: Vec<ContainerStatus>,
+    }
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct ContainerStatus {
+        #[serde(default)]
+        last_state: Option<LastState>,
+    }
+    #[derive(Deserialize)]
+    struct LastState {
+        #[serde(default)]
+        terminated: Option<Terminated>,
+    }
+    #[derive(Deserialize)]
+    #[serde(rename_all = "camelCase")]
+    struct Terminated {
+        #[serde(default)]
+        finished_at: Option<String>,
+    }
+    let p: Pod = serde_json::from_slice(pod).ok()?;
+    p.status
+        .container_statuses
+        .iter()
+        .chain(&p.status.init_container_statuses)
+        .filter_map(|c| {
+            c.last_state
+                .as_ref()?
+                .terminated
+                .as_ref()?
+                .finished_at
+                .as_deref()
+        })
+        .map(parse_time)
+        .collect()
+}
+
+/// A Job's `status.startTime` and `status.completionTime`, seconds since the epoch; `None`
+/// when the Job cannot be read (a time that does not parse included).
+pub(super) fn job_times(job: &[u8]) -> Option<(Option<i64>, Option<i64>)> {
+    #[derive(Deserialize)]
+    struct Job {
+        #[serde(default)]
+        status: Status,
+    }
+    #[derive(Deserialize, Default)]
+    #[serde(rename_all = "camelCase")]
+    struct Status {
+        #[serde(default)]
+        start_time: Option<String>,
+        #[serde(default)]
+        completion_time: Option<String>,
+    }
+    let j: Job = serde_json::from_slice(job).ok()?;
+    let time = |t: Option<String>| match t {
+        Some(t) => parse_time(&t).map(Some),
+        None => Some(None),
+    };
+    Some((time(j.status.start_time)?, time(j.status.completion_time)?))
+}
+
+/// A CronJob's `status.lastScheduleTime`, seconds since the epoch; `None` when the CronJob
+/// cannot be read.
+pub(super) fn last_schedule(cronjob: &[u8]) -> Option<Option<i64>> {
+    #[derive(Deserialize)]
+    struct CronJob {
+        #[serde(default)]
+        status: Status,
+    }
+    #[derive(Deserialize, Default)]
+    #[serde(rename_all = "camelCase")]
+    struct Status {
+        #[serde(default)]
+        last_schedule_time: Option<String>,
+    }
+    let c: CronJob = serde_json::from_slice(cronjob).ok()?;
+    match c.status.last_schedule_time {
+        Some(t) => parse_time(&t).map(Some),
+        None => Some(None),
     }
 }
 

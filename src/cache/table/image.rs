@@ -15,7 +15,7 @@ use std::sync::atomic::Ordering::Relaxed;
 
 use serde::{Deserialize, Serialize};
 
-use super::{Restarts, Row, TableStore};
+use super::{ClockCell, ClockKind, Row, TableStore};
 use crate::cache::ObjectKey;
 
 /// A table side's state, as saved.
@@ -51,9 +51,10 @@ pub struct RowImage {
     pub created: Option<i64>,
     #[serde(default)]
     pub clock_bound: bool,
-    /// A pod's restarts cell: (index, `N (`, `X`).
+    /// A cell printed relative to the clock: (index, kind, a pod's restarts' `N (`, as
+    /// printed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub restarts: Option<(usize, String, String)>,
+    pub clock_cell: Option<(usize, ClockKind, String, String)>,
     pub received_ms: i64,
 }
 
@@ -64,10 +65,10 @@ impl RowImage {
             conditions: r.conditions.as_deref().map(str::to_string),
             created: r.created,
             clock_bound: r.clock_bound,
-            restarts: r
-                .restarts
+            clock_cell: r
+                .clock_cell
                 .as_ref()
-                .map(|x| (x.index, x.prefix.to_string(), x.printed.to_string())),
+                .map(|x| (x.index, x.kind, x.prefix.to_string(), x.printed.to_string())),
             received_ms: r.received_ms,
         }
     }
@@ -79,9 +80,10 @@ impl RowImage {
         if !self.cells.iter().all(|c| json(c)) || !self.conditions.as_deref().is_none_or(json) {
             return None;
         }
-        let restarts = match self.restarts {
-            Some((index, prefix, printed)) if index < self.cells.len() => Some(Restarts {
+        let clock_cell = match self.clock_cell {
+            Some((index, kind, prefix, printed)) if index < self.cells.len() => Some(ClockCell {
                 index,
+                kind,
                 prefix: prefix.into(),
                 printed: printed.into(),
             }),
@@ -94,7 +96,7 @@ impl RowImage {
             created: self.created,
             generation,
             clock_bound: self.clock_bound,
-            restarts,
+            clock_cell,
             received_ms: self.received_ms,
         })
     }
@@ -126,6 +128,8 @@ impl TableStore {
                 });
             }
         }
+        // In key order: the same side saves the same image.
+        rows.sort_by(|a, b| (&a.namespace, &a.name, a.rv).cmp(&(&b.namespace, &b.name, b.rv)));
         Some(TableImage {
             columns: cols.raw.to_string(),
             progress: self.progress.load(Relaxed),

@@ -46,18 +46,17 @@ use crate::cache::proto_budget::ProtoBudget;
 
 mod clock;
 mod image;
-use clock::put_age_cell;
 pub use clock::{human_duration, now_ms, parse_time};
+use clock::{pod_finished_times, put_age_cell, split_restarts};
 pub use image::TableImage;
 
 /// Built-in resources (group, resource) whose printers print a relative time other than the
-/// object's age (k8s.io/kubernetes `pkg/printers/internalversion/printers.go` at the pinned
-/// version): a Job's duration while it runs, a CronJob's last schedule, an Event's first and
+/// object's age that the cache does not re-render (k8s.io/kubernetes
+/// `pkg/printers/internalversion/printers.go` at the pinned version): an Event's first and
 /// last seen, a ResourcePoolStatusRequest's completion, a DeviceTaintRule's time added.
-/// Their Tables are the apiserver's.
+/// Their Tables are the apiserver's. (A Job's duration and a CronJob's last schedule are
+/// re-rendered: [`ClockKind`].)
 pub const CLOCK_PRINTERS: &[(&str, &str)] = &[
-    ("batch", "jobs"),
-    ("batch", "cronjobs"),
     ("", "events"),
     ("events.k8s.io", "events"),
     ("resource.k8s.io", "resourcepoolstatusrequests"),
@@ -237,8 +236,8 @@ pub struct Row {
     /// A cell that depends on the clock in a way the cache cannot re-render: not served.
     pub clock_bound: bool,
     /// A pod's restarts cell printed relative to the clock (`"2 (5m ago)"`), re-rendered
-    /// when served ([`Row::restarts_now`]).
-    pub restarts: Option<Restarts>,
+    /// when served ([`Row::clock_cell_now`]).
+    pub clock_cell: Option<ClockCell>,
     /// When the row arrived (milliseconds since the epoch): the moment its clock-relative
     /// cells were printed, give or take the way from the apiserver.
     pub received_ms: i64,
@@ -249,104 +248,86 @@ pub struct Row {
 #[error("a table cell bound to the clock cannot be re-rendered exactly")]
 pub struct NotRerendered;
 
-/// A pod's restarts cell `"N (X ago)"` (k8s.io/kubernetes `printPod`: X is the time since
-/// the latest `lastState.terminated.finishedAt` of the containers it counts, which depend on
-/// the pod's initialization).
+/// What a cell printed relative to the clock shows, and where its time comes from in the
+/// object version the row is of (k8s.io/kubernetes `pkg/printers/internalversion`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum ClockKind {
+    /// A pod's restarts `"N (X ago)"` (`printPod`): X is the time since the latest
+    /// `lastState.terminated.finishedAt` of the containers it counts, which depend on the
+    /// pod's initialization.
+    PodRestarts,
+    /// A Job's `Duration` (`printJob`): the time since `status.startTime` while it runs; once
+    /// complete, `completionTime - startTime`, which the clock does not move.
+    JobDuration,
+    /// A CronJob's `Last Schedule` (`printCronJob`): the time since
+    /// `status.lastScheduleTime`, `<none>` without one.
+    CronJobLastSchedule,
+}
+
+/// A cell printed relative to the clock, re-rendered when served from the object version
+/// the row is of ([`Row::clock_cell_now`]).
 #[derive(Debug, PartialEq, Eq)]
-pub struct Restarts {
+pub struct ClockCell {
     /// The cell's index.
     pub index: usize,
-    /// `N (`: the count, which does not change with the clock.
+    pub kind: ClockKind,
+    /// A pod's restarts' `N (`: the count, which does not change with the clock.
     pub prefix: Box<str>,
     /// `X`, as printed when the row arrived.
     pub printed: Box<str>,
 }
 
-/// Splits a restarts cell's JSON `"N (X ago)"` into `N (` and `X`.
-fn split_restarts(cell: &str) -> Option<(&str, &str)> {
-    let inner = cell.strip_prefix('"')?.strip_suffix(" ago)\"")?;
-    let open = inner.find(" (")?;
-    let (count, rest) = inner.split_at(open);
-    if count.is_empty() || !count.bytes().all(|b| b.is_ascii_digit()) {
-        return None;
-    }
-    let printed = &rest[2..];
-    if printed.is_empty() || printed.contains(['"', '\\', '(']) {
-        return None;
-    }
-    Some((&inner[..open + 2], printed))
-}
-
-/// Every `lastState.terminated.finishedAt` of a pod's container and init container
-/// statuses, seconds since the epoch; `None` when the pod cannot be read.
-pub fn pod_finished_times(pod: &[u8]) -> Option<Vec<i64>> {
-    #[derive(Deserialize)]
-    struct Pod {
-        #[serde(default)]
-        status: Status,
-    }
-    #[derive(Deserialize, Default)]
-    #[serde(rename_all = "camelCase")]
-    struct Status {
-        #[serde(default)]
-        container_statuses: Vec<ContainerStatus>,
-        #[serde(default)]
-        init_container_statuses: Vec<ContainerStatus>,
-    }
-    #[derive(Deserialize)]
-    #[serde(rename_all = "camelCase")]
-    struct ContainerStatus {
-        #[serde(default)]
-        last_state: Option<LastState>,
-    }
-    #[derive(Deserialize)]
-    struct LastState {
-        #[serde(default)]
-        terminated: Option<Terminated>,
-    }
-    #[derive(Deserialize)]
-    #[serde(rename_all = "camelCase")]
-    struct Terminated {
-        #[serde(default)]
-        finished_at: Option<String>,
-    }
-    let p: Pod = serde_json::from_slice(pod).ok()?;
-    p.status
-        .container_statuses
-        .iter()
-        .chain(&p.status.init_container_statuses)
-        .filter_map(|c| {
-            c.last_state
-                .as_ref()?
-                .terminated
-                .as_ref()?
-                .finished_at
-                .as_deref()
-        })
-        .map(parse_time)
-        .collect()
-}
-
 impl Row {
-    /// The restarts cell's JSON at `now_ms` for the object version `object` (the pod's
-    /// JSON): `Ok(None)` when the row has none; `Err` when it cannot be re-rendered exactly.
-    /// The time it counts from is one of the pod's `finishedAt`s that prints as the cell did
-    /// when the row arrived; when those that do would print differently now, the cell is not
-    /// re-rendered (the printer's choice among them is not repeated here).
-    pub fn restarts_now(
+    /// The clock cell's JSON at `now_ms` for the object version `object` (its JSON):
+    /// `Ok(None)` when the row has none or its cell does not move with the clock; `Err` when
+    /// it cannot be re-rendered exactly. The time it counts from must print as the cell did
+    /// when the row arrived. A pod's restarts count from one of its `finishedAt`s that does;
+    /// when those that do would print differently now, the cell is not re-rendered (the
+    /// printer's choice among them is not repeated here).
+    pub fn clock_cell_now(
         &self,
         object: &[u8],
         now_ms: i64,
     ) -> Result<Option<String>, NotRerendered> {
-        let Some(r) = &self.restarts else {
+        let Some(r) = &self.clock_cell else {
             return Ok(None);
         };
-        let times = pod_finished_times(object).ok_or(NotRerendered)?;
         let printed_then = |t: i64| {
             (-2..=1).any(|ds: i64| {
                 human_duration(self.received_ms + ds * 1000 - t * 1000) == *r.printed
             })
         };
+        let since = |t: i64| {
+            let x = human_duration(now_ms - t * 1000);
+            if x.starts_with('<') {
+                Err(NotRerendered)
+            } else {
+                Ok(Some(format!("\"{x}\"")))
+            }
+        };
+        let from = match r.kind {
+            ClockKind::PodRestarts => None,
+            ClockKind::JobDuration => match clock::job_times(object).ok_or(NotRerendered)? {
+                (Some(start), None) => Some(start),
+                // Not started (an empty cell), or complete (a fixed duration).
+                _ => return Ok(None),
+            },
+            ClockKind::CronJobLastSchedule => {
+                match clock::last_schedule(object).ok_or(NotRerendered)? {
+                    Some(t) => Some(t),
+                    None => return Ok(None),
+                }
+            }
+        };
+        if let Some(t) = from {
+            return if printed_then(t) {
+                since(t)
+            } else {
+                Err(NotRerendered)
+            };
+        }
+        let times = pod_finished_times(object).ok_or(NotRerendered)?;
         let mut now: Option<String> = None;
         for t in times.into_iter().filter(|t| printed_then(*t)) {
             let x = human_duration(now_ms - t * 1000);
@@ -403,7 +384,7 @@ impl Row {
                 && age.contains(&i)
             {
                 put_age_cell(b, self.created, now_ms);
-            } else if let (Some(r), Some(cell)) = (&self.restarts, restarts)
+            } else if let (Some(r), Some(cell)) = (&self.clock_cell, restarts)
                 && r.index == i
             {
                 b.put_slice(cell.as_bytes());
@@ -523,8 +504,9 @@ pub fn parse_table_event(object: &str) -> Result<TableEvent, &'static str> {
             .filter(|&i| r.cells[i].get().ends_with(" ago)\""))
             .collect();
         let restarts = match ago.as_slice() {
-            [i] => split_restarts(r.cells[*i].get()).map(|(prefix, printed)| Restarts {
+            [i] => split_restarts(r.cells[*i].get()).map(|(prefix, printed)| ClockCell {
                 index: *i,
+                kind: ClockKind::PodRestarts,
                 prefix: prefix.into(),
                 printed: printed.into(),
             }),
@@ -539,7 +521,7 @@ pub fn parse_table_event(object: &str) -> Result<TableEvent, &'static str> {
                 created: m.creation.as_deref().and_then(parse_time),
                 generation: 0,
                 clock_bound,
-                restarts,
+                clock_cell: restarts,
                 received_ms: 0,
             },
             initial_events_end,
@@ -833,19 +815,40 @@ impl TableStore {
         };
         row.generation = cols.generation;
         row.received_ms = now_ms;
-        // Pods' restarts are re-rendered when served (`Row::restarts_now`); elsewhere a cell
-        // relative to the clock is the apiserver's.
+        // Pods' restarts, Jobs' durations and CronJobs' last schedules are re-rendered when
+        // served (`Row::clock_cell_now`); elsewhere a cell relative to the clock is the
+        // apiserver's.
         let pods = !self.custom && self.group.is_empty() && self.resource == "pods";
+        let timed = match (self.custom, self.group.as_str(), self.resource.as_str()) {
+            (false, "batch", "jobs") => Some((ClockKind::JobDuration, "Duration")),
+            (false, "batch", "cronjobs") => Some((ClockKind::CronJobLastSchedule, "Last Schedule")),
+            _ => None,
+        };
         if pods
             && row.clock_bound
             && row
-                .restarts
+                .clock_cell
                 .as_ref()
                 .is_some_and(|r| cols.names.get(r.index).is_some_and(|n| n == "Restarts"))
         {
             row.clock_bound = false;
+        } else if let Some((kind, column)) = timed {
+            row.clock_cell = cols
+                .names
+                .iter()
+                .position(|n| n == column)
+                .and_then(|index| {
+                    let printed: String = serde_json::from_str(row.cells.get(index)?).ok()?;
+                    Some(ClockCell {
+                        index,
+                        kind,
+                        prefix: "".into(),
+                        printed: printed.into(),
+                    })
+                });
+            row.clock_bound |= row.clock_cell.is_none();
         } else {
-            row.restarts = None;
+            row.clock_cell = None;
         }
         if !row.clock_bound && !ages_agree(&row, &cols, now_ms) {
             self.stats.age_mismatches.fetch_add(1, Relaxed);
@@ -1090,8 +1093,11 @@ mod tests {
         assert_eq!(c.age, vec![2]);
         assert_eq!(c.unservable, None);
         assert!(!c.null_when_empty);
-        let c = Columns::parse(&pod_columns(), false, "batch", "jobs", 1).unwrap();
+        let c = Columns::parse(&pod_columns(), false, "", "events", 1).unwrap();
         assert!(c.unservable.is_some());
+        // Jobs' durations are re-rendered (`ClockKind`).
+        let c = Columns::parse(&pod_columns(), false, "batch", "jobs", 1).unwrap();
+        assert_eq!(c.unservable, None);
         let default = r#"[{"name":"Name","type":"string","format":"name","description":"x","priority":0},{"name":"Created At","type":"date","format":"","description":"y","priority":0}]"#;
         let c = Columns::parse(default, false, "", "things", 1).unwrap();
         assert!(c.null_when_empty);
@@ -1171,15 +1177,15 @@ mod tests {
         };
         let one = pod(&[at(-295), at(-3000)]);
         assert_eq!(
-            row.restarts_now(one.as_bytes(), t0 + 65_000),
+            row.clock_cell_now(one.as_bytes(), t0 + 65_000),
             Ok(Some(r#""2 (6m ago)""#.to_string()))
         );
         // No finishedAt that printed so, or none at all: not re-rendered.
         assert!(
-            row.restarts_now(pod(&[at(-3000)]).as_bytes(), t0 + 65_000)
+            row.clock_cell_now(pod(&[at(-3000)]).as_bytes(), t0 + 65_000)
                 .is_err()
         );
-        assert!(row.restarts_now(b"{}", t0 + 65_000).is_err());
+        assert!(row.clock_cell_now(b"{}", t0 + 65_000).is_err());
         // The same cell of another resource is the apiserver's.
         let other = TableStore::new(false, "", "nodes", Arc::new(ProtoBudget::new(u64::MAX)));
         other.set_columns(&pod_columns()).unwrap();
@@ -1199,8 +1205,9 @@ mod tests {
             created: None,
             generation: 1,
             clock_bound: false,
-            restarts: Some(Restarts {
+            clock_cell: Some(ClockCell {
                 index: 0,
+                kind: ClockKind::PodRestarts,
                 prefix: "2 (".into(),
                 printed: "10d".into(),
             }),
@@ -1209,10 +1216,10 @@ mod tests {
         // Both printed "10d" when the row arrived; five hours later one is 11 days old.
         let pod = r#"{"status":{"containerStatuses":[{"lastState":{"terminated":{"finishedAt":"2026-12-07T11:00:00Z"}}}],"initContainerStatuses":[{"lastState":{"terminated":{"finishedAt":"2026-12-06T16:00:00Z"}}}]}}"#;
         let later = r.received_ms + 5 * 3_600_000;
-        assert!(r.restarts_now(pod.as_bytes(), later).is_err());
+        assert!(r.clock_cell_now(pod.as_bytes(), later).is_err());
         let one = r#"{"status":{"containerStatuses":[{"lastState":{"terminated":{"finishedAt":"2026-12-07T11:00:00Z"}}}]}}"#;
         assert_eq!(
-            r.restarts_now(one.as_bytes(), later),
+            r.clock_cell_now(one.as_bytes(), later),
             Ok(Some(r#""2 (10d ago)""#.to_string()))
         );
         assert_eq!(split_restarts(r#""12 (3m4s ago)""#), Some(("12 (", "3m4s")));
@@ -1224,6 +1231,88 @@ mod tests {
         ] {
             assert_eq!(split_restarts(bad), None, "{bad}");
         }
+    }
+
+    /// A running Job's duration and a CronJob's last schedule move with the clock: kept
+    /// with the time they were printed from, re-rendered now; a complete Job's duration and
+    /// a CronJob never scheduled do not move.
+    #[test]
+    fn job_durations_and_last_schedules_are_re_rendered_from_the_object() {
+        const JOB_COLUMNS: &str = r#"[{"name":"Name","type":"string","format":"name","description":"n","priority":0},{"name":"Status","type":"string","format":"","description":"s","priority":0},{"name":"Completions","type":"string","format":"","description":"c","priority":0},{"name":"Duration","type":"string","format":"","description":"Time required to complete the job.","priority":0}]"#;
+        let st = TableStore::new(false, "batch", "jobs", Arc::new(ProtoBudget::new(u64::MAX)));
+        st.set_columns(JOB_COLUMNS).unwrap();
+        let g = st.columns().unwrap().generation;
+        let t0 = parse_time("2026-12-07T12:00:00Z").unwrap();
+        let start = "2026-12-07T11:40:00Z";
+        let row = |cell: &str| {
+            format!(
+                r#"{{"kind":"Table","apiVersion":"meta.k8s.io/v1","metadata":{{"resourceVersion":"5"}},"rows":[{{"cells":["j","Running","0/1","{cell}"],"object":{{"kind":"PartialObjectMetadata","apiVersion":"meta.k8s.io/v1","metadata":{{"name":"j","namespace":"ns","resourceVersion":"5"}}}}}}]}}"#
+            )
+        };
+        for r in parse_table_event(&row("20m")).unwrap().rows {
+            st.attach(r.key, r.rv, r.row, t0 * 1000);
+        }
+        let r = st.row(&ObjectKey::new("ns", "j"), 5, g).expect("servable");
+        let running = format!(r#"{{"status":{{"startTime":"{start}"}}}}"#);
+        let later = (t0 + 600) * 1000;
+        assert_eq!(
+            r.clock_cell_now(running.as_bytes(), later),
+            Ok(Some(r#""30m""#.to_string()))
+        );
+        // Printed from another start than the object's: not re-rendered.
+        let other = r#"{"status":{"startTime":"2026-12-07T10:00:00Z"}}"#;
+        assert!(r.clock_cell_now(other.as_bytes(), later).is_err());
+        // Complete, or not started: the cell as printed.
+        let done = format!(
+            r#"{{"status":{{"startTime":"{start}","completionTime":"2026-12-07T11:45:00Z"}}}}"#
+        );
+        assert_eq!(r.clock_cell_now(done.as_bytes(), later), Ok(None));
+        assert_eq!(r.clock_cell_now(b"{}", later), Ok(None));
+        assert!(r.clock_cell_now(b"[", later).is_err());
+
+        const CRON_COLUMNS: &str = r#"[{"name":"Name","type":"string","format":"name","description":"n","priority":0},{"name":"Last Schedule","type":"string","format":"","description":"l","priority":0}]"#;
+        let st = TableStore::new(
+            false,
+            "batch",
+            "cronjobs",
+            Arc::new(ProtoBudget::new(u64::MAX)),
+        );
+        st.set_columns(CRON_COLUMNS).unwrap();
+        let g = st.columns().unwrap().generation;
+        let cron = |cell: &str| {
+            format!(
+                r#"{{"kind":"Table","apiVersion":"meta.k8s.io/v1","metadata":{{"resourceVersion":"6"}},"rows":[{{"cells":["c","{cell}"],"object":{{"kind":"PartialObjectMetadata","apiVersion":"meta.k8s.io/v1","metadata":{{"name":"c","namespace":"ns","resourceVersion":"6"}}}}}}]}}"#
+            )
+        };
+        for r in parse_table_event(&cron("7m")).unwrap().rows {
+            st.attach(r.key, r.rv, r.row, t0 * 1000);
+        }
+        let r = st.row(&ObjectKey::new("ns", "c"), 6, g).expect("servable");
+        let scheduled = r#"{"status":{"lastScheduleTime":"2026-12-07T11:53:00Z"}}"#;
+        assert_eq!(
+            r.clock_cell_now(scheduled.as_bytes(), later),
+            Ok(Some(r#""17m""#.to_string()))
+        );
+        assert!(r.clock_cell_now(b"{}", later).is_ok());
+        // No Last Schedule column: the row is not served.
+        let st = TableStore::new(
+            false,
+            "batch",
+            "cronjobs",
+            Arc::new(ProtoBudget::new(u64::MAX)),
+        );
+        st.set_columns(JOB_COLUMNS).unwrap();
+        for r in parse_table_event(&cron("7m")).unwrap().rows {
+            st.attach(r.key, r.rv, r.row, t0 * 1000);
+        }
+        assert!(
+            st.row(
+                &ObjectKey::new("ns", "c"),
+                6,
+                st.columns().unwrap().generation
+            )
+            .is_none()
+        );
     }
 
     #[test]

@@ -104,8 +104,8 @@ pub fn body(
         if i > 0 {
             b.put_u8(b',');
         }
-        let restarts = row.clock_cell_now(&o.body, now).ok()?;
-        row.put(&mut b, cols, now, restarts.as_deref(), |b| {
+        let replaced = row.cells_now(cols, &o.body, now).ok()?;
+        row.put(&mut b, cols, now, &replaced, |b| {
             put_row_object(b, &o.body, form, |b| {
                 put_object(b, &cache.resource, &o.body, Encoding::Json)
             })
@@ -266,19 +266,12 @@ impl TableWatch {
         };
         let object = l.object.get().as_bytes();
         let now = now_ms();
-        let restarts = row.clock_cell_now(object, now).ok()?;
-        Some(self.write(
-            &l.ty,
-            rv,
-            object,
-            &cols,
-            &row,
-            Some((now, restarts.as_deref())),
-        ))
+        let replaced = row.cells_now(&cols, object, now).ok()?;
+        Some(self.write(&l.ty, rv, object, &cols, &row, Some((now, &replaced))))
     }
 
     /// One event line: a Table of one row, `columnDefinitions` on the watch's first event;
-    /// `clock` is the moment its ages print at and its restarts cell re-rendered, if any
+    /// `clock` is the moment its ages print at and its other cells re-rendered then
     /// (`None`: a bookmark's row, its cells as received).
     fn write(
         &mut self,
@@ -287,7 +280,7 @@ impl TableWatch {
         object: &[u8],
         cols: &Columns,
         row: &Row,
-        clock: Option<(i64, Option<&str>)>,
+        clock: Option<(i64, &[(usize, String)])>,
     ) -> Bytes {
         let columns = if std::mem::take(&mut self.first) {
             &*cols.raw
@@ -308,7 +301,7 @@ impl TableWatch {
         let form = self.form;
         let object = |b: &mut BytesMut| put_row_object(b, object, form, |b| b.put_slice(object));
         match clock {
-            Some((now, restarts)) => row.put(&mut b, cols, now, restarts, object),
+            Some((now, replaced)) => row.put(&mut b, cols, now, replaced, object),
             None => row.put_as_received(&mut b, object),
         }
         b.put_slice(b"]}}\n");

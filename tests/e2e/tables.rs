@@ -2,7 +2,8 @@
 //! cache against
 //! a real kube-apiserver + etcd: pods, a deployment, configmaps, a running Job and a
 //! scheduled CronJob (their Duration and Last Schedule re-rendered) and custom resources
-//! whose CRD has printer columns (integer, string of priority 1, number, date). Every Table the
+//! whose CRD has printer columns (integer, string of priority 1, number, a date of a spec
+//! field, re-rendered, and the creation date). Every Table the
 //! proxy writes — GET, LIST, a LIST at an exact resourceVersion, a paginated walk with
 //! `limit=2`, each with `includeObject` None, Metadata and Object — equals the apiserver's
 //! as JSON values, its age cells being the age of the object at the moment of the request
@@ -249,6 +250,7 @@ fn widgets_crd() -> Value {
                         {"name": "Size", "type": "integer", "jsonPath": ".spec.size"},
                         {"name": "Color", "type": "string", "jsonPath": ".spec.color", "priority": 1},
                         {"name": "Ratio", "type": "number", "jsonPath": ".spec.ratio"},
+                        {"name": "Seen", "type": "date", "jsonPath": ".spec.seen"},
                         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]}]}
     })
 }
@@ -354,11 +356,11 @@ async fn tables_from_the_cache_equal_the_apiservers_and_kubectl_prints_the_same(
     for (path, status) in [
         (
             format!("/apis/batch/v1/namespaces/{NS}/jobs/job/status"),
-            json!({"status": {"startTime": ten_hours_ago}}),
+            json!({"status": {"startTime": &ten_hours_ago}}),
         ),
         (
             format!("/apis/batch/v1/namespaces/{NS}/cronjobs/cron/status"),
-            json!({"status": {"lastScheduleTime": ten_hours_ago}}),
+            json!({"status": {"lastScheduleTime": &ten_hours_ago}}),
         ),
     ] {
         let req = http::Request::patch(path)
@@ -379,7 +381,7 @@ async fn tables_from_the_cache_equal_the_apiservers_and_kubectl_prints_the_same(
     .enumerate()
     {
         send(&admin, "POST", &format!("/apis/example.com/v1/namespaces/{NS}/widgets"), "application/json",
-            Some(json!({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": format!("w-{i}")}, "spec": {"size": size, "color": color, "ratio": ratio}}))).await;
+            Some(json!({"apiVersion": "example.com/v1", "kind": "Widget", "metadata": {"name": format!("w-{i}")}, "spec": {"size": size, "color": color, "ratio": ratio, "seen": ten_hours_ago}}))).await;
     }
     let collections = [
         (

@@ -55,6 +55,9 @@ pub struct RowImage {
     /// printed).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clock_cell: Option<(usize, ClockKind, String, String)>,
+    /// A custom resource's date cells of other fields: (index, as printed).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dates: Vec<(usize, String)>,
     pub received_ms: i64,
 }
 
@@ -69,6 +72,7 @@ impl RowImage {
                 .clock_cell
                 .as_ref()
                 .map(|x| (x.index, x.kind, x.prefix.to_string(), x.printed.to_string())),
+            dates: r.dates.iter().map(|(i, p)| (*i, p.to_string())).collect(),
             received_ms: r.received_ms,
         }
     }
@@ -78,6 +82,9 @@ impl RowImage {
     fn row(self, generation: u64) -> Option<Row> {
         let json = |s: &str| serde_json::from_str::<serde::de::IgnoredAny>(s).is_ok();
         if !self.cells.iter().all(|c| json(c)) || !self.conditions.as_deref().is_none_or(json) {
+            return None;
+        }
+        if self.dates.iter().any(|(i, _)| *i >= self.cells.len()) {
             return None;
         }
         let clock_cell = match self.clock_cell {
@@ -97,6 +104,7 @@ impl RowImage {
             generation,
             clock_bound: self.clock_bound,
             clock_cell,
+            dates: self.dates.into_iter().map(|(i, p)| (i, p.into())).collect(),
             received_ms: self.received_ms,
         })
     }

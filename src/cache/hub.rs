@@ -21,7 +21,7 @@ use dashmap::DashMap;
 use crate::cache::CachedObject;
 use crate::cache::event::{Delivery, Event};
 use crate::k8s::selector::{FieldSelector, LabelSelector};
-use crate::k8s::watch_fields::{ChangeSet, WatchFields};
+use crate::k8s::watch_fields::{ChangeSet, Decisions, Slot, WatchFields};
 
 /// What a watcher wants to see.
 #[derive(Debug, Clone, Default)]
@@ -39,44 +39,66 @@ pub struct Filter {
 
 /// The change decisions of one event, shared by every watcher with the same change filter:
 /// the event's changed paths are computed once (the two objects parsed and compared once,
-/// only when a watcher has a change filter), then each distinct filter is decided once
-/// against them, at a cost bounded by the filter's size (`watch_fields::ChangeSet`). The
-/// decisions are kept by filter (hashed by its id, compared by content), so a watcher's
-/// lookup costs the same with one distinct filter or thousands.
+/// only when a watcher has a change filter). The hub's watchers hold their filter's slot in
+/// the resource's registry (`watch_fields::Slot`): at the first decision the event needs,
+/// one walk of the changed paths with the trie of every select filter's paths marks the
+/// changed ones, whatever their number; an ignore filter is decided once per event against
+/// the changed paths, at a cost bounded by its size. Decisions are kept by slot in an array
+/// reused from event to event (`watch_fields::Decisions`), so a watcher's lookup is an array
+/// read, with one distinct filter or thousands. A filter without a slot (outside the hub) is
+/// decided on each call.
 #[derive(Default)]
 pub struct ChangeMemo {
-    decided: std::collections::HashMap<Arc<WatchFields>, bool>,
+    decisions: Decisions,
     /// The changed paths (`None`: an object is unreadable, delivered).
     set: Option<Option<ChangeSet>>,
-    /// Decisions computed (distinct filters decided) and the time spent on the filter work
-    /// (parsing, changed paths, decisions), for the metrics.
-    evaluations: u64,
+    /// Decisions computed without a slot, and the time spent on the filter work (parsing,
+    /// changed paths, decisions), for the metrics.
+    unslotted: u64,
     nanos: u64,
 }
 
 impl ChangeMemo {
-    fn changed(&mut self, f: &Arc<WatchFields>, e: &Event) -> bool {
-        if let Some(c) = self.decided.get(&**f) {
-            return *c;
+    /// Starts the next event (the buffers are kept).
+    fn begin(&mut self) {
+        self.set = None;
+        self.decisions.begin();
+        self.unslotted = 0;
+        self.nanos = 0;
+    }
+
+    fn changed(&mut self, f: &WatchFields, slot: Option<&Slot>, e: &Event) -> bool {
+        // Decided already (or undecidable): no clock, no hashing.
+        if let Some(s) = slot
+            && let Some(c) = self.decisions.lookup(s)
+        {
+            return c;
+        }
+        if let Some(None) = self.set {
+            return true;
         }
         let start = std::time::Instant::now();
         let set = self.set.get_or_insert_with(|| {
             let prev = e.prev.as_deref()?;
             ChangeSet::from_json(&prev.body, &e.object.body)
         });
-        let c = match set {
-            Some(set) => f.changed_in(set),
-            None => true,
+        let c = match (set, slot) {
+            (None, _) => true,
+            (Some(set), Some(s)) => self.decisions.decide(s, set),
+            (Some(set), None) => {
+                self.unslotted += 1;
+                f.changed_in(set)
+            }
         };
-        self.decided.insert(f.clone(), c);
-        self.evaluations += 1;
         self.nanos += start.elapsed().as_nanos() as u64;
         c
     }
 
-    /// Distinct filters decided so far.
-    pub fn decisions(&self) -> usize {
-        self.decided.len()
+    /// Decisions computed so far in this event: walks of the select filters' trie (one per
+    /// event), ignore-form filters decided (one per distinct filter) and filters decided
+    /// without a slot.
+    pub fn evaluations(&self) -> u64 {
+        self.decisions.evaluations() + self.unslotted
     }
 }
 
@@ -100,14 +122,21 @@ impl Filter {
     /// decision between watchers with the same filter).
     pub fn delivery_of_changes(&self, e: &Event, memo: &mut ChangeMemo) -> Option<Delivery> {
         let d = self.delivery(e)?;
-        self.passes_changes(e, d, memo).then_some(d)
+        self.passes_changes(e, d, None, memo).then_some(d)
     }
 
-    /// Whether delivery `d` of `e` passes the change filter (always, without one).
-    fn passes_changes(&self, e: &Event, d: Delivery, memo: &mut ChangeMemo) -> bool {
+    /// Whether delivery `d` of `e` passes the change filter (always, without one); `slot`:
+    /// the filter's slot in the hub's registry, if it holds one.
+    fn passes_changes(
+        &self,
+        e: &Event,
+        d: Delivery,
+        slot: Option<&Slot>,
+        memo: &mut ChangeMemo,
+    ) -> bool {
         match &self.changes {
             Some(f) if e.kind == crate::cache::EventKind::Modified && d == Delivery::AsIs => {
-                memo.changed(f, e)
+                memo.changed(f, slot, e)
             }
             _ => true,
         }
@@ -163,6 +192,8 @@ struct Entry {
     /// namespace, if any, is the bucket's): its delivery is the same for every such watcher
     /// and is computed once per event, without reading the filter.
     all: bool,
+    /// The change filter's slot in `Hub::change_filters` (held as long as the entry).
+    change: Option<Slot>,
 }
 
 /// A watcher's bounded queue. In place of `tokio::sync::mpsc`, whose channel costs about a
@@ -439,8 +470,9 @@ pub struct HubStats {
     /// because they changed none of the watcher's fields.
     pub changes_delivered: AtomicU64,
     pub changes_suppressed: AtomicU64,
-    /// Change-filter decisions computed (one per event per distinct filter it concerned)
-    /// and the time spent on the filter work, in nanoseconds.
+    /// Change-filter decisions computed (per event that concerned a filtered watcher: one
+    /// walk deciding every select filter, plus one per distinct ignore filter concerned; see
+    /// `ChangeMemo::evaluations`) and the time spent on the filter work, in nanoseconds.
     pub change_evaluations: AtomicU64,
     pub change_nanos: AtomicU64,
 }
@@ -465,8 +497,11 @@ pub struct Hub {
     budget: TimeBudget,
     pub stats: HubStats,
     /// The distinct change filters of this resource's watches (admitted by the pipeline,
-    /// within `cache.watchFields`).
+    /// within `cache.watchFields`; interned by `subscribe`, each watcher holding its slot).
     pub change_filters: Arc<crate::k8s::watch_fields::Registry>,
+    /// The decision buffers, kept from one dispatch to the next (taken by a dispatch; a
+    /// concurrent one starts empty).
+    memo: parking_lot::Mutex<ChangeMemo>,
 }
 
 /// Time the dispatcher may spend waiting for full queues, shared by all events (as
@@ -549,6 +584,7 @@ impl Hub {
             budget: TimeBudget::new(budget),
             stats: HubStats::default(),
             change_filters: Default::default(),
+            memo: Default::default(),
         })
     }
 
@@ -602,9 +638,10 @@ impl Hub {
         let all = filter.labels.is_everything()
             && filter.fields.is_everything()
             && filter.namespaces.is_none();
-        if filter.changes.is_some() {
+        let change = filter.changes.as_ref().map(|f| {
             self.filtered.fetch_add(1, Ordering::Relaxed);
-        }
+            self.change_filters.intern(f)
+        });
         let bucket: Box<str> = match filter.fields.exact_value(INDEXED_FIELD) {
             Some(v) => {
                 self.indexed.fetch_add(1, Ordering::Relaxed);
@@ -612,10 +649,15 @@ impl Hub {
             }
             None => filter.namespace.as_deref().unwrap_or("").into(),
         };
-        self.buckets
-            .entry(bucket.clone())
-            .or_default()
-            .insert(id, Entry { tx, filter, all });
+        self.buckets.entry(bucket.clone()).or_default().insert(
+            id,
+            Entry {
+                tx,
+                filter,
+                all,
+                change,
+            },
+        );
         self.count.fetch_add(1, Ordering::Relaxed);
         Subscription {
             id,
@@ -673,7 +715,8 @@ impl Hub {
             .flatten()
             .chain(index_keys.iter().flatten().map(String::as_str));
         let for_all = Filter::default().delivery(&ev);
-        let mut memo = ChangeMemo::default();
+        let mut memo = std::mem::take(&mut *self.memo.lock());
+        memo.begin();
         let (mut changes_delivered, mut changes_suppressed) = (0u64, 0u64);
         for scope in scopes {
             let Some(bucket) = self.buckets.get(scope) else {
@@ -690,7 +733,10 @@ impl Hub {
                 };
                 // Only watchers with a change filter pay for it.
                 if w.filter.changes.is_some() && ev.kind == crate::cache::EventKind::Modified {
-                    if !w.filter.passes_changes(&ev, d, &mut memo) {
+                    if !w
+                        .filter
+                        .passes_changes(&ev, d, w.change.as_ref(), &mut memo)
+                    {
                         changes_suppressed += 1;
                         continue;
                     }
@@ -704,6 +750,9 @@ impl Hub {
             }
         }
         // The iteration's shard locks are released here; waiting happens without them.
+        let (evaluations, nanos) = (memo.evaluations(), memo.nanos);
+        memo.set = None; // the changed paths, dropped now rather than at the next event
+        *self.memo.lock() = memo;
         if !blocked.is_empty() {
             let start = tokio::time::Instant::now();
             let available = self.budget.take();
@@ -728,8 +777,8 @@ impl Hub {
         if changes_delivered + changes_suppressed > 0 {
             let st = &self.stats;
             st.change_evaluations
-                .fetch_add(memo.evaluations, Ordering::Relaxed);
-            st.change_nanos.fetch_add(memo.nanos, Ordering::Relaxed);
+                .fetch_add(evaluations, Ordering::Relaxed);
+            st.change_nanos.fetch_add(nanos, Ordering::Relaxed);
             st.changes_delivered
                 .fetch_add(changes_delivered, Ordering::Relaxed);
             st.changes_suppressed
@@ -897,13 +946,16 @@ mod tests {
         let st = &hub.stats;
         assert_eq!(st.changes_suppressed.load(Ordering::Relaxed), 2);
         assert_eq!(st.changes_delivered.load(Ordering::Relaxed), 2);
-        // Added and deleted events always pass; the decision is made once per filter.
+        // The shared filter is decided once per event (one walk of its slot's trie).
+        assert_eq!(st.change_evaluations.load(Ordering::Relaxed), 2);
+        assert_eq!(hub.change_filters.interned(), 1);
+        // Outside the hub (no slot), each call decides; added and deleted events always pass.
         let mut memo = ChangeMemo::default();
         let e = modified(&v1, &v2, 2);
         for f in [on_data(None), on_data(Some("a"))] {
             assert_eq!(f.delivery_of_changes(&e, &mut memo), None);
         }
-        assert_eq!(memo.decisions(), 1);
+        assert_eq!(memo.evaluations(), 2);
         let added = Arc::new(Event::new(EventKind::Added, v3.clone(), None));
         assert!(
             on_data(None)
@@ -912,15 +964,17 @@ mod tests {
         );
         drop(data);
         assert_eq!(hub.filtered(), 1);
+        assert_eq!(hub.change_filters.interned(), 1, "data_ns holds it");
         hub.close_all(CloseReason::Relist);
         assert_eq!(hub.filtered(), 0);
+        assert_eq!(hub.change_filters.interned(), 0);
     }
 
-    /// Thousands of distinct filters: each is decided once per event from the event's
-    /// changed paths (one decision per distinct filter, whatever the watchers sharing it),
-    /// and each watcher gets exactly what the direct comparison of its fields says.
+    /// Thousands of distinct select filters: one walk of the event's changed paths with the
+    /// trie of their paths decides them all, and each watcher gets exactly what the direct
+    /// comparison of its fields says.
     #[tokio::test]
-    async fn many_distinct_filters_are_decided_once_each_from_the_changed_paths() {
+    async fn many_distinct_filters_are_decided_by_one_walk_of_the_changed_paths() {
         let cm = |rv: u64, keys: &[(usize, &str)]| {
             let data: serde_json::Map<String, serde_json::Value> = keys
                 .iter()
@@ -976,12 +1030,133 @@ mod tests {
             assert_eq!(got, *i == 7 || *i == 1234);
         }
         let st = &hub.stats;
-        assert_eq!(st.change_evaluations.load(Ordering::Relaxed), N as u64);
+        assert_eq!(st.change_evaluations.load(Ordering::Relaxed), 1);
         assert_eq!(st.changes_delivered.load(Ordering::Relaxed), 4);
         assert_eq!(
             st.changes_suppressed.load(Ordering::Relaxed),
             2 * N as u64 - 4
         );
+        assert_eq!(hub.change_filters.interned(), N);
+        drop(subs);
+        assert_eq!(hub.change_filters.interned(), 0);
+    }
+
+    /// Select and ignore filters on watchers of two namespaces and of all, coming and going
+    /// between events (their slots freed and reused): every watcher gets exactly the MODIFIED
+    /// events the direct comparison of its fields says, each ignore filter is decided at
+    /// most once per event, and the slots go with the last watchers.
+    #[tokio::test]
+    async fn watchers_coming_and_going_get_their_own_filters_decisions() {
+        let headers = [
+            "data",
+            "data[k1]",
+            "data[k2],metadata.labels",
+            "metadata",
+            "metadata.labels[app]",
+            "-data",
+            "-data[k1]",
+            "-metadata.annotations",
+            "-metadata,-data[k2]",
+            "spec",
+        ];
+        let cm = |ns: &str, rv: u64, k1: u64, k2: u64, app: u64, note: u64| {
+            let raw = serde_json::json!({"metadata": {"name": "x", "namespace": ns,
+                "resourceVersion": rv.to_string(), "labels": {"app": app.to_string()},
+                "annotations": {"n": note.to_string()}},
+                "data": {"k1": k1.to_string(), "k2": k2.to_string()}})
+            .to_string();
+            Arc::new(
+                CachedObject::parse(
+                    Bytes::from(raw),
+                    &Resource::core("configmaps", "ConfigMap", true),
+                )
+                .unwrap(),
+            )
+        };
+        let hub = Hub::new(1024, Duration::from_millis(10));
+        let mut subs: Vec<(Option<&str>, usize, Subscription)> = Vec::new();
+        let mut seed = 7u64;
+        let mut rnd = |n: u64| {
+            seed = seed
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (seed >> 33) % n
+        };
+        let mut objects = std::collections::HashMap::new();
+        for rv in 2..300u64 {
+            // A watcher goes, one comes.
+            if !subs.is_empty() && rnd(2) == 0 {
+                let i = rnd(subs.len() as u64) as usize;
+                subs.swap_remove(i);
+            }
+            for _ in 0..2 {
+                let ns = [Some("a"), Some("b"), None][rnd(3) as usize];
+                let h = rnd(headers.len() as u64) as usize;
+                let f = Filter {
+                    namespace: ns.map(str::to_string),
+                    changes: Some(Arc::new(WatchFields::parse(headers[h]).unwrap())),
+                    ..Filter::default()
+                };
+                subs.push((ns, h, hub.subscribe(Arc::new(f))));
+            }
+            let ns = ["a", "b"][rnd(2) as usize];
+            let prev = objects
+                .entry(ns)
+                .or_insert_with(|| cm(ns, 1, 0, 0, 0, 0))
+                .clone();
+            let v = |f: &str| {
+                let j: serde_json::Value = serde_json::from_slice(&prev.body).unwrap();
+                let s = if f == "app" {
+                    j["metadata"]["labels"]["app"].as_str().unwrap().to_string()
+                } else if f == "n" {
+                    j["metadata"]["annotations"]["n"]
+                        .as_str()
+                        .unwrap()
+                        .to_string()
+                } else {
+                    j["data"][f].as_str().unwrap().to_string()
+                };
+                s.parse::<u64>().unwrap()
+            };
+            let (mut k1, mut k2, mut app, mut note) = (v("k1"), v("k2"), v("app"), v("n"));
+            match rnd(5) {
+                0 => k1 += 1,
+                1 => k2 += 1,
+                2 => app += 1,
+                3 => note += 1,
+                _ => {}
+            }
+            let next = cm(ns, rv, k1, k2, app, note);
+            objects.insert(ns, next.clone());
+            let before = hub.stats.change_evaluations.load(Ordering::Relaxed);
+            hub.dispatch(Arc::new(Event::new(
+                EventKind::Modified,
+                next.clone(),
+                Some(prev.clone()),
+            )))
+            .await;
+            let evaluations = hub.stats.change_evaluations.load(Ordering::Relaxed) - before;
+            let ignore_filters = headers.iter().filter(|h| h.starts_with('-')).count();
+            assert!(evaluations <= 1 + ignore_filters as u64, "{evaluations}");
+            let (old, new): (serde_json::Value, serde_json::Value) = (
+                serde_json::from_slice(&prev.body).unwrap(),
+                serde_json::from_slice(&next.body).unwrap(),
+            );
+            for (wns, h, s) in &mut subs {
+                let got = s.rx.try_recv().ok().map(|(e, _)| e.rv);
+                let want = (wns.is_none() || *wns == Some(ns))
+                    && WatchFields::parse(headers[*h]).unwrap().changed(&old, &new);
+                assert_eq!(
+                    got,
+                    want.then_some(rv),
+                    "{} in {wns:?}, event in {ns}",
+                    headers[*h]
+                );
+            }
+        }
+        assert!(hub.change_filters.interned() <= headers.len());
+        drop(subs);
+        assert_eq!(hub.change_filters.interned(), 0);
     }
 
     #[tokio::test]

@@ -477,7 +477,7 @@ impl Collector for CacheCollector {
         emit(
             &mut enc,
             "kube_cache_proxy_watch_field_filter_evaluations",
-            "Field-level change filter decisions computed: one per MODIFIED event per distinct filter of the watchers it reached",
+            "Field-level change filter decisions computed, per MODIFIED event reaching filtered watchers: one walk deciding every select filter at once, and one per distinct ignore filter",
             &field_evaluations,
         )?;
         emit(

@@ -16,10 +16,14 @@
 //! Hostile input is bounded: at most [`MAX_PATHS`] paths of at most [`MAX_PATH_LEN`] bytes.
 //!
 //! Cost: an event's [`ChangeSet`] (the paths where the two objects differ) is computed once,
-//! whatever the number of filters, in one walk of both objects; each distinct filter is then
-//! decided against it in time bounded by the filter's own size ([`WatchFields::changed_in`]),
-//! not the objects'. The number of distinct filters on a resource, in all and per identity,
-//! is bounded by [`Registry`] (`cache.watchFields`).
+//! whatever the number of filters, in one walk of both objects. The hub's watchers intern
+//! their filters in the resource's [`Registry`] ([`Slot`]: a small number per distinct
+//! filter), which keeps the select filters' paths as one trie: one walk of the changes with
+//! the trie decides every select filter, visiting only the changed paths some filter names,
+//! whatever the number of filters; each distinct ignore filter is decided against the changes
+//! in time bounded by its own size ([`WatchFields::changed_in`]), not the objects'. The
+//! decisions are kept by slot in an array ([`Decisions`]). The number of distinct filters on
+//! a resource, in all and per identity, is bounded by [`Registry`] (`cache.watchFields`).
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, Hash, Hasher};
@@ -377,9 +381,17 @@ impl std::fmt::Display for Refused {
 /// The distinct filters of one resource's open watches, with the identities holding them:
 /// the bound on how many decisions each event needs. A watch holds a [`Lease`] as long as it
 /// is open.
+///
+/// The hub's watchers also intern their filters here ([`Registry::intern`], a [`Slot`] held
+/// as long as the watcher is registered): each distinct filter gets a small slot number, and
+/// the select filters' paths are kept as one trie, so an event decides every select filter
+/// in one walk of its changes ([`Decisions`]). Slots are held by the hub's watchers rather
+/// than by the leases because the two end independently: a slot freed and reused while a
+/// watcher still named it would give that watcher another filter's decisions.
 #[derive(Debug, Default)]
 pub struct Registry {
     state: parking_lot::Mutex<RegistryState>,
+    index: parking_lot::Mutex<Index>,
     /// Admissions refused: over the resource's limit, over an identity's.
     pub refused_resource: AtomicU64,
     pub refused_identity: AtomicU64,
@@ -443,6 +455,44 @@ impl Registry {
         self.state.lock().owners.len()
     }
 
+    /// A hub watcher's hold on `f`'s slot (equal filters share one; a new filter takes a free
+    /// slot, its paths joining the trie when it is of the select form). O(the filter's
+    /// size), whatever the number of filters.
+    pub fn intern(self: &Arc<Self>, f: &Arc<WatchFields>) -> Slot {
+        let mut ix = self.index.lock();
+        let (index, ticket) = ix.acquire(f);
+        let filter = ix.slots[index as usize]
+            .filter
+            .clone()
+            .expect("an acquired slot has its filter");
+        Slot {
+            registry: self.clone(),
+            ignore: filter.ignore,
+            filter,
+            index,
+            ticket,
+        }
+    }
+
+    /// Slots held (distinct filters of the hub's watchers).
+    pub fn interned(&self) -> usize {
+        self.index.lock().by_filter.len()
+    }
+
+    /// Starts `d`'s event: marks every select filter with a path in `set`; whether there was
+    /// a select filter to decide.
+    fn mark(&self, set: &ChangeSet, d: &mut Decisions) -> bool {
+        let ix = self.index.lock();
+        d.ticket = ix.tickets;
+        if d.by_slot.len() < ix.slots.len() {
+            d.by_slot.resize(ix.slots.len(), 0);
+        }
+        if let Some(root) = &set.root {
+            mark(root, &ix.root, &mut d.by_slot, 2 * d.epoch + 1);
+        }
+        ix.select > 0
+    }
+
     fn release(&self, f: &WatchFields, owner: &str) {
         let mut st = self.state.lock();
         if let Some(n) = st.filters.get_mut(f) {
@@ -483,6 +533,278 @@ impl std::fmt::Debug for Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         self.registry.release(&self.filter, &self.owner);
+    }
+}
+
+/// A hub watcher's hold on its filter's slot in the resource's [`Registry`]
+/// ([`Registry::intern`]): equal filters share one slot, numbered from 0, reused once no
+/// watcher holds it. The slot names the filter's decision in an event's [`Decisions`] (an
+/// index into an array, no hashing). Released when dropped.
+pub struct Slot {
+    registry: Arc<Registry>,
+    /// The interned filter (the first of the equal ones).
+    filter: Arc<WatchFields>,
+    index: u32,
+    /// When this hold was taken ([`Index::tickets`]): an event's decisions hold only the
+    /// slots held before they were started.
+    ticket: u64,
+    ignore: bool,
+}
+
+impl Slot {
+    /// The slot's number.
+    pub fn index(&self) -> usize {
+        self.index as usize
+    }
+
+    /// The interned filter.
+    pub fn filter(&self) -> &Arc<WatchFields> {
+        &self.filter
+    }
+}
+
+impl std::fmt::Debug for Slot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Slot")
+            .field("index", &self.index)
+            .field("filter", &self.filter.canonical)
+            .finish()
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.registry.index.lock().release(self.index);
+    }
+}
+
+/// The interned filters of a resource's watchers and the select filters' paths as one trie.
+#[derive(Debug, Default)]
+struct Index {
+    /// Each interned filter's slot.
+    by_filter: HashMap<Arc<WatchFields>, u32>,
+    /// By slot number.
+    slots: Vec<SlotState>,
+    /// Slots held by no filter.
+    free: Vec<u32>,
+    /// The select filters' paths: each node lists the filters with a path ending there.
+    root: IndexNode,
+    /// Holds taken so far (each [`Slot`]'s ticket).
+    tickets: u64,
+    /// Interned select filters (the trie is empty without one).
+    select: usize,
+}
+
+#[derive(Debug, Default)]
+struct SlotState {
+    /// `None` while the slot is free.
+    filter: Option<Arc<WatchFields>>,
+    holds: usize,
+    /// Select form: where each of the filter's paths is in the `ends` of its trie node.
+    pos: Vec<u32>,
+}
+
+#[derive(Debug, Default)]
+struct IndexNode {
+    /// The select filters with a path ending here: (slot, which of its paths).
+    ends: Vec<(u32, u32)>,
+    children: HashMap<Box<str>, IndexNode>,
+}
+
+impl Index {
+    fn acquire(&mut self, f: &Arc<WatchFields>) -> (u32, u64) {
+        self.tickets += 1;
+        if let Some(&s) = self.by_filter.get(&**f) {
+            self.slots[s as usize].holds += 1;
+            return (s, self.tickets);
+        }
+        let s = match self.free.pop() {
+            Some(s) => s,
+            None => {
+                self.slots.push(SlotState::default());
+                u32::try_from(self.slots.len() - 1).expect("fewer slots than watchers")
+            }
+        };
+        let mut pos = Vec::new();
+        if !f.ignore {
+            self.select += 1;
+            pos.reserve_exact(f.paths.len());
+            for (j, p) in f.paths.iter().enumerate() {
+                let mut node = &mut self.root;
+                for seg in p {
+                    if !node.children.contains_key(seg.as_str()) {
+                        node.children
+                            .insert(seg.as_str().into(), IndexNode::default());
+                    }
+                    node = node.children.get_mut(seg.as_str()).expect("just inserted");
+                }
+                pos.push(node.ends.len() as u32);
+                node.ends.push((s, j as u32));
+            }
+        }
+        self.slots[s as usize] = SlotState {
+            filter: Some(f.clone()),
+            holds: 1,
+            pos,
+        };
+        self.by_filter.insert(f.clone(), s);
+        (s, self.tickets)
+    }
+
+    fn release(&mut self, s: u32) {
+        let st = &mut self.slots[s as usize];
+        st.holds -= 1;
+        if st.holds > 0 {
+            return;
+        }
+        let st = std::mem::take(st);
+        let f = st.filter.expect("a held slot has its filter");
+        self.by_filter.remove(&*f);
+        if !f.ignore {
+            self.select -= 1;
+            for (p, &at) in f.paths.iter().zip(&st.pos) {
+                remove_end(&mut self.root, p, at, &mut self.slots);
+            }
+        }
+        self.free.push(s);
+    }
+}
+
+/// Removes the end of a path at `ends[at]` of its node below `node`, then the nodes left
+/// without ends or children; whether `node` is left so.
+fn remove_end(node: &mut IndexNode, path: &[String], at: u32, slots: &mut [SlotState]) -> bool {
+    match path.split_first() {
+        None => {
+            node.ends.swap_remove(at as usize);
+            // The last end moved to `at`: its filter's position follows.
+            if let Some(&(t, j)) = node.ends.get(at as usize) {
+                slots[t as usize].pos[j as usize] = at;
+            }
+            if node.ends.capacity() > 16 && node.ends.len() < node.ends.capacity() / 4 {
+                node.ends.shrink_to(node.ends.len() * 2);
+            }
+        }
+        Some((seg, rest)) => {
+            if let Some(c) = node.children.get_mut(seg.as_str())
+                && remove_end(c, rest, at, slots)
+            {
+                node.children.remove(seg.as_str());
+                if node.children.capacity() > 16
+                    && node.children.len() < node.children.capacity() / 4
+                {
+                    node.children.shrink_to(node.children.len() * 2);
+                }
+            }
+        }
+    }
+    node.ends.is_empty() && node.children.is_empty()
+}
+
+/// The select form for every interned filter at once: marks (`by_slot[s] = changed`) the
+/// filters with a path ending at a changed path, i.e. a node of both the changes below `d`
+/// and the trie below `n` (a filter is changed when one of its paths is a changed path,
+/// [`changed_under`]). At each level it looks up the smaller side's keys in the other, so the
+/// walk visits only the changed paths some filter names, whatever the number of filters.
+fn mark(d: &Diff, n: &IndexNode, by_slot: &mut [u32], changed: u32) {
+    for &(s, _) in &n.ends {
+        by_slot[s as usize] = changed;
+    }
+    if d.children.len() <= n.children.len() {
+        for (k, dc) in &d.children {
+            if let Some(c) = n.children.get(k) {
+                mark(dc, c, by_slot, changed);
+            }
+        }
+    } else {
+        for (k, c) in &n.children {
+            if let Some(dc) = d.children.get(k) {
+                mark(dc, c, by_slot, changed);
+            }
+        }
+    }
+}
+
+/// One event's decisions, by slot ([`Slot`]), for every filter of one [`Registry`]: the
+/// select filters all at once in one walk of the event's changes with the registry's trie
+/// (at the first decision the event needs), each ignore filter when a watcher first needs it
+/// ([`changed_outside`]). A watcher's lookup is an array read. Reused from event to event
+/// ([`Decisions::begin`]): an epoch tells this event's entries from older ones, so nothing is
+/// cleared or allocated per event beyond growing to the number of slots.
+#[derive(Debug, Default)]
+pub struct Decisions {
+    /// `2 * epoch + changed` for the slots decided in this event.
+    by_slot: Vec<u32>,
+    epoch: u32,
+    /// The registry's ticket count when the walk ran: a slot held since then may be a slot
+    /// that was another filter's at the walk.
+    ticket: u64,
+    walked: bool,
+    /// Decisions computed since [`Decisions::begin`]: walks (one per event, deciding every
+    /// select filter), ignore-form decisions (one per distinct filter) and those of slots
+    /// held after the walk.
+    evaluations: u64,
+}
+
+impl Decisions {
+    /// Starts the next event's decisions.
+    pub fn begin(&mut self) {
+        self.epoch += 1;
+        if self.epoch >= 1 << 31 {
+            self.by_slot.fill(0);
+            self.epoch = 1;
+        }
+        self.walked = false;
+        self.evaluations = 0;
+    }
+
+    /// This event's decision for `slot`'s filter, when already made: O(1), no hashing.
+    #[inline]
+    pub fn lookup(&self, slot: &Slot) -> Option<bool> {
+        if !self.walked || slot.ticket > self.ticket {
+            return None;
+        }
+        let v = *self.by_slot.get(slot.index as usize)?;
+        let unchanged = 2 * self.epoch;
+        if v == unchanged + 1 {
+            Some(true)
+        } else if v == unchanged || !slot.ignore {
+            // A select filter the walk did not mark is unchanged.
+            Some(false)
+        } else {
+            None
+        }
+    }
+
+    /// Whether the event whose changes are `set` concerns `slot`'s filter: the first call of
+    /// an event walks the registry's trie (every select filter decided); an ignore filter is
+    /// decided once per event. Every slot given between two [`Decisions::begin`] is of the
+    /// same registry.
+    pub fn decide(&mut self, slot: &Slot, set: &ChangeSet) -> bool {
+        if self.epoch == 0 {
+            self.begin();
+        }
+        if !self.walked {
+            self.walked = true;
+            if slot.registry.mark(set, self) {
+                self.evaluations += 1;
+            }
+        }
+        if let Some(c) = self.lookup(slot) {
+            return c;
+        }
+        let c = slot.filter.changed_in(set);
+        self.evaluations += 1;
+        if slot.ticket <= self.ticket
+            && let Some(v) = self.by_slot.get_mut(slot.index as usize)
+        {
+            *v = 2 * self.epoch + u32::from(c);
+        }
+        c
+    }
+
+    /// Decisions computed since [`Decisions::begin`] (see the field).
+    pub fn evaluations(&self) -> u64 {
+        self.evaluations
     }
 }
 
@@ -795,6 +1117,306 @@ mod tests {
             per_identity: 5,
         };
         assert!(reg.admit(&a("spec"), "alice", none).is_err());
+    }
+
+    /// A deterministic pseudo-random generator (xorshift64*), for repeatable generated cases.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+        }
+
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+
+        fn pick<'a>(&mut self, xs: &[&'a str]) -> &'a str {
+            xs[self.below(xs.len())]
+        }
+    }
+
+    /// Keys of the generated objects and paths: field names, the ones the ignore form always
+    /// ignores, and map keys only a `[key]` can name.
+    const KEYS: &[&str] = &["a", "b", "metadata", "resourceVersion", "k.io/x", "l"];
+
+    fn random_value(r: &mut Rng, depth: usize) -> Value {
+        match r.below(if depth == 0 { 6 } else { 9 }) {
+            0 => Value::Null,
+            1 => json!(r.below(2)),
+            2 => json!([r.below(2)]),
+            3 => json!({}),
+            4 => json!("s"),
+            5 => json!(true),
+            _ => {
+                let mut m = serde_json::Map::new();
+                for _ in 0..r.below(4) {
+                    m.insert(r.pick(KEYS).to_string(), random_value(r, depth - 1));
+                }
+                Value::Object(m)
+            }
+        }
+    }
+
+    /// `v` with a few random changes: a subtree replaced, a key removed or added, a `null`.
+    fn mutate(r: &mut Rng, v: &Value, depth: usize) -> Value {
+        match v {
+            Value::Object(m) if depth > 0 && r.below(5) != 0 => {
+                let mut m = m.clone();
+                for _ in 0..1 + r.below(2) {
+                    let k = r.pick(KEYS).to_string();
+                    match r.below(4) {
+                        0 => {
+                            m.remove(&k);
+                        }
+                        1 => {
+                            m.insert(k, Value::Null);
+                        }
+                        2 => {
+                            let inner = m.get(&k).cloned().unwrap_or(Value::Null);
+                            m.insert(k, mutate(r, &inner, depth - 1));
+                        }
+                        _ => {
+                            m.insert(k, random_value(r, depth - 1));
+                        }
+                    }
+                }
+                Value::Object(m)
+            }
+            _ if r.below(3) == 0 => v.clone(),
+            _ => random_value(r, depth),
+        }
+    }
+
+    /// A header of 1 to 5 paths of 1 to 4 segments (nested, map keys, often prefixes of one
+    /// another), all selected or all ignored.
+    fn random_header(r: &mut Rng) -> String {
+        let ignore = r.below(3) == 0;
+        let mut paths: Vec<String> = Vec::new();
+        for _ in 0..1 + r.below(5) {
+            let mut p = match paths.last() {
+                // Often a path under or beside the previous one.
+                Some(prev) if r.below(3) == 0 => prev.clone(),
+                _ => String::new(),
+            };
+            for _ in 0..1 + r.below(if p.is_empty() { 4 } else { 2 }) {
+                let k = r.pick(KEYS);
+                if p.is_empty() && k.contains('.') {
+                    p.push('a');
+                }
+                if k.contains('.') || (!p.is_empty() && r.below(4) == 0) {
+                    p.push_str(&format!("[{k}]"));
+                } else {
+                    if !p.is_empty() {
+                        p.push('.');
+                    }
+                    p.push_str(k);
+                }
+            }
+            paths.push(p);
+        }
+        let sign = if ignore { "-" } else { "" };
+        paths
+            .iter()
+            .map(|p| format!("{sign}{p}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The trie is exactly the held select filters' paths: each end where its filter's
+    /// position says, no node without ends or children but the root, the slots' books right.
+    fn check_index(reg: &Registry) {
+        let ix = reg.index.lock();
+        fn walk(n: &IndexNode, path: &mut Vec<String>, ix: &Index, ends: &mut usize, root: bool) {
+            assert!(
+                root || !n.ends.is_empty() || !n.children.is_empty(),
+                "{path:?} is empty"
+            );
+            for (at, &(s, j)) in n.ends.iter().enumerate() {
+                let st = &ix.slots[s as usize];
+                let f = st.filter.as_ref().expect("a slot in the trie is held");
+                assert!(!f.ignore);
+                assert_eq!(f.paths[j as usize], *path);
+                assert_eq!(st.pos[j as usize] as usize, at);
+                *ends += 1;
+            }
+            for (k, c) in &n.children {
+                path.push(k.to_string());
+                walk(c, path, ix, ends, false);
+                path.pop();
+            }
+        }
+        let mut ends = 0;
+        walk(&ix.root, &mut Vec::new(), &ix, &mut ends, true);
+        let held: Vec<_> = ix.slots.iter().filter(|s| s.filter.is_some()).collect();
+        assert_eq!(held.len(), ix.by_filter.len());
+        assert_eq!(held.len() + ix.free.len(), ix.slots.len());
+        assert!(held.iter().all(|s| s.holds > 0));
+        let select: Vec<_> = held
+            .iter()
+            .filter_map(|s| s.filter.as_ref().filter(|f| !f.ignore))
+            .collect();
+        assert_eq!(select.len(), ix.select);
+        assert_eq!(ends, select.iter().map(|f| f.paths.len()).sum::<usize>());
+        for (f, &s) in &ix.by_filter {
+            assert_eq!(ix.slots[s as usize].filter.as_deref(), Some(&**f));
+        }
+    }
+
+    /// For generated filters of both forms (nested paths, map keys, prefixes of one another,
+    /// equal filters written differently) and generated pairs of objects, the decisions by
+    /// slot (the select filters all marked by one walk of the trie, the ignore filters each
+    /// decided once) equal each filter's own decision and the direct comparison, while
+    /// watchers come and go between events (slots freed and reused, paths leaving the trie).
+    #[test]
+    fn decisions_by_slot_are_each_filters_own() {
+        let mut r = Rng(0x9e37_79b9_7f4a_7c15);
+        let reg = Arc::new(Registry::default());
+        let mut held: Vec<Slot> = Vec::new();
+        let mut d = Decisions::default();
+        let (mut decided, mut changed) = (0, 0);
+        for event in 0..3000 {
+            // Watchers come and go.
+            for _ in 0..r.below(6) {
+                if !held.is_empty() && r.below(2) == 0 {
+                    let i = r.below(held.len());
+                    held.swap_remove(i);
+                } else if held.len() < 60 {
+                    let h = random_header(&mut r);
+                    held.push(reg.intern(&Arc::new(f(&h))));
+                    // Sometimes the same filter again, written otherwise.
+                    if r.below(4) == 0 {
+                        let mut items: Vec<&str> = h.split(',').collect();
+                        items.reverse();
+                        let again = Arc::new(f(&format!(" {} ", items.join(" , "))));
+                        let s = reg.intern(&again);
+                        assert_eq!(s.index(), held.last().unwrap().index());
+                        held.push(s);
+                    }
+                }
+            }
+            if event % 50 == 0 {
+                check_index(&reg);
+            }
+            let old = random_value(&mut r, 4);
+            let new = mutate(&mut r, &old, 4);
+            let set = ChangeSet::new(&old, &new);
+            d.begin();
+            let n = held.len();
+            let start = r.below(n.max(1));
+            for i in 0..n {
+                let s = &held[(start + i) % n];
+                let got = d.decide(s, &set);
+                let direct = s.filter().changed(&old, &new);
+                assert_eq!(
+                    got,
+                    s.filter().changed_in(&set),
+                    "{} on {old} -> {new}",
+                    s.filter().canonical()
+                );
+                assert_eq!(got, direct, "{} on {old} -> {new}", s.filter().canonical());
+                assert_eq!(d.lookup(s), Some(got), "decided once per event");
+                decided += 1;
+                changed += usize::from(got);
+            }
+            // One walk for the select filters, one decision per distinct ignore filter.
+            let ignore: std::collections::HashSet<usize> = held
+                .iter()
+                .filter(|s| s.filter().ignore)
+                .map(Slot::index)
+                .collect();
+            assert!(d.evaluations() as usize <= 1 + ignore.len());
+        }
+        // Both outcomes were seen often.
+        assert!(
+            changed > decided / 10 && changed < decided * 9 / 10,
+            "{changed} of {decided}"
+        );
+        check_index(&reg);
+        drop(held);
+        check_index(&reg);
+        assert_eq!(reg.interned(), 0);
+        assert!(reg.index.lock().root.children.is_empty());
+    }
+
+    #[test]
+    fn slots_are_shared_reused_and_their_paths_leave_the_trie() {
+        let reg = Arc::new(Registry::default());
+        let a = |s: &str| Arc::new(f(s));
+        let spec = reg.intern(&a("spec, metadata.labels[app.kubernetes.io/name]"));
+        let status = reg.intern(&a("status"));
+        let ignore = reg.intern(&a("-status"));
+        let spec2 = reg.intern(&a("metadata.labels[app.kubernetes.io/name],spec"));
+        assert_eq!(
+            [spec.index(), status.index(), ignore.index(), spec2.index()],
+            [0, 1, 2, 0]
+        );
+        assert!(Arc::ptr_eq(spec.filter(), spec2.filter()), "interned");
+        assert_eq!(reg.interned(), 3);
+        let labels = |reg: &Registry| {
+            let ix = reg.index.lock();
+            ix.root
+                .children
+                .get("metadata")
+                .is_some_and(|m| m.children.contains_key("labels"))
+        };
+        // A slot goes with its last holder, and its paths with it.
+        drop(spec);
+        assert!(labels(&reg));
+        drop(spec2);
+        assert!(!labels(&reg));
+        assert_eq!(reg.interned(), 2);
+        check_index(&reg);
+        // The free slot is the next filter's.
+        let data = reg.intern(&a("data"));
+        assert_eq!(data.index(), 0);
+        // A walk decides every select filter; the released paths decide nothing.
+        let old = json!({"metadata": {"labels": {"app.kubernetes.io/name": "x"}}, "data": 1});
+        let new = json!({"metadata": {"labels": {"app.kubernetes.io/name": "y"}}, "data": 2});
+        let set = ChangeSet::new(&old, &new);
+        let mut d = Decisions::default();
+        d.begin();
+        assert!(d.decide(&data, &set));
+        assert_eq!(d.lookup(&status), Some(false), "marked by the same walk");
+        assert_eq!(
+            d.lookup(&ignore),
+            None,
+            "an ignore filter is decided on demand"
+        );
+        assert!(d.decide(&ignore, &set));
+        assert_eq!(d.evaluations(), 2);
+        // The next event forgets this one's decisions.
+        d.begin();
+        assert_eq!(d.lookup(&data), None);
+        drop((status, ignore, data));
+        check_index(&reg);
+        assert_eq!(reg.interned(), 0);
+        assert!(reg.index.lock().root.children.is_empty());
+    }
+
+    /// A slot freed and taken by another filter after an event's walk is decided for its own
+    /// filter, not by the marks the walk left for the previous one.
+    #[test]
+    fn a_slot_taken_after_the_walk_is_decided_for_its_own_filter() {
+        let reg = Arc::new(Registry::default());
+        let spec = reg.intern(&Arc::new(f("spec")));
+        let old = json!({"spec": 1, "status": 1});
+        let new = json!({"spec": 2, "status": 1});
+        let set = ChangeSet::new(&old, &new);
+        let mut d = Decisions::default();
+        d.begin();
+        assert!(d.decide(&spec, &set));
+        let index = spec.index();
+        drop(spec);
+        let status = reg.intern(&Arc::new(f("status")));
+        assert_eq!(status.index(), index);
+        assert_eq!(d.lookup(&status), None);
+        assert!(!d.decide(&status, &set));
+        let ignore = reg.intern(&Arc::new(f("-spec")));
+        assert!(!d.decide(&ignore, &set));
     }
 
     #[test]

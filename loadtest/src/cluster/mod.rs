@@ -79,6 +79,8 @@ pub struct Phase {
     pub api: ApiDelta,
     /// Watches open at the apiserver at the phase's end.
     pub open_watches: u64,
+    /// ...by resource (`resource` or `resource.group`).
+    pub watches_by_resource: BTreeMap<String, u64>,
     pub agents: CounterValues,
     /// Write → receipt of the driver's Node annotation writes at the agents.
     pub latency: Summary,
@@ -138,6 +140,7 @@ pub struct ApiDelta {
 pub struct ApiSnap {
     by_key: BTreeMap<(String, String), u64>,
     open_watches: u64,
+    watches_by_resource: BTreeMap<String, u64>,
 }
 
 impl ApiSnap {
@@ -164,6 +167,14 @@ impl ApiSnap {
                 && l.contains("verb=\"WATCH\"")
             {
                 s.open_watches += v();
+                let res = label(l, "resource").unwrap_or("?");
+                let key = match label(l, "group").unwrap_or("") {
+                    "" => res.to_string(),
+                    g => format!("{res}.{g}"),
+                };
+                if v() > 0 {
+                    *s.watches_by_resource.entry(key).or_default() += v();
+                }
             }
         }
         s
@@ -363,7 +374,9 @@ pub async fn run(
     ];
     if let Some(also) = &o.also_proxy_config {
         let base = o.proxy_extra_config.clone().unwrap_or_default();
-        specs.push((format!("proxy, {also}"), Some(format!("{base}\n{also}"))));
+        // One line in the report's tables, whatever the YAML's layout.
+        let name = also.split_whitespace().collect::<Vec<_>>().join(" ");
+        specs.push((format!("proxy, {name}"), Some(format!("{base}\n{also}"))));
     }
     let mut sides = Vec::new();
     for (i, (name, extra)) in specs.into_iter().enumerate() {
@@ -878,6 +891,7 @@ async fn finish(
         procs,
         api: api_after.delta(api_before),
         open_watches: api_after.open_watches,
+        watches_by_resource: api_after.watches_by_resource.clone(),
         agents: ctx.counters.values().since(counters_before),
         latency,
         proxy: match (proxy_before, proxy_after) {
@@ -1599,6 +1613,7 @@ pub fn markdown(r: &ClusterRun) -> String {
         md.push_str(&format!("Proxy configuration added: `{extra}`\n\n"));
     }
     if let Some(also) = &o.also_proxy_config {
+        let also = also.split_whitespace().collect::<Vec<_>>().join(" ");
         md.push_str(&format!(
             "A third side, `proxy, {also}`: the proxy with `{also}` added, on a control plane of its own, same phases.\n\n"
         ));
@@ -1889,6 +1904,7 @@ pub fn markdown(r: &ClusterRun) -> String {
             per_watch.join("; ")
         ));
     }
+    md.push_str(&watches_by_resource(r));
     if !r.targets.is_empty() {
         md.push_str("## The issue's targets in this run\n\nFigures, not checks: a miss does not fail the run.\n\n");
         for t in &r.targets {
@@ -1913,6 +1929,59 @@ pub fn markdown(r: &ClusterRun) -> String {
             md.push_str("\n\n");
         }
     }
+    md
+}
+
+/// The apiserver's open WATCHes by resource at the end of "cluster up" (the components
+/// alone, before the agents), side by side: which resources the proxy watches that the
+/// components would not, and the other way round.
+fn watches_by_resource(r: &ClusterRun) -> String {
+    let up: Vec<(&str, &BTreeMap<String, u64>)> = r
+        .sides
+        .iter()
+        .filter_map(|s| {
+            let p = s.phases.iter().find(|p| p.name == "cluster up")?;
+            Some((s.side.as_str(), &p.watches_by_resource))
+        })
+        .collect();
+    if up.len() < 2 {
+        return String::new();
+    }
+    let resources: std::collections::BTreeSet<&String> =
+        up.iter().flat_map(|(_, m)| m.keys()).collect();
+    let mut md = String::from(
+        "## Open WATCHes at the apiserver by resource, end of \"cluster up\"\n\nThe components' watches (direct) against the proxy's own upstream watches plus the apiserver's internal ones (through the proxy); resources with the same count on every side are left out.\n\n| resource |",
+    );
+    for (side, _) in &up {
+        md.push_str(&format!(" {side} |"));
+    }
+    md.push_str("\n|---|");
+    md.push_str(&"---|".repeat(up.len()));
+    md.push('\n');
+    let (mut same, mut total) = (0usize, vec![0u64; up.len()]);
+    for res in resources {
+        let counts: Vec<u64> = up
+            .iter()
+            .map(|(_, m)| m.get(res).copied().unwrap_or(0))
+            .collect();
+        for (t, c) in total.iter_mut().zip(&counts) {
+            *t += c;
+        }
+        if counts.iter().all(|c| *c == counts[0]) {
+            same += 1;
+            continue;
+        }
+        md.push_str(&format!("| {res} |"));
+        for c in counts {
+            md.push_str(&format!(" {c} |"));
+        }
+        md.push('\n');
+    }
+    md.push_str(&format!("| **total** ({same} resources alike left out) |"));
+    for t in total {
+        md.push_str(&format!(" **{t}** |"));
+    }
+    md.push_str("\n\n");
     md
 }
 
@@ -1958,6 +2027,10 @@ mod tests {
         let before = ApiSnap::parse(&t(3));
         let after = ApiSnap::parse(&t(10));
         assert_eq!(after.open_watches, 9);
+        assert_eq!(
+            after.watches_by_resource,
+            BTreeMap::from([("nodes".to_string(), 5), ("pods".to_string(), 4)])
+        );
         let d = after.delta(&before);
         assert_eq!(d.total, 14);
         assert_eq!(d.subject_access_reviews, 7);

@@ -970,6 +970,12 @@ mod tests {
         assert_eq!(hub.change_filters.interned(), 0);
     }
 
+    fn configmap(v: serde_json::Value) -> Arc<CachedObject> {
+        let raw = Bytes::from(v.to_string());
+        let r = Resource::core("configmaps", "ConfigMap", true);
+        Arc::new(CachedObject::parse(raw, &r).unwrap())
+    }
+
     /// Thousands of distinct select filters: one walk of the event's changed paths with the
     /// trie of their paths decides them all, and each watcher gets exactly what the direct
     /// comparison of its fields says.
@@ -980,15 +986,9 @@ mod tests {
                 .iter()
                 .map(|(k, v)| (format!("k{k}"), serde_json::json!(v)))
                 .collect();
-            let raw = serde_json::json!({"metadata": {"name": "x", "namespace": "a",
-                "resourceVersion": rv.to_string()}, "data": data})
-            .to_string();
-            Arc::new(
-                CachedObject::parse(
-                    Bytes::from(raw),
-                    &Resource::core("configmaps", "ConfigMap", true),
-                )
-                .unwrap(),
+            configmap(
+                serde_json::json!({"metadata": {"name": "x", "namespace": "a",
+                "resourceVersion": rv.to_string()}, "data": data}),
             )
         };
         const N: usize = 2000;
@@ -1060,17 +1060,11 @@ mod tests {
             "spec",
         ];
         let cm = |ns: &str, rv: u64, k1: u64, k2: u64, app: u64, note: u64| {
-            let raw = serde_json::json!({"metadata": {"name": "x", "namespace": ns,
+            configmap(
+                serde_json::json!({"metadata": {"name": "x", "namespace": ns,
                 "resourceVersion": rv.to_string(), "labels": {"app": app.to_string()},
                 "annotations": {"n": note.to_string()}},
-                "data": {"k1": k1.to_string(), "k2": k2.to_string()}})
-            .to_string();
-            Arc::new(
-                CachedObject::parse(
-                    Bytes::from(raw),
-                    &Resource::core("configmaps", "ConfigMap", true),
-                )
-                .unwrap(),
+                "data": {"k1": k1.to_string(), "k2": k2.to_string()}}),
             )
         };
         let hub = Hub::new(1024, Duration::from_millis(10));

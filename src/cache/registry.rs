@@ -239,6 +239,24 @@ impl Caches {
                 }
             });
         }
+        {
+            // The histories' bounds kept while a resource is quiet: an event trims its
+            // resource's history, a resource without events is trimmed here, about once a
+            // second (`ResourceCache::trim_history`).
+            let (c, stop) = (Arc::downgrade(&caches), shutdown.clone());
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(HISTORY_TRIM);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tokio::select! {
+                        _ = stop.cancelled() => return,
+                        _ = tick.tick() => {}
+                    }
+                    let Some(c) = c.upgrade() else { return };
+                    c.trim_histories();
+                }
+            });
+        }
         let sel = Selection::new(&resources, &exclude);
         let initial = discovery::plan(&sel, None, None, &HashSet::new());
         for (name, why) in initial.missing {
@@ -421,6 +439,19 @@ impl Caches {
     /// resource: at shutdown (`last`), after the reflectors stopped, so each state is final;
     /// otherwise (the periodic save) only the caches that changed since their last save.
     /// Returns the number of states written; failures are logged.
+    /// Applies every cache's history bounds ([`ResourceCache::trim_history`]).
+    pub fn trim_histories(&self) {
+        let entries: Vec<Arc<CacheEntry>> = self
+            .spawned
+            .lock()
+            .iter()
+            .filter_map(std::sync::Weak::upgrade)
+            .collect();
+        for e in entries {
+            e.cache.trim_history();
+        }
+    }
+
     pub async fn save_all(&self, last: bool) -> usize {
         let Some(p) = self.persist.clone() else {
             return 0;
@@ -876,6 +907,9 @@ async fn get_json<T: for<'de> Deserialize<'de>>(
 /// exact bytes of its cache's envelopes (`ResourceCache::reconcile_protobuf`); attachments
 /// are charged as they come, so the bound holds between corrections too.
 const PROTO_RECONCILE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// How often quiet resources' histories are trimmed ([`Caches::trim_histories`]).
+const HISTORY_TRIM: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// The resource's protobuf side (`reflector::proto`) attaches each object version's exact
 /// protobuf envelope to the version the JSON side holds.

@@ -1111,14 +1111,14 @@ impl ResourceCache {
         self.cfg.absorb_relists
     }
 
-    fn record_locked(&self, s: &mut State, ev: Arc<Event>) {
-        s.rv = ev.rv;
-        s.history.push_back(ev.clone());
-        let now = Instant::now();
+    /// The history's bounds applied at `now`: events past `cache.historyMaxEvents` or
+    /// `cache.historyMaxAge` leave it (the newest `keep` are kept whatever their age), and
+    /// events past `cache.historyFramesKept` drop their frames.
+    fn trim_locked(&self, s: &mut State, now: Instant, keep: usize) {
         while let Some(front) = s.history.front() {
             let too_many = s.history.len() > self.cfg.history_max_events;
             let too_old = now.duration_since(front.at) > self.cfg.history_max_age;
-            if !(too_many || too_old) {
+            if !(too_many || too_old) || s.history.len() <= keep {
                 break;
             }
             s.oldest_rv = front.rv;
@@ -1130,7 +1130,7 @@ impl ResourceCache {
         // resume later. Past `history_frames_kept` the history keeps the event without its
         // frames (kilobytes per event: the object's JSON and protobuf frames, copies of its body),
         // freed once the queues let go of theirs; a late reader encodes them again. The
-        // newest event (this one, not dispatched yet) is never looked at.
+        // newest event (in a record, the one not dispatched yet) is never looked at.
         while s.unframed + 1 < s.history.len() {
             let e = &s.history[s.unframed];
             if now.duration_since(e.at) <= self.cfg.history_frames_kept {
@@ -1142,6 +1142,39 @@ impl ResourceCache {
             }
             s.unframed += 1;
         }
+    }
+
+    /// [`ResourceCache::trim_locked`] without a new event: a resource that went quiet after
+    /// a burst would otherwise hold the burst's events (and their frames) until its next
+    /// event. Called about once a second by the registry; takes the write lock only when
+    /// something is due. The newest event stays (as after any record).
+    pub fn trim_history(&self) {
+        self.trim_history_at(Instant::now());
+    }
+
+    fn trim_history_at(&self, now: Instant) {
+        let due = {
+            let s = self.read();
+            let old = |e: &Arc<Event>, bound: Duration| now.duration_since(e.at) > bound;
+            s.history.len() > 1
+                && (s
+                    .history
+                    .front()
+                    .is_some_and(|e| old(e, self.cfg.history_max_age))
+                    || (s.unframed + 1 < s.history.len()
+                        && old(&s.history[s.unframed], self.cfg.history_frames_kept)))
+        };
+        if due {
+            let mut s = self.write();
+            self.trim_locked(&mut s, now, 1);
+        }
+    }
+
+    fn record_locked(&self, s: &mut State, ev: Arc<Event>) {
+        s.rv = ev.rv;
+        s.history.push_back(ev.clone());
+        let now = Instant::now();
+        self.trim_locked(s, now, 0);
         // A snapshot past its retention pins the object states it holds until it is let
         // go: at most once a second, without waiting (`retain` takes the locks the other way
         // round).

@@ -659,3 +659,57 @@ async fn a_restored_cache_is_unconfirmed_until_its_resumed_watch_proves_itself()
     b.set_unhealthy(None);
     assert!(!b.restored_unconfirmed(hour));
 }
+
+/// A resource that goes quiet after a burst does not hold the burst's events past the
+/// history's bounds: `trim_history` applies them without a new event (the newest event
+/// stays, as after any record), and is a no-op while nothing is due.
+#[tokio::test]
+async fn a_quiet_resource_lets_go_of_its_history_past_the_bounds() {
+    let cfg = StoreConfig {
+        absorb_relists: false,
+        ..StoreConfig::default()
+    };
+    let (max_age, frames_kept) = (cfg.history_max_age, cfg.history_frames_kept);
+    let cache = ResourceCache::new(Resource::core("pods", "Pod", true), cfg);
+    cache.replace(vec![pod("a", "p", None, 10)], 10);
+    for rv in 11..=14 {
+        cache.apply(EventKind::Modified, pod("a", "p", None, rv));
+    }
+    let resumable = |c: &ResourceCache, rv| {
+        c.watch(Start::After(rv), Arc::new(Filter::default()))
+            .is_ok()
+    };
+    let start = Instant::now();
+    // Nothing is due yet: the history and its frames stay.
+    cache.trim_history_at(start);
+    let (events, _) = cache.changes_since(10).unwrap();
+    assert_eq!(events.len(), 4);
+    // Served to a watcher: its frame is encoded and held by the event.
+    let served = events[0].clone();
+    let resource = Resource::core("pods", "Pod", true);
+    let _ = served.frame(
+        &resource,
+        Delivery::AsIs,
+        super::super::event::Encoding::Json,
+    );
+    assert!(served.has_frames());
+    // Past the frames' bound, not the history's: the events stay, the history's copies
+    // without their frames.
+    cache.trim_history_at(start + frames_kept + Duration::from_secs(1));
+    let (events, _) = cache.changes_since(10).unwrap();
+    assert_eq!(events.len(), 4);
+    assert!(!events[0].has_frames());
+    assert_eq!(events[0].rv, served.rv);
+    assert!(resumable(&cache, 10));
+    // Past the history's age: only the newest event is left; a watch from before it is
+    // expired, one from it or later resumes.
+    cache.trim_history_at(start + max_age + Duration::from_secs(1));
+    let (events, _) = cache.changes_since(13).unwrap();
+    assert_eq!(events.iter().map(|e| e.rv).collect::<Vec<_>>(), vec![14]);
+    assert!(!resumable(&cache, 12));
+    assert!(resumable(&cache, 13));
+    assert!(resumable(&cache, 14));
+    // The newest event stays whatever its age.
+    cache.trim_history_at(start + 10 * max_age);
+    assert!(resumable(&cache, 13));
+}

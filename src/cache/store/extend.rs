@@ -156,7 +156,7 @@ impl ResourceCache {
             target: objects,
             oldest,
             len,
-            at: front_at.unwrap_or_else(Instant::now),
+            at: stretch_at(front_at, Instant::now(), self.cfg.history_max_age),
         }))
     }
 
@@ -203,8 +203,21 @@ struct JoinPoint {
     oldest: u64,
     /// The history's length then.
     len: usize,
-    /// The time the stretch's events are given (the history's first event's).
+    /// The time the stretch's events are given ([`stretch_at`]).
     at: Instant,
+}
+
+/// The time a backfilled stretch's events are given: the history's first event's, so the
+/// history stays in the order its age bound trims it; but now when that event is already
+/// past `cache.historyMaxAge` (the newest event of a resource quiet for longer, which the
+/// trim keeps), or there is none: a stretch stamped that old would leave the history at
+/// the next trim, within a second, before the clients it was fetched for read it. The
+/// events behind such a stretch then stay until it ages out.
+fn stretch_at(front_at: Option<Instant>, now: Instant, max_age: std::time::Duration) -> Instant {
+    match front_at {
+        Some(a) if now.duration_since(a) <= max_age => a,
+        _ => now,
+    }
 }
 
 /// A backfill's Exact list as a state; refused when an object is newer than the list.
@@ -223,3 +236,25 @@ fn base_objects(from: u64, base: Vec<CachedObject>) -> Result<Objects, BackfillR
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error("history not extended: {0}")]
 pub struct BackfillRefused(pub &'static str);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// A stretch joins with the history's first event's time while that event is within the
+    /// age bound, so the history stays ordered by age; a first event past it (a quiet
+    /// resource's kept newest) or none gives the stretch the present, so the periodic trim
+    /// does not take it before its clients read it.
+    #[test]
+    fn a_stretch_is_never_born_past_the_age_bound() {
+        let max = Duration::from_secs(150);
+        let now = Instant::now() + Duration::from_secs(1000);
+        let young = now - Duration::from_secs(10);
+        let old = now - Duration::from_secs(151);
+        assert_eq!(stretch_at(Some(young), now, max), young);
+        assert_eq!(stretch_at(Some(now - max), now, max), now - max);
+        assert_eq!(stretch_at(Some(old), now, max), now);
+        assert_eq!(stretch_at(None, now, max), now);
+    }
+}

@@ -435,33 +435,31 @@ impl Caches {
         entry
     }
 
-    /// Writes the state of every synced cache to `cache.stateDir`, one blocking task per
-    /// resource: at shutdown (`last`), after the reflectors stopped, so each state is final;
-    /// otherwise (the periodic save) only the caches that changed since their last save.
-    /// Returns the number of states written; failures are logged.
-    /// Applies every cache's history bounds ([`ResourceCache::trim_history`]).
-    pub fn trim_histories(&self) {
-        let entries: Vec<Arc<CacheEntry>> = self
-            .spawned
+    /// The caches spawned and still running.
+    fn live_entries(&self) -> Vec<Arc<CacheEntry>> {
+        self.spawned
             .lock()
             .iter()
             .filter_map(std::sync::Weak::upgrade)
-            .collect();
-        for e in entries {
+            .collect()
+    }
+
+    /// Applies every cache's history bounds ([`ResourceCache::trim_history`]).
+    pub fn trim_histories(&self) {
+        for e in self.live_entries() {
             e.cache.trim_history();
         }
     }
 
+    /// Writes the state of every synced cache to `cache.stateDir`, one blocking task per
+    /// resource: at shutdown (`last`), after the reflectors stopped, so each state is final;
+    /// otherwise (the periodic save) only the caches that changed since their last save.
+    /// Returns the number of states written; failures are logged.
     pub async fn save_all(&self, last: bool) -> usize {
         let Some(p) = self.persist.clone() else {
             return 0;
         };
-        let entries: Vec<Arc<CacheEntry>> = self
-            .spawned
-            .lock()
-            .iter()
-            .filter_map(std::sync::Weak::upgrade)
-            .collect();
+        let entries = self.live_entries();
         let mut tasks = Vec::new();
         // One bound for all: the reflectors were all told to stop at the same moment.
         let deadline = tokio::time::Instant::now() + Duration::from_secs(5);

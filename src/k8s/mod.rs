@@ -16,6 +16,8 @@
 //!   and the metadata the cache needs of an object held as protobuf.
 //! - [`protobuf_write`]: the apiserver's protobuf list bodies and watch frames, built from
 //!   objects' own protobuf bytes.
+//! - [`transcode`]: a built-in object's protobuf message written from its JSON, byte for
+//!   byte the apiserver's, from a schema generated from the pinned k8s.io/api.
 //! - [`watch_fields`]: the opt-in field-level change filter of watches (an extension).
 
 pub mod fields;
@@ -28,6 +30,7 @@ pub mod scan;
 pub mod selectable;
 pub mod selector;
 pub mod status;
+pub mod transcode;
 pub mod watch_fields;
 
 pub use resource::Resource;

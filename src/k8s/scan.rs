@@ -202,6 +202,11 @@ impl<'a> Scanner<'a> {
         Scanner { s, i: 0 }
     }
 
+    /// The whole document.
+    pub fn text(&self) -> &'a [u8] {
+        self.s
+    }
+
     /// The byte offset of the cursor.
     pub fn pos(&self) -> usize {
         self.i

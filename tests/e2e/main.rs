@@ -30,4 +30,5 @@ mod proto_side;
 mod protobuf;
 mod protobuf_watch;
 mod tables;
+mod transcode;
 mod watch_validator;

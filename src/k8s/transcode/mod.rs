@@ -270,7 +270,7 @@ impl Schema {
     fn message(
         &self,
         m: usize,
-        members: &[(Cow<'_, str>, &[u8])],
+        members: &[Member<'_>],
         whole: bool,
         out: &mut Vec<u8>,
     ) -> Result<(), TranscodeError> {
@@ -526,8 +526,11 @@ fn in_field(e: TranscodeError, ty: &str, key: &str) -> TranscodeError {
     }
 }
 
+/// An object's member: its key, decoded, and its value's JSON text.
+type Member<'a> = (Cow<'a, str>, &'a [u8]);
+
 /// An object's members, each value as its JSON text. `null` has none.
-fn members<'a>(s: &mut Scanner<'a>) -> Result<Vec<(Cow<'a, str>, &'a [u8])>, TranscodeError> {
+fn members<'a>(s: &mut Scanner<'a>) -> Result<Vec<Member<'a>>, TranscodeError> {
     let mut out = Vec::new();
     let text = s.text();
     s.object(|s, key| {

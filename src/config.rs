@@ -530,6 +530,13 @@ pub struct CacheConfig {
     /// that comes while the side it needs is starting waits for it or is asked to retry
     /// (429), as at a kube-apiserver whose watch cache initializes.
     pub protobuf_side: ProtobufSide,
+    /// Write a built-in object's protobuf from its JSON (`k8s::transcode`, byte for byte
+    /// the apiserver's, from a schema generated from the k8s.io/api the proxy was built
+    /// with), so each built-in resource takes one upstream watch, not two. A kind the
+    /// schema does not describe, and a resource one of whose objects it cannot write (a
+    /// field newer than the schema), gets the protobuf side of `protobufSide` instead.
+    /// Default on; off: every built-in resource has its protobuf side.
+    pub protobuf_transcode: bool,
     /// Bound on the table side over all resources, in bytes: the rows kube-apiserver's
     /// printers computed for each cached object version (`cache::table`), kept so Table
     /// reads (`kubectl get`) are served from the cache. A resource's side starts with its
@@ -629,6 +636,7 @@ impl Default for CacheConfig {
             backfill: true,
             protobuf_max_bytes: 2 << 30,
             protobuf_side: ProtobufSide::Eager,
+            protobuf_transcode: true,
             table_max_bytes: 512 << 20,
             backfill_timeout: Duration::from_secs(10),
             state_dir: None,

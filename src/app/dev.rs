@@ -806,6 +806,10 @@ const BUILD_SOURCES: &[(&str, &str)] = &[
         include_str!("../../tests/e2e/go/cmd/etcd/main.go"),
     ),
     (
+        "go/cmd/proto-schema/main.go",
+        include_str!("../../tests/e2e/go/cmd/proto-schema/main.go"),
+    ),
+    (
         "go/cmd/informer-check/main.go",
         include_str!("../../tests/e2e/go/cmd/informer-check/main.go"),
     ),

@@ -122,6 +122,7 @@ pub fn build_state(
             c.protobuf_max_bytes,
         )),
         protobuf_eager: c.protobuf_side == crate::config::ProtobufSide::Eager,
+        protobuf_transcode: c.protobuf_transcode,
         table_budget: std::sync::Arc::new(crate::cache::proto_budget::ProtoBudget::new(
             c.table_max_bytes,
         )),

@@ -335,6 +335,21 @@ impl Caches {
                     () = stop.cancelled() => return,
                     _ = settled.wait_for(|s| *s) => {}
                 }
+                // Envelopes written from the JSON objects: no upstream watch of its own
+                // until an object cannot be transcoded.
+                let mut tick = tokio::time::interval(PROTO_RECONCILE);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                if c.transcodes() {
+                    tracing::info!(resource = %r.label(), "protobuf envelopes written from the JSON objects (no protobuf watch of its own)");
+                    loop {
+                        tokio::select! {
+                            () = stop.cancelled() => return,
+                            () = c.proto_shed.cancelled() => return,
+                            () = c.transcode_off.cancelled() => break,
+                            _ = tick.tick() => c.reconcile_protobuf(),
+                        }
+                    }
+                }
                 // Resumed where a warm restart's saved state left it, else from the whole
                 // state (`ResourceCache::restore_protobuf`).
                 let from = c.take_protobuf_resume();
@@ -350,8 +365,6 @@ impl Caches {
                     from,
                 );
                 let _ = stats.set(side.stats().clone());
-                let mut tick = tokio::time::interval(PROTO_RECONCILE);
-                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
                     tokio::select! {
                         () = stop.cancelled() => break,

@@ -527,7 +527,7 @@ impl Backfiller {
         n: usize,
         later: bool,
     ) -> Vec<(ObjectKey, u64, bytes::Bytes)> {
-        if n == 0 || cache.resource.custom || !cache.protobuf_started() {
+        if n == 0 || cache.resource.custom || !cache.protobuf_started() || cache.transcodes() {
             return Vec::new();
         }
         let mut out = Vec::with_capacity(n);

@@ -43,6 +43,9 @@ impl ResourceCache {
         let Some(join) = self.join_point(from, events.len())? else {
             return Ok(0);
         };
+        // The stretch's envelopes, when they are written from JSON.
+        let charged = self.transcode_all(base.iter().chain(events.iter().map(|(_, o)| o)));
+        self.finish_transcoding(charged, 0);
         let mut objects = base_objects(from, base)?;
         let mut history = Vec::with_capacity(events.len());
         let mut last = from;
@@ -103,6 +106,8 @@ impl ResourceCache {
         let Some(join) = self.join_point(from, 0)? else {
             return Ok(0);
         };
+        let charged = self.transcode_all(base.iter());
+        self.finish_transcoding(charged, 0);
         let objects = base_objects(from, base)?;
         let Some(changes) =
             super::super::relist::difference(&objects, from, &join.target, join.oldest)
@@ -114,6 +119,8 @@ impl ResourceCache {
         if join.len + changes.len() > self.cfg.history_max_events {
             return Err(BackfillRefused("the history would exceed historyMaxEvents"));
         }
+        let charged = self.transcode_all(changes.iter().map(|(_, o, _)| &**o));
+        self.finish_transcoding(charged, 0);
         let history = changes
             .into_iter()
             .map(|(kind, object, prev)| {

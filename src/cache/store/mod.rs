@@ -61,6 +61,10 @@ pub struct StoreConfig {
     /// A built-in resource's protobuf side starts with the resource, once it is served
     /// (`cache.protobufSide: eager`), rather than with its first protobuf reader.
     pub protobuf_eager: bool,
+    /// A built-in resource whose kind the proxy's protobuf schema describes gets its
+    /// envelopes written from its JSON objects (`k8s::transcode`, `cache.protobufTranscode`)
+    /// rather than from a second upstream watch.
+    pub protobuf_transcode: bool,
     /// The process-wide bound on the table side's rows (`cache.tableMaxBytes`).
     pub table_budget: Arc<crate::cache::proto_budget::ProtoBudget>,
 }
@@ -87,6 +91,9 @@ impl Default for StoreConfig {
             absorb_relists: true,
             proto_budget: Default::default(),
             protobuf_eager: true,
+            // Off here, so a bare cache (tests of the protobuf side) has the side; the
+            // configuration's default (`cache.protobufTranscode`) is on.
+            protobuf_transcode: false,
             table_budget: Default::default(),
         }
     }
@@ -311,6 +318,15 @@ pub struct ResourceCache {
     /// Cancelled when this resource is shed for the protobuf bound: its protobuf side stops
     /// for good (`crate::cache::proto_budget`).
     pub proto_shed: tokio_util::sync::CancellationToken,
+    /// The envelopes are written from the JSON objects (`k8s::transcode`): the kind is in
+    /// the schema and `cfg.protobuf_transcode` is on. Until [`Self::transcode_off`].
+    proto_transcode: bool,
+    /// Cancelled when an object could not be transcoded (a field the schema does not know:
+    /// an apiserver newer than the proxy): the protobuf side's own upstream watch takes
+    /// over for good.
+    pub transcode_off: tokio_util::sync::CancellationToken,
+    /// Object versions given an envelope written from their JSON.
+    pub transcoded: std::sync::atomic::AtomicU64,
     /// The table side's rows and columns (`crate::cache::table`).
     pub table: Arc<crate::cache::table::TableStore>,
 }
@@ -426,6 +442,13 @@ impl From<WatchError> for crate::k8s::status::Status {
 
 impl ResourceCache {
     pub fn new(resource: Resource, cfg: StoreConfig) -> Arc<ResourceCache> {
+        let proto_transcode = cfg.protobuf_transcode
+            && !resource.custom
+            && crate::k8s::transcode::SCHEMA.knows(
+                &resource.group,
+                &resource.version,
+                &resource.kind,
+            );
         let (dispatch, mut rx) = mpsc::unbounded_channel::<Dispatch>();
         let hub = Hub::with_queue_bytes(
             cfg.watcher_queue,
@@ -495,6 +518,9 @@ impl ResourceCache {
             proto_charged: Default::default(),
             proto_over: Default::default(),
             proto_shed: Default::default(),
+            proto_transcode,
+            transcode_off: Default::default(),
+            transcoded: Default::default(),
             table,
         });
         // The dispatcher: one task per resource, events in order; then the protobuf
@@ -994,7 +1020,8 @@ impl ResourceCache {
         }
         // Envelopes only for a protobuf side that starts again: nothing else would charge
         // them to the protobuf bound (a proxy restarted with protobuf off).
-        let keep_protobuf = protobuf.started && self.cfg.proto_budget.enabled();
+        let keep_protobuf =
+            (protobuf.started || self.transcodes()) && self.cfg.proto_budget.enabled();
         let strip = |o: Arc<CachedObject>| {
             if keep_protobuf || o.proto.get().is_none() {
                 o
@@ -1031,6 +1058,13 @@ impl ResourceCache {
             ev.at = now.checked_sub(age).unwrap_or(ev.at);
             history.push_back(Arc::new(ev));
         }
+        // Envelopes the saved state did not have are written from the objects.
+        let charged = self.transcode_all(
+            objects
+                .values()
+                .map(|o| &**o)
+                .chain(history.iter().map(|e| &*e.object)),
+        );
         let mut s = self.write();
         if self.readiness() != Readiness::Pending {
             return Err(RestoreError("the cache has synced already"));
@@ -1060,6 +1094,7 @@ impl ResourceCache {
         ));
         let _ = self.dispatch.send(Dispatch::Progress(rv));
         drop(s);
+        self.finish_transcoding(charged, rv);
         self.restore_protobuf(rv, protobuf);
         if let Some(t) = table {
             let rows = t.rows.len();
@@ -1258,6 +1293,9 @@ impl ResourceCache {
 impl ReflectorSink for ResourceCache {
     fn replace(&self, items: Vec<CachedObject>, rv: u64) {
         let first = !self.is_ready();
+        // Outside the lock: writing envelopes is the costly part.
+        let charged = self.transcode_all(items.iter());
+        self.finish_transcoding(charged, rv);
         {
             let mut s = self.write();
             let new: Objects = items.into_iter().map(|o| (o.key(), Arc::new(o))).collect();
@@ -1339,11 +1377,13 @@ impl ReflectorSink for ResourceCache {
     }
 
     fn apply(&self, kind: EventKind, object: CachedObject) {
+        let charged = self.transcode_all(std::iter::once(&object));
         let object = Arc::new(object);
         let rv = object.meta.resource_version;
         if self.apply_locked(&mut self.write(), kind, object) {
             self.rv_tx.send_replace(rv);
         }
+        self.finish_transcoding(charged, 0);
     }
 
     fn json_bookmark(&self, rest: Bytes) {

@@ -177,6 +177,115 @@ impl ResourceCache {
         &self.cfg.proto_budget
     }
 
+    /// Whether this resource's envelopes are written from its JSON objects
+    /// (`k8s::transcode`) rather than read from the protobuf side's upstream watch: its kind
+    /// is in the schema, transcoding is on, no object has failed it, and it was not shed.
+    pub fn transcodes(&self) -> bool {
+        self.proto_transcode
+            && !self.transcode_off.is_cancelled()
+            && !self.proto_shed.is_cancelled()
+            && self.cfg.proto_budget.enabled()
+    }
+
+    /// Writes the envelope of every object of `objects` that has none from its JSON, when
+    /// this resource transcodes: the bytes to charge to the protobuf bound
+    /// ([`Self::finish_transcoding`]). An object that cannot be transcoded turns
+    /// transcoding off for the resource (its protobuf side's upstream watch takes over).
+    pub(super) fn transcode_all<'a>(&self, objects: impl Iterator<Item = &'a CachedObject>) -> u64 {
+        if !self.transcodes() {
+            return 0;
+        }
+        let r = &self.resource;
+        let api_version = if r.group.is_empty() {
+            r.version.clone()
+        } else {
+            format!("{}/{}", r.group, r.version)
+        };
+        let mut charged = 0;
+        let mut n = 0;
+        for o in objects {
+            if o.proto.get().is_some() {
+                continue;
+            }
+            match crate::k8s::transcode::SCHEMA.object(&r.group, &r.version, &r.kind, &o.body) {
+                Ok(raw) => {
+                    let envelope =
+                        crate::k8s::protobuf_write::object_envelope(&api_version, &r.kind, &raw);
+                    let len = envelope.len() as u64;
+                    if o.proto.set(Bytes::from(envelope)) {
+                        charged += len;
+                        n += 1;
+                    }
+                }
+                Err(e) => {
+                    self.stop_transcoding(&e, o);
+                    break;
+                }
+            }
+        }
+        self.transcoded
+            .fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+        charged
+    }
+
+    /// Charges envelopes written by [`Self::transcode_all`] to the protobuf bound (over it,
+    /// the resource is shed), and with `synced_at` > 0 (the JSON side's state at that
+    /// resourceVersion has them all) marks the protobuf side synced there. Called with no
+    /// lock held.
+    pub(super) fn finish_transcoding(&self, charged: u64, synced_at: u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        if charged > 0 {
+            self.proto_charged.fetch_add(charged, Relaxed);
+            if !self.cfg.proto_budget.charge(charged) {
+                self.shed_protobuf();
+                return;
+            }
+        }
+        if synced_at > 0 && self.transcodes() {
+            self.protobuf_synced(synced_at);
+        } else if charged > 0 {
+            self.proto_attached.notify_waiters();
+        }
+    }
+
+    /// An object could not be transcoded: the resource's envelopes come from the protobuf
+    /// side's own upstream watch from now on (the registry starts it), and protobuf reads
+    /// wait for it, or go to the apiserver, until it has synced.
+    fn stop_transcoding(&self, e: &crate::k8s::transcode::TranscodeError, o: &CachedObject) {
+        if self.transcode_off.is_cancelled() {
+            return;
+        }
+        tracing::warn!(
+            resource = %self.resource.label(),
+            namespace = %o.meta.namespace,
+            name = %o.meta.name,
+            resource_version = o.meta.resource_version,
+            error = %e,
+            "an object could not be written in protobuf from its JSON (the apiserver is newer than the proxy's schema?): this resource's protobuf envelopes come from its own upstream protobuf watch from now on"
+        );
+        self.proto_synced
+            .store(0, std::sync::atomic::Ordering::Relaxed);
+        self.transcode_off.cancel();
+        self.proto_attached.notify_waiters();
+    }
+
+    /// The bookmark template of a transcoded resource: the kind's zero object, written from
+    /// an empty JSON object, as the apiserver's bookmarks are (`c.newFunc()` with only its
+    /// resourceVersion set).
+    fn transcoded_bookmark(&self) -> Option<(String, Bytes)> {
+        let r = &self.resource;
+        let raw = crate::k8s::transcode::SCHEMA
+            .object(
+                &r.group,
+                &r.version,
+                &r.kind,
+                br#"{"metadata":{"resourceVersion":"1"}}"#,
+            )
+            .ok()?;
+        let rest = crate::k8s::protobuf_write::bookmark_rest(&raw)?;
+        Some((r.kind.clone(), Bytes::copy_from_slice(rest)))
+    }
+
     /// Whether protobuf reads can be served: the protobuf side has synced and is running.
     pub fn protobuf_ready(&self) -> bool {
         self.proto_synced.load(std::sync::atomic::Ordering::Relaxed) > 0
@@ -188,7 +297,7 @@ impl ResourceCache {
     /// `cache.protobufSide: eager` a built-in resource's protobuf side starts with it, so
     /// its protobuf readers find it synced rather than start it (custom resources have none).
     pub fn served(&self) {
-        if self.cfg.protobuf_eager && !self.resource.custom {
+        if (self.cfg.protobuf_eager || self.transcodes()) && !self.resource.custom {
             self.want_protobuf();
         }
     }
@@ -199,6 +308,11 @@ impl ResourceCache {
             return;
         }
         if self.proto_wanted_at.set(Instant::now()).is_ok() {
+            if self.transcodes()
+                && let Some(b) = self.transcoded_bookmark()
+            {
+                *self.proto_bookmark.lock() = Some(b);
+            }
             self.proto_wanted_tx.send_replace(true);
         }
     }
@@ -264,6 +378,12 @@ impl ResourceCache {
     /// otherwise it starts over with the whole state and reads wait for it, as on a first
     /// start.
     pub(super) fn restore_protobuf(&self, rv: u64, p: ProtoImage) {
+        if self.transcodes() {
+            // Every restored object got its envelope as it was loaded.
+            self.want_protobuf();
+            self.protobuf_synced(rv);
+            return;
+        }
         if !p.started || !self.cfg.proto_budget.enabled() {
             return;
         }

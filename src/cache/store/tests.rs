@@ -713,3 +713,65 @@ async fn a_quiet_resource_lets_go_of_its_history_past_the_bounds() {
     cache.trim_history_at(start + 10 * max_age);
     assert!(resumable(&cache, 13));
 }
+
+/// With transcoding (`cache.protobufTranscode`), every object version gets its envelope
+/// from its JSON as it is applied (the initial list, events, the history), so protobuf
+/// reads are served as soon as the JSON side has synced, with no protobuf watch; the
+/// bookmark template is the kind's zero object. An object the schema cannot write turns it
+/// off for the resource: protobuf reads wait for the protobuf side's own watch.
+#[tokio::test]
+async fn transcoded_envelopes_come_with_each_object_version() {
+    let cfg = StoreConfig {
+        protobuf_transcode: true,
+        ..StoreConfig::default()
+    };
+    let cache = ResourceCache::new(Resource::core("pods", "Pod", true), cfg);
+    assert!(cache.transcodes());
+    cache.served();
+    assert!(
+        cache.proto_bookmark.lock().is_some(),
+        "template of the zero Pod"
+    );
+    assert!(!cache.protobuf_ready());
+    cache.replace(
+        vec![pod("a", "p", Some("n1"), 5), pod("a", "q", None, 6)],
+        10,
+    );
+    assert!(cache.protobuf_ready());
+    let envelope_of = |o: &CachedObject| {
+        let raw = crate::k8s::transcode::SCHEMA
+            .object("", "v1", "Pod", &o.body)
+            .unwrap();
+        Bytes::from(crate::k8s::protobuf_write::object_envelope(
+            "v1", "Pod", &raw,
+        ))
+    };
+    let current = cache.current();
+    for o in current.objects.values() {
+        assert_eq!(o.proto.get(), Some(&envelope_of(o)));
+    }
+    cache.apply(EventKind::Modified, pod("a", "p", Some("n2"), 11));
+    cache.apply(EventKind::Deleted, pod("a", "q", None, 12));
+    let (events, _) = cache.changes_since(10).unwrap();
+    assert_eq!(events.len(), 2);
+    for e in &events {
+        assert_eq!(e.object.proto.get(), Some(&envelope_of(&e.object)));
+    }
+    let (with, without, _) = cache.protobuf_coverage();
+    assert_eq!((with, without), (1, 0));
+    assert_eq!(
+        cache.transcoded.load(std::sync::atomic::Ordering::Relaxed),
+        4
+    );
+
+    // A field the schema does not have: transcoding stops, reads wait for the side.
+    let raw = r#"{"metadata":{"name":"r","namespace":"a","resourceVersion":"13"},"spec":{"fromTheFuture":true}}"#;
+    let future =
+        CachedObject::parse(Bytes::from(raw), &Resource::core("pods", "Pod", true)).unwrap();
+    cache.apply(EventKind::Added, future);
+    assert!(!cache.transcodes());
+    assert!(cache.transcode_off.is_cancelled());
+    assert!(!cache.protobuf_ready());
+    let (with, without, _) = cache.protobuf_coverage();
+    assert_eq!((with, without), (1, 1));
+}

@@ -83,6 +83,7 @@ impl Collector for CacheCollector {
         let received = Family::<PhaseLabels, Counter>::default();
         let upstream_events = Family::<ResourceLabels, Counter>::default();
         let proto_resyncs = Family::<ResourceLabels, Counter>::default();
+        let transcoded = Family::<ResourceLabels, Counter>::default();
         let absorbed = Family::<ResourceLabels, Counter>::default();
         let absorbed_events = Family::<ResourceLabels, Counter>::default();
         let warm = Family::<ResourceLabels, Gauge>::default();
@@ -233,6 +234,13 @@ impl Collector for CacheCollector {
             if let Some(p) = &proto {
                 count(&proto_resyncs, &l, p.restarts);
             }
+            count(
+                &transcoded,
+                &l,
+                e.cache
+                    .transcoded
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            );
             count(&upstream_events, &l, snap.events);
             for reason in RelistReason::ALL {
                 count(
@@ -509,6 +517,12 @@ impl Collector for CacheCollector {
             "kube_cache_proxy_protobuf_side_resyncs",
             "Times the protobuf side started over with the apiserver's whole protobuf state (a watch with initial events after it had delivered some)",
             &proto_resyncs,
+        )?;
+        emit(
+            &mut enc,
+            "kube_cache_proxy_protobuf_transcoded",
+            "Object versions whose protobuf was written from their JSON (cache.protobufTranscode) rather than read from a protobuf side's watch",
+            &transcoded,
         )?;
         emit(
             &mut enc,

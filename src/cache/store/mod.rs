@@ -91,8 +91,7 @@ impl Default for StoreConfig {
             absorb_relists: true,
             proto_budget: Default::default(),
             protobuf_eager: true,
-            // Off here, so a bare cache (tests of the protobuf side) has the side; the
-            // configuration's default (`cache.protobufTranscode`) is on.
+            // As the configuration's default (`cache.protobufTranscode`): off.
             protobuf_transcode: false,
             table_budget: Default::default(),
         }

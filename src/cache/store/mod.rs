@@ -91,7 +91,8 @@ impl Default for StoreConfig {
             absorb_relists: true,
             proto_budget: Default::default(),
             protobuf_eager: true,
-            // As the configuration's default (`cache.protobufTranscode`): off.
+            // Off here, so a bare cache (the protobuf side's tests) has its side; the
+            // configuration's default (`cache.protobufTranscode`) is on.
             protobuf_transcode: false,
             table_budget: Default::default(),
         }
@@ -318,8 +319,9 @@ pub struct ResourceCache {
     /// for good (`crate::cache::proto_budget`).
     pub proto_shed: tokio_util::sync::CancellationToken,
     /// The envelopes are written from the JSON objects (`k8s::transcode`): the kind is in
-    /// the schema and `cfg.protobuf_transcode` is on. Until [`Self::transcode_off`].
-    proto_transcode: bool,
+    /// the schema (its message) and `cfg.protobuf_transcode` is on. Until
+    /// [`Self::transcode_off`].
+    proto_transcode: Option<crate::k8s::transcode::KindId>,
     /// Cancelled when an object could not be transcoded (a field the schema does not know:
     /// an apiserver newer than the proxy): the protobuf side's own upstream watch takes
     /// over for good.
@@ -441,13 +443,15 @@ impl From<WatchError> for crate::k8s::status::Status {
 
 impl ResourceCache {
     pub fn new(resource: Resource, cfg: StoreConfig) -> Arc<ResourceCache> {
-        let proto_transcode = cfg.protobuf_transcode
-            && !resource.custom
-            && crate::k8s::transcode::SCHEMA.knows(
-                &resource.group,
-                &resource.version,
-                &resource.kind,
-            );
+        let proto_transcode = (cfg.protobuf_transcode && !resource.custom)
+            .then(|| {
+                crate::k8s::transcode::SCHEMA.kind(
+                    &resource.group,
+                    &resource.version,
+                    &resource.kind,
+                )
+            })
+            .flatten();
         let (dispatch, mut rx) = mpsc::unbounded_channel::<Dispatch>();
         let hub = Hub::with_queue_bytes(
             cfg.watcher_queue,

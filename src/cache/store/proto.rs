@@ -181,7 +181,7 @@ impl ResourceCache {
     /// (`k8s::transcode`) rather than read from the protobuf side's upstream watch: its kind
     /// is in the schema, transcoding is on, no object has failed it, and it was not shed.
     pub fn transcodes(&self) -> bool {
-        self.proto_transcode
+        self.proto_transcode.is_some()
             && !self.transcode_off.is_cancelled()
             && !self.proto_shed.is_cancelled()
             && self.cfg.proto_budget.enabled()
@@ -192,9 +192,9 @@ impl ResourceCache {
     /// ([`Self::finish_transcoding`]). An object that cannot be transcoded turns
     /// transcoding off for the resource (its protobuf side's upstream watch takes over).
     pub(super) fn transcode_all<'a>(&self, objects: impl Iterator<Item = &'a CachedObject>) -> u64 {
-        if !self.transcodes() {
+        let Some(kind) = self.proto_transcode.filter(|_| self.transcodes()) else {
             return 0;
-        }
+        };
         let r = &self.resource;
         let api_version = if r.group.is_empty() {
             r.version.clone()
@@ -207,7 +207,7 @@ impl ResourceCache {
             if o.proto.get().is_some() {
                 continue;
             }
-            match crate::k8s::transcode::SCHEMA.object(&r.group, &r.version, &r.kind, &o.body) {
+            match crate::k8s::transcode::SCHEMA.write(kind, &o.body) {
                 Ok(raw) => {
                     let envelope =
                         crate::k8s::protobuf_write::object_envelope(&api_version, &r.kind, &raw);

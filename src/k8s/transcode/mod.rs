@@ -32,6 +32,7 @@ use std::sync::LazyLock;
 use base64::Engine;
 use serde::Deserialize;
 
+use super::go_format::rfc3339;
 use super::scan::{Scalar, ScanError, Scanner};
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
@@ -136,6 +137,10 @@ struct Message {
     skip: Vec<Box<str>>,
 }
 
+/// A kind of the schema ([`Schema::kind`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KindId(usize);
+
 /// The generated schema, compiled.
 pub struct Schema {
     kinds: HashMap<(String, String, String), usize>,
@@ -236,7 +241,13 @@ impl Schema {
 
     /// Whether `group`/`version` `kind` is described.
     pub fn knows(&self, group: &str, version: &str, kind: &str) -> bool {
-        self.message_of(group, version, kind).is_some()
+        self.kind(group, version, kind).is_some()
+    }
+
+    /// The message of `group`/`version` `kind`, to write its objects with [`Self::write`]
+    /// (looked up once per resource, not per object).
+    pub fn kind(&self, group: &str, version: &str, kind: &str) -> Option<KindId> {
+        self.message_of(group, version, kind).map(KindId)
     }
 
     fn message_of(&self, group: &str, version: &str, kind: &str) -> Option<usize> {
@@ -255,8 +266,13 @@ impl Schema {
         json: &[u8],
     ) -> Result<Vec<u8>, TranscodeError> {
         let m = self
-            .message_of(group, version, kind)
+            .kind(group, version, kind)
             .ok_or_else(|| TranscodeError::UnknownKind(format!("{group}/{version} {kind}")))?;
+        self.write(m, json)
+    }
+
+    /// The protobuf message of an object `json` of kind `m` (see [`Self::object`]).
+    pub fn write(&self, KindId(m): KindId, json: &[u8]) -> Result<Vec<u8>, TranscodeError> {
         let mut out = Vec::with_capacity(json.len() / 2);
         let mut s = Scanner::new(json);
         let members = members(&mut s)?;
@@ -399,44 +415,27 @@ impl Schema {
                 };
                 put_varint_field(out, num, u64::from(b));
             }
-            Kind::Int32 | Kind::Int64 => {
-                let n = match v {
-                    None => 0,
-                    Some(v) => number(v)?
-                        .parse::<i64>()
-                        .map_err(|_| bad("not an integer"))?,
-                };
-                if kind == Kind::Int32 && i32::try_from(n).is_err() {
-                    return Err(bad("out of int32's range"));
-                }
-                // Sign-extended to 64 bits, as Go's uint64(int32) is.
+            // Signed values sign-extended to 64 bits, as Go's uint64(int32) is.
+            Kind::Int32 => {
+                let n: i32 = parsed(v, num, "not an int32")?;
+                put_varint_field(out, num, i64::from(n) as u64);
+            }
+            Kind::Int64 => {
+                let n: i64 = parsed(v, num, "not an int64")?;
                 put_varint_field(out, num, n as u64);
             }
-            Kind::Uint32 | Kind::Uint64 => {
-                let n = match v {
-                    None => 0,
-                    Some(v) => number(v)?
-                        .parse::<u64>()
-                        .map_err(|_| bad("not an unsigned"))?,
-                };
-                if kind == Kind::Uint32 && u32::try_from(n).is_err() {
-                    return Err(bad("out of uint32's range"));
-                }
-                put_varint_field(out, num, n);
+            Kind::Uint32 => {
+                let n: u32 = parsed(v, num, "not a uint32")?;
+                put_varint_field(out, num, u64::from(n));
             }
+            Kind::Uint64 => put_varint_field(out, num, parsed(v, num, "not a uint64")?),
             Kind::Float64 => {
-                let x = match v {
-                    None => 0.0,
-                    Some(v) => number(v)?.parse::<f64>().map_err(|_| bad("not a number"))?,
-                };
+                let x: f64 = parsed(v, num, "not a number")?;
                 put_varint(out, u64::from(num) << 3 | 1);
                 out.extend_from_slice(&x.to_bits().to_le_bytes());
             }
             Kind::Float32 => {
-                let x = match v {
-                    None => 0.0,
-                    Some(v) => number(v)?.parse::<f32>().map_err(|_| bad("not a number"))?,
-                };
+                let x: f32 = parsed(v, num, "not a number")?;
                 put_varint(out, u64::from(num) << 3 | 5);
                 out.extend_from_slice(&x.to_bits().to_le_bytes());
             }
@@ -460,7 +459,8 @@ impl Schema {
             })?,
             Kind::Time | Kind::MicroTime => nested(out, num, |out| {
                 let Some(v) = v else { return Ok(()) };
-                let (secs, nanos) = rfc3339(&string(v)?).ok_or(bad("not an RFC 3339 time"))?;
+                let (secs, nanos) =
+                    rfc3339(&string(v)?).ok_or_else(|| bad("not an RFC 3339 time"))?;
                 let nanos = if kind == Kind::Time { 0 } else { nanos };
                 put_varint_field(out, 1, secs as u64);
                 put_varint_field(out, 2, u64::from(nanos));
@@ -469,7 +469,7 @@ impl Schema {
             Kind::Duration => nested(out, num, |out| {
                 let n = match v {
                     None => 0,
-                    Some(v) => go_duration(&string(v)?).ok_or(bad("not a Go duration"))?,
+                    Some(v) => go_duration(&string(v)?).ok_or_else(|| bad("not a Go duration"))?,
                 };
                 put_varint_field(out, 1, n as u64);
                 Ok(())
@@ -572,6 +572,21 @@ fn string(v: &[u8]) -> Result<Cow<'_, str>, TranscodeError> {
     Ok(Scanner::new(v).string()?)
 }
 
+/// A JSON number of field `num` read as `T` (`None`: Go's zero value).
+fn parsed<T: std::str::FromStr + Default>(
+    v: Option<&[u8]>,
+    num: u32,
+    why: &'static str,
+) -> Result<T, TranscodeError> {
+    match v {
+        None => Ok(T::default()),
+        Some(v) => number(v)?.parse().map_err(|_| TranscodeError::Value {
+            what: format!("field {num}"),
+            why,
+        }),
+    }
+}
+
 fn number(v: &[u8]) -> Result<&str, TranscodeError> {
     match Scanner::new(v).scalar()? {
         Scalar::Num(n) => Ok(n),
@@ -621,63 +636,6 @@ fn nested(
         out.splice(at..at + 1, head);
     }
     Ok(())
-}
-
-/// Seconds since the epoch and nanoseconds of an RFC 3339 time (`Z` or an offset).
-fn rfc3339(s: &str) -> Option<(i64, u32)> {
-    let b = s.as_bytes();
-    let num = |r: std::ops::Range<usize>| -> Option<i64> {
-        let t = s.get(r)?;
-        t.bytes()
-            .all(|c| c.is_ascii_digit())
-            .then(|| t.parse().ok())?
-    };
-    if b.len() < 20 || b[4] != b'-' || b[7] != b'-' || !matches!(b[10], b'T' | b't') {
-        return None;
-    }
-    if b[13] != b':' || b[16] != b':' {
-        return None;
-    }
-    let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
-    let (h, mi, sec) = (num(11..13)?, num(14..16)?, num(17..19)?);
-    if !(1..=12).contains(&mo) || !(1..=31).contains(&d) || h > 23 || mi > 59 || sec > 60 {
-        return None;
-    }
-    let mut i = 19;
-    let mut nanos = 0u32;
-    if b[i] == b'.' {
-        let start = i + 1;
-        i = start;
-        while i < b.len() && b[i].is_ascii_digit() {
-            i += 1;
-        }
-        let digits = &s[start..i];
-        if digits.is_empty() || digits.len() > 9 {
-            return None;
-        }
-        nanos = digits.parse::<u32>().ok()? * 10u32.pow(9 - digits.len() as u32);
-    }
-    let offset = match b.get(i)? {
-        b'Z' | b'z' if i + 1 == b.len() => 0,
-        b'+' | b'-' if i + 6 == b.len() && b[i + 3] == b':' => {
-            let o = num(i + 1..i + 3)? * 3600 + num(i + 4..i + 6)? * 60;
-            if b[i] == b'+' { o } else { -o }
-        }
-        _ => return None,
-    };
-    let days = days_from_civil(y, mo, d);
-    Some((days * 86_400 + h * 3600 + mi * 60 + sec - offset, nanos))
-}
-
-/// Days since 1970-01-01 of a proleptic Gregorian date (Howard Hinnant's algorithm).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
 }
 
 /// Nanoseconds of a duration as Go's `time.Duration.String` writes it (`1h2m3.5s`, `300ms`,

@@ -535,8 +535,7 @@ pub struct CacheConfig {
     /// with), so each built-in resource takes one upstream watch, not two. A kind the
     /// schema does not describe, and a resource one of whose objects it cannot write (a
     /// field newer than the schema), gets the protobuf side of `protobufSide` instead.
-    /// Default off (opt-in) until kube-scheduler's LIST restart in `tests/e2e/components.rs`
-    /// passes with it on; off: every built-in resource has its protobuf side.
+    /// Default on; off: every built-in resource has its protobuf side.
     pub protobuf_transcode: bool,
     /// Bound on the table side over all resources, in bytes: the rows kube-apiserver's
     /// printers computed for each cached object version (`cache::table`), kept so Table
@@ -637,7 +636,7 @@ impl Default for CacheConfig {
             backfill: true,
             protobuf_max_bytes: 2 << 30,
             protobuf_side: ProtobufSide::Eager,
-            protobuf_transcode: false,
+            protobuf_transcode: true,
             table_max_bytes: 512 << 20,
             backfill_timeout: Duration::from_secs(10),
             state_dir: None,

@@ -709,15 +709,14 @@ async fn proxy_restart(ns: &str, how: Restart) {
     match how {
         Restart::Warm => {
             assert_eq!(lists, 0, "the restarted proxy listed configmaps upstream");
-            // The protobuf side ran before the stop: it started again at once, resumed from
-            // the saved state, and the protobuf informer's re-watch came from the cache
-            // (its history's envelopes were saved too) instead of waiting for envelopes
-            // that never come and going to the apiserver.
+            // The envelopes are written from the JSON objects (`cache.protobufTranscode`):
+            // the restored state had them at once, with no protobuf watch of its own, and
+            // the protobuf informer's re-watch came from the cache (its history's envelopes
+            // too) instead of waiting for envelopes and going to the apiserver.
             let side = e.proto_stats().map(|s| s.snapshot());
             assert!(
-                side.as_ref()
-                    .is_some_and(|s| s.watch_starts >= 1 && s.initial_watches == 0),
-                "the protobuf side resumed from the saved state: {side:?}"
+                e.cache.transcodes() && side.is_none(),
+                "protobuf written from the restored JSON, no protobuf side: {side:?}"
             );
             let from_cache = configmaps_protobuf_from_cache(&env, "WATCH").await;
             assert!(
@@ -1064,8 +1063,8 @@ async fn a_hundred_watchers_add_no_watch_at_the_apiserver() {
     let ns = "e2e-fanout";
     let env = env(ns).await;
     env.churn(ns, "pre", 4).await;
-    // Wait for the proxy's configmaps cache and its protobuf side (started with it,
-    // `cache.protobufSide: eager`): the apiserver then sees their two watches.
+    // Wait for the proxy's configmaps cache, protobuf included (written from the JSON
+    // objects, `cache.protobufTranscode`): the apiserver then sees its one watch.
     eventually("the configmaps cache to sync", BOUND, async || {
         let synced = env.proxy.cache("", "v1", "configmaps").is_some_and(|c| {
             c.is_ready() && c.proto_synced.load(std::sync::atomic::Ordering::Relaxed) > 0
@@ -1109,16 +1108,16 @@ async fn a_hundred_watchers_add_no_watch_at_the_apiserver() {
         .await;
     }
     // The apiserver's own metrics: its open configmaps WATCHes are its own internal ones
-    // plus the proxy's two (the JSON and the protobuf side), however many watchers the proxy
-    // serves.
+    // plus the proxy's one (the protobuf is written from the JSON objects: no protobuf
+    // side), however many watchers the proxy serves.
     let after = support::e2e::apiserver_watches(&env.admin, "configmaps").await;
     assert_eq!(
         after, baseline,
         "100 downstream watchers must not add upstream watches"
     );
     assert_eq!(
-        after.1, 2,
-        "the proxy's cluster-wide configmaps watches: its JSON and its protobuf side"
+        after.1, 1,
+        "the proxy's cluster-wide configmaps watches: one, its protobuf transcoded"
     );
     // And the proxy says it served them.
     let c = env.proxy.client(None, false);

@@ -816,19 +816,25 @@ async fn protobuf_lists_and_gets_through_the_proxy_are_the_apiservers_bytes_from
     };
     let (rv, items) = check_whole("whole list").await;
     assert_eq!(items.len(), 7);
-    // The protobuf side's upstream watch is counted as taken in: every item came whole, in
-    // its envelope, with its initial events.
+    // Those bytes were written from the JSON objects (`cache.protobufTranscode`): no
+    // protobuf watch took anything in, and each object version was counted as transcoded.
     let (code, m) = proxy.admin_get("/metrics").await;
     assert_eq!(code, 200);
-    let taken_in = crate::support::watch_validator::sum_metric(
-        &m,
+    let metric =
+        |name: &str, labels: &[&str]| crate::support::watch_validator::sum_metric(&m, name, labels);
+    let taken_in = metric(
         "kube_cache_proxy_upstream_received_bytes_total",
         &["resource=\"configmaps\"", "phase=\"protobuf\""],
     );
-    let item_bytes: usize = items.iter().map(Vec::len).sum();
+    assert_eq!(taken_in, 0.0, "no protobuf side for configmaps");
+    let transcoded = metric(
+        "kube_cache_proxy_protobuf_transcoded_total",
+        &["resource=\"configmaps\""],
+    );
     assert!(
-        taken_in >= item_bytes as f64,
-        "the protobuf side took in {taken_in} bytes, less than its {item_bytes} bytes of items"
+        transcoded >= items.len() as f64,
+        "{transcoded} configmap versions transcoded, fewer than the {} listed",
+        items.len()
     );
 
     // Pages of 3 with the proxy's continue tokens: each page is the apiserver's page at the

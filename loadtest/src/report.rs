@@ -135,9 +135,10 @@ pub fn checks(run: &Run) -> Vec<Check> {
             ),
         ));
         let (lists, watches) = match (r.side, r.mode) {
-            // Counted from before the proxy started: its JSON side's LIST and WATCH, and
-            // its protobuf side's WATCH (started with the cache, `cache.protobufSide`).
-            ("proxy", StartMode::Legacy) => (1, 2),
+            // Counted from before the proxy started: its cache's LIST and WATCH, one of each
+            // (a built-in resource's protobuf is written from its JSON objects,
+            // `cache.protobufTranscode`: no protobuf side's WATCH).
+            ("proxy", StartMode::Legacy) => (1, 1),
             ("proxy", StartMode::WatchList) => (0, 0),
             (_, StartMode::Legacy) => (clients, clients as i64),
             (_, StartMode::WatchList) => (0, clients as i64),
